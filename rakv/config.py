@@ -1,0 +1,88 @@
+"""One frozen configuration passed top-down (engine, controller, cache, CLI, GUI).
+
+Every default lives here, in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+DEFAULT_K_SET: tuple[int, ...] = (0, 1, 2, 4, 6, 8)
+POLICIES_HELP = "adaptive | ar | kv | spec:K | joint:K"
+
+
+@dataclass(frozen=True)
+class RakvConfig:
+    # models
+    target: str = "demo"            # hub id, local dir, .gguf file, or "demo"
+    draft: str = "int8"             # model (same forms), "int8", "ngram", "none"
+    revision: str | None = None     # hub revision for hub ids
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = None      # torch.set_num_threads; None = torch default
+    # decoding
+    policy: str = "adaptive"        # adaptive | ar | kv | spec:K | joint:K
+    max_new_tokens: int = 64
+    k_set: tuple[int, ...] = DEFAULT_K_SET
+    # prefix cache
+    budget_mib: float = 512.0
+    bucket_tokens: int = 16          # paper: BLAKE2b over the first 16 token ids
+    # n-gram prompt lookup draft
+    ngram_sizes: tuple[int, ...] = (3, 2)
+    # controller
+    granularity: str = "round"       # "request" (paper) or "round" (re-decide k every round)
+    alpha_decay: float = 0.3         # EWMA weight of the newest round's acceptance
+    alpha_prior: float | None = None  # None: from calibration
+    probe_every: int = 8             # after this many non-drafting rounds, probe one round
+    force_action: tuple[int, int] | None = None  # (r, k) override, GUI "force"
+
+    def with_(self, **kw) -> "RakvConfig":
+        return replace(self, **kw)
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.budget_mib * 1024 * 1024)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A parsed policy: ``adaptive`` or a fixed action (reuse, k)."""
+
+    name: str
+    reuse: bool = False
+    k: int = 0
+    adaptive: bool = False
+
+    @staticmethod
+    def parse(text: str) -> "Policy":
+        t = text.strip().lower()
+        if t == "adaptive":
+            return Policy("adaptive", adaptive=True)
+        if t == "ar":
+            return Policy("ar", reuse=False, k=0)
+        if t == "kv":
+            return Policy("kv", reuse=True, k=0)
+        for prefix, reuse in (("spec:", False), ("joint:", True)):
+            if t.startswith(prefix):
+                try:
+                    k = int(t[len(prefix):])
+                except ValueError:
+                    raise ValueError(f"bad policy {text!r}: k must be an integer ({POLICIES_HELP})") from None
+                if k < 0:
+                    raise ValueError(f"bad policy {text!r}: k must be >= 0")
+                return Policy(t, reuse=reuse, k=k)
+        raise ValueError(f"unknown policy {text!r} (expected {POLICIES_HELP})")
+
+
+def parse_k_set(text: str) -> tuple[int, ...]:
+    try:
+        ks = sorted({int(x) for x in text.split(",") if x.strip() != ""})
+    except ValueError:
+        raise ValueError(f"bad --k-set {text!r}: expected comma-separated integers like 0,1,2,4") from None
+    if not ks:
+        raise ValueError("--k-set is empty")
+    if any(k < 0 for k in ks):
+        raise ValueError(f"bad --k-set {text!r}: k must be >= 0")
+    if any(k > 64 for k in ks):
+        raise ValueError(f"bad --k-set {text!r}: k above 64 is not supported")
+    return tuple(ks)

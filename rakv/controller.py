@@ -1,0 +1,214 @@
+"""The measured-cost controller (RAKV-ASD): pick (r, k) by argmin of predicted latency.
+
+    E_k(alpha) = (1 - alpha^(k+1)) / (1 - alpha)       (k+1 at alpha = 1; E_0 = 1)
+    C(0, r)    = T_pf(P - hit_r) + N * t
+    C(k, r)    = T_pf(P - hit_r) + D_pf(P - hitd_r) + (N / E_k(alpha)) * (k * d + V(k))
+
+N counts the tokens produced by decoding rounds (max_new_tokens - 1: the first token comes out
+of the prefill). t, d and V(k) are taken at the mean context of the request. r = 1 adds the
+measured clone/store cost and is infeasible when the prompt's KV (plus logits, plus the draft's
+KV when k > 0) exceeds the budget. The feasible argmin is chosen, k = 0 included.
+
+Acceptance: ``AlphaEWMA`` keeps EWMAs of accepted tokens and of Bernoulli trials per round
+(a successes out of a + [a < drafted] trials), alpha = S / T; decay ``lam`` (default 0.3) is the
+weight of the newest round. It starts from the calibration's measured alpha0.
+
+Not getting stuck: if no round has drafted for ``probe_every`` rounds, the next round is a probe
+with the smallest k > 0 in K whose crossover alpha* is finite; its cost is real, measured and
+recorded (Decision.reason = "probe"), and its outcome updates alpha.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+from .costs import CostProfile
+from .records import Candidate
+
+now = time.perf_counter
+
+
+def E(k: int, alpha: float) -> float:
+    """Expected tokens per round with k drafts at per-token acceptance alpha."""
+    if k == 0:
+        return 1.0
+    alpha = min(max(alpha, 0.0), 1.0)
+    if alpha >= 1.0 - 1e-12:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class AlphaEWMA:
+    def __init__(self, prior: float = 0.5, lam: float = 0.3):
+        self.lam = lam
+        self.S = prior          # EWMA of accepted tokens per round (weighted as one pseudo-trial)
+        self.T = 1.0            # EWMA of trials per round
+        self.rounds = 0
+
+    @property
+    def value(self) -> float:
+        return self.S / self.T if self.T > 0 else 0.0
+
+    def update(self, accepted: int, drafted: int) -> float:
+        if drafted <= 0:
+            return self.value
+        trials = accepted + (1 if accepted < drafted else 0)
+        lam = self.lam
+        self.S = (1 - lam) * self.S + lam * accepted
+        self.T = (1 - lam) * self.T + lam * trials
+        self.rounds += 1
+        return self.value
+
+
+@dataclass
+class Situation:
+    """What the controller knows when deciding for one request."""
+
+    P: int                      # prompt tokens
+    N: int                      # max new tokens
+    q: int = 0                  # target hit (LCP) if reused
+    exact: bool = False         # exact repeat with stored logits
+    qd: int = 0                 # draft hit
+    exact_d: bool = False
+    entry_bytes: int = 0        # target prompt KV + logits
+    draft_entry_bytes: int = 0  # draft prompt KV
+    budget: int = 0
+    has_draft: bool = True
+    draft_model: bool = True    # False for ngram (D_pf = 0)
+
+
+@dataclass
+class Choice:
+    reuse: int
+    k: int
+    predicted_ms: float
+    candidates: list[Candidate]
+    alpha: float
+    alpha_star: dict
+    reason: str = "argmin"
+    decide_ms: float = 0.0
+
+
+class Controller:
+    def __init__(self, profile: CostProfile, k_set=(0, 1, 2, 4, 6, 8), lam: float = 0.3,
+                 probe_every: int = 8, alpha_prior: float | None = None):
+        self.profile = profile
+        self.k_set = tuple(sorted(set(k_set)))
+        self.alpha = AlphaEWMA(profile.alpha0 if alpha_prior is None else alpha_prior, lam)
+        self.probe_every = probe_every
+        self.rounds_since_draft = 0
+
+    # ------------------------------------------------------------------ costs
+    def hit_tokens(self, s: Situation, r: int) -> tuple[int, int]:
+        if r == 0:
+            return 0, 0
+        hit = s.P if s.exact else max(0, s.q - 1)
+        hitd = s.P if s.exact_d else max(0, s.qd - 1)
+        return hit, hitd
+
+    def cost(self, s: Situation, r: int, k: int, alpha: float) -> float:
+        p = self.profile
+        hit, hitd = self.hit_tokens(s, r)
+        n = max(0, s.N - 1)
+        ctx = s.P + s.N / 2
+        c = p.T(s.P - hit)
+        if r == 1 and not s.exact:
+            c += p.clone_ms_per_token * s.P
+        if k == 0:
+            return c + n * p.step(ctx)
+        if s.draft_model:
+            c += p.D(s.P - hitd)
+        return c + (n / E(k, alpha)) * (k * p.draft_step(ctx) + p.verify(k, ctx))
+
+    def feasible(self, s: Situation, r: int, k: int) -> tuple[bool, str]:
+        if k > 0 and not s.has_draft:
+            return False, "no draft source"
+        if r == 1:
+            need = s.entry_bytes + (s.draft_entry_bytes if k > 0 and s.draft_model else 0)
+            if need > s.budget:
+                return False, f"prompt KV {need / 2**20:.2f} MiB > budget {s.budget / 2**20:.2f} MiB"
+        return True, ""
+
+    def alpha_star(self, s: Situation, r: int, k: int) -> float | None:
+        """Smallest alpha with C(k, r) <= C(0, r) (bisection: C(k) falls as alpha rises)."""
+        c0 = self.cost(s, r, 0, 0.0)
+        if self.cost(s, r, k, 1.0) > c0:
+            return None
+        if self.cost(s, r, k, 0.0) <= c0:
+            return 0.0
+        lo, hi = 0.0, 1.0
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            if self.cost(s, r, k, mid) <= c0:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    # ------------------------------------------------------------------ decisions
+    def decide(self, s: Situation, k_set=None, force: tuple[int, int] | None = None) -> Choice:
+        t0 = now()
+        ks = tuple(sorted(set(k_set if k_set is not None else self.k_set)))
+        a = self.alpha.value
+        cands: list[Candidate] = []
+        best = None
+        for r in (0, 1):
+            for k in ks:
+                ok, why = self.feasible(s, r, k)
+                c = self.cost(s, r, k, a)
+                cands.append(Candidate(reuse=r, k=k, predicted_ms=round(c, 3), feasible=ok, reason=why))
+                if ok and (best is None or c < best.predicted_ms - 1e-9):
+                    best = cands[-1]
+        reason = "argmin"
+        if force is not None:
+            fr, fk = force
+            forced = next((c for c in cands if c.reuse == fr and c.k == fk), None)
+            if forced is None:
+                ok, why = self.feasible(s, fr, fk)
+                forced = Candidate(fr, fk, round(self.cost(s, fr, fk, a), 3), ok, why)
+                cands.append(forced)
+            best, reason = forced, "forced"
+        if best is None:    # nothing feasible (cannot happen: (0, 0) is always feasible)
+            best = Candidate(0, 0, self.cost(s, 0, 0, a))
+        r = best.reuse
+        stars = {str(k): self.alpha_star(s, r, k) for k in ks if k > 0}
+        return Choice(best.reuse, best.k, best.predicted_ms, cands, a, stars, reason, (now() - t0) * 1e3)
+
+    def decide_round(self, ctx: int, remaining: int, k_set=None, catchup_tokens: int = 0,
+                     has_draft: bool = True, draft_model: bool = True) -> tuple[int, str, dict]:
+        """Per-round k: minimise expected ms per token over the allowed k (r is already fixed)."""
+        p = self.profile
+        ks = sorted(set(k_set if k_set is not None else self.k_set))
+        a = self.alpha.value
+        costs = {}
+        for k in ks:
+            if k == 0:
+                costs[0] = p.step(ctx)
+            elif has_draft and k <= max(0, remaining - 1):
+                catch = p.D(catchup_tokens) if draft_model and catchup_tokens > 1 else 0.0
+                per_round = k * p.draft_step(ctx) + p.verify(k, ctx)
+                # spread a catch-up over the rounds left, as it is paid once
+                rounds_left = max(1.0, remaining / E(k, a))
+                costs[k] = (per_round + catch / rounds_left) / E(k, a)
+        if not costs:
+            return 0, "argmin", costs
+        k = min(costs, key=costs.get)
+        if (k == 0 and has_draft and self.rounds_since_draft >= self.probe_every and remaining > 2):
+            probe = [kk for kk in ks if 0 < kk <= remaining - 1]
+            if probe:
+                return min(probe), "probe", costs
+        return k, "argmin", costs
+
+    def observe_round(self, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            self.alpha.update(accepted, drafted)
+            self.rounds_since_draft = 0
+        else:
+            self.rounds_since_draft += 1
+
+
+def choice_to_dict(c: Choice) -> dict:
+    return {"candidates": [asdict(x) for x in c.candidates], "action": {"reuse": c.reuse, "k": c.k},
+            "alpha": c.alpha, "alpha_star": c.alpha_star, "reason": c.reason}

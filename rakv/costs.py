@@ -1,0 +1,309 @@
+"""Measured cost model: what each forward costs on *this* machine, for *this* model pair.
+
+A profile holds medians measured by a calibration pass (``rakv calibrate``; automatically the
+first time a pair is used) and is refined online from every measured round:
+
+  T_pf(n)   target prefill of n tokens        (piecewise-linear in n)
+  D_pf(n)   draft prefill / catch-up of n tokens
+  t(c)      target one-token step at context c (piecewise-linear in c)
+  d(c)      draft one-token step at context c
+  V(k)      target verify forward over k+1 tokens, per k (no formula: not monotone on CPU),
+            scaled with context like t(c)
+  clone     prefix-cache clone/store cost per token; lookup cost
+  alpha0    acceptance measured during calibration (the controller's prior)
+
+Profiles are JSON files in the cache dir, keyed by a machine fingerprint (CPU model, threads,
+torch version), the model pair and dtype. A changed fingerprint means a new calibration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import decoding as dec
+from .records import hardware_info
+
+now = time.perf_counter
+PROFILE_VERSION = 2
+ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
+ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
+
+
+def fingerprint(target_key: str, draft_key: str, dtype: str) -> dict:
+    hw = hardware_info()
+    return {"cpu": hw["cpu"], "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "target": target_key, "draft": draft_key, "dtype": dtype, "version": PROFILE_VERSION}
+
+
+def fingerprint_id(fp: dict) -> str:
+    return hashlib.blake2b(json.dumps(fp, sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
+def interp(points: list[list[float]], x: float) -> float:
+    """Piecewise-linear through (x, y) points, linear extrapolation, never below 0."""
+    if not points:
+        return 0.0
+    pts = sorted(points)
+    if len(pts) == 1:
+        x0, y0 = pts[0]
+        return max(0.0, y0 * (x / x0 if x0 else 1.0))
+    if x <= pts[0][0]:
+        (x0, y0), (x1, y1) = pts[0], pts[1]
+    elif x >= pts[-1][0]:
+        (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    else:
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if x0 <= x <= x1:
+                break
+    slope = (y1 - y0) / (x1 - x0) if x1 != x0 else 0.0
+    return max(0.0, y0 + slope * (x - x0))
+
+
+@dataclass
+class CostProfile:
+    fingerprint: dict = field(default_factory=dict)
+    T_pf: list[list[float]] = field(default_factory=list)   # [[n, ms], ...]
+    D_pf: list[list[float]] = field(default_factory=list)
+    t: list[list[float]] = field(default_factory=list)      # [[context, ms], ...]
+    d: list[list[float]] = field(default_factory=list)
+    V: dict[str, float] = field(default_factory=dict)       # str(k) -> ms at context V_ctx
+    V_ctx: int = 128
+    clone_ms_per_token: float = 0.0
+    lookup_ms: float = 0.0
+    alpha0: float = 0.5
+    calibrated_at: str = ""
+    calibration_s: float = 0.0
+    # online refinement: multiplicative scales (log-space EWMA of measured / predicted)
+    scale: dict[str, float] = field(default_factory=dict)
+    samples: dict[str, int] = field(default_factory=dict)
+
+    # --------------------------------------------------------------- the model's terms
+    def T(self, n: float) -> float:
+        return 0.0 if n <= 0 else interp(self.T_pf, n) * self.scale.get("T", 1.0)
+
+    def D(self, n: float) -> float:
+        return 0.0 if n <= 0 or not self.D_pf else interp(self.D_pf, n) * self.scale.get("D", 1.0)
+
+    def step(self, ctx: float) -> float:
+        return interp(self.t, ctx) * self.scale.get("t", 1.0)
+
+    def draft_step(self, ctx: float) -> float:
+        return (interp(self.d, ctx) if self.d else 0.0) * self.scale.get("d", 1.0)
+
+    def verify(self, k: int, ctx: float) -> float:
+        """V(k) at context ctx: measured at V_ctx, scaled with context like a step."""
+        if k == 0:
+            return self.step(ctx)
+        base = self.V.get(str(k))
+        if base is None:   # unmeasured k: interpolate between measured neighbours
+            ks = sorted(int(x) for x in self.V)
+            pts = [[kk, self.V[str(kk)]] for kk in ks]
+            pts.insert(0, [0, interp(self.t, self.V_ctx)])
+            base = interp(pts, k)
+        ctx_factor = interp(self.t, ctx) / max(1e-9, interp(self.t, self.V_ctx))
+        return base * ctx_factor * self.scale.get(f"V{k}", 1.0)
+
+    # --------------------------------------------------------------- online refinement
+    def observe(self, term: str, predicted: float, measured: float) -> None:
+        """Refine one term's scale from a measurement (robust: clipped ratio, log-space EWMA)."""
+        if predicted <= 0 or measured <= 0 or not math.isfinite(measured):
+            return
+        r = min(ONLINE_CLIP, max(1.0 / ONLINE_CLIP, measured / predicted))
+        s = self.scale.get(term, 1.0)
+        self.scale[term] = math.exp((1 - ONLINE_WEIGHT) * math.log(s) + ONLINE_WEIGHT * math.log(s * r))
+        self.samples[term] = self.samples.get(term, 0) + 1
+
+    # --------------------------------------------------------------- persistence
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(path)
+
+    @staticmethod
+    def load(path: Path) -> "CostProfile | None":
+        try:
+            d = json.loads(Path(path).read_text())
+            return CostProfile(**d)
+        except (OSError, ValueError, TypeError):
+            return None
+
+
+def profile_path(cache: Path, fp: dict) -> Path:
+    return cache / "profiles" / f"{fingerprint_id(fp)}.json"
+
+
+# ----------------------------------------------------------------------------- calibration
+CAL_TEXT = (
+    "The history of the city begins with a small settlement on the river. Over the centuries it "
+    "grew into a centre of trade, with markets, bridges and a cathedral. In the nineteenth century "
+    "the railway arrived, and factories were built along the banks. Today the city is known for its "
+    "university, its museums and its parks, and for the festival held every summer. "
+    "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(add(i, i))\n"
+)
+
+
+def _median_ms(fn: Callable[[], None], reps: int) -> float:
+    xs = []
+    for _ in range(reps):
+        t0 = now()
+        fn()
+        xs.append((now() - t0) * 1e3)
+    return statistics.median(xs)
+
+
+def calibration_ids(tokenizer, n: int, vocab: int) -> list[int]:
+    if tokenizer is not None:
+        ids = tokenizer(CAL_TEXT, add_special_tokens=False)["input_ids"]
+    else:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (256,), generator=g).tolist()
+    out = []
+    while len(out) < n:
+        out.extend(ids)
+    return out[:n]
+
+
+def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], None] | None = None,
+              quick: bool = False) -> CostProfile:
+    """Measure every term of the cost model on this machine. ``draft`` is a DraftSource."""
+    from .drafts import ModelDraft
+
+    t_start = now()
+    maxpos = target.max_positions or 2048
+    reps = 2 if quick else 3
+    pf_ns = [n for n in ([8, 32, 128] if quick else [8, 32, 128, 384]) if n < maxpos // 2]
+    ctxs = [c for c in ([16, 128] if quick else [16, 128, 512]) if c + 16 < maxpos]
+    ids = calibration_ids(target.tokenizer, max(pf_ns + ctxs) + k_max + 32, target.vocab_size)
+    dmodel = draft.lm.model if isinstance(draft, ModelDraft) else None
+    steps = len(pf_ns) * (2 if dmodel is not None else 1) + len(ctxs) * (2 if dmodel is not None else 1) + k_max + 2
+    done = 0
+
+    def tick(what: str):
+        nonlocal done
+        done += 1
+        if progress:
+            progress(min(1.0, done / steps), what)
+
+    def pf_cost(model, n):
+        def run():
+            dec.prefill(model, ids[:n], dec.DynamicCache())
+        run()   # warm-up, excluded
+        return _median_ms(run, reps)
+
+    def step_cost(model, ctx, n_steps=4 if quick else 6):
+        cache = dec.DynamicCache()
+        dec.prefill(model, ids[:ctx], cache)
+        xs = []
+        for i in range(n_steps):
+            t0 = now()
+            dec.decode_one(model, ids[ctx + i], cache)
+            xs.append((now() - t0) * 1e3)
+        return statistics.median(xs[1:] if len(xs) > 2 else xs)
+
+    prof = CostProfile()
+    model = target.model
+    dec.prefill(model, ids[:16], dec.DynamicCache())   # global warm-up
+    for n in pf_ns:
+        prof.T_pf.append([n, pf_cost(model, n)]); tick(f"target prefill {n}")
+    for c in ctxs:
+        prof.t.append([c, step_cost(model, c)]); tick(f"target step @{c}")
+    V_ctx = min(128, max(ctxs))
+    prof.V_ctx = V_ctx
+    base = dec.DynamicCache()
+    dec.prefill(model, ids[:V_ctx], base)
+    for k in range(1, k_max + 1):
+        toks = ids[V_ctx: V_ctx + k + 1]
+
+        def run():
+            dec.verify(model, toks, base)
+            dec.rollback(base, k + 1)
+        run()
+        prof.V[str(k)] = _median_ms(run, reps + 2); tick(f"verify k={k}")
+    if dmodel is not None:
+        dec.prefill(dmodel, ids[:16], dec.DynamicCache())
+        for n in pf_ns:
+            prof.D_pf.append([n, pf_cost(dmodel, n)]); tick(f"draft prefill {n}")
+        for c in ctxs:
+            prof.d.append([c, step_cost(dmodel, c)]); tick(f"draft step @{c}")
+    else:
+        prof.d = [[16, 0.02], [1024, 0.05]] if draft.name == "ngram" else []
+    # clone/store cost per token (KV copy) and lookup cost
+    cache = dec.DynamicCache()
+    dec.prefill(model, ids[:128], cache)
+    prof.clone_ms_per_token = _median_ms(lambda: dec.kv_of(cache, 128), 5) / 128
+    prof.alpha0 = measure_alpha(target, draft, ids, k=4, rounds=4 if quick else 8)
+    tick("acceptance")
+    prof.calibration_s = now() - t_start
+    prof.calibrated_at = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return prof
+
+
+def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8) -> float:
+    """Per-token acceptance of the draft over a few greedy rounds on the calibration text."""
+    from .drafts import NoDraft
+
+    if isinstance(draft, NoDraft):
+        return 0.0
+    prompt = ids[:96]
+    draft.begin(prompt, None, False)
+    cache = dec.DynamicCache()
+    logits = dec.prefill(target.model, prompt, cache)
+    seq = list(prompt) + [dec.argmax(logits)]
+    acc = trials = 0
+    for _ in range(rounds):
+        prop = draft.propose(seq, k).tokens
+        if not prop:
+            logits = dec.decode_one(target.model, seq[-1], cache)
+            seq.append(dec.argmax(logits))
+            trials += 1
+            continue
+        logits = dec.verify(target.model, [seq[-1]] + prop, cache)
+        pred = torch.argmax(logits, dim=-1).tolist()
+        a = dec.accept(prop, pred)
+        dec.rollback(cache, len(prop) - a)
+        seq += prop[:a] + [pred[a]]
+        draft.commit(seq)
+        acc += a
+        trials += a + (1 if a < len(prop) else 0)
+    draft.end()
+    return acc / trials if trials else 0.0
+
+
+def load_or_calibrate(target, draft, cache: Path, k_max: int = 8, force: bool = False,
+                      quick: bool = False, progress=None, log=None) -> tuple[CostProfile, bool]:
+    """The profile for this machine + pair, calibrating if missing or the fingerprint changed."""
+    fp = fingerprint(target.key, getattr(draft, "key", "none"), str(next(target.model.parameters()).dtype))
+    path = profile_path(cache, fp)
+    if not force:
+        prof = CostProfile.load(path)
+        if prof is not None and prof.fingerprint == fp and len(prof.V) >= k_max:
+            return prof, False
+    if log:
+        log(f"calibrating costs for this machine and pair (one time; profile {path.name}) ...")
+    prof = calibrate(target, draft, k_max=k_max, progress=progress, quick=quick)
+    prof.fingerprint = fp
+    prof.save(path)
+    return prof, True
+
+
+def text_progress(prefix: str = "calibrate"):
+    """A one-line progress bar on stderr."""
+    def show(frac: float, what: str):
+        w = 30
+        n = int(frac * w)
+        sys.stderr.write(f"\r[rakv] {prefix} [{'#' * n}{'.' * (w - n)}] {frac * 100:5.1f}% {what:<24}")
+        if frac >= 1.0:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+    return show

@@ -1,0 +1,111 @@
+"""Greedy decoding primitives over model forward + ``DynamicCache`` (no ``generate()``).
+
+Invariant used throughout: the target cache holds KV for every committed token except the
+last one, which is *pending* (emitted, not yet fed). So
+  * an AR step feeds the pending token and emits argmax;
+  * a speculative round feeds [pending, d_1..d_k] (k+1 tokens) in one verify forward, accepts
+    the longest prefix of drafts that matches the target's argmax, plus one target token, and
+    crops the k - a rejected positions.
+
+Shapes: ids [1, n]; logits [n, V] (batch 1 squeezed); KV per layer [1, heads, n, head_dim].
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from functools import lru_cache
+
+import torch
+from transformers import DynamicCache
+
+from .prefix_cache import KV
+
+now = time.perf_counter
+
+
+@lru_cache(maxsize=None)
+def _cache_arg(cls) -> str:
+    """transformers 5.x names the cache argument ``cache``; older releases ``past_key_values``."""
+    params = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _ids(tokens) -> torch.Tensor:
+    if isinstance(tokens, torch.Tensor):
+        return tokens.view(1, -1)
+    return torch.tensor([list(tokens)], dtype=torch.long)
+
+
+@torch.inference_mode()
+def forward(model, tokens, cache: DynamicCache, keep: int = 0) -> torch.Tensor:
+    """Feed ``tokens`` ([n]) after what ``cache`` holds; returns logits [keep or n, V] (float32)."""
+    kw = {_cache_arg(type(model)): cache}
+    out = model(input_ids=_ids(tokens), use_cache=True, logits_to_keep=keep, **kw)
+    return out.logits[0].float()
+
+
+def prefill(model, ids, cache: DynamicCache) -> torch.Tensor:
+    """Prompt (or prompt suffix) forward; logits of the last position only: [V]."""
+    return forward(model, ids, cache, keep=1)[-1]
+
+
+def decode_one(model, token: int, cache: DynamicCache) -> torch.Tensor:
+    """One AR step: feed one token, return next-token logits [V]."""
+    return forward(model, [token], cache, keep=1)[-1]
+
+
+def verify(model, tokens: list[int], cache: DynamicCache) -> torch.Tensor:
+    """Target forward over [pending, d_1..d_k]: logits [k+1, V]."""
+    return forward(model, tokens, cache, keep=0)
+
+
+def accept(drafts: list[int], pred: list[int]) -> int:
+    """Longest a with drafts[:a] == pred[:a] (pred = target argmax at each of the k+1 positions)."""
+    a = 0
+    for d, p in zip(drafts, pred):
+        if d != p:
+            break
+        a += 1
+    return a
+
+
+def argmax(logits: torch.Tensor) -> int:
+    return int(torch.argmax(logits, dim=-1))
+
+
+# ----------------------------------------------------------------------------- cache helpers
+def cache_len(cache: DynamicCache) -> int:
+    return int(cache.get_seq_length())
+
+
+def rollback(cache: DynamicCache, n_remove: int) -> None:
+    """Remove the last ``n_remove`` positions (transformers 5.x: negative crop)."""
+    if n_remove > 0:
+        cache.crop(-n_remove)
+
+
+def crop_to(cache: DynamicCache, length: int) -> None:
+    rollback(cache, cache_len(cache) - length)
+
+
+def kv_of(cache: DynamicCache, n: int) -> KV:
+    """Copy of the first ``n`` positions of every layer (for storing in the prefix cache)."""
+    return [(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone()) for layer in cache.layers]
+
+
+def kv_nbytes(cache: DynamicCache, n: int) -> int:
+    total = 0
+    for layer in cache.layers:
+        k = layer.keys
+        per_pos = k.numel() // max(1, k.shape[-2]) * k.element_size()
+        total += 2 * per_pos * n
+    return total
+
+
+def cache_from(kv: KV) -> DynamicCache:
+    """A fresh DynamicCache holding ``kv`` (tensors are used as given: pass copies)."""
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)
+    return cache

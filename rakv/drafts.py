@@ -1,0 +1,215 @@
+"""Draft sources: propose k tokens, then update on the verified outcome.
+
+Like transformers' ``CandidateGenerator``: the engine calls ``begin`` once per request,
+``propose(ids, k)`` before each verify, and ``commit(ids)`` after it. A model draft (a separate
+model or the int8 self-draft) keeps its own KV cache (with its own prefix-cache entries) and
+catches up lazily: after k=0 rounds it feeds every token it missed in one forward the next time
+it drafts, and that cost is reported as catch-up. The n-gram draft needs no model at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import decoding as dec
+from .models import LoadedModel
+from .prefix_cache import Hit, PrefixCache
+
+now = dec.now
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    ms: float = 0.0                 # total drafting time, catch-up included
+    catchup_tokens: int = 0         # tokens fed beyond the usual 1-2 (lazy catch-up / prompt)
+    catchup_ms: float = 0.0
+    prefill: "PrefillInfo | None" = None   # set on the request's first proposal (draft prompt KV)
+
+
+@dataclass
+class PrefillInfo:
+    hit: Hit
+    ms: float
+    stored: bool
+    lookup_ms: float
+
+
+class DraftSource:
+    """Interface. ``name`` shows in records; ``has_model`` tells the cost model whether D_pf, d apply."""
+
+    name = "none"
+    key = ""
+    has_model = False
+
+    def begin(self, prompt_ids: list[int], store: PrefixCache | None, reuse: bool) -> None:
+        pass
+
+    def propose(self, ids: list[int], k: int) -> Proposal:
+        return Proposal([])
+
+    def commit(self, ids: list[int]) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+class NoDraft(DraftSource):
+    pass
+
+
+class NgramDraft(DraftSource):
+    """Prompt lookup: propose what followed the most recent earlier occurrence of the last n tokens."""
+
+    name = "ngram"
+    key = "ngram"
+
+    def __init__(self, sizes: tuple[int, ...] = (3, 2)):
+        self.sizes = tuple(sizes)
+
+    def propose(self, ids: list[int], k: int) -> Proposal:
+        t0 = now()
+        toks = ngram_lookup(ids, k, self.sizes)
+        return Proposal(toks, ms=(now() - t0) * 1e3)
+
+
+def ngram_lookup(ids, k: int, sizes=(3, 2)) -> list[int]:
+    if k <= 0:
+        return []
+    a = np.asarray(ids, dtype=np.int64)
+    L = len(a)
+    for n in sizes:
+        if L <= n:
+            continue
+        pat = a[L - n:]
+        # candidate starts i with a[i:i+n] == pat and i+n < L (something follows), i < L-n
+        hay = a[: L - 1]
+        if len(hay) < n:
+            continue
+        win = np.lib.stride_tricks.sliding_window_view(hay, n)
+        starts = np.flatnonzero((win == pat).all(axis=1))
+        starts = starts[starts < L - n]
+        if starts.size:
+            i = int(starts[-1]) + n
+            return a[i: i + k].tolist()
+    return []
+
+
+class ModelDraft(DraftSource):
+    """A draft model with its own DynamicCache and its own prefix-cache entries."""
+
+    has_model = True
+
+    def __init__(self, lm: LoadedModel):
+        self.lm = lm
+        self.name = lm.name
+        self.key = lm.key
+        self._reset()
+
+    def _reset(self):
+        self.cache = None
+        self.cached: list[int] = []       # the token ids whose KV the draft cache holds
+        self.prompt: list[int] = []
+        self.store: PrefixCache | None = None
+        self.reuse = False
+
+    def begin(self, prompt_ids, store, reuse):
+        self._reset()
+        self.prompt = list(prompt_ids)
+        self.store, self.reuse = store, reuse
+
+    def _prefill_prompt(self) -> PrefillInfo:
+        """First proposal of a request: the draft's prompt KV, from its prefix-cache entry if any."""
+        res = prefill_with_reuse(self.lm, self.prompt, self.store if self.reuse else None,
+                                 need_logits=False)
+        self.cache = res.cache
+        self.cached = list(self.prompt[: dec.cache_len(self.cache)])
+        return PrefillInfo(hit=res.hit, ms=res.forward_ms, stored=res.stored, lookup_ms=res.lookup_ms)
+
+    def propose(self, ids: list[int], k: int) -> Proposal:
+        if k <= 0:
+            return Proposal([])
+        t0 = now()
+        info = self._prefill_prompt() if self.cache is None else None
+        n = len(self.cached)
+        new = ids[n:]                               # >= 1 token: at least the pending one
+        model = self.lm.model
+        ta = now()
+        logits = dec.prefill(model, new, self.cache)
+        first_ms = (now() - ta) * 1e3
+        toks = [dec.argmax(logits)]
+        for _ in range(k - 1):
+            logits = dec.decode_one(model, toks[-1], self.cache)
+            toks.append(dec.argmax(logits))
+        self.cached = list(ids) + toks[:-1]
+        catch = max(0, len(new) - 2)   # 1 (pending) or 2 (last accepted + pending) is a normal round
+        ms = (now() - t0) * 1e3
+        return Proposal(toks, ms=ms, catchup_tokens=catch, catchup_ms=first_ms if catch else 0.0,
+                        prefill=info)
+
+    def commit(self, ids: list[int]) -> None:
+        """Roll the draft cache back to the longest prefix that is still committed."""
+        if self.cache is None:
+            return
+        n = min(len(self.cached), len(ids))
+        i = len(self.prompt)
+        # the prompt part always agrees; compare only the generated tail
+        while i < n and self.cached[i] == ids[i]:
+            i += 1
+        i = min(i, n)
+        if i < len(self.cached):
+            dec.crop_to(self.cache, i)
+            del self.cached[i:]
+
+    def end(self) -> None:
+        self.cache = None
+
+
+# ----------------------------------------------------------------------------- prefill + reuse
+@dataclass
+class PrefillResult:
+    cache: object
+    logits: object            # [V] next-token logits after the prompt (None for a draft exact hit)
+    hit: Hit
+    forward_ms: float
+    lookup_ms: float
+    stored: bool
+
+
+def prefill_with_reuse(lm: LoadedModel, ids: list[int], store: PrefixCache | None,
+                       need_logits: bool = True) -> PrefillResult:
+    """Prompt KV via the prefix cache: clone q-1 positions (or all P + stored logits on exact repeat),
+    forward only the rest, and store the prompt's KV for later requests."""
+    P = len(ids)
+    hit = Hit()
+    lookup_ms = 0.0
+    if store is not None:
+        t0 = now()
+        hit = store.lookup(lm.key, ids)
+        if hit.entry is not None and hit.q == P == len(hit.entry.ids) and not need_logits:
+            hit.exact = True            # a draft needs no logits: all P positions are usable
+        lookup_ms = (now() - t0) * 1e3
+    use = hit.usable
+    forward_ms = 0.0
+    if use > 0:
+        cache = dec.cache_from(store.clone_kv(hit))
+    else:
+        cache = dec.DynamicCache()
+    if hit.exact and use == P:
+        logits = hit.entry.logits.clone() if hit.entry.logits is not None else None
+    else:
+        t0 = now()
+        logits = dec.prefill(lm.model, ids[use:], cache)
+        forward_ms = (now() - t0) * 1e3
+    stored = False
+    if store is not None and not hit.exact:
+        keep = logits.clone() if need_logits else None
+        nbytes = dec.kv_nbytes(cache, P) + (0 if keep is None else keep.numel() * keep.element_size())
+        if nbytes <= store.budget:
+            stored = store.store(lm.key, ids, dec.kv_of(cache, P), keep)
+        else:
+            store.stats.rejected += 1
+    return PrefillResult(cache, logits, hit, forward_ms, lookup_ms, stored)

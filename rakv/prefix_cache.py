@@ -1,0 +1,193 @@
+"""Cross-request prefix KV cache with the paper's rules.
+
+* Bucket: BLAKE2b (12-byte digest) over the first 16 token ids (int32 little-endian bytes),
+  namespaced by the model key, so target and draft entries live side by side.
+* Short-prompt rule: a prompt with fewer than 16 tokens is bucketed by the digest of *all* its
+  tokens. It can therefore only meet entries with exactly those first tokens that are themselves
+  that short: short prompts reuse on exact repeat only (documented, tested).
+* Validation: exact longest common prefix (LCP) of token ids inside the bucket.
+* A partial hit of q tokens hands out a copy of the first q-1 positions; the caller recomputes
+  from the boundary token (so the next-token logits are fresh). An exact repeat hands out all P
+  positions plus the stored next-token logits: no forward pass at all.
+* Bytes are counted for real (K, V and logits tensors) against a budget (default 512 MiB) with
+  LRU eviction; an entry larger than the budget is not stored; the budget is never exceeded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+BUCKET_TOKENS = 16
+DIGEST_BYTES = 12
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]   # per layer: K, V of shape [1, heads, n, head_dim]
+
+
+def bucket_digest(ids, n: int = BUCKET_TOKENS) -> bytes:
+    """BLAKE2b-96 of the first ``n`` token ids (all of them if the prompt is shorter)."""
+    head = np.asarray(ids[:n], dtype="<i4")
+    return hashlib.blake2b(head.tobytes(), digest_size=DIGEST_BYTES).digest()
+
+
+def lcp(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two int arrays."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def tensor_bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+@dataclass(eq=False)
+class Entry:
+    key: str
+    ids: np.ndarray              # [P] int32 prompt ids
+    kv: KV                       # per layer (K, V) of P positions
+    logits: torch.Tensor | None  # [V] next-token logits after the prompt
+    nbytes: int
+    bucket: bytes
+    hits: int = 0
+
+
+@dataclass
+class Hit:
+    """What a lookup found. ``q`` is the LCP length; ``usable`` positions can be cloned."""
+
+    q: int = 0
+    exact: bool = False
+    entry: Entry | None = None
+    bucket: str = ""
+
+    @property
+    def usable(self) -> int:
+        """Positions the caller may clone: all P on exact repeat, else q-1 (boundary recomputed)."""
+        if self.entry is None or self.q == 0:
+            return 0
+        return self.q if self.exact else self.q - 1
+
+
+@dataclass
+class CacheStats:
+    bytes_used: int = 0
+    budget: int = 0
+    entries: int = 0
+    evictions: int = 0
+    lookups: int = 0
+    hits: int = 0
+    stores: int = 0
+    rejected: int = 0   # entries larger than the budget
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int, bucket_tokens: int = BUCKET_TOKENS):
+        if budget_bytes < 0:
+            raise ValueError("budget must be >= 0")
+        self.budget = int(budget_bytes)
+        self.bucket_tokens = bucket_tokens
+        self._buckets: dict[tuple[str, bytes], list[Entry]] = {}
+        self._lru: OrderedDict[int, Entry] = OrderedDict()   # id(entry) -> entry, oldest first
+        self.stats = CacheStats(budget=self.budget)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def bytes_used(self) -> int:
+        return self.stats.bytes_used
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def entries(self) -> list[Entry]:
+        """Entries from least to most recently used."""
+        return list(self._lru.values())
+
+    def lookup(self, key: str, ids) -> Hit:
+        """Find the stored prompt (same model key, same bucket) with the longest common prefix."""
+        self.stats.lookups += 1
+        best = self.peek(key, ids)
+        if best.entry is not None and best.usable > 0:
+            self._lru.move_to_end(id(best.entry))
+            best.entry.hits += 1
+            self.stats.hits += 1
+        return best
+
+    def peek(self, key: str, ids) -> Hit:
+        """Like lookup, but touches neither the LRU order nor the statistics (for decisions)."""
+        a = np.asarray(ids, dtype=np.int32)
+        digest = bucket_digest(a, self.bucket_tokens)
+        best = Hit(bucket=digest.hex())
+        for e in self._buckets.get((key, digest), ()):
+            q = lcp(a, e.ids)
+            exact = q == len(a) == len(e.ids) and e.logits is not None
+            if q > best.q or (q == best.q and exact and not best.exact):
+                best = Hit(q=q, exact=exact, entry=e, bucket=best.bucket)
+        return best
+
+    def clone_kv(self, hit: Hit) -> KV:
+        """A private copy of the clonable positions of a hit (q-1, or P on exact repeat)."""
+        n = hit.usable
+        assert hit.entry is not None and n > 0
+        return [(k[:, :, :n].clone(), v[:, :, :n].clone()) for k, v in hit.entry.kv]
+
+    # ------------------------------------------------------------------ mutation
+    def entry_bytes(self, kv: KV, logits: torch.Tensor | None) -> int:
+        return sum(tensor_bytes(k) + tensor_bytes(v) for k, v in kv) + tensor_bytes(logits)
+
+    def store(self, key: str, ids, kv: KV, logits: torch.Tensor | None) -> bool:
+        """Store a prompt's KV (tensors are taken as they are: pass copies). False if it cannot fit."""
+        a = np.asarray(ids, dtype=np.int32).copy()
+        nbytes = self.entry_bytes(kv, logits)
+        if len(a) == 0 or nbytes > self.budget:
+            self.stats.rejected += 1
+            return False
+        digest = bucket_digest(a, self.bucket_tokens)
+        bucket = self._buckets.setdefault((key, digest), [])
+        for old in list(bucket):                      # same prompt stored again: replace it
+            if len(old.ids) == len(a) and lcp(old.ids, a) == len(a):
+                self._remove(old)
+        self._evict_until(self.budget - nbytes)
+        e = Entry(key=key, ids=a, kv=kv, logits=logits, nbytes=nbytes, bucket=digest)
+        self._buckets.setdefault((key, digest), []).append(e)
+        self._lru[id(e)] = e
+        self.stats.bytes_used += nbytes
+        self.stats.stores += 1
+        self.stats.entries = len(self._lru)
+        return True
+
+    def set_budget(self, budget_bytes: int) -> int:
+        """Change the budget; evicts LRU entries to fit. Returns how many were evicted."""
+        if budget_bytes < 0:
+            raise ValueError("budget must be >= 0")
+        before = self.stats.evictions
+        self.budget = int(budget_bytes)
+        self.stats.budget = self.budget
+        self._evict_until(self.budget)
+        return self.stats.evictions - before
+
+    def clear(self) -> None:
+        for e in list(self._lru.values()):
+            self._remove(e)
+
+    def _evict_until(self, limit: int) -> None:
+        while self._lru and self.stats.bytes_used > limit:
+            _, e = next(iter(self._lru.items()))
+            self._remove(e)
+            self.stats.evictions += 1
+
+    def _remove(self, e: Entry) -> None:
+        self._lru.pop(id(e), None)
+        b = self._buckets.get((e.key, e.bucket))
+        if b is not None:
+            b[:] = [x for x in b if x is not e]
+            if not b:
+                del self._buckets[(e.key, e.bucket)]
+        self.stats.bytes_used -= e.nbytes
+        self.stats.entries = len(self._lru)

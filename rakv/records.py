@@ -1,0 +1,297 @@
+"""Plain-Python records: one schema for the engine callback, JSONL recordings and CSV.
+
+A recording is JSON Lines: a ``header`` first, then one record a line, flushed per line.
+Every record has ``type`` and ``t`` (seconds since the recorder/engine started).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class RunHeader:
+    type: str = "header"
+    schema: int = SCHEMA_VERSION
+    t: float = 0.0
+    target: dict = field(default_factory=dict)
+    draft: dict = field(default_factory=dict)
+    dtype: str = ""
+    device: str = ""
+    threads: int = 0
+    hardware: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+    started: str = ""
+
+
+@dataclass
+class RequestStart:
+    type: str = "request_start"
+    t: float = 0.0
+    request_id: int = 0
+    prompt: str = ""
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    max_new_tokens: int = 0
+    policy: str = ""
+
+
+@dataclass
+class CacheLookup:
+    type: str = "cache_lookup"
+    t: float = 0.0
+    request_id: int = 0
+    model: str = "target"          # "target" or "draft"
+    bucket: str = ""
+    hit_tokens: int = 0            # q: longest common prefix with a stored prompt
+    reused_tokens: int = 0         # positions cloned (q-1, or P on exact repeat)
+    exact_repeat: bool = False
+    prompt_tokens: int = 0
+    bytes_used: int = 0
+    budget: int = 0
+    entries: int = 0
+    evictions: int = 0
+    stored: bool = False
+    lookup_ms: float = 0.0
+    prefill_ms: float = 0.0        # forward time for the non-reused part (0 on exact repeat)
+
+
+@dataclass
+class Candidate:
+    reuse: int
+    k: int
+    predicted_ms: float
+    feasible: bool = True
+    reason: str = ""
+
+
+@dataclass
+class Decision:
+    type: str = "decision"
+    t: float = 0.0
+    request_id: int = 0
+    round: int = -1                # -1: the per-request decision; else the round it re-decides
+    candidates: list[dict] = field(default_factory=list)
+    action: dict = field(default_factory=dict)     # {"reuse": r, "k": k}
+    alpha: float = 0.0
+    alpha_star: dict = field(default_factory=dict)  # k -> crossover alpha* (None if never pays)
+    reason: str = ""               # "argmin", "fixed", "probe", "forced"
+    decide_ms: float = 0.0
+
+
+@dataclass
+class Round:
+    type: str = "round"
+    t: float = 0.0
+    request_id: int = 0
+    index: int = 0
+    kind: str = "ar"               # "prefill" (first token), "ar", "spec"
+    k: int = 0                     # k asked for
+    drafted: int = 0               # tokens actually proposed
+    accepted: int = 0
+    emitted: list[int] = field(default_factory=list)
+    provenance: list[str] = field(default_factory=list)   # per emitted: target | draft | stored
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    catchup_tokens: int = 0
+    catchup_ms: float = 0.0
+    round_ms: float = 0.0
+    context: int = 0               # committed tokens before the round
+    alpha: float = 0.0             # EWMA after this round
+
+
+@dataclass
+class RequestEnd:
+    type: str = "request_end"
+    t: float = 0.0
+    request_id: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    exact_repeat: bool = False
+    action: dict = field(default_factory=dict)
+    latency_ms: float = 0.0
+    ttft_ms: float = 0.0
+    tokens_per_s: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    alpha_ewma: float = 0.0
+    predicted_ms: float | None = None
+    stopped: str = ""              # "eos", "max_new_tokens", "stop"
+    forward_ms: float = 0.0        # time inside model forwards
+    bookkeeping_ms: float = 0.0    # everything else inside rounds
+
+
+RECORD_TYPES = {f.default: cls for cls in (RunHeader, RequestStart, CacheLookup, Decision, Round, RequestEnd)
+                for f in fields(cls) if f.name == "type"}
+
+Record = RunHeader | RequestStart | CacheLookup | Decision | Round | RequestEnd
+Callback = Callable[[object], None]
+
+
+class RecordingError(ValueError):
+    """A recording could not be read; the message names the file and line."""
+
+
+def to_dict(rec) -> dict:
+    return asdict(rec)
+
+
+def from_dict(d: dict):
+    cls = RECORD_TYPES.get(d.get("type"))
+    if cls is None:
+        raise RecordingError(f"unknown record type {d.get('type')!r}")
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def hardware_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
+
+
+def versions_info() -> dict:
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return {"rakv": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+class Recorder:
+    """Writes records as JSON Lines, one line per record, flushed per line (nothing is lost)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "w", encoding="utf-8")
+
+    def __call__(self, rec) -> None:
+        if self._f.closed:
+            return
+        self._f.write(json.dumps(to_dict(rec), separators=(",", ":")) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+
+def read_recording(path: str | os.PathLike) -> list:
+    """Read a recording; raises RecordingError with file:line on anything malformed."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecordingError(f"recording not found: {p}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecordingError(f"cannot read recording {p}: {e}") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RecordingError(f"{p}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(d, dict):
+            raise RecordingError(f"{p}:{n}: a record must be a JSON object")
+        try:
+            rec = from_dict(d)
+        except (RecordingError, TypeError) as e:
+            raise RecordingError(f"{p}:{n}: {e}") from None
+        if n == 1 and not isinstance(rec, RunHeader):
+            raise RecordingError(f"{p}:1: a recording starts with a header record")
+        out.append(rec)
+    if not out:
+        raise RecordingError(f"{p}: empty recording")
+    if out[0].schema > SCHEMA_VERSION:
+        raise RecordingError(f"{p}: schema {out[0].schema} is newer than this program's ({SCHEMA_VERSION})")
+    return out
+
+
+# ----------------------------------------------------------------------------- CSV
+CSV_COLUMNS = [
+    ("request_id", "request number within the session"),
+    ("prompt_tokens", "P, prompt length in tokens"),
+    ("hit_tokens", "q, target prefix-cache hit (longest common prefix)"),
+    ("exact_repeat", "1 if the prompt was an exact repeat served from stored logits"),
+    ("reuse", "r of the chosen action"),
+    ("k", "k of the chosen action (per-request decision)"),
+    ("output_tokens", "generated tokens"),
+    ("rounds", "decoding rounds after the first token"),
+    ("drafted", "draft tokens proposed"),
+    ("accepted", "draft tokens accepted"),
+    ("mean_accept_len", "1 + accepted/rounds"),
+    ("alpha_ewma", "acceptance EWMA at the end of the request"),
+    ("prefill_ms", "target prompt forward time (0 on exact repeat)"),
+    ("draft_ms", "sum of draft time over rounds (incl. catch-up)"),
+    ("verify_ms", "sum of target verify/step time over rounds"),
+    ("ttft_ms", "time to first token"),
+    ("latency_ms", "request latency"),
+    ("predicted_ms", "controller's predicted latency of the chosen action"),
+    ("tokens_per_s", "output tokens / latency"),
+    ("stopped", "eos | max_new_tokens | stop"),
+]
+
+
+def request_rows(records: Iterable) -> list[dict]:
+    """One row per finished request, columns as in CSV_COLUMNS."""
+    rows: dict[int, dict] = {}
+    for r in records:
+        rid = getattr(r, "request_id", None)
+        if isinstance(r, RequestStart):
+            rows[rid] = {"request_id": rid, "prompt_tokens": r.prompt_tokens, "prefill_ms": 0.0,
+                         "draft_ms": 0.0, "verify_ms": 0.0}
+        elif isinstance(r, CacheLookup) and rid in rows and r.model == "target":
+            rows[rid]["prefill_ms"] = round(r.prefill_ms, 3)
+        elif isinstance(r, Round) and rid in rows and r.kind != "prefill":
+            rows[rid]["draft_ms"] += r.draft_ms
+            rows[rid]["verify_ms"] += r.verify_ms
+        elif isinstance(r, RequestEnd) and rid in rows:
+            row = rows[rid]
+            row.update(hit_tokens=r.hit_tokens, exact_repeat=int(r.exact_repeat),
+                       reuse=r.action.get("reuse", 0), k=r.action.get("k", 0),
+                       output_tokens=len(r.output_ids), rounds=r.rounds, drafted=r.drafted,
+                       accepted=r.accepted,
+                       mean_accept_len=round(1 + r.accepted / r.rounds, 4) if r.rounds else 1.0,
+                       alpha_ewma=round(r.alpha_ewma, 4), ttft_ms=round(r.ttft_ms, 3),
+                       latency_ms=round(r.latency_ms, 3),
+                       predicted_ms="" if r.predicted_ms is None else round(r.predicted_ms, 3),
+                       tokens_per_s=round(r.tokens_per_s, 3), stopped=r.stopped)
+            row["draft_ms"] = round(row["draft_ms"], 3)
+            row["verify_ms"] = round(row["verify_ms"], 3)
+            row["done"] = True
+    return [{c: row.get(c, "") for c, _ in CSV_COLUMNS} for row in rows.values() if row.get("done")]
+
+
+def write_csv(records: Iterable, out: str | os.PathLike) -> int:
+    rows = request_rows(records)
+    with open(out, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=[c for c, _ in CSV_COLUMNS])
+        w.writeheader()
+        w.writerows(rows)
+    return len(rows)

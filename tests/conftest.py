@@ -1,0 +1,25 @@
+"""Tiny random models built from a config in seconds; nothing touches the network."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest
+import torch
+
+from tests.tiny import make_pair, make_model, tiny_tokenizer  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _threads():
+    torch.set_num_threads(1)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _rakv_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("RAKV_CACHE", str(tmp_path_factory.getbasetemp() / "rakv-cache"))

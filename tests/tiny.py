@@ -1,0 +1,92 @@
+"""Builders for tiny random GPT-2 / Llama models and a tiny offline byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from rakv.models import wrap
+
+VOCAB = 320
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i)\n",
+    "Speculative decoding drafts tokens and verifies them with the target model in one pass.",
+    "Prefix caching reuses the key and value states of a prompt that was seen before.",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12. alpha beta gamma delta epsilon zeta eta theta",
+]
+
+
+@lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 2, special_tokens=["<eos>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer
+
+    t = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
+                                eos_token="<eos>", pad_token="<pad>")
+    return t
+
+
+def make_model(arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int = 64, eos: int | None = None,
+               init: float = 0.4):
+    torch.manual_seed(seed)
+    # eos None: no EOS token at all (output runs to max_new_tokens)
+    if arch == "gpt2":
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=hidden, n_layer=layers, n_head=4,
+                         initializer_range=init, eos_token_id=eos, bos_token_id=0)
+        m = GPT2LMHeadModel(cfg)
+    else:
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=256, initializer_range=init, eos_token_id=eos,
+                          bos_token_id=0, tie_word_embeddings=False)
+        m = LlamaForCausalLM(cfg)
+    m.eval()
+    m.generation_config.eos_token_id = eos
+    m.generation_config.pad_token_id = 1
+    return m
+
+
+def perturbed(model, scale: float, seed: int = 1):
+    """A copy of ``model`` with noise added: scale ~0 agrees almost always, large disagrees."""
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return m
+
+
+def make_pair(arch: str = "llama", agreement: str = "mostly", eos: int | None = None, seed: int = 0):
+    """(target, draft) LoadedModels. agreement: 'identical' | 'mostly' | 'disagree'."""
+    tok = tiny_tokenizer()
+    t = make_model(arch, seed=seed, eos=eos)
+    if agreement == "identical":
+        d = copy.deepcopy(t)
+    elif agreement == "mostly":
+        d = perturbed(t, 0.01)
+    else:
+        d = make_model(arch, seed=seed + 100, eos=eos, layers=1)
+    return wrap(t, tok, name=f"tiny-{arch}"), wrap(d, tok, name=f"tiny-{arch}-draft-{agreement}")
+
+
+def oracle(model, prompt_ids: list[int], n: int) -> list[int]:
+    """Target-only greedy decoding by transformers itself (the exactness oracle)."""
+    x = torch.tensor([prompt_ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
+                         pad_token_id=1)
+    return out[0, len(prompt_ids):].tolist()
