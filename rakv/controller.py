@@ -28,6 +28,7 @@ from .costs import CostProfile
 from .records import Candidate
 
 now = time.perf_counter
+REUSE_TIE = 0.01
 
 
 def E(k: int, alpha: float) -> float:
@@ -159,8 +160,14 @@ class Controller:
                 ok, why = self.feasible(s, r, k)
                 c = self.cost(s, r, k, a)
                 cands.append(Candidate(reuse=r, k=k, predicted_ms=round(c, 3), feasible=ok, reason=why))
-                if ok and (best is None or c < best.predicted_ms - 1e-9):
-                    best = cands[-1]
+        # argmin over feasible actions; r = 1 wins a near-tie (within REUSE_TIE of the best r = 0
+        # cost): it costs only the measured clone/store and seeds the cache for later requests.
+        feas = [c for c in cands if c.feasible]
+        best = min(feas, key=lambda c: c.predicted_ms) if feas else None
+        if best is not None and best.reuse == 0:
+            alt = [c for c in feas if c.reuse == 1 and c.predicted_ms <= best.predicted_ms * (1 + REUSE_TIE)]
+            if alt:
+                best = min(alt, key=lambda c: c.predicted_ms)
         reason = "argmin"
         if force is not None:
             fr, fk = force

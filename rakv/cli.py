@@ -1,0 +1,261 @@
+"""``rakv``: generate, calibrate, replay, bench. Logs and progress go to stderr; with --json,
+stdout holds exactly one JSON object per request. Bad input: one line on stderr, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from .config import DEFAULT_K_SET, POLICIES_HELP, Policy, RakvConfig, parse_k_set
+
+
+class CliError(Exception):
+    pass
+
+
+def _quiet_libs() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    try:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def read_prompts(path: str) -> list[str]:
+    """A .jsonl file: one {"prompt": ...} per line; any other file: one prompt per line."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CliError(f"prompts file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"cannot read prompts file {path}: {e}") from None
+    prompts = []
+    if p.suffix.lower() == ".jsonl":
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CliError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise CliError(f'{path}:{n}: expected an object like {{"prompt": "..."}}')
+            prompts.append(obj["prompt"])
+    else:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise CliError(f"no prompts in {path}")
+    return prompts
+
+
+def add_model_args(ap) -> None:
+    ap.add_argument("--target", default="demo", help="hub id, local dir, .gguf file, or 'demo' (default)")
+    ap.add_argument("--draft", default="int8", help="model (same forms), 'int8' (default), 'ngram' or 'none'")
+    ap.add_argument("--revision", default=None, help="hub revision of the target")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="rakv", description="Exact speculative decoding with prefix KV reuse.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate for one or more prompts (one engine, one cache)")
+    add_model_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    src.add_argument("--prompts-file", help=".jsonl with {\"prompt\": ...} per line, or one prompt per line")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--policy", default="adaptive", help=POLICIES_HELP)
+    g.add_argument("--k-set", default=",".join(map(str, DEFAULT_K_SET)))
+    g.add_argument("--budget-mib", type=float, default=512.0)
+    g.add_argument("--granularity", choices=["request", "round"], default=None,
+                   help="adaptive: decide k per request (paper) or per round (default)")
+    g.add_argument("--record", help="write a JSONL recording")
+    g.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
+    g.add_argument("--recalibrate", action="store_true", help="measure costs again before running")
+
+    c = sub.add_parser("calibrate", help="measure this machine's costs for a model pair")
+    add_model_args(c)
+    c.add_argument("--k-max", type=int, default=8)
+    c.add_argument("--quick", action="store_true")
+    c.add_argument("--json", action="store_true")
+
+    r = sub.add_parser("replay", help="derive a timing CSV from a recording")
+    r.add_argument("file")
+    r.add_argument("--csv", required=True, help="output CSV path")
+
+    b = sub.add_parser("bench", help="benchmark policies (see rakv bench --help)", add_help=False)
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    return ap
+
+
+def load_pair(args, config: RakvConfig):
+    import torch
+
+    from .engine import make_draft
+    from .models import load_model
+
+    if args.threads:
+        if args.threads < 1:
+            raise CliError("--threads must be >= 1")
+        torch.set_num_threads(args.threads)
+    target = load_model(args.target, args.dtype, args.revision, config.device)
+    draft = make_draft(args.draft, target, config)
+    return target, draft
+
+
+def get_profile(target, draft, k_max: int, force: bool = False, quick: bool = False):
+    from .costs import load_or_calibrate, text_progress
+    from .models import cache_dir, log
+
+    prof, fresh = load_or_calibrate(target, draft, cache_dir(), k_max=k_max, force=force, quick=quick,
+                                    progress=text_progress(), log=log)
+    if fresh:
+        log(f"calibrated in {prof.calibration_s:.1f} s (alpha0={prof.alpha0:.2f})")
+    return prof
+
+
+def cmd_generate(args) -> int:
+    from .engine import Engine
+    from .records import Decision, Recorder, RequestEnd
+
+    if args.max_new_tokens < 1:
+        raise CliError("--max-new-tokens must be >= 1")
+    if args.budget_mib < 0:
+        raise CliError("--budget-mib must be >= 0")
+    try:
+        k_set = parse_k_set(args.k_set)
+        policy = Policy.parse(args.policy)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    prompts = read_prompts(args.prompts_file) if args.prompts_file else list(args.prompt)
+    for i, p in enumerate(prompts):
+        if not p.strip():
+            raise CliError(f"prompt {i + 1} is empty")
+    if policy.k > 0 and args.draft == "none":
+        raise CliError(f"policy {policy.name} needs a draft; --draft is 'none'")
+    kw = dict(target=args.target, draft=args.draft, revision=args.revision, dtype=args.dtype,
+              threads=args.threads, policy=policy.name, max_new_tokens=args.max_new_tokens,
+              k_set=k_set, budget_mib=args.budget_mib)
+    if args.granularity:
+        kw["granularity"] = args.granularity
+    config = RakvConfig(**kw)
+    target, draft = load_pair(args, config)
+    k_max = max(max(k_set), policy.k, 1)
+    profile = get_profile(target, draft, k_max, force=args.recalibrate) if (
+        policy.adaptive or args.recalibrate) else None
+    recorder = Recorder(args.record) if args.record else None
+    last_decision: dict[int, Decision] = {}
+
+    def callback(rec):
+        if recorder:
+            recorder(rec)
+        if isinstance(rec, Decision) and rec.round == -1:
+            last_decision[rec.request_id] = rec
+
+    engine = Engine(target, draft, config, callback, profile)
+    engine.header()
+    try:
+        for prompt in prompts:
+            end: RequestEnd = engine.generate(prompt)
+            dec = last_decision.get(end.request_id)
+            if args.json:
+                obj = {
+                    "request_id": end.request_id, "prompt_tokens": end.prompt_tokens,
+                    "output_ids": end.output_ids, "text": end.text, "hit_tokens": end.hit_tokens,
+                    "exact_repeat": end.exact_repeat, "action": end.action,
+                    "candidates": [{"reuse": c["reuse"], "k": c["k"], "predicted_ms": c["predicted_ms"],
+                                    "feasible": c["feasible"], **({"reason": c["reason"]} if c.get("reason") else {})}
+                                   for c in (dec.candidates if dec else [])],
+                    "latency_ms": end.latency_ms, "ttft_ms": end.ttft_ms, "tokens_per_s": end.tokens_per_s,
+                    "drafted": end.drafted, "accepted": end.accepted, "rounds": end.rounds,
+                    "alpha_ewma": end.alpha_ewma, "alpha_star": dec.alpha_star if dec else {},
+                    "predicted_ms": end.predicted_ms, "stopped": end.stopped, "policy": policy.name,
+                }
+                sys.stdout.write(json.dumps(obj) + "\n")
+            else:
+                sys.stdout.write(end.text + "\n")
+                print(f"[rakv] request {end.request_id}: {len(end.output_ids)} tokens in {end.latency_ms:.0f} ms "
+                      f"({end.tokens_per_s:.1f} tok/s, TTFT {end.ttft_ms:.0f} ms), action r={end.action['reuse']} "
+                      f"k={end.action['k']}, hit {end.hit_tokens}/{end.prompt_tokens}, "
+                      f"accepted {end.accepted}/{end.drafted}", file=sys.stderr)
+            sys.stdout.flush()
+    finally:
+        if recorder:
+            recorder.close()
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, threads=args.threads)
+    target, draft = load_pair(args, config)
+    prof = get_profile(target, draft, args.k_max, force=True, quick=args.quick)
+    if args.json:
+        print(json.dumps(asdict(prof)))
+        return 0
+    t = prof.step(128)
+    print(f"target step @128: {t:.2f} ms;  draft step: {prof.draft_step(128):.2f} ms "
+          f"(c = {prof.draft_step(128) / t:.2f})")
+    print("V(k)/t @128: " + ", ".join(f"k={k}: {prof.verify(int(k), 128) / t:.2f}" for k in sorted(prof.V, key=int)))
+    print("T_pf: " + ", ".join(f"{int(n)}: {ms:.1f} ms" for n, ms in prof.T_pf))
+    print(f"alpha0 = {prof.alpha0:.3f};  calibration took {prof.calibration_s:.1f} s")
+    return 0
+
+
+def cmd_replay(args) -> int:
+    from .records import RecordingError, read_recording, write_csv
+
+    try:
+        recs = read_recording(args.file)
+    except RecordingError as e:
+        raise CliError(str(e)) from None
+    try:
+        n = write_csv(recs, args.csv)
+    except OSError as e:
+        raise CliError(f"cannot write {args.csv}: {e}") from None
+    print(f"[rakv] wrote {n} request rows to {args.csv}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        from .bench import main as bench_main
+
+        return _guard(lambda: bench_main(argv[1:]))
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    _quiet_libs()
+    return _guard(lambda: {"generate": cmd_generate, "calibrate": cmd_calibrate, "replay": cmd_replay}[args.cmd](args))
+
+
+def _guard(fn) -> int:
+    from .engine import EngineError
+    from .models import ModelError
+    from .records import RecordingError
+
+    try:
+        return fn() or 0
+    except (CliError, EngineError, ModelError, RecordingError, ValueError, OSError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"rakv: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rakv: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
