@@ -22,7 +22,7 @@ if ! $VPY -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     $VPY -m pip install -q torch
   else
-    $VPY -m pip install -q torch==2.13.0 || $VPY -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+    $VPY -m pip install -q torch==2.13.0
   fi
 fi
 $VPY -m pip install -q -e ".[test,bench]"
