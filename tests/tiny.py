@@ -20,8 +20,8 @@ CORPUS = [
 ]
 
 
-@lru_cache(maxsize=1)
-def _tokenizer_json() -> str:
+@lru_cache(maxsize=2)
+def _tokenizer_json(variant: int = 0) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -29,14 +29,15 @@ def _tokenizer_json() -> str:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB - 2, special_tokens=["<eos>", "<pad>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS * 4, trainer)
+    corpus = CORPUS if variant == 0 else [c[::-1] for c in CORPUS]   # variant 1: other merges/ids
+    tok.train_from_iterator(corpus * 4, trainer)
     return tok.to_str()
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
+def tiny_tokenizer(variant: int = 0) -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer
 
-    t = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
+    t = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(variant)),
                                 eos_token="<eos>", pad_token="<pad>")
     return t
 
@@ -90,3 +91,13 @@ def oracle(model, prompt_ids: list[int], n: int) -> list[int]:
     out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
                          pad_token_id=1)
     return out[0, len(prompt_ids):].tolist()
+
+
+def save_tiny(path, arch: str = "llama", seed: int = 0, tokenizer_variant: int = 0, draft_of=None):
+    """Write a tiny model + tokenizer to ``path`` (a local dir the CLI can load)."""
+    import copy as _copy
+
+    m = make_model(arch, seed=seed) if draft_of is None else perturbed(_copy.deepcopy(draft_of), 0.01)
+    m.save_pretrained(path)
+    tiny_tokenizer(tokenizer_variant).save_pretrained(path)
+    return m
