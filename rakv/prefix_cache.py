@@ -95,6 +95,7 @@ class PrefixCache:
         self.bucket_tokens = bucket_tokens
         self._buckets: dict[tuple[str, bytes], list[Entry]] = {}
         self._lru: OrderedDict[int, Entry] = OrderedDict()   # id(entry) -> entry, oldest first
+        self._mats: dict[tuple[str, bytes], np.ndarray] = {}  # bucket -> padded ids matrix
         self.stats = CacheStats(budget=self.budget)
 
     # ------------------------------------------------------------------ queries
@@ -124,12 +125,35 @@ class PrefixCache:
         a = np.asarray(ids, dtype=np.int32)
         digest = bucket_digest(a, self.bucket_tokens)
         best = Hit(bucket=digest.hex())
-        for e in self._buckets.get((key, digest), ()):
-            q = lcp(a, e.ids)
+        bucket = self._buckets.get((key, digest))
+        if not bucket:
+            return best
+        qs = self._lcps(key, digest, bucket, a)
+        for e, q in zip(bucket, qs):
+            q = int(q)
             exact = q == len(a) == len(e.ids) and e.logits is not None
             if q > best.q or (q == best.q and exact and not best.exact):
                 best = Hit(q=q, exact=exact, entry=e, bucket=best.bucket)
         return best
+
+    def _lcps(self, key, digest, bucket: list[Entry], a: np.ndarray) -> np.ndarray:
+        """LCP of ``a`` with every entry of a bucket in one vectorised comparison.
+
+        The bucket's ids are kept as a padded matrix (-1 pads never match a token id),
+        rebuilt only when the bucket changes."""
+        if len(bucket) < 8:
+            return np.array([lcp(a, e.ids) for e in bucket])
+        mat = self._mats.get((key, digest))
+        if mat is None:
+            width = max(len(e.ids) for e in bucket)
+            mat = np.full((len(bucket), width), -1, dtype=np.int32)
+            for i, e in enumerate(bucket):
+                mat[i, : len(e.ids)] = e.ids
+            self._mats[(key, digest)] = mat
+        n = min(len(a), mat.shape[1])
+        neq = mat[:, :n] != a[:n]
+        first = neq.argmax(axis=1)
+        return np.where(neq[np.arange(len(bucket)), first], first, n)
 
     def clone_kv(self, hit: Hit) -> KV:
         """A private copy of the clonable positions of a hit (q-1, or P on exact repeat)."""
@@ -155,6 +179,7 @@ class PrefixCache:
                 self._remove(old)
         self._evict_until(self.budget - nbytes)
         e = Entry(key=key, ids=a, kv=kv, logits=logits, nbytes=nbytes, bucket=digest)
+        self._mats.pop((key, digest), None)
         self._buckets.setdefault((key, digest), []).append(e)
         self._lru[id(e)] = e
         self.stats.bytes_used += nbytes
@@ -185,6 +210,7 @@ class PrefixCache:
     def _remove(self, e: Entry) -> None:
         self._lru.pop(id(e), None)
         b = self._buckets.get((e.key, e.bucket))
+        self._mats.pop((e.key, e.bucket), None)
         if b is not None:
             b[:] = [x for x in b if x is not e]
             if not b:

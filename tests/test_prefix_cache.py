@@ -169,3 +169,19 @@ def test_lookup_is_fast_with_1000_entries():
     assert len(c) == 1000
     # correctness of the fast path under load (the timing figure lives in the benchmark notes)
     assert c.lookup("m", prompts[500]).q == 256
+
+
+def test_vectorised_bucket_lcp_matches_scalar():
+    rng = np.random.default_rng(1)
+    c = PrefixCache(1 << 30)
+    head = list(range(16))
+    stored = [head + rng.integers(0, 5, int(rng.integers(0, 30))).tolist() for _ in range(40)]
+    for s in stored:
+        c.store("m", s, kv(1, layers=1), torch.zeros(2))
+    for _ in range(50):
+        q = head + rng.integers(0, 5, int(rng.integers(0, 30))).tolist()
+        h = c.peek("m", q)
+        want = max(lcp(np.array(q), e.ids) for e in c.entries())
+        assert h.q == want
+        if h.exact:
+            assert list(h.entry.ids) == q

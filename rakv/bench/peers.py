@@ -1,0 +1,72 @@
+"""Peer baselines run through transformers itself on the same models and prompts.
+
+  hf:assist  ``model.generate(assistant_model=draft, do_sample=False)`` with transformers' default
+             (dynamic) assistant schedule; for ``--draft int8`` the assistant is the int8 model.
+  hf:lookup  ``model.generate(prompt_lookup_num_tokens=K, do_sample=False)`` (prompt lookup).
+
+TTFT is taken from a streamer: the time of the first ``put`` after the prompt's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+now = time.perf_counter
+PEERS = ("hf:assist", "hf:lookup")
+
+
+@dataclass
+class PeerResult:
+    output_ids: list[int]
+    latency_ms: float
+    ttft_ms: float
+
+
+class FirstTokenTimer:
+    """A minimal streamer: records when the first generated tokens arrive."""
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+        self.calls = 0
+        self.ttft_ms = 0.0
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.ttft_ms = (now() - self.t0) * 1e3
+
+    def end(self) -> None:
+        pass
+
+
+def generate_kwargs(target, n: int) -> dict:
+    """Greedy, exactly ``n`` new tokens at most, the engine's EOS set, no sampling."""
+    eos = sorted(target.eos_ids) or None
+    gc = target.model.generation_config
+    pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else 0)
+    return dict(do_sample=False, max_new_tokens=n, eos_token_id=eos, pad_token_id=pad)
+
+
+def run_peer(name: str, target, draft_model, ids, n: int, lookup_k: int) -> PeerResult:
+    x = torch.tensor([list(ids)])
+    kw = generate_kwargs(target, n)
+    if name == "hf:assist":
+        kw["assistant_model"] = draft_model
+    elif name == "hf:lookup":
+        kw["prompt_lookup_num_tokens"] = lookup_k
+    else:
+        raise ValueError(f"unknown peer {name!r}")
+    t0 = now()
+    timer = FirstTokenTimer(t0)
+    with torch.inference_mode():
+        out = target.model.generate(x, attention_mask=torch.ones_like(x), streamer=timer, **kw)
+    latency = (now() - t0) * 1e3
+    return PeerResult(out[0, x.shape[1]:].tolist(), latency, timer.ttft_ms or latency)
+
+
+def peer_available(name: str, draft) -> bool:
+    """hf:assist needs a draft model (not ngram / none)."""
+    return name != "hf:assist" or getattr(draft, "has_model", False)

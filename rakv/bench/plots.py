@@ -1,0 +1,110 @@
+"""PNG plots (matplotlib, Agg): latency per policy per workload; predicted vs measured action
+cost; measured speedup vs alpha per k with the crossover marked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import metrics as M
+
+
+def _plt():
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def latency_plot(rows: list[dict], out: Path) -> Path | None:
+    plt = _plt()
+    if plt is None or not rows:
+        return None
+    pols = M.policies_in(rows)
+    wls = sorted({r["workload"] for r in rows})
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(pols) * len(wls) + 2), 4.2))
+    width = 0.8 / len(wls)
+    for j, w in enumerate(wls):
+        med, lo, hi = [], [], []
+        for p in pols:
+            xs = [r["latency_ms"] for r in rows if r["policy"] == p and r["workload"] == w]
+            m = M.median(xs) or 0.0
+            med.append(m)
+            lo.append(m - (M.quantile(xs, 0.25) or m))
+            hi.append((M.quantile(xs, 0.75) or m) - m)
+        xs = [i + (j - (len(wls) - 1) / 2) * width for i in range(len(pols))]
+        ax.bar(xs, med, width, yerr=[lo, hi], capsize=2, label=w)
+    ax.set_xticks(range(len(pols)))
+    ax.set_xticklabels(pols, rotation=40, ha="right")
+    ax.set_ylabel("median latency per request (ms), IQR bars")
+    ax.set_title("Latency per policy and workload")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "latency.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def predicted_plot(cands: list[dict], rows: list[dict], out: Path) -> Path | None:
+    plt = _plt()
+    pols = [p for p in M.policies_in(rows) if p.startswith("adaptive")]
+    pts = [(p, m, a) for pol in pols for x in M.per_request_quality(cands, rows, pol)
+           for p, m, a in zip(x["pred"], x["meas"], x["actions"])]
+    if plt is None or not pts:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    ks = sorted({a[1] for _, _, a in pts})
+    cmap = plt.get_cmap("viridis", max(2, len(ks)))
+    for i, k in enumerate(ks):
+        for r, mk in ((0, "o"), (1, "^")):
+            sel = [(p, m) for p, m, a in pts if a == (r, k)]
+            if sel:
+                ax.scatter([m for _, m in sel], [p for p, _ in sel], s=14, marker=mk, color=cmap(i),
+                           alpha=0.7, label=f"r={r} k={k}")
+    lo = min(min(p, m) for p, m, _ in pts) * 0.8
+    hi = max(max(p, m) for p, m, _ in pts) * 1.2
+    ax.plot([lo, hi], [lo, hi], "k--", lw=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured latency of the action (ms)")
+    ax.set_ylabel("controller's predicted cost (ms)")
+    ax.set_title("Predicted vs measured action cost")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    path = out / "predicted_vs_measured.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def crossover_plot(rows: list[dict], predicted: dict, out: Path) -> Path | None:
+    plt = _plt()
+    pts = M.speedup_points(rows)
+    if plt is None or not pts:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    cmap = plt.get_cmap("tab10")
+    for i, (k, xy) in enumerate(pts.items()):
+        c = cmap(i % 10)
+        ax.scatter([a for a, _ in xy], [s for _, s in xy], s=12, color=c, alpha=0.7, label=f"spec:{k}")
+        a_pred = predicted.get(k)
+        if a_pred is not None:
+            ax.axvline(a_pred, color=c, ls="--", lw=1)
+        a_emp = M.empirical_crossover(xy)
+        if a_emp is not None:
+            ax.axvline(a_emp, color=c, ls=":", lw=1.5)
+    ax.axhline(1.0, color="k", lw=1)
+    ax.set_xlim(-0.02, 1.02)
+    ax.set_xlabel("per-request acceptance alpha")
+    ax.set_ylabel("measured speedup vs ar (latency_ar / latency)")
+    ax.set_title("Speedup vs alpha per k (dashed: predicted alpha*, dotted: measured)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "speedup_vs_alpha.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

