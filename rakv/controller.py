@@ -13,9 +13,11 @@ Acceptance: ``AlphaEWMA`` keeps EWMAs of accepted tokens and of Bernoulli trials
 (a successes out of a + [a < drafted] trials), alpha = S / T; decay ``lam`` (default 0.3) is the
 weight of the newest round. It starts from the calibration's measured alpha0.
 
-Not getting stuck: if no round has drafted for ``probe_every`` rounds, the next round is a probe
-with the smallest k > 0 in K whose crossover alpha* is finite; its cost is real, measured and
-recorded (Decision.reason = "probe"), and its outcome updates alpha.
+Not getting stuck: if no round has drafted for ``probe_interval`` rounds (initially
+``probe_every`` = 8), the next round is a probe with the smallest k > 0 in K; its cost is real,
+measured and recorded (Decision.reason = "probe"), and its outcome updates alpha. A probe that
+is rejected outright doubles the interval (up to 8x ``probe_every``), so on a workload where
+drafting never pays, probes cost a vanishing share; any accepted token resets the interval.
 """
 
 from __future__ import annotations
@@ -99,7 +101,9 @@ class Controller:
         self.k_set = tuple(sorted(set(k_set)))
         self.alpha = AlphaEWMA(profile.alpha0 if alpha_prior is None else alpha_prior, lam)
         self.probe_every = probe_every
+        self.probe_interval = probe_every
         self.rounds_since_draft = 0
+        self._probing = False
 
     # ------------------------------------------------------------------ costs
     def hit_tokens(self, s: Situation, r: int) -> tuple[int, int]:
@@ -202,9 +206,10 @@ class Controller:
         if not costs:
             return 0, "argmin", costs
         k = min(costs, key=costs.get)
-        if (k == 0 and has_draft and self.rounds_since_draft >= self.probe_every and remaining > 2):
+        if k == 0 and has_draft and self.rounds_since_draft >= self.probe_interval and remaining > 2:
             probe = [kk for kk in ks if 0 < kk <= remaining - 1]
             if probe:
+                self._probing = True
                 return min(probe), "probe", costs
         return k, "argmin", costs
 
@@ -212,8 +217,13 @@ class Controller:
         if drafted > 0:
             self.alpha.update(accepted, drafted)
             self.rounds_since_draft = 0
+            if self._probing and accepted == 0:
+                self.probe_interval = min(8 * self.probe_every, 2 * self.probe_interval)
+            elif accepted > 0:
+                self.probe_interval = self.probe_every
         else:
             self.rounds_since_draft += 1
+        self._probing = False
 
 
 def choice_to_dict(c: Choice) -> dict:

@@ -255,7 +255,11 @@ def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8) -> float:
 
     if isinstance(draft, NoDraft):
         return 0.0
-    prompt = ids[:96]
+    # the calibration text cycles, so this prompt ends where the text starts to repeat: the
+    # prior is deliberately optimistic (drafting rounds then correct it; a pessimistic prior
+    # would only be corrected by probes)
+    period = len(target.tokenizer(CAL_TEXT, add_special_tokens=False)["input_ids"]) if target.tokenizer else 256
+    prompt = ids[: max(16, min(period + 16, len(ids) - rounds * (k + 1) - 2))]
     draft.begin(prompt, None, False)
     cache = dec.DynamicCache()
     logits = dec.prefill(target.model, prompt, cache)

@@ -1,0 +1,214 @@
+"""``rakv bench``: every policy and the transformers peers on the same seeded request streams.
+
+    rakv bench [--target M] [--draft M] [--workload wikitext|humaneval|repetitive|mixed|FILE]
+               [--policies ...] [--repeats R] [--out DIR] [--quick]
+
+Writes DIR/executions.csv (one row per timed execution), DIR/candidates.csv (the adaptive
+policies' predicted cost of every action), DIR/summary.md, PNG plots, meta.json and the cost
+profile used. Progress goes to stderr. See docs/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from .workloads import WORKLOADS
+
+QUICK = dict(buckets="32,128", gens="32", n_prompts=8, repeats=1, k_set="0,2,4")
+FULL = dict(buckets="32,128,512", gens="32,128", n_prompts=8, repeats=2, k_set="0,1,2,4,6,8")
+TINY = dict(buckets="16,48", gens="8", n_prompts=4, repeats=1, k_set="0,2,4")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):          # one line through main's guard, not usage + exit
+        raise ValueError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from rakv.cli import add_model_args
+
+    ap = _Parser(prog="rakv bench", description=__doc__.split("\n\n")[0])
+    add_model_args(ap)
+    ap.add_argument("--workload", default="wikitext",
+                    help="wikitext | humaneval | repetitive | mixed | a prompts FILE; comma-separate several")
+    ap.add_argument("--policies", nargs="+", default=None,
+                    help="ar kv spec:K joint:K adaptive adaptive:request adaptive:round hf:assist hf:lookup "
+                         "(default: ar, kv, spec:K and joint:K for each K, both adaptive, the peers)")
+    ap.add_argument("--repeats", type=int, default=None, help="replays of every stream with fresh engines "
+                    f"(default {FULL['repeats']}; --quick {QUICK['repeats']})")
+    ap.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"small grid: buckets {QUICK['buckets']}, N {QUICK['gens']}, {QUICK['n_prompts']} "
+                         f"requests per stream, K {QUICK['k_set']} (minutes)")
+    ap.add_argument("--buckets", default=None, help=f"prompt-length buckets in tokens (default {FULL['buckets']})")
+    ap.add_argument("--gens", default=None, help=f"generation lengths (default {FULL['gens']})")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="one generation length (overrides --gens)")
+    ap.add_argument("--n-prompts", type=int, default=None, help=f"requests per stream (default {FULL['n_prompts']})")
+    ap.add_argument("--prompts", default=None, help="WikiText raw file (default ../shared/data/wikitext-2-raw/"
+                                                    "wiki.test.raw from the repo root)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--k-set", default=None, help=f"K for the policies and the controller (default {FULL['k_set']})")
+    ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                    help="include the transformers peers (hf:assist, hf:lookup)")
+    ap.add_argument("--lookup-k", type=int, default=None, help="prompt_lookup_num_tokens (default: max K)")
+    ap.add_argument("--budget-mib", type=float, default=512.0)
+    ap.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--report-only", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def int_list(text: str, what: str, lo: int = 1) -> list[int]:
+    try:
+        xs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"bad {what} {text!r}: expected comma-separated integers") from None
+    if not xs or any(x < lo for x in xs):
+        raise ValueError(f"bad {what} {text!r}: expected integers >= {lo}")
+    return sorted(set(xs))
+
+
+def settings(args) -> dict:
+    from rakv.config import parse_k_set
+
+    base = TINY if args.tiny else (QUICK if args.quick else FULL)
+    pick = lambda name: getattr(args, name) if getattr(args, name) is not None else base[name]  # noqa: E731
+    gens = [args.max_new_tokens] if args.max_new_tokens is not None else int_list(pick("gens"), "--gens")
+    if gens[0] < 1:
+        raise ValueError("--max-new-tokens must be >= 1")
+    s = dict(buckets=int_list(pick("buckets"), "--buckets", 2), gens=gens, n_prompts=pick("n_prompts"),
+             repeats=pick("repeats"), k_set=list(parse_k_set(pick("k_set"))))
+    if s["n_prompts"] < 1:
+        raise ValueError("--n-prompts must be >= 1")
+    if s["repeats"] < 1:
+        raise ValueError("--repeats must be >= 1")
+    if args.lookup_k is not None and args.lookup_k < 1:
+        raise ValueError("--lookup-k must be >= 1")
+    if args.budget_mib < 0:
+        raise ValueError("--budget-mib must be >= 0")
+    s["workloads"] = parse_workloads(args.workload)
+    return s
+
+
+def parse_workloads(text: str) -> list[str]:
+    names = [w.strip() for w in text.split(",") if w.strip()]
+    if not names:
+        raise ValueError("--workload is empty")
+    for w in names:
+        if w not in WORKLOADS + ("mixed",) and not Path(w).is_file():
+            raise ValueError(f"unknown workload {w!r} (wikitext, humaneval, repetitive, mixed, or a prompts file)")
+    return names
+
+
+def load_models(args, draft_spec: str):
+    from rakv.cli import load_pair
+    from rakv.config import RakvConfig
+
+    if args.tiny:
+        from .tiny import make_pair
+
+        return make_pair(draft_spec)
+    return load_pair(args, RakvConfig(target=args.target, draft=draft_spec, dtype=args.dtype))
+
+
+def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
+    from . import workloads as W
+
+    if tokenizer is None:
+        raise ValueError("the bench needs a target with a tokenizer")
+    n, seed = s["n_prompts"], args.seed
+    sources: dict = {}
+
+    def src(name):
+        if name not in sources:
+            sources[name] = {"wikitext": lambda: W.wikitext_source(args.prompts), "humaneval": W.humaneval_source,
+                             "repetitive": lambda: W.repetitive_source(seed)}[name]()
+        return sources[name]
+
+    streams = {}
+    for w in s["workloads"]:
+        for g in s["gens"]:
+            if Path(w).is_file() and w not in WORKLOADS + ("mixed",):
+                cap = None if max_pos is None else max_pos - g
+                streams[f"file/N{g}"] = W.file_stream(W.file_source(w), tokenizer, g, cap)
+                continue
+            for b in s["buckets"]:
+                if max_pos is not None and b + g > max_pos:
+                    raise ValueError(f"bucket {b} + {g} new tokens exceeds the model's context of {max_pos}")
+                if w == "mixed":
+                    m = math.ceil(n / len(WORKLOADS))
+                    parts = [W.build_stream(src(x), tokenizer, m, b, g, seed) for x in WORKLOADS]
+                    streams[f"mixed/P{b}/N{g}"] = W.mixed_stream(parts, seed)[:n]
+                else:
+                    streams[f"{w}/P{b}/N{g}"] = W.build_stream(src(w), tokenizer, n, b, g, seed)
+    return streams
+
+
+def run(args, argv: list[str]) -> int:
+    from rakv.cli import _quiet_libs, get_profile
+    from rakv.config import RakvConfig
+    from rakv.models import log
+
+    from .report import write_summary
+    from .runner import BenchContext, default_arm_names, parse_arms, run_streams
+
+    out = Path(args.out)
+    if args.report_only:
+        if not (out / "executions.csv").exists():
+            raise ValueError(f"no executions.csv in {out}")
+        log(f"wrote {write_summary(out)}")
+        return 0
+    _quiet_libs()
+    s = settings(args)
+    t_start = time.perf_counter()
+    target, draft = load_models(args, args.draft)
+    names = ([n for x in args.policies for n in x.split(",")] if args.policies
+             else default_arm_names(s["k_set"], args.peers, draft))
+    arms = parse_arms(names, draft)
+    fixed_k = [a.action[1] for a in arms if a.action is not None]
+    k_max = max(s["k_set"] + fixed_k + [1])
+    lookup_k = args.lookup_k or max(s["k_set"] + [1])
+    streams = build_streams(s, args, target.tokenizer, target.max_positions)
+    profile = get_profile(target, draft, k_max, quick=args.quick or args.tiny)
+    out.mkdir(parents=True, exist_ok=True)
+    profile.save(out / "profile.json")
+    config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, k_set=tuple(s["k_set"]),
+                        budget_mib=args.budget_mib)
+    meta = run_meta(args, argv, s, target, draft, arms, lookup_k, streams)
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    log(f"bench: {len(streams)} streams x {s['n_prompts']} requests x {s['repeats']} repeats x "
+        f"{len(arms)} policies ({', '.join(a.name for a in arms)}) -> {out}")
+    ctx = BenchContext(target, draft, config, profile, arms, lookup_k)
+    n_exec, n_bad = run_streams(ctx, streams, s["repeats"], out, show_progress=not args.no_progress)
+    meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    meta["executions"], meta["mismatches"] = n_exec, n_bad
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    summary = write_summary(out)
+    log(f"{n_exec} executions, {n_bad} mismatches vs ar, {meta['elapsed_s'] / 60:.1f} min; wrote {summary}")
+    return 0
+
+
+def run_meta(args, argv, s, target, draft, arms, lookup_k, streams) -> dict:
+    import torch
+
+    from rakv.records import hardware_info, versions_info
+
+    return dict(command=shlex.join(["rakv", "bench", *argv]), target=target.name, draft=getattr(draft, "name", "none"),
+                draft_has_model=bool(getattr(draft, "has_model", False)), k_set=s["k_set"], lookup_k=lookup_k,
+                policies=[a.name for a in arms], workloads=s["workloads"], buckets=s["buckets"], gens=s["gens"],
+                n_prompts=s["n_prompts"], repeats=s["repeats"], seed=args.seed, streams=list(streams),
+                threads=torch.get_num_threads(), hardware=hardware_info(), versions=versions_info(),
+                started=time.strftime("%Y-%m-%dT%H:%M:%S"), elapsed_s=0.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    return run(args, argv)
