@@ -1,0 +1,135 @@
+"""``rakv-explorer``: the GUI entry point, with a scripted mode for demos, screenshots and CI.
+
+    rakv-explorer [--target M] [--draft M] [--prompt TEXT --autorun] [--replay FILE]
+                  [--screenshot PNG] [--exit-after-run] [--policy P] [--max-new-tokens N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rakv.config import POLICIES_HELP
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="rakv-explorer",
+                                 description="Watch and steer exact speculative decoding with prefix KV reuse.")
+    ap.add_argument("--target", help="hub id, local dir, .gguf file, or 'demo'")
+    ap.add_argument("--draft", help="model (same forms), 'int8', 'ngram' or 'none'")
+    ap.add_argument("--prompt", help="prompt text for the editor")
+    ap.add_argument("--autorun", action="store_true", help="run the prompt at start")
+    ap.add_argument("--policy", help=POLICIES_HELP)
+    ap.add_argument("--max-new-tokens", type=int)
+    ap.add_argument("--replay", metavar="FILE", help="replay a JSONL recording at start")
+    ap.add_argument("--screenshot", metavar="PNG", help="save the window after the run / replay")
+    ap.add_argument("--exit-after-run", action="store_true", help="quit after the run / replay (and screenshot)")
+    ap.add_argument("--threads", type=int, help="torch threads (default: cores - 1, at least 1)")
+    ap.add_argument("--size", default=None, help="window size WxH (e.g. 1500x940)")
+    return ap
+
+
+def _quiet_libs() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    try:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        print("rakv-explorer: error: --max-new-tokens must be >= 1", file=sys.stderr)
+        return 2
+    _quiet_libs()
+    import torch
+
+    # leave a core to the GUI thread; a shorter GIL switch interval keeps the event loop responsive
+    threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(threads)
+    sys.setswitchinterval(0.002)
+
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication([sys.argv[0]])
+    app.setApplicationName("RAKV Explorer")
+    app.setOrganizationName("RAKV")
+    from app.window import MainWindow
+
+    win = MainWindow()
+    rp = win.run_panel
+    if args.target or args.draft:
+        t0, d0 = rp.pair()
+        rp.set_pair(args.target or t0, args.draft or d0)
+    if args.prompt is not None:
+        rp.prompt.setPlainText(args.prompt)
+    if args.policy:
+        rp.policy.setCurrentText(args.policy)
+    if args.max_new_tokens:
+        rp.max_new.setValue(args.max_new_tokens)
+    if args.size:
+        try:
+            w, h = (int(x) for x in args.size.lower().split("x"))
+            win.resize(w, h)
+        except ValueError:
+            print(f"rakv-explorer: error: bad --size {args.size!r} (expected WxH)", file=sys.stderr)
+            return 2
+    sys.excepthook = win.excepthook
+    win.show()
+
+    scripted = bool(args.autorun or args.replay or args.screenshot or args.exit_after_run)
+    rc = {"code": 0}
+
+    def done(*_):
+        win.redraw()
+        QTimer.singleShot(400, finish)
+
+    def finish():
+        win.redraw()
+        app.processEvents()
+        if args.screenshot:
+            os.makedirs(os.path.dirname(os.path.abspath(args.screenshot)), exist_ok=True)
+            ok = win.grab().save(args.screenshot)
+            print(f"rakv-explorer: screenshot {'saved to' if ok else 'FAILED:'} {args.screenshot}", file=sys.stderr)
+            if not ok:
+                rc["code"] = 1
+        if args.exit_after_run:
+            win.close()
+            app.quit()
+
+    def on_error(msg: str):
+        rc["code"] = 1
+        if args.exit_after_run and not win.running:
+            QTimer.singleShot(0, finish)
+
+    win.errorShown.connect(on_error)
+    if args.replay:
+        def start_replay():
+            if not win.open_recording(args.replay, play=False):
+                return
+            win.replayFinished.connect(done)
+            win.replay_bar.speed.setCurrentText("max")
+            win.replayer.play()
+        QTimer.singleShot(0, start_replay)
+    elif args.autorun:
+        win.runFinished.connect(done)
+        QTimer.singleShot(0, win.run)
+    elif args.screenshot or args.exit_after_run:
+        QTimer.singleShot(800, done)
+    code = app.exec()
+    if scripted:
+        print(f"rakv-explorer: {win.lag.report()}", file=sys.stderr)
+    return rc["code"] or code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

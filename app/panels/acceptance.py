@@ -1,0 +1,115 @@
+"""Acceptance: alpha EWMA over rounds and requests, with the alpha* crossover lines of the latest
+per-request decision (chosen k bright, others dim) and the region where speculation pays shaded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+
+from app.state import SessionState
+
+from . import k_color, make_plot
+
+MAX_BOUNDARIES = 60
+
+
+class AcceptancePanel(QWidget):
+    def __init__(self):
+        super().__init__()
+        self.info = QLabel("alpha: —")
+        self.plot = make_plot("alpha (EWMA)", "round (session)")
+        pi = self.plot.getPlotItem()
+        pi.setYRange(0, 1.05, padding=0)
+        pi.setLimits(yMin=-0.05, yMax=1.1)
+        pi.addLegend(offset=(-10, 10), labelTextSize="8pt")
+        self.region = pg.LinearRegionItem(values=(1, 1), orientation="horizontal", movable=False,
+                                          brush=pg.mkBrush(49, 163, 84, 40), pen=pg.mkPen(None))
+        self.region.setZValue(-20)
+        pi.addItem(self.region)
+        self.curve = pi.plot([], [], pen=pg.mkPen("#08519c", width=2), name="alpha EWMA")
+        self.dots = pi.plot([], [], pen=None, symbol="o", symbolSize=4, symbolBrush="#08519c",
+                            symbolPen=None)
+        self._star_lines: list[pg.InfiniteLine] = []
+        self._bounds: list[pg.InfiniteLine] = []
+        self._key = None
+        self._stars_key = None
+        self._stars: dict = {}
+        self._chosen_k = None
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(4, 4, 4, 4)
+        lay.addWidget(self.info)
+        lay.addWidget(self.plot, 1)
+
+    def refresh(self, state: SessionState) -> None:
+        key = (id(state), state.n_rounds, len(state.request_x))
+        if key != self._key:
+            self._key = key
+            pts = state.rounds
+            x = np.array([p.x for p in pts], dtype=float)
+            y = np.array([p.alpha for p in pts], dtype=float)
+            self.curve.setData(x, y)
+            drafted = [p for p in pts if p.drafted > 0]
+            self.dots.setData([p.x for p in drafted], [p.alpha for p in drafted])
+            self._draw_bounds(state)
+        d = state.decision
+        skey = (id(d),)
+        if skey != self._stars_key:
+            self._stars_key = skey
+            self._draw_stars(d)
+        if state.rounds:
+            last = state.rounds[-1]
+            txt = f"alpha EWMA {last.alpha:.3f} after round {last.index} of request {last.request_id}"
+        elif d is not None:
+            txt = f"alpha EWMA {d.alpha:.3f} (prior)"
+        else:
+            txt = "alpha: —"
+        if self._chosen_k is not None:
+            s = self._stars.get(str(self._chosen_k))
+            txt += (f" · chosen k={self._chosen_k}: alpha* = {s:.3f}" if s is not None
+                    else f" · chosen k={self._chosen_k}")
+        self.info.setText(txt)
+
+    def _draw_bounds(self, state: SessionState) -> None:
+        for ln in self._bounds:
+            self.plot.removeItem(ln)
+        self._bounds = []
+        for x, rid in state.request_x[-MAX_BOUNDARIES:]:
+            ln = pg.InfiniteLine(pos=x + 0.5, angle=90, pen=pg.mkPen("#bbb", style=pg.QtCore.Qt.PenStyle.DashLine),
+                                 label=f"req {rid}", labelOpts={"position": 0.04, "color": "#999"})
+            self.plot.addItem(ln)
+            self._bounds.append(ln)
+
+    def _draw_stars(self, d) -> None:
+        for ln in self._star_lines:
+            self.plot.removeItem(ln)
+        self._star_lines = []
+        self._stars = dict(d.alpha_star) if d is not None else {}
+        self._chosen_k = d.action.get("k") if d is not None else None
+        finite = {int(k): v for k, v in self._stars.items() if v is not None}
+        for j, (k, v) in enumerate(sorted(finite.items())):
+            chosen = k == self._chosen_k
+            col = QColor(k_color(k))
+            col.setAlpha(255 if chosen else 90)
+            ln = pg.InfiniteLine(pos=v, angle=0, movable=False,
+                                 pen=pg.mkPen(col, width=2.5 if chosen else 1, style=pg.QtCore.Qt.PenStyle.DashLine),
+                                 label=f"α*(k={k}) {v:.2f}",
+                                 labelOpts={"position": 0.98 - 0.16 * (j % 6), "color": col, "anchors": [(1, 1), (1, 1)]})
+            ln.setZValue(5 if chosen else 1)
+            self.plot.addItem(ln)
+            self._star_lines.append(ln)
+        # speculation pays above alpha* of the chosen k (or of the cheapest k when k = 0 was chosen)
+        lo = None
+        if self._chosen_k and self._chosen_k in finite:
+            lo = finite[self._chosen_k]
+        elif finite:
+            lo = min(finite.values())
+        self.region.setRegion((lo, 1.05) if lo is not None else (1.05, 1.05))
+
+    def snapshot(self) -> dict:
+        x, y = self.curve.getData()
+        return {"info": self.info.text(), "n": 0 if x is None else len(x),
+                "last": None if y is None or not len(y) else float(y[-1]),
+                "stars": {k: v for k, v in self._stars.items()}, "chosen_k": self._chosen_k,
+                "region": tuple(round(v, 6) for v in self.region.getRegion())}

@@ -1,0 +1,92 @@
+"""Prefix-cache panel: hit q of P, bytes used vs budget, entries, evictions, hits per request."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtWidgets import QFormLayout, QLabel, QProgressBar, QVBoxLayout, QWidget
+
+from app.state import SessionState
+
+from . import make_plot
+
+MiB = 1024 * 1024
+
+
+def mib(n: int) -> str:
+    return f"{n / MiB:.2f} MiB" if n < 100 * MiB else f"{n / MiB:.0f} MiB"
+
+
+class CachePanel(QWidget):
+    def __init__(self):
+        super().__init__()
+        self.hit = QLabel("no lookup yet")
+        self.hit.setStyleSheet("font-size: 15px; font-weight: 600;")
+        self.detail = QLabel("")
+        self.detail.setWordWrap(True)
+        self.bytes = QProgressBar()
+        self.bytes.setRange(0, 1000)
+        self.bytes.setFormat("0 of 0 MiB")
+        self.entries = QLabel("0")
+        self.evictions = QLabel("0")
+        self.draft = QLabel("—")
+        form = QFormLayout()
+        form.setContentsMargins(0, 0, 0, 0)
+        form.addRow("Bytes used", self.bytes)
+        form.addRow("Entries", self.entries)
+        form.addRow("Evictions", self.evictions)
+        form.addRow("Draft cache", self.draft)
+        self.plot = make_plot("tokens", "request")
+        self.plot.setMinimumHeight(110)
+        self.plot.getPlotItem().setTitle("hit q (blue) of prompt P (grey) per request", size="9pt")
+        self.p_bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush="#d9d9d9", pen=None)
+        self.q_bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush="#6baed6", pen=None)
+        self.plot.addItem(self.p_bars)
+        self.plot.addItem(self.q_bars)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(4, 4, 4, 4)
+        lay.addWidget(self.hit)
+        lay.addWidget(self.detail)
+        lay.addLayout(form)
+        lay.addWidget(self.plot, 1)
+        self._hits_n = -1
+
+    def refresh(self, state: SessionState) -> None:
+        c = state.cache
+        if state.hits:
+            self.hit.setText(f"hit q = {c.hit_tokens} of P = {c.prompt_tokens} tokens")
+            if c.exact_repeat:
+                d = "exact repeat: all KV and the stored next-token logits reused (no target forward)"
+            elif c.hit_tokens > 0:
+                d = (f"partial hit: {c.reused_tokens} positions cloned, boundary token recomputed, "
+                     f"{c.prompt_tokens - c.reused_tokens} prefilled in {c.prefill_ms:.1f} ms")
+            else:
+                d = f"miss: {c.prompt_tokens} tokens prefilled in {c.prefill_ms:.1f} ms"
+            d += " · stored" if c.stored else " · not stored"
+            self.detail.setText(d)
+        budget = max(1, c.budget)
+        self.bytes.setValue(int(1000 * min(1.0, c.bytes_used / budget)))
+        self.bytes.setFormat(f"{mib(c.bytes_used)} of {mib(c.budget)}")
+        self.entries.setText(str(c.entries))
+        self.evictions.setText(str(c.evictions))
+        dc = state.draft_cache
+        self.draft.setText("—" if dc is None else
+                           f"hit q = {dc.hit_tokens} of {dc.prompt_tokens}"
+                           + (" (exact)" if dc.exact_repeat else "") + f", prefill {dc.prefill_ms:.1f} ms")
+        if len(state.hits) != self._hits_n:
+            self._hits_n = len(state.hits)
+            h = state.hits[-40:]
+            x = np.array([rid for rid, *_ in h], dtype=float)
+            self.p_bars.setOpts(x=x, height=np.array([P for _, _, P, _ in h], dtype=float))
+            self.q_bars.setOpts(x=x, height=np.array([q for _, q, _, _ in h], dtype=float))
+            if len(x):
+                pi = self.plot.getPlotItem()
+                pi.setXRange(x.min() - 0.6, x.max() + 0.6, padding=0)
+                pi.setYRange(0, max(1, max(P for _, _, P, _ in h)) * 1.1, padding=0)
+                step = max(1, len(x) // 10)
+                pi.getAxis("bottom").setTicks([[(float(v), str(int(v))) for v in x[::step]]])
+
+    def snapshot(self) -> dict:
+        return {"hit": self.hit.text(), "detail": self.detail.text(), "bytes": self.bytes.format(),
+                "bytes_value": self.bytes.value(), "entries": self.entries.text(),
+                "evictions": self.evictions.text(), "draft": self.draft.text(), "hits": self._hits_n}

@@ -1,0 +1,156 @@
+"""Live controls (act on the engine's next decision): memory budget, K set, force (r, k),
+decision granularity."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QFormLayout, QGridLayout, QHBoxLayout, QLabel,
+                               QLineEdit, QSlider, QSpinBox, QVBoxLayout, QWidget)
+
+from rakv.config import DEFAULT_K_SET, parse_k_set
+
+K_CHOICES = (0, 1, 2, 4, 6, 8)
+BUDGET_MAX_MIB = 4096
+
+
+class ControlsPanel(QWidget):
+    budgetChanged = Signal(float)       # MiB
+    kSetChanged = Signal(tuple)
+    forceChanged = Signal(object)       # (r, k) or None
+    granularityChanged = Signal(str)
+
+    def __init__(self):
+        super().__init__()
+        # budget
+        self.budget = QSlider(Qt.Orientation.Horizontal)
+        self.budget.setRange(0, BUDGET_MAX_MIB)
+        self.budget.setSingleStep(16)
+        self.budget.setPageStep(256)
+        self.budget.setTracking(False)          # valueChanged on release / keyboard, not per pixel
+        self.budget.setToolTip("prefix-cache memory budget (LRU eviction); applied before the next request")
+        self.budget_label = QLabel()
+        self.budget_label.setMinimumWidth(70)
+        self.budget.sliderMoved.connect(self._show_budget)
+        self.budget.valueChanged.connect(self._budget_changed)
+        # K set
+        self.k_boxes: dict[int, QCheckBox] = {}
+        kgrid = QGridLayout()
+        kgrid.setSpacing(4)
+        for i, k in enumerate(K_CHOICES):
+            cb = QCheckBox(str(k))
+            cb.setToolTip(f"allow k={k} drafts" + (" (no speculation)" if k == 0 else ""))
+            cb.toggled.connect(self._k_toggled)
+            self.k_boxes[k] = cb
+            kgrid.addWidget(cb, 0, i)
+        self.k_custom = QLineEdit()
+        self.k_custom.setPlaceholderText("custom set, e.g. 0,3,5,12 (overrides the boxes)")
+        self.k_custom.editingFinished.connect(self._k_custom)
+        self.k_error = QLabel("")
+        self.k_error.setStyleSheet("color: #b00;")
+        # force
+        self.force_on = QCheckBox("force")
+        self.force_r = QComboBox()
+        self.force_r.addItems(["r=0", "r=1"])
+        self.force_k = QSpinBox()
+        self.force_k.setRange(0, 64)
+        self.force_k.setPrefix("k=")
+        for w in (self.force_on,):
+            w.toggled.connect(self._force)
+        self.force_r.currentIndexChanged.connect(lambda _: self._force())
+        self.force_k.valueChanged.connect(lambda _: self._force())
+        frow = QHBoxLayout()
+        frow.addWidget(self.force_on)
+        frow.addWidget(self.force_r)
+        frow.addWidget(self.force_k)
+        frow.addStretch(1)
+        # granularity
+        self.granularity = QComboBox()
+        self.granularity.addItem("per round (re-decide k)", "round")
+        self.granularity.addItem("per request (paper)", "request")
+        self.granularity.currentIndexChanged.connect(
+            lambda _: self.granularityChanged.emit(self.granularity.currentData()))
+
+        brow = QHBoxLayout()
+        brow.addWidget(self.budget, 1)
+        brow.addWidget(self.budget_label)
+        form = QFormLayout()
+        form.addRow("Budget", brow)
+        kbox = QVBoxLayout()
+        kbox.addLayout(kgrid)
+        kbox.addWidget(self.k_custom)
+        kbox.addWidget(self.k_error)
+        form.addRow("K", kbox)
+        form.addRow("Action", frow)
+        form.addRow("Decide", self.granularity)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(4, 4, 4, 4)
+        lay.addLayout(form)
+        lay.addStretch(1)
+        self._quiet = False
+        self.set_values(512, DEFAULT_K_SET, "round")
+
+    # ------------------------------------------------------------------ values
+    def set_values(self, budget_mib: int, k_set, granularity: str) -> None:
+        self._quiet = True
+        try:
+            self.budget.setValue(int(budget_mib))
+            self._show_budget(int(budget_mib))
+            ks = tuple(k_set)
+            if all(k in K_CHOICES for k in ks):
+                for k, cb in self.k_boxes.items():
+                    cb.setChecked(k in ks)
+                self.k_custom.clear()
+            else:
+                self.k_custom.setText(",".join(map(str, ks)))
+            i = self.granularity.findData(granularity)
+            self.granularity.setCurrentIndex(max(0, i))
+        finally:
+            self._quiet = False
+
+    def budget_mib(self) -> int:
+        return self.budget.value()
+
+    def k_set(self) -> tuple[int, ...]:
+        text = self.k_custom.text().strip()
+        if text:
+            try:
+                return parse_k_set(text)
+            except ValueError:
+                pass
+        ks = tuple(k for k, cb in self.k_boxes.items() if cb.isChecked())
+        return ks or (0,)
+
+    def force(self):
+        return (self.force_r.currentIndex(), self.force_k.value()) if self.force_on.isChecked() else None
+
+    # ------------------------------------------------------------------ slots
+    def _show_budget(self, v: int) -> None:
+        self.budget_label.setText(f"{v} MiB")
+
+    def _budget_changed(self, v: int) -> None:
+        self._show_budget(v)
+        if not self._quiet:
+            self.budgetChanged.emit(float(v))
+
+    def _k_toggled(self, _=None) -> None:
+        if self._quiet or self.k_custom.text().strip():
+            return
+        self.kSetChanged.emit(self.k_set())
+
+    def _k_custom(self) -> None:
+        text = self.k_custom.text().strip()
+        if not text:
+            self.k_error.setText("")
+            self.kSetChanged.emit(self.k_set())
+            return
+        try:
+            ks = parse_k_set(text)
+        except ValueError as e:
+            self.k_error.setText(str(e).replace("--k-set", "K"))
+            return
+        self.k_error.setText("")
+        self.kSetChanged.emit(ks)
+
+    def _force(self, _=None) -> None:
+        if not self._quiet:
+            self.forceChanged.emit(self.force())

@@ -1,0 +1,137 @@
+"""Model pair picker, prompt editor, policy, max new tokens, Run / Stop."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QMenu,
+                               QPlainTextEdit, QPushButton, QSpinBox, QToolButton, QVBoxLayout, QWidget)
+
+from rakv.config import Policy
+
+TARGETS = ["demo"]
+DRAFTS = ["int8", "ngram", "none"]
+POLICIES = ["adaptive", "ar", "kv", "spec:4", "joint:4"]
+
+
+class RunPanel(QWidget):
+    loadRequested = Signal(str, str)
+    runRequested = Signal()
+    stopRequested = Signal()
+
+    def __init__(self):
+        super().__init__()
+        self.target = self._combo(TARGETS, "target: 'demo', a hub id, a model folder or a .gguf file")
+        self.draft = self._combo(DRAFTS, "draft: a model (same forms), 'int8' (int8 copy of the target), "
+                                         "'ngram' (prompt lookup) or 'none'")
+        self.load = QPushButton("Load")
+        self.load.setToolTip("load the pair on the worker (calibrates costs once per machine and pair)")
+        self.load.clicked.connect(lambda: self.loadRequested.emit(*self.pair()))
+        self.loaded = QLabel("no models loaded")
+        self.loaded.setWordWrap(True)
+        self.loaded.setStyleSheet("color: #555;")
+        self.prompt = QPlainTextEdit()
+        self.prompt.setPlaceholderText("Prompt ...")
+        self.prompt.setMinimumHeight(90)
+        self.policy = QComboBox()
+        self.policy.setEditable(True)
+        self.policy.addItems(POLICIES)
+        self.policy.setToolTip("adaptive | ar | kv | spec:K | joint:K")
+        self.max_new = QSpinBox()
+        self.max_new.setRange(1, 4096)
+        self.max_new.setValue(64)
+        self.run = QPushButton("Run")
+        self.run.setToolTip("Run (Ctrl+R)")
+        self.run.setDefault(True)
+        self.stop = QPushButton("Stop")
+        self.stop.setToolTip("Stop (Esc): ends the request within one round")
+        self.stop.setEnabled(False)
+        self.run.clicked.connect(self.runRequested)
+        self.stop.clicked.connect(self.stopRequested)
+
+        form = QFormLayout()
+        form.setContentsMargins(0, 0, 0, 0)
+        form.addRow("Target", self._with_browse(self.target, "target"))
+        form.addRow("Draft", self._with_browse(self.draft, "draft"))
+        form.addRow("", self.load)
+        form.addRow(self.loaded)
+        form.addRow("Policy", self.policy)
+        form.addRow("Max new tokens", self.max_new)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.run)
+        buttons.addWidget(self.stop)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(4, 4, 4, 4)
+        lay.addLayout(form)
+        lay.addWidget(QLabel("Prompt"))
+        lay.addWidget(self.prompt, 1)
+        lay.addLayout(buttons)
+
+    def _combo(self, items, tip) -> QComboBox:
+        c = QComboBox()
+        c.setEditable(True)
+        c.addItems(items)
+        c.setToolTip(tip)
+        c.setInsertPolicy(QComboBox.InsertPolicy.NoInsert)
+        c.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        c.setMinimumContentsLength(10)
+        return c
+
+    def _with_browse(self, combo: QComboBox, role: str) -> QHBoxLayout:
+        b = QToolButton()
+        b.setText("…")
+        b.setToolTip("choose a model folder or a .gguf file")
+        b.setPopupMode(QToolButton.ToolButtonPopupMode.InstantPopup)
+        m = QMenu(b)
+        m.addAction("Model folder ...", lambda: self._browse(combo, folder=True))
+        m.addAction(".gguf file ...", lambda: self._browse(combo, folder=False))
+        b.setMenu(m)
+        row = QHBoxLayout()
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addWidget(combo, 1)
+        row.addWidget(b)
+        return row
+
+    def _browse(self, combo: QComboBox, folder: bool) -> None:
+        if folder:
+            path = QFileDialog.getExistingDirectory(self, "Model folder")
+        else:
+            path, _ = QFileDialog.getOpenFileName(self, "GGUF model", "", "GGUF (*.gguf);;All files (*)")
+        if path:
+            combo.setCurrentText(path)
+
+    # ------------------------------------------------------------------ values
+    def pair(self) -> tuple[str, str]:
+        return self.target.currentText().strip() or "demo", self.draft.currentText().strip() or "none"
+
+    def set_pair(self, target: str, draft: str) -> None:
+        self.target.setCurrentText(target)
+        self.draft.setCurrentText(draft)
+
+    def add_recent(self, combo: QComboBox, items) -> None:
+        for it in items:
+            if combo.findText(it) < 0:
+                combo.addItem(it)
+
+    def policy_text(self) -> str:
+        return self.policy.currentText().strip()
+
+    def check_policy(self) -> str | None:
+        try:
+            Policy.parse(self.policy_text())
+            return None
+        except ValueError as e:
+            return str(e)
+
+    def set_running(self, running: bool, busy: bool = False) -> None:
+        self.run.setEnabled(not running and not busy)
+        self.load.setEnabled(not running and not busy)
+        self.stop.setEnabled(running)
+        for w in (self.target, self.draft):
+            w.setEnabled(not running and not busy)
+
+    def prompt_text(self) -> str:
+        return self.prompt.toPlainText()
+
+    def set_loaded(self, text: str) -> None:
+        self.loaded.setText(text)
+        self.loaded.setTextFormat(Qt.TextFormat.PlainText)

@@ -1,0 +1,101 @@
+"""All persistent settings in one place, over QSettings.
+
+``RAKV_SETTINGS`` (an .ini path) overrides the platform store; tests pass a temporary file.
+Sessions (recordings of live runs) go to ``RAKV_SESSIONS`` or the user data dir.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from PySide6.QtCore import QByteArray, QSettings
+
+from rakv.config import DEFAULT_K_SET
+
+MAX_RECENT = 8
+DEFAULT_PROMPT = ("Explain in two sentences why caching the key and value states of a prompt "
+                  "makes a repeated request faster.")
+
+
+def sessions_dir() -> Path:
+    env = os.environ.get("RAKV_SESSIONS")
+    if env:
+        p = Path(env)
+    else:
+        from platformdirs import user_data_dir
+
+        p = Path(user_data_dir("rakv-explorer")) / "sessions"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+class Settings:
+    """Typed accessors; every value has its default here."""
+
+    DEFAULTS = {
+        "models/target": "demo",
+        "models/draft": "int8",
+        "run/prompt": DEFAULT_PROMPT,
+        "run/policy": "adaptive",
+        "run/max_new_tokens": 64,
+        "controls/budget_mib": 512,
+        "controls/k_set": ",".join(map(str, DEFAULT_K_SET)),
+        "controls/granularity": "round",
+        "replay/speed": "2x",
+    }
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        path = path or os.environ.get("RAKV_SETTINGS")
+        if path:
+            self.q = QSettings(str(path), QSettings.Format.IniFormat)
+        else:
+            self.q = QSettings("RAKV", "RAKV Explorer")
+
+    # ------------------------------------------------------------------ scalars
+    def get(self, key: str):
+        default = self.DEFAULTS.get(key)
+        v = self.q.value(key, default)
+        if isinstance(default, int) and not isinstance(v, int):
+            try:
+                v = int(float(v))
+            except (TypeError, ValueError):
+                v = default
+        return v
+
+    def set(self, key: str, value) -> None:
+        self.q.setValue(key, value)
+
+    # ------------------------------------------------------------------ lists
+    def _list(self, key: str) -> list[str]:
+        v = self.q.value(key, [])
+        if isinstance(v, str):
+            v = [v] if v else []
+        return [str(x) for x in (v or [])]
+
+    def _push(self, key: str, item: str) -> None:
+        items = [x for x in self._list(key) if x != item]
+        self.q.setValue(key, ([item] + items)[:MAX_RECENT])
+
+    def recent_models(self, role: str) -> list[str]:
+        return self._list(f"models/recent_{role}")
+
+    def add_recent_model(self, role: str, spec: str) -> None:
+        self._push(f"models/recent_{role}", spec)
+
+    def recent_recordings(self) -> list[str]:
+        return [p for p in self._list("recent/recordings") if Path(p).exists()]
+
+    def add_recent_recording(self, path: str) -> None:
+        self._push("recent/recordings", str(Path(path).resolve()))
+
+    # ------------------------------------------------------------------ window
+    def geometry(self) -> tuple[QByteArray | None, QByteArray | None]:
+        return self.q.value("window/geometry"), self.q.value("window/state")
+
+    def save_geometry(self, geometry: QByteArray, state: QByteArray) -> None:
+        self.q.setValue("window/geometry", geometry)
+        self.q.setValue("window/state", state)
+
+    def sync(self) -> None:
+        self.q.sync()

@@ -1,0 +1,514 @@
+"""The main window: panels in docks around the token stream, menus, status bar, worker wiring."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+from PySide6.QtCore import QThread, QTimer, Qt, Signal
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox,
+                               QProgressBar, QToolBar)
+
+from app import icons
+from app.lagprobe import LagProbe
+from app.panels.acceptance import AcceptancePanel
+from app.panels.cache import CachePanel
+from app.panels.controls import ControlsPanel
+from app.panels.costs import CostsPanel
+from app.panels.replay import ReplayBar
+from app.panels.run import RunPanel
+from app.panels.timeline import TimelinePanel
+from app.panels.tokens import TokenPanel
+from app.pieces import Pieces, load_pieces
+from app.replay import Replayer
+from app.settings import Settings, sessions_dir
+from app.state import SessionState
+from app.worker import Worker
+from rakv.config import parse_k_set
+
+REDRAW_MS = 40          # ~25 Hz
+
+
+class MainWindow(QMainWindow):
+    # commands to the worker (queued: the worker lives on its own thread)
+    _load = Signal(str, str, int)
+    _use = Signal(object)
+    _run = Signal(str, str, int)
+    _budget = Signal(float)
+    # notifications (tests and scripted mode)
+    runFinished = Signal(object)
+    modelsLoaded = Signal(dict)
+    replayFinished = Signal()
+    errorShown = Signal(str)
+
+    def __init__(self, settings: Settings | None = None, sessions: Path | None = None):
+        super().__init__()
+        self.settings = settings or Settings()
+        self.setWindowTitle("RAKV Explorer")
+        self.setWindowIcon(icons.icon("app"))
+        self.live = SessionState()
+        self.state = self.live
+        self.replayer: Replayer | None = None
+        self.running = False
+        self.busy = ""
+        self.loaded_pair: tuple[str, str] | None = None
+        self.preloaded = False
+        self.errors: list[str] = []
+        self.live_pieces = Pieces()
+        self._drawn = None
+        self._build_panels()
+        self._build_menus()
+        self._build_status()
+        self._start_worker(sessions if sessions is not None else sessions_dir())
+        self._restore()
+        self.redraw_timer = QTimer(self)
+        self.redraw_timer.setInterval(REDRAW_MS)
+        self.redraw_timer.timeout.connect(self.redraw)
+        self.redraw_timer.start()
+        self.lag = LagProbe(self)
+        self.lag.start()
+
+    # ------------------------------------------------------------------ construction
+    def _build_panels(self) -> None:
+        self.tokens = TokenPanel(self.live_pieces)
+        self.setCentralWidget(self.tokens)
+        self.run_panel = RunPanel()
+        self.controls = ControlsPanel()
+        self.cache = CachePanel()
+        self.costs = CostsPanel()
+        self.acceptance = AcceptancePanel()
+        self.timeline = TimelinePanel()
+        self.docks: dict[str, QDockWidget] = {}
+        L, R, B = (Qt.DockWidgetArea.LeftDockWidgetArea, Qt.DockWidgetArea.RightDockWidgetArea,
+                   Qt.DockWidgetArea.BottomDockWidgetArea)
+        for name, title, w, area in (("run", "Models and prompt", self.run_panel, L),
+                                     ("controls", "Live controls", self.controls, L),
+                                     ("cache", "Prefix cache", self.cache, R),
+                                     ("costs", "Action costs", self.costs, R),
+                                     ("acceptance", "Acceptance", self.acceptance, B),
+                                     ("timeline", "Round timeline", self.timeline, B)):
+            d = QDockWidget(title, self)
+            d.setObjectName(f"dock_{name}")
+            d.setWidget(w)
+            d.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
+                          | QDockWidget.DockWidgetFeature.DockWidgetClosable
+                          | QDockWidget.DockWidgetFeature.DockWidgetFloatable)
+            self.addDockWidget(area, d)
+            self.docks[name] = d
+        self.splitDockWidget(self.docks["acceptance"], self.docks["timeline"], Qt.Orientation.Horizontal)
+        self.setCorner(Qt.Corner.BottomLeftCorner, L)
+        self.setCorner(Qt.Corner.BottomRightCorner, R)
+        self.replay_bar = ReplayBar()
+        self.replay_tb = QToolBar("Replay")
+        self.replay_tb.setObjectName("toolbar_replay")
+        self.replay_tb.setMovable(False)
+        self.replay_tb.addWidget(self.replay_bar)
+        self.addToolBar(Qt.ToolBarArea.TopToolBarArea, self.replay_tb)
+        self.replay_tb.hide()
+
+        self.run_panel.runRequested.connect(self.run)
+        self.run_panel.stopRequested.connect(self.stop)
+        self.run_panel.loadRequested.connect(self.load_models)
+        self.controls.budgetChanged.connect(self._budget_changed)
+        self.controls.kSetChanged.connect(lambda ks: self.worker.set_controls(k_set=ks))
+        self.controls.forceChanged.connect(lambda f: self.worker.set_controls(force=f))
+        self.controls.granularityChanged.connect(lambda g: self.worker.set_controls(granularity=g))
+        self.replay_bar.closeRequested.connect(self.leave_replay)
+
+    def _action(self, text, slot, shortcut=None, icon=None) -> QAction:
+        a = QAction(text, self)
+        if shortcut:
+            a.setShortcut(QKeySequence(shortcut))
+        if icon:
+            a.setIcon(icons.icon(icon))
+        a.triggered.connect(slot)
+        return a
+
+    def _build_menus(self) -> None:
+        mb = self.menuBar()
+        f = mb.addMenu("&File")
+        self.act_open = self._action("&Open recording ...", lambda: self.open_recording(), QKeySequence.StandardKey.Open, "open")
+        self.recent_menu = f.addMenu("Open &recent")
+        self.recent_menu.aboutToShow.connect(self._fill_recent)
+        f.insertAction(self.recent_menu.menuAction(), self.act_open)
+        self.act_export = self._action("&Export session timings (CSV) ...", lambda: self.export_csv(), "Ctrl+E", "export")
+        f.addAction(self.act_export)
+        f.addAction(self._action("Export &plots (PNG) ...", lambda: self.export_plots()))
+        f.addAction(self._action("Show &sessions folder", self._show_sessions))
+        f.addSeparator()
+        f.addAction(self._action("&Quit", self.close, QKeySequence.StandardKey.Quit))
+        r = mb.addMenu("&Run")
+        self.act_run = self._action("&Run", self.run, "Ctrl+R", "run")
+        self.act_stop = self._action("&Stop", self.stop, "Esc", "stop")
+        self.act_stop.setEnabled(False)
+        r.addAction(self.act_run)
+        r.addAction(self.act_stop)
+        r.addAction(self._action("&Load models", lambda: self.load_models(*self.run_panel.pair())))
+        v = mb.addMenu("&View")
+        for d in self.docks.values():
+            v.addAction(d.toggleViewAction())
+        h = mb.addMenu("&Help")
+        h.addAction(self._action("&About RAKV Explorer", self.about))
+        tb = QToolBar("Main")
+        tb.setObjectName("toolbar_main")
+        tb.setMovable(False)
+        for a in (self.act_run, self.act_stop, self.act_open, self.act_export):
+            tb.addAction(a)
+        self.addToolBar(Qt.ToolBarArea.TopToolBarArea, tb)
+        self.insertToolBarBreak(self.replay_tb)
+
+    def _build_status(self) -> None:
+        sb = self.statusBar()
+        self.msg = QLabel("ready")
+        self.progress = QProgressBar()
+        self.progress.setMaximumWidth(160)
+        self.progress.setMaximumHeight(14)
+        self.progress.setTextVisible(False)
+        self.progress.hide()
+        self.stats = QLabel("")
+        self.lag_label = QLabel("")
+        self.lag_label.setToolTip("event-loop lag during runs (10 ms probe timer): max / p99")
+        sb.addWidget(self.msg, 1)
+        sb.addPermanentWidget(self.progress)
+        sb.addPermanentWidget(self.stats)
+        sb.addPermanentWidget(self.lag_label)
+
+    def _start_worker(self, sessions: Path) -> None:
+        self.thread_ = QThread(self)
+        self.thread_.setObjectName("rakv-worker")
+        self.worker = Worker(sessions)
+        self.worker.moveToThread(self.thread_)
+        self._load.connect(self.worker.load_models)
+        self._use.connect(self.worker.use_models)
+        self._run.connect(self.worker.run)
+        self._budget.connect(self.worker.set_budget)
+        self.worker.record.connect(self._on_record)
+        self.worker.busy.connect(self._on_busy)
+        self.worker.progress.connect(self._on_progress)
+        self.worker.loaded.connect(self._on_loaded)
+        self.worker.finished.connect(self._on_finished)
+        self.worker.failed.connect(self._on_failed)
+        self.thread_.start()
+
+    def _restore(self) -> None:
+        s = self.settings
+        rp = self.run_panel
+        rp.add_recent(rp.target, s.recent_models("target"))
+        rp.add_recent(rp.draft, s.recent_models("draft"))
+        rp.set_pair(s.get("models/target"), s.get("models/draft"))
+        rp.prompt.setPlainText(s.get("run/prompt"))
+        rp.policy.setCurrentText(s.get("run/policy"))
+        rp.max_new.setValue(s.get("run/max_new_tokens"))
+        try:
+            ks = parse_k_set(str(s.get("controls/k_set")))
+        except ValueError:
+            ks = (0, 1, 2, 4, 6, 8)
+        gran = s.get("controls/granularity")
+        self.controls.set_values(s.get("controls/budget_mib"), ks, gran)
+        self.worker.controls.budget_mib = float(self.controls.budget_mib())
+        self.worker.set_controls(k_set=self.controls.k_set(), granularity=self.controls.granularity.currentData())
+        geo, st = s.geometry()
+        if geo is not None:
+            self.restoreGeometry(geo)
+        else:
+            self.resize(1500, 940)
+        if st is not None:
+            self.restoreState(st)
+        else:
+            H = Qt.Orientation.Horizontal
+            self.resizeDocks([self.docks["run"], self.docks["cache"]], [310, 440], H)
+            self.resizeDocks([self.docks["acceptance"], self.docks["timeline"]], [1, 1], H)
+            self.resizeDocks([self.docks["acceptance"]], [380], Qt.Orientation.Vertical)
+            self.resizeDocks([self.docks["cache"], self.docks["costs"]], [330, 520], Qt.Orientation.Vertical)
+        self.replay_tb.hide()
+
+    def save_settings(self) -> None:
+        s = self.settings
+        rp = self.run_panel
+        t, d = rp.pair()
+        s.set("models/target", t)
+        s.set("models/draft", d)
+        s.set("run/prompt", rp.prompt_text())
+        s.set("run/policy", rp.policy_text())
+        s.set("run/max_new_tokens", rp.max_new.value())
+        s.set("controls/budget_mib", self.controls.budget_mib())
+        s.set("controls/k_set", ",".join(map(str, self.controls.k_set())))
+        s.set("controls/granularity", self.controls.granularity.currentData())
+        s.set("replay/speed", self.replay_bar.speed.currentText())
+        s.save_geometry(self.saveGeometry(), self.saveState())
+        s.sync()
+
+    # ------------------------------------------------------------------ commands
+    def load_models(self, target: str, draft: str) -> None:
+        if self.running or self.busy:
+            return
+        self.preloaded = False
+        self.loaded_pair = None
+        self._load.emit(target, draft, max(8, *self.controls.k_set()))
+        self._want_pair = (target, draft)
+
+    def use_models(self, target, draft, profile=None) -> None:
+        """Install preloaded models (tests, embedding): ``draft`` is a rakv DraftSource."""
+        self.preloaded = True
+        self._use.emit((target, draft, profile))
+
+    def run(self) -> None:
+        if self.running:
+            return
+        err = self.run_panel.check_policy()
+        if err:
+            self.show_error("Bad policy", err)
+            return
+        if self.replayer is not None:
+            self.leave_replay()
+        pair = self.run_panel.pair()
+        if not self.preloaded and self.loaded_pair != pair:
+            self.load_models(*pair)
+        self.running = True
+        self.lag.active = True
+        self._set_running_ui()
+        self.msg.setText("running ...")
+        self._run.emit(self.run_panel.prompt_text(), self.run_panel.policy_text(), self.run_panel.max_new.value())
+
+    def stop(self) -> None:
+        if self.running:
+            self.worker.stop()
+            self.msg.setText("stopping ...")
+        elif self.replayer is not None and self.replayer.playing():
+            self.replayer.pause()
+
+    def _budget_changed(self, mib: float) -> None:
+        self._budget.emit(mib)
+
+    # ------------------------------------------------------------------ worker signals
+    def _on_record(self, rec) -> None:
+        self.live.apply(rec)           # tiny: the redraw timer does the drawing
+
+    def _on_busy(self, what: str) -> None:
+        self.busy = what
+        if what:
+            self.msg.setText(what)
+            self.progress.setRange(0, 0)
+            self.progress.show()
+        else:
+            self.progress.hide()
+        self._set_running_ui()
+
+    def _on_progress(self, frac: float, what: str) -> None:
+        self.progress.setRange(0, 1000)
+        self.progress.setValue(int(frac * 1000))
+        self.msg.setText(f"calibrating costs: {what} ({frac * 100:.0f}%)")
+
+    def _on_loaded(self, info: dict) -> None:
+        self.loaded_pair = getattr(self, "_want_pair", None) if not self.preloaded else None
+        self.live = SessionState()
+        self.live_pieces = Pieces(self.worker.tokenizer())
+        if self.replayer is None:
+            self.state = self.live
+            self.tokens.pieces = self.live_pieces
+        rec = info.get("recording") or "(not recorded)"
+        self.run_panel.set_loaded(f"loaded {info['target']} + {info['draft']}\nrecording to {Path(rec).name}")
+        self.msg.setText(f"models loaded · recording {rec}")
+        if not self.preloaded:
+            t, d = self.loaded_pair or ("", "")
+            for role, spec in (("target", t), ("draft", d)):
+                if spec:
+                    self.settings.add_recent_model(role, spec)
+        self.modelsLoaded.emit(info)
+
+    def _on_finished(self, end) -> None:
+        self.running = False
+        self.lag.active = False
+        self._set_running_ui()
+        if end is not None:
+            self.msg.setText(f"request {end.request_id}: {len(end.output_ids)} tokens in {end.latency_ms:.0f} ms "
+                             f"({end.stopped})")
+        self.redraw()
+        self.runFinished.emit(end)
+
+    def _on_failed(self, msg: str, details: str) -> None:
+        self.show_error("Engine error", msg, details)
+
+    def _set_running_ui(self) -> None:
+        self.run_panel.set_running(self.running, bool(self.busy) and not self.running)
+        self.act_run.setEnabled(not self.running)
+        self.act_stop.setEnabled(self.running)
+
+    # ------------------------------------------------------------------ drawing (timer)
+    def redraw(self) -> None:
+        st = self.state
+        key = (id(st), st.version)
+        if key != self._drawn:
+            self._drawn = key
+            for p in (self.tokens, self.cache, self.costs, self.acceptance, self.timeline):
+                p.refresh(st)
+            tps = st.live_tokens_per_s()
+            ttft = st.ttft_ms()
+            self.stats.setText(f"{tps:.1f} tok/s · TTFT " + (f"{ttft:.0f} ms" if ttft is not None else "—"))
+        mx, p99, n = self.lag.stats()
+        if n:
+            self.lag_label.setText(f"lag max {mx:.0f} ms · p99 {p99:.0f} ms")
+
+    def panel_snapshot(self) -> dict:
+        self.redraw()
+        return {name: p.snapshot() for name, p in (("tokens", self.tokens), ("cache", self.cache),
+                                                    ("costs", self.costs), ("acceptance", self.acceptance),
+                                                    ("timeline", self.timeline))}
+
+    # ------------------------------------------------------------------ replay
+    def open_recording(self, path: str | None = None, play: bool = True) -> bool:
+        from rakv.records import RecordingError, read_recording
+
+        if path is None:
+            start = str(sessions_dir())
+            path, _ = QFileDialog.getOpenFileName(self, "Open recording", start, "Recordings (*.jsonl);;All files (*)")
+            if not path:
+                return False
+        try:
+            recs = read_recording(path)
+        except RecordingError as e:
+            self.show_error("Cannot open recording", str(e))
+            return False
+        if self.replayer is not None:
+            self.replayer.pause()
+        self.replayer = Replayer(recs, str(path), self)
+        self.replayer.stateReplaced.connect(self._replay_state)
+        self.replayer.finished.connect(self.replayFinished)
+        self.state = self.replayer.state
+        self.tokens.pieces = Pieces(None, load_pieces(path))
+        self.replay_bar.attach(self.replayer, Path(path).name, self.settings.get("replay/speed"))
+        self.replay_tb.show()
+        self.setWindowTitle(f"RAKV Explorer — replay {Path(path).name}")
+        self.settings.add_recent_recording(str(path))
+        self.msg.setText(f"replaying {path}: {len(recs)} records")
+        if play:
+            self.replayer.play()
+        return True
+
+    def _replay_state(self, st: SessionState) -> None:
+        self.state = st
+
+    def leave_replay(self) -> None:
+        if self.replayer is not None:
+            self.replayer.pause()
+            self.replayer.deleteLater()
+        self.replayer = None
+        self.replay_tb.hide()
+        self.state = self.live
+        self.tokens.pieces = self.live_pieces
+        self.setWindowTitle("RAKV Explorer")
+
+    def _fill_recent(self) -> None:
+        self.recent_menu.clear()
+        items = self.settings.recent_recordings()
+        for p in items:
+            self.recent_menu.addAction(Path(p).name, lambda p=p: self.open_recording(p)).setToolTip(p)
+        if not items:
+            self.recent_menu.addAction("(none)").setEnabled(False)
+
+    # ------------------------------------------------------------------ export
+    def export_csv(self, path: str | None = None) -> int | None:
+        from rakv.records import write_csv
+
+        if path is None:
+            path, _ = QFileDialog.getSaveFileName(self, "Export session timings", "session.csv", "CSV (*.csv)")
+            if not path:
+                return None
+        try:
+            n = write_csv(self.state.records, path)
+        except OSError as e:
+            self.show_error("Cannot write CSV", str(e))
+            return None
+        self.msg.setText(f"wrote {n} request rows to {path}")
+        return n
+
+    def export_plots(self, folder: str | None = None) -> list[str]:
+        import pyqtgraph.exporters as pex
+
+        if folder is None:
+            folder = QFileDialog.getExistingDirectory(self, "Export plots to folder")
+            if not folder:
+                return []
+        out = []
+        self.redraw()
+        for name, panel in (("cache", self.cache), ("costs", self.costs), ("acceptance", self.acceptance),
+                            ("timeline", self.timeline)):
+            p = str(Path(folder) / f"rakv-{name}.png")
+            try:
+                ex = pex.ImageExporter(panel.plot.getPlotItem())
+                ex.parameters()["width"] = max(800, int(panel.plot.width() * 2))
+                ex.export(p)
+                out.append(p)
+            except Exception as e:  # noqa: BLE001
+                self.show_error("Cannot export plot", f"{p}: {e}")
+                break
+        self.msg.setText(f"exported {len(out)} plots to {folder}")
+        return out
+
+    def _show_sessions(self) -> None:
+        from PySide6.QtCore import QUrl
+        from PySide6.QtGui import QDesktopServices
+
+        QDesktopServices.openUrl(QUrl.fromLocalFile(str(sessions_dir())))
+
+    # ------------------------------------------------------------------ errors, about
+    def show_error(self, title: str, msg: str, details: str = "") -> None:
+        """A non-blocking dialog; the window stays usable."""
+        self.errors.append(msg)
+        self.msg.setText(f"error: {msg}")
+        print(f"rakv-explorer: {title}: {msg}", file=sys.stderr)
+        box = QMessageBox(QMessageBox.Icon.Critical, title, msg, QMessageBox.StandardButton.Ok, self)
+        if details:
+            box.setDetailedText(details)
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        box.open()
+        self.errorShown.emit(msg)
+
+    def excepthook(self, etype, value, tb) -> None:
+        details = "".join(traceback.format_exception(etype, value, tb))
+        self.show_error("Unexpected error", f"{etype.__name__}: {value}", details)
+
+    def about(self) -> None:
+        QMessageBox.about(self, "About RAKV Explorer", about_text())
+
+    # ------------------------------------------------------------------ shutdown
+    def closeEvent(self, ev) -> None:
+        self.save_settings()
+        self.shutdown()
+        super().closeEvent(ev)
+
+    def shutdown(self) -> None:
+        self.redraw_timer.stop()
+        self.lag.stop()
+        if self.replayer is not None:
+            self.replayer.pause()
+        if self.thread_.isRunning():
+            self.worker.stop()
+            self.thread_.quit()
+            self.thread_.wait(10000)
+        self.worker.close_recording()
+
+
+def about_text() -> str:
+    import numpy
+    import pyqtgraph
+    import PySide6
+    import torch
+    import transformers
+    from PySide6.QtCore import qVersion
+
+    import rakv
+
+    rows = [("RAKV Explorer", rakv.__version__), ("Python", sys.version.split()[0]),
+            ("PySide6", PySide6.__version__), ("Qt", qVersion()), ("pyqtgraph", pyqtgraph.__version__),
+            ("torch", torch.__version__), ("transformers", transformers.__version__), ("numpy", numpy.__version__)]
+    table = "".join(f"<tr><td>{a}</td><td>&nbsp;{b}</td></tr>" for a, b in rows)
+    return ("<p><b>RAKV Explorer</b>: exact speculative decoding with cross-request prefix KV reuse, "
+            "steered by a measured-cost controller.</p>"
+            f"<table>{table}</table><p>torch threads: {torch.get_num_threads()}</p>")
+
+
+def app_instance() -> QApplication:
+    return QApplication.instance() or QApplication(sys.argv)

@@ -1,0 +1,195 @@
+"""The worker: a QObject living on its own QThread that owns the models and the engine.
+
+Commands come in as queued slot calls (load models, run, set budget); records go out through
+the queued ``record`` signal. The engine callback runs on this thread and only writes the
+recording line and emits the signal; all GUI work happens on the GUI thread, on a timer.
+
+Thread-safety of the live controls:
+  * ``stop()`` is called directly from the GUI thread: ``Engine.stop`` sets a threading.Event,
+    which the decode loop checks once per round.
+  * K set, force (r, k) and granularity are applied directly from the GUI thread too
+    (``set_controls``): ``Engine.set_k_set`` takes the engine's lock and the other two are single
+    attribute writes; the engine reads them at its next decision (next round or next request).
+  * The memory budget goes through the worker's queue (``set_budget`` slot): changing it evicts
+    prefix-cache entries, which must not race the prefill that is storing/looking up entries on
+    this thread. It takes effect between requests, i.e. at the next per-request decision, which
+    is the only decision that uses it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from PySide6.QtCore import QObject, Signal, Slot
+
+from rakv.config import RakvConfig
+
+
+@dataclass
+class Controls:
+    budget_mib: float = 512.0
+    k_set: tuple[int, ...] = (0, 1, 2, 4, 6, 8)
+    force: tuple[int, int] | None = None
+    granularity: str = "round"
+
+
+class Worker(QObject):
+    record = Signal(object)           # every engine record (RunHeader, RequestStart, ...)
+    busy = Signal(str)                # what the worker is doing ("" = idle)
+    progress = Signal(float, str)     # calibration progress 0..1
+    loaded = Signal(dict)             # {"target": name, "draft": name, "recording": path}
+    finished = Signal(object)         # RequestEnd, or None after an error
+    failed = Signal(str, str)         # one-line message, details (traceback)
+
+    def __init__(self, sessions: Path | None = None):
+        super().__init__()
+        self.sessions = sessions
+        self.target = None
+        self.draft = None
+        self.profile = None
+        self.engine = None
+        self.recorder = None
+        self.recording: Path | None = None
+        self.pair: tuple[str, str] | None = None
+        self.controls = Controls()
+        self._seen_ids: set[int] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ models (worker thread)
+    @Slot(str, str, int)
+    def load_models(self, target: str, draft: str, k_max: int = 8) -> None:
+        from rakv.costs import load_or_calibrate
+        from rakv.engine import make_draft
+        from rakv.models import cache_dir, load_model
+
+        try:
+            self.busy.emit(f"loading {target} + {draft} ...")
+            config = RakvConfig(target=target, draft=draft)
+            t = load_model(target, config.dtype, None, config.device)
+            d = make_draft(draft, t, config)
+            self.busy.emit("cost profile (calibrating once for this machine and pair) ...")
+            prof, _ = load_or_calibrate(t, d, cache_dir(), k_max=max(1, k_max),
+                                        progress=lambda f, w: self.progress.emit(f, w))
+            self._install(t, d, prof, (target, draft))
+        except Exception as e:  # noqa: BLE001 - any failure becomes a dialog
+            self._fail(f"cannot load models: {e}", e)
+        finally:
+            self.busy.emit("")
+
+    @Slot(object)
+    def use_models(self, bundle) -> None:
+        """Install preloaded models: ``(target LoadedModel, DraftSource, CostProfile | None)``."""
+        try:
+            t, d, prof = bundle
+            self._install(t, d, prof, (t.name, getattr(d, "name", "none")))
+        except Exception as e:  # noqa: BLE001
+            self._fail(f"cannot use models: {e}", e)
+
+    def _install(self, target, draft, profile, pair) -> None:
+        from rakv.engine import Engine
+        from rakv.records import Recorder
+
+        self.close_recording()
+        self._seen_ids = set()
+        self.target, self.draft, self.profile, self.pair = target, draft, profile, pair
+        with self._lock:
+            c = self.controls
+            config = RakvConfig(target=pair[0], draft=pair[1], k_set=c.k_set, budget_mib=c.budget_mib,
+                                granularity=c.granularity, force_action=c.force,
+                                policy="adaptive" if profile is not None else "ar")
+            self.engine = Engine(target, draft, config, self._on_record, profile)
+        if self.sessions is not None:
+            self.recording = self.sessions / time.strftime("session-%Y%m%d-%H%M%S.jsonl")
+            n = 1
+            while self.recording.exists():
+                n += 1
+                self.recording = self.sessions / time.strftime(f"session-%Y%m%d-%H%M%S-{n}.jsonl")
+            self.recorder = Recorder(self.recording)
+        # "loaded" first: the GUI starts a fresh session state, which then receives the header
+        self.loaded.emit({"target": target.name, "draft": getattr(draft, "name", "none"),
+                          "recording": str(self.recording) if self.recording else ""})
+        self.engine.header()
+
+    def _on_record(self, rec) -> None:
+        """Engine callback (worker thread): record the line, emit the record. Nothing else."""
+        if self.recorder is not None:
+            self.recorder(rec)
+        self.record.emit(rec)
+
+    # ------------------------------------------------------------------ run (worker thread)
+    @Slot(str, str, int)
+    def run(self, prompt: str, policy: str, max_new_tokens: int) -> None:
+        if self.engine is None:
+            self._fail("no models loaded", None)
+            self.finished.emit(None)
+            return
+        end = None
+        try:
+            self.busy.emit("generating ...")
+            self.engine.set_policy(policy)
+            end = self.engine.generate(prompt, max_new_tokens)
+            self._write_pieces(prompt, end)
+        except Exception as e:  # noqa: BLE001
+            self._fail(str(e) or type(e).__name__, e)
+        finally:
+            self.busy.emit("")
+            self.finished.emit(end)
+
+    @Slot(float)
+    def set_budget(self, mib: float) -> None:
+        with self._lock:
+            self.controls.budget_mib = float(mib)
+        if self.engine is not None:
+            self.engine.set_budget_mib(mib)
+
+    # ------------------------------------------------------------------ any thread
+    def stop(self) -> None:
+        eng = self.engine
+        if eng is not None:
+            eng.stop()
+
+    def set_controls(self, k_set=None, force="keep", granularity=None) -> None:
+        """Called from the GUI thread; acts on the engine's next decision."""
+        with self._lock:
+            c = self.controls
+            if k_set is not None:
+                c.k_set = tuple(sorted({int(k) for k in k_set}))
+            if force != "keep":
+                c.force = None if force is None else (int(force[0]), int(force[1]))
+            if granularity is not None:
+                c.granularity = granularity
+            eng = self.engine
+            if eng is not None:
+                if k_set is not None:
+                    eng.set_k_set(c.k_set)
+                if force != "keep":
+                    eng.set_force(c.force)
+                if granularity is not None:
+                    eng.set_granularity(c.granularity)
+
+    def tokenizer(self):
+        return getattr(self.target, "tokenizer", None)
+
+    # ------------------------------------------------------------------ helpers
+    def _write_pieces(self, prompt: str, end) -> None:
+        """Next to the recording: token id -> text piece, so replays show text without models."""
+        if self.recording is None or self.tokenizer() is None:
+            return
+        from app.pieces import save_pieces
+
+        self._seen_ids.update(self.engine.encode(prompt))
+        self._seen_ids.update(end.output_ids)
+        save_pieces(self.recording, self.tokenizer(), self._seen_ids)
+
+    def close_recording(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+            self.recorder = None
+
+    def _fail(self, msg: str, exc: BaseException | None) -> None:
+        details = "".join(traceback.format_exception(exc)) if exc is not None else ""
+        self.failed.emit(msg.strip().splitlines()[0] if msg.strip() else "error", details)
