@@ -316,7 +316,13 @@ class Engine:
     def _decide_round(self, rid, index, reuse, seq, remaining, draft_model, has_draft) -> int:
         with self._lock:
             ks_now = self.k_set
-        behind = len(seq) - len(self.draft.cached) if draft_model and self.draft.cache is not None else 0
+        behind = 0
+        if draft_model:
+            if self.draft.cache is not None:
+                behind = len(seq) - len(self.draft.cached)
+            else:   # the draft has not seen the prompt yet: its prefill (minus a cached prefix) is due
+                hd = self.store.peek(self.draft.key, self.draft.prompt) if (reuse and self.draft.reuse) else None
+                behind = len(seq) - (hd.usable if hd is not None else 0)
         td = now()
         k_new, reason, costs = self.controller.decide_round(len(seq), remaining, ks_now, behind,
                                                             has_draft, draft_model)

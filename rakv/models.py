@@ -272,6 +272,7 @@ def int8_copy(target: LoadedModel) -> LoadedModel:
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     m = copy.deepcopy(target.model).float()
+    _conv1d_to_linear(m)
     import warnings
 
     with warnings.catch_warnings():
@@ -281,6 +282,23 @@ def int8_copy(target: LoadedModel) -> LoadedModel:
     return LoadedModel(name=f"{target.name}-int8", model=q, tokenizer=target.tokenizer,
                        key=target.key.rsplit(":", 1)[0] + ":int8-dynamic",
                        max_positions=target.max_positions, eos_ids=target.eos_ids)
+
+
+def _conv1d_to_linear(model: torch.nn.Module) -> None:
+    """GPT-2 style ``Conv1D`` (y = x W + b, W [in, out]) -> ``nn.Linear`` so it can be quantized."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover
+        return
+    for name, mod in list(model.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            if isinstance(child, Conv1D):
+                w = child.weight.data
+                lin = torch.nn.Linear(w.shape[0], w.shape[1], bias=child.bias is not None)
+                lin.weight.data = w.t().contiguous()
+                if child.bias is not None:
+                    lin.bias.data = child.bias.data.clone()
+                setattr(mod, child_name, lin)
 
 
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:

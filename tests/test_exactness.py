@@ -101,3 +101,20 @@ def test_draft_catches_up_after_ar_rounds():
     end = eng.generate(q, 20)
     assert end.output_ids == oracle(target.model, q, 20)
     assert end.drafted > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int8_self_draft_is_exact_and_quantized(arch):
+    from rakv.models import int8_copy
+
+    target, _ = make_pair(arch, "identical")
+    q = int8_copy(target)
+    kinds = {type(m).__name__ for m in q.model.modules()}
+    assert any("Linear" in k and ("quantized" in type(m).__module__) for m in q.model.modules()
+               for k in [type(m).__name__]), kinds
+    eng = Engine(target, ModelDraft(q), RakvConfig(policy="joint:4"))
+    p = list(range(30, 60))
+    for _ in range(2):
+        end = eng.generate(p, N)
+        assert end.output_ids == oracle(target.model, p, N)
+    assert end.accepted > 0
