@@ -320,6 +320,7 @@ class MainWindow(QMainWindow):
 
     def _on_finished(self, end) -> None:
         self.running = False
+        self.live.running = False          # also after an error in the middle of a request
         self.lag.active = False
         self._set_running_ui()
         if end is not None:
@@ -433,6 +434,7 @@ class MainWindow(QMainWindow):
                 return []
         out = []
         self.redraw()
+        Path(folder).mkdir(parents=True, exist_ok=True)
         for name, panel in (("cache", self.cache), ("costs", self.costs), ("acceptance", self.acceptance),
                             ("timeline", self.timeline)):
             p = str(Path(folder) / f"rakv-{name}.png")
@@ -440,6 +442,8 @@ class MainWindow(QMainWindow):
                 ex = pex.ImageExporter(panel.plot.getPlotItem())
                 ex.parameters()["width"] = max(800, int(panel.plot.width() * 2))
                 ex.export(p)
+                if not Path(p).is_file():
+                    raise OSError("nothing was written")
                 out.append(p)
             except Exception as e:  # noqa: BLE001
                 self.show_error("Cannot export plot", f"{p}: {e}")

@@ -47,9 +47,11 @@ def errors(monkeypatch):
 def win(qtbot, tmp_path, models, errors):
     w = MainWindow(Settings(tmp_path / "settings.ini"), tmp_path / "sessions")
     qtbot.addWidget(w)
+    w.show()
     target, draft, profile = models
     with qtbot.waitSignal(w.modelsLoaded, timeout=T):
         w.use_models(target, ModelDraft(draft), profile)
+    qtbot.waitUntil(lambda: w.live.header is not None, timeout=T)    # the header follows "loaded"
     w.run_panel.prompt.setPlainText(PROMPT)
     w.run_panel.max_new.setValue(24)
     w.run_panel.policy.setCurrentText("adaptive")
@@ -127,8 +129,8 @@ def test_run_updates_every_panel(qtbot, win, tmp_path):
     assert st.tokens[st.prompt_tokens].kind == "stored"
     assert win.panel_snapshot()["cache"]["hit"] == f"hit q = {st.prompt_tokens} of P = {st.prompt_tokens} tokens"
 
-    # partial hit: the boundary token is recomputed
-    run(qtbot, win, prompt=PROMPT + " return a + b")
+    # partial hit: the boundary token is recomputed (kv: reuse forced on, k = 0)
+    run(qtbot, win, prompt=PROMPT + " return a + b", policy="kv")
     st = win.live
     kinds = [t.kind for t in st.tokens[:st.prompt_tokens]]
     q = st.cache.hit_tokens

@@ -67,8 +67,8 @@ class CostsPanel(QWidget):
         self._key = key
         if d is None:
             self._cands, self._chosen, self._measured = [], -1, None
-            self.bars.setOpts(x=[], height=[])
-            self.measured.setOpts(x=[], height=[])
+            self.bars.setOpts(x=[], height=[], width=0.7, brushes=None, pens=None)
+            self.measured.setOpts(x=[], height=[], width=0.34)
             self.mtext.setText("")
             self.info.setText("no decision yet" if not per_round else "no per-round re-decision in this request")
             return
@@ -106,7 +106,7 @@ class CostsPanel(QWidget):
             self.mtext.setText(f"measured {measured:.0f} ms")
             self.mtext.setPos(x[chosen], max(measured, h[chosen]))
         else:
-            self.measured.setOpts(x=[], height=[])
+            self.measured.setOpts(x=[], height=[], width=0.34)
             self.mtext.setText("")
         self._x = x
         self._cands, self._chosen, self._measured = cands, chosen, measured
