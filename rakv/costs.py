@@ -34,7 +34,7 @@ from . import decoding as dec
 from .records import hardware_info
 
 now = time.perf_counter
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
 ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
 
