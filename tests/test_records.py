@@ -1,0 +1,43 @@
+"""Records: JSONL recordings flushed per line, round-trip, CSV derivation."""
+
+from __future__ import annotations
+
+import json
+
+from rakv.config import RakvConfig
+from rakv.drafts import ModelDraft
+from rakv.engine import Engine
+from rakv.records import (CSV_COLUMNS, Decision, Recorder, RequestEnd, Round, read_recording,
+                          request_rows, to_dict)
+from tests.tiny import make_pair
+
+
+def test_recording_is_flushed_per_line_and_round_trips(tmp_path):
+    target, draft = make_pair("gpt2", "mostly")
+    path = tmp_path / "r.jsonl"
+    rec = Recorder(path)
+    seen = []
+
+    def cb(r):
+        rec(r)
+        # every record is on disk as soon as it is reported (nothing lost if the process dies)
+        assert json.loads(path.read_text().splitlines()[-1])["type"] == r.type
+        seen.append(r)
+
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy="joint:3"), callback=cb)
+    eng.header()
+    p = list(range(20, 50))
+    eng.generate(p, 10)
+    eng.generate(p, 10)
+    rec.close()
+    back = read_recording(path)
+    assert [to_dict(r) for r in back] == [to_dict(r) for r in seen]
+    types = [r.type for r in back]
+    assert types[0] == "header" and types.count("request_end") == 2 and "decision" in types
+    rounds = [r for r in back if isinstance(r, Round) and r.kind == "spec"]
+    assert rounds and all(len(r.emitted) == len(r.provenance) == r.accepted + 1 or r.emitted for r in rounds)
+    rows = request_rows(back)
+    assert len(rows) == 2 and list(rows[0]) == [c for c, _ in CSV_COLUMNS]
+    assert rows[1]["exact_repeat"] == 1 and rows[1]["hit_tokens"] == 30
+    ends = [r for r in back if isinstance(r, RequestEnd)]
+    assert rows[0]["output_tokens"] == len(ends[0].output_ids) == 10
