@@ -31,7 +31,7 @@ def test_recording_is_flushed_per_line_and_round_trips(tmp_path):
     eng.generate(p, 10)
     rec.close()
     back = read_recording(path)
-    assert [to_dict(r) for r in back] == [to_dict(r) for r in seen]
+    assert [to_dict(r) for r in back] == [json.loads(json.dumps(to_dict(r))) for r in seen]
     types = [r.type for r in back]
     assert types[0] == "header" and types.count("request_end") == 2 and "decision" in types
     rounds = [r for r in back if isinstance(r, Round) and r.kind == "spec"]
