@@ -90,8 +90,10 @@ def test_streams_are_seeded_and_reuse_like_traffic():
         if r.kind == "shared":   # same context as an earlier request, different ending
             prev = [e for e in earlier if e.context_id == r.context_id]
             assert prev and all(e.ids[:16] == r.ids[:16] for e in prev)
-    mixed = W.mixed_stream([a[:5], W.build_stream(W.Source("x", ["ctx one two"] * 3, ["q"]), tok, 4, 16, 8, 0)], 1)
-    assert [r.index for r in mixed] == list(range(9))
+    assert [r.kind for r in a].count("repeat") == round(0.2 * 19)          # stratified kinds
+    mixed = W.build_stream([src, W.Source("x", ["ctx one two three four five six seven"] * 9, ["q?"])], tok,
+                           30, 16, 8, 0)
+    assert {r.workload for r in mixed} == {"repetitive", "x"} and [r.index for r in mixed] == list(range(30))
 
 
 def test_humaneval_and_wikitext_sources():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from .workloads import WORKLOADS
 
-QUICK = dict(buckets="32,128", gens="32", n_prompts=8, repeats=1, k_set="0,2,4")
+QUICK = dict(buckets="32,128", gens="32", n_prompts=6, repeats=1, k_set="0,2,4")
 FULL = dict(buckets="32,128,512", gens="32,128", n_prompts=8, repeats=2, k_set="0,1,2,4,6,8")
 TINY = dict(buckets="16,48", gens="8", n_prompts=4, repeats=1, k_set="0,2,4")
 
@@ -161,9 +160,8 @@ def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
                 if max_pos is not None and b + g > max_pos:
                     raise ValueError(f"bucket {b} + {g} new tokens exceeds the model's context of {max_pos}")
                 if w == "mixed":
-                    m = math.ceil(n / len(WORKLOADS))
-                    parts = [W.build_stream(src(x), tokenizer, m, b, g, seed) for x in WORKLOADS]
-                    streams[f"mixed/P{b}/N{g}"] = W.mixed_stream(parts, seed)[:n]
+                    streams[f"mixed/P{b}/N{g}"] = W.build_stream([src(x) for x in WORKLOADS], tokenizer, n, b, g,
+                                                                 seed)
                 else:
                     streams[f"{w}/P{b}/N{g}"] = W.build_stream(src(w), tokenizer, n, b, g, seed)
     return streams

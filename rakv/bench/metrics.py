@@ -10,6 +10,8 @@ ar = (0,0), kv = (1,0), spec:k = (0,k), joint:k = (1,k) on the same request):
   action acc.   share of requests where the chosen (r, k) == oracle
   k acc.        share where the chosen k == the oracle's k
   MAPE          mean over requests and a in A of |predicted(a) - measured(a)| / measured(a)
+  MAPE full N   the same over the requests whose ar output ran to max_new_tokens (the controller
+                predicts N tokens; an early EOS makes every action cheaper than predicted)
   Spearman      Spearman rank correlation of predicted vs measured over A, mean over requests
   regret        (measured(chosen) - measured(oracle)) / measured(oracle), mean over requests
   realized      (the adaptive arm's own latency - measured(oracle)) / measured(oracle), mean
@@ -178,6 +180,8 @@ def controller_quality(cands: list[dict], rows: list[dict], policy: str) -> dict
     if not q:
         return None
     ape = [abs(p - m) / m for x in q for p, m in zip(x["pred"], x["meas"]) if m]
+    full = {key(r) for r in rows if r["policy"] == "ar" and r["output_tokens"] == r["gen"]}
+    ape_full = [abs(p - m) / m for x in q if x["key"] in full for p, m in zip(x["pred"], x["meas"]) if m]
     rho = [s for s in (spearman(x["pred"], x["meas"]) for x in q) if s is not None]
     reg = [(x["chosen_meas"] - x["oracle_meas"]) / x["oracle_meas"] for x in q if x["chosen_meas"] is not None]
     real = [(x["own"] - x["oracle_meas"]) / x["oracle_meas"] for x in q if x["own"] is not None]
@@ -185,6 +189,7 @@ def controller_quality(cands: list[dict], rows: list[dict], policy: str) -> dict
                 action_acc=statistics.fmean(x["chosen"] == x["oracle"] for x in q),
                 k_acc=statistics.fmean(x["chosen"][1] == x["oracle"][1] for x in q),
                 mape=statistics.fmean(ape) if ape else None,
+                mape_full=statistics.fmean(ape_full) if ape_full else None,
                 spearman=statistics.fmean(rho) if rho else None,
                 regret=statistics.fmean(reg) if reg else None,
                 regret_ms=statistics.fmean(x["chosen_meas"] - x["oracle_meas"] for x in q if x["chosen_meas"] is not None)

@@ -31,7 +31,8 @@ DEFINITIONS = """\
   A both predicted (feasible candidates of the per-request decision) and measured:
   *oracle* = argmin over A of measured latency; *action acc.* = share of requests with chosen
   (r,k) = oracle; *k acc.* = share with chosen k = oracle k; *MAPE* = mean of
-  |predicted - measured| / measured over requests and actions; *Spearman* = rank correlation of
+  |predicted - measured| / measured over requests and actions (*full N*: only requests whose `ar`
+  output ran to max_new_tokens, as the controller predicts N tokens); *Spearman* = rank correlation of
   predicted vs measured costs over A, averaged over requests; *regret* = mean of
   (measured(chosen) - measured(oracle)) / measured(oracle); *realized* = the same with the
   adaptive policy's own measured latency instead of measured(chosen) (per-round control can go
@@ -98,10 +99,11 @@ def controller_md(cands: list[dict], rows: list[dict]) -> str:
     qs = [q for q in (M.controller_quality(cands, rows, p) for p in pols) if q]
     if not qs:
         return "_No controller-quality data (needs an adaptive policy and at least two fixed policies)._\n"
-    head = ["policy", "requests", "|A|", "action acc.", "k acc.", "MAPE", "Spearman", "regret", "regret ms",
+    head = ["policy", "requests", "|A|", "action acc.", "k acc.", "MAPE", "MAPE full N", "Spearman", "regret", "regret ms",
             "realized"]
     body = [[q["policy"], str(q["requests"]), str(q["actions"]), fmt(q["action_acc"], 0, pct=True),
-             fmt(q["k_acc"], 0, pct=True), fmt(q["mape"], 1, pct=True), fmt(q["spearman"], 2),
+             fmt(q["k_acc"], 0, pct=True), fmt(q["mape"], 1, pct=True),
+             fmt(q["mape_full"], 1, pct=True), fmt(q["spearman"], 2),
              fmt(q["regret"], 1, pct=True), fmt(q["regret_ms"], 0), fmt(q["realized"], 1, pct=True)] for q in qs]
     text = md_table(head, body)
     for q in qs:

@@ -9,8 +9,9 @@ A stream is a seeded sequence of three kinds of requests, the way real traffic r
   shared     a context seen before (same tokens) with a different suffix -> partial prefix hit
   repeat     an exact repeat of an earlier request                      -> exact hit
 
-The first request of a stream is always ``unrelated``; after it each kind is drawn with the
-probabilities in ``KIND_WEIGHTS`` (a kind that is impossible falls back to ``unrelated``).
+The first request of a stream is always ``unrelated``; the others are stratified: their kinds
+follow ``KIND_WEIGHTS`` (rounded) in a seeded order. The mixed workload is one stream over all
+three sources (each unrelated request draws its source).
 Everything is deterministic given the seed.
 """
 
@@ -176,42 +177,46 @@ def cut(ctx: list[int], suf: list[int], bucket: int) -> list[int]:
     return ctx[: max(0, bucket - len(suf))] + suf
 
 
-def _kind(rng: random.Random, have_ctx: bool) -> str:
-    r = rng.random()
-    acc = 0.0
-    for kind, w in KIND_WEIGHTS.items():
-        acc += w
-        if r < acc:
-            return kind if have_ctx else "unrelated"
-    return "unrelated"
+def kind_plan(rng: random.Random, n: int) -> list[str]:
+    """Stratified kinds: the first is unrelated; the rest follow KIND_WEIGHTS, in a seeded order."""
+    rest = max(0, n - 1)
+    n_rep = round(KIND_WEIGHTS["repeat"] * rest)
+    n_sh = round(KIND_WEIGHTS["shared"] * rest)
+    kinds = ["repeat"] * n_rep + ["shared"] * n_sh + ["unrelated"] * (rest - n_rep - n_sh)
+    rng.shuffle(kinds)
+    return ["unrelated"] + kinds if n else []
 
 
-def build_stream(source: Source, tokenizer, n: int, bucket: int, gen: int, seed: int) -> list[Request]:
-    """A seeded stream of ``n`` requests (unrelated / shared context / exact repeat)."""
-    rng = random.Random(f"{seed}:{source.name}:{bucket}:{gen}")
-    order_ctx = list(range(len(source.contexts)))
-    rng.shuffle(order_ctx)
-    ctx_ids: dict[int, list[int]] = {}
-    used_suffix: dict[int, set[int]] = {}
+def build_stream(sources: Source | list[Source], tokenizer, n: int, bucket: int, gen: int,
+                 seed: int) -> list[Request]:
+    """A seeded stream of ``n`` requests (unrelated / shared context / exact repeat); with several
+    sources (the mixed workload) each unrelated request draws its source at random."""
+    sources = [sources] if isinstance(sources, Source) else list(sources)
+    rng = random.Random(f"{seed}:{'+'.join(s.name for s in sources)}:{bucket}:{gen}")
+    fresh = {j: rng.sample(range(len(s.contexts)), len(s.contexts)) for j, s in enumerate(sources)}
+    ctx_ids: dict[tuple[int, int], list[int]] = {}
+    used_suffix: dict[tuple[int, int], set[int]] = {}
     out: list[Request] = []
-    for i in range(n):
-        kind = _kind(rng, bool(out)) if i else "unrelated"
+    for i, kind in enumerate(kind_plan(rng, n)):
         if kind == "repeat":
             prev = rng.choice(out)
-            out.append(Request(i, source.name, "repeat", bucket, gen, prev.ids, prev.context_id))
+            out.append(Request(i, prev.workload, "repeat", bucket, gen, prev.ids, prev.context_id))
             continue
         if kind == "shared":
-            c = int(rng.choice(sorted(ctx_ids)))
+            c = rng.choice(sorted(ctx_ids))
         else:
-            fresh = [c for c in order_ctx if c not in ctx_ids]
-            c = fresh[0] if fresh else order_ctx[i % len(order_ctx)]
+            j = rng.randrange(len(sources))
+            if not fresh[j]:          # every context used: start over (a repeat of a context, not of a request)
+                fresh[j] = rng.sample(range(len(sources[j].contexts)), len(sources[j].contexts))
+            c = (j, fresh[j].pop(0))
+        src = sources[c[0]]
         if c not in ctx_ids:
-            ctx_ids[c] = encode(tokenizer, source.contexts[c])
-        free = [s for s in range(len(source.suffixes)) if s not in used_suffix.get(c, set())]
-        s = rng.choice(free or list(range(len(source.suffixes))))
-        used_suffix.setdefault(c, set()).add(s)
-        ids = cut(ctx_ids[c], encode(tokenizer, source.suffixes[s]), bucket)
-        out.append(Request(i, source.name, kind, bucket, gen, tuple(ids), f"{source.name}/{c}"))
+            ctx_ids[c] = encode(tokenizer, src.contexts[c[1]])
+        free = [x for x in range(len(src.suffixes)) if x not in used_suffix.get(c, set())]
+        sfx = rng.choice(free or list(range(len(src.suffixes))))
+        used_suffix.setdefault(c, set()).add(sfx)
+        ids = cut(ctx_ids[c], encode(tokenizer, src.suffixes[sfx]), bucket)
+        out.append(Request(i, src.name, kind, bucket, gen, tuple(ids), f"{src.name}/{c[1]}"))
     return out
 
 
@@ -227,17 +232,4 @@ def file_stream(prompts: list[str], tokenizer, gen: int, max_tokens: int | None)
         kind = "repeat" if tuple(ids) in seen else "unrelated"
         seen.setdefault(tuple(ids), i)
         out.append(Request(i, "file", kind, len(ids), gen, tuple(ids), f"file/{seen[tuple(ids)]}"))
-    return out
-
-
-def mixed_stream(streams: list[list[Request]], seed: int) -> list[Request]:
-    """Interleave several streams in a seeded order (each stream keeps its own order)."""
-    rng = random.Random(f"{seed}:mixed")
-    queues = [list(s) for s in streams if s]
-    out: list[Request] = []
-    while queues:
-        q = rng.choice(queues)
-        r = q.pop(0)
-        out.append(Request(len(out), r.workload, r.kind, r.bucket, r.gen, r.ids, r.context_id))
-        queues = [q for q in queues if q]
     return out
