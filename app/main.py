@@ -18,8 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Watch and steer exact speculative decoding with prefix KV reuse.")
     ap.add_argument("--target", help="hub id, local dir, .gguf file, or 'demo'")
     ap.add_argument("--draft", help="model (same forms), 'int8', 'ngram' or 'none'")
-    ap.add_argument("--prompt", help="prompt text for the editor")
-    ap.add_argument("--autorun", action="store_true", help="run the prompt at start")
+    ap.add_argument("--prompt", action="append",
+                    help="prompt text for the editor (repeatable: --autorun runs them in order, one engine)")
+    ap.add_argument("--autorun", action="store_true", help="run the prompt(s) at start")
     ap.add_argument("--policy", help=POLICIES_HELP)
     ap.add_argument("--max-new-tokens", type=int)
     ap.add_argument("--replay", metavar="FILE", help="replay a JSONL recording at start")
@@ -70,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.target or args.draft:
         t0, d0 = rp.pair()
         rp.set_pair(args.target or t0, args.draft or d0)
-    if args.prompt is not None:
-        rp.prompt.setPlainText(args.prompt)
+    prompts = list(args.prompt or [])
+    if prompts:
+        rp.prompt.setPlainText(prompts[0])
     if args.policy:
         rp.policy.setCurrentText(args.policy)
     if args.max_new_tokens:
@@ -121,13 +123,21 @@ def main(argv: list[str] | None = None) -> int:
             win.replayer.play()
         QTimer.singleShot(0, start_replay)
     elif args.autorun:
-        win.runFinished.connect(done)
+        queue = prompts[1:]
+
+        def next_or_done(end):
+            if end is not None and queue:
+                rp.prompt.setPlainText(queue.pop(0))
+                QTimer.singleShot(0, win.run)
+            else:
+                done()
+        win.runFinished.connect(next_or_done)
         QTimer.singleShot(0, win.run)
     elif args.screenshot or args.exit_after_run:
         QTimer.singleShot(800, done)
     code = app.exec()
     if scripted:
-        print(f"rakv-explorer: {win.lag.report()}", file=sys.stderr)
+        print(f"rakv-explorer: {win.lag.report()}; slowest redraw {win.redraw_ms_max:.1f} ms", file=sys.stderr)
     return rc["code"] or code
 
 

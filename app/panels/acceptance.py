@@ -10,7 +10,7 @@ from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from app.state import SessionState
 
-from . import k_color, make_plot
+from . import k_color, make_plot, nice_ceiling
 
 MAX_BOUNDARIES = 60
 
@@ -19,18 +19,21 @@ class AcceptancePanel(QWidget):
     def __init__(self):
         super().__init__()
         self.info = QLabel("alpha: —")
+        self.info.setWordWrap(True)
+        self.info.setToolTip("blue: acceptance EWMA after each round (dots: rounds that drafted)\n"
+                             "dashed: crossover alpha*(k) of the request's decision (chosen k bold)\n"
+                             "green band: where speculation with the chosen k pays")
         self.plot = make_plot("alpha (EWMA)", "round (session)")
         pi = self.plot.getPlotItem()
         pi.setYRange(0, 1.05, padding=0)
         pi.setLimits(yMin=-0.05, yMax=1.1)
-        pi.addLegend(offset=(-10, 10), labelTextSize="8pt")
         self.region = pg.LinearRegionItem(values=(1, 1), orientation="horizontal", movable=False,
                                           brush=pg.mkBrush(49, 163, 84, 40), pen=pg.mkPen(None))
         self.region.setZValue(-20)
         pi.addItem(self.region)
-        self.curve = pi.plot([], [], pen=pg.mkPen("#08519c", width=2), name="alpha EWMA")
-        self.dots = pi.plot([], [], pen=None, symbol="o", symbolSize=4, symbolBrush="#08519c",
-                            symbolPen=None)
+        self.curve = pi.plot([], [], pen=pg.mkPen("#08519c", width=2), antialias=True)
+        pi.disableAutoRange(axis="x")
+        self._xmax = 0.0
         self._star_lines: list[pg.InfiniteLine] = []
         self._bounds: list[pg.InfiniteLine] = []
         self._key = None
@@ -45,14 +48,14 @@ class AcceptancePanel(QWidget):
     def refresh(self, state: SessionState) -> None:
         key = (id(state), state.n_rounds, len(state.request_x))
         if key != self._key:
+            if key[0] != (self._key or (None,))[0] or key[2] != self._key[2]:
+                self._draw_bounds(state)
             self._key = key
             pts = state.rounds
             x = np.array([p.x for p in pts], dtype=float)
             y = np.array([p.alpha for p in pts], dtype=float)
             self.curve.setData(x, y)
-            drafted = [p for p in pts if p.drafted > 0]
-            self.dots.setData([p.x for p in drafted], [p.alpha for p in drafted])
-            self._draw_bounds(state)
+            self._range(x)
         d = state.decision
         skey = (id(d),)
         if skey != self._stars_key:
@@ -70,6 +73,14 @@ class AcceptancePanel(QWidget):
             txt += (f" · chosen k={self._chosen_k}: alpha* = {s:.3f}" if s is not None
                     else f" · chosen k={self._chosen_k}")
         self.info.setText(txt)
+
+    def _range(self, x) -> None:
+        lo = float(x[0]) if len(x) else 0.0
+        hi = float(x[-1]) if len(x) else 0.0
+        want = lo + nice_ceiling(max(10.0, hi - lo + 1))
+        if want != self._xmax:
+            self._xmax = want
+            self.plot.getPlotItem().setXRange(lo - 0.5, want, padding=0)
 
     def _draw_bounds(self, state: SessionState) -> None:
         for ln in self._bounds:

@@ -104,7 +104,9 @@ class CostsPanel(QWidget):
         if measured is not None and chosen >= 0:
             self.measured.setOpts(x=[x[chosen] + 0.18], height=[measured], width=0.34)
             self.mtext.setText(f"measured {measured:.0f} ms")
-            self.mtext.setPos(x[chosen], max(measured, h[chosen]))
+            right = x[chosen] > (x.min() + x.max()) / 2
+            self.mtext.setAnchor((1.0, 1.0) if right else (0.0, 1.0))
+            self.mtext.setPos(x[chosen] + (0.35 if right else -0.35), max(measured, h[chosen]))
         else:
             self.measured.setOpts(x=[], height=[], width=0.34)
             self.mtext.setText("")

@@ -10,7 +10,7 @@ from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from app.state import SessionState
 
-from . import k_color, make_plot
+from . import k_color, make_plot, nice_ceiling
 
 SHOW_ROUNDS = 240
 
@@ -19,16 +19,18 @@ class TimelinePanel(QWidget):
     def __init__(self):
         super().__init__()
         self.info = QLabel("no rounds yet")
+        self.info.setWordWrap(True)
         self.plot = make_plot("ms per round", "round (session)")
         pi = self.plot.getPlotItem()
         self.legend = pi.addLegend(offset=(10, 5), labelTextSize="8pt", colCount=6)
-        self.draft = pg.BarGraphItem(x=[], height=[], width=0.85, pen=None)
-        self.verify = pg.BarGraphItem(x=[], height=[], width=0.85, pen=None)
-        pi.addItem(self.draft)
-        pi.addItem(self.verify)
+        # one pair of bar items per k (a single brush each: pyqtgraph's fast path)
+        self.items: dict[int, tuple[pg.BarGraphItem, pg.BarGraphItem]] = {}
+        self._verify_heights: list[float] = []
         self._brush: dict[tuple[int, bool], QColor] = {}
         self._legend_ks: set[int] = set()
         self._key = None
+        self._ranges = None
+        pi.disableAutoRange()
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addWidget(self.info)
@@ -52,20 +54,40 @@ class TimelinePanel(QWidget):
         x = np.array([p.x for p in pts], dtype=float)
         dm = np.array([p.draft_ms for p in pts], dtype=float)
         vm = np.array([p.verify_ms for p in pts], dtype=float)
-        self.draft.setOpts(x=x, height=dm, y0=np.zeros_like(dm), brushes=[self._b(p.k, True) for p in pts])
-        self.verify.setOpts(x=x, height=vm, y0=dm, brushes=[self._b(p.k, False) for p in pts])
-        for p in pts:
-            if p.k not in self._legend_ks:
-                self._legend_ks.add(p.k)
-                self._rebuild_legend()
+        ks = np.array([p.k for p in pts], dtype=int)
+        for k in sorted(set(ks.tolist()) | set(self.items)):
+            if k not in self.items:
+                d = pg.BarGraphItem(x=[], height=[], width=0.85, pen=None, brush=self._b(k, True))
+                v = pg.BarGraphItem(x=[], height=[], width=0.85, pen=None, brush=self._b(k, False))
+                self.plot.addItem(d)
+                self.plot.addItem(v)
+                self.items[k] = (d, v)
+            m = ks == k
+            d, v = self.items[k]
+            d.setOpts(x=x[m], height=dm[m], y0=np.zeros(int(m.sum())))
+            v.setOpts(x=x[m], height=vm[m], y0=dm[m])
+        self._verify_heights = [float(h) for h in vm]
+        if set(ks.tolist()) - self._legend_ks:
+            self._legend_ks |= set(ks.tolist())
+            self._rebuild_legend()
         if pts:
             tot_d, tot_v = float(dm.sum()), float(vm.sum())
             n_tok = sum(p.accepted + 1 for p in pts)
             self.info.setText(f"last {len(pts)} rounds: draft {tot_d:.0f} ms + verify {tot_v:.0f} ms "
                               f"for {n_tok} tokens · light = draft, solid = verify")
-            self.plot.getPlotItem().setXRange(x[0] - 0.5, x[-1] + 0.5, padding=0.02)
+            self._range(float(x[0]), float(x[-1]), float((dm + vm).max()))
         else:
             self.info.setText("no rounds yet")
+
+    def _range(self, lo: float, hi: float, ymax: float) -> None:
+        """Stepped ranges: the axes change only when the data outgrows them."""
+        xr = (lo - 0.5, lo + nice_ceiling(max(10.0, hi - lo + 1)))
+        yr = (0.0, nice_ceiling(ymax * 1.25))     # headroom for the legend
+        if (xr, yr) != self._ranges:
+            self._ranges = (xr, yr)
+            pi = self.plot.getPlotItem()
+            pi.setXRange(*xr, padding=0)
+            pi.setYRange(*yr, padding=0)
 
     def _rebuild_legend(self) -> None:
         self.legend.clear()
@@ -74,6 +96,4 @@ class TimelinePanel(QWidget):
             self.legend.addItem(item, f"k={k}")
 
     def snapshot(self) -> dict:
-        o = self.verify.opts
-        return {"info": self.info.text(), "n": len(o.get("x", [])),
-                "verify": [float(v) for v in (o.get("height") if o.get("height") is not None else [])]}
+        return {"info": self.info.text(), "n": len(self._verify_heights), "verify": list(self._verify_heights)}

@@ -53,6 +53,7 @@ class TokenPanel(QWidget):
         self.state: SessionState | None = None
         self.view = TokenView(self)
         self.title = QLabel("No request yet")
+        self.title.setWordWrap(True)
         self.title.setTextFormat(Qt.TextFormat.PlainText)
         legend = QHBoxLayout()
         legend.setSpacing(10)
