@@ -110,7 +110,6 @@ class MainWindow(QMainWindow):
         self.replay_tb.setObjectName("toolbar_replay")
         self.replay_tb.setMovable(False)
         self.replay_tb.addWidget(self.replay_bar)
-        self.addToolBar(Qt.ToolBarArea.TopToolBarArea, self.replay_tb)
         self.replay_tb.hide()
 
         self.run_panel.runRequested.connect(self.run)
@@ -162,7 +161,8 @@ class MainWindow(QMainWindow):
         for a in (self.act_run, self.act_stop, self.act_open, self.act_export):
             tb.addAction(a)
         self.addToolBar(Qt.ToolBarArea.TopToolBarArea, tb)
-        self.insertToolBarBreak(self.replay_tb)
+        self.addToolBarBreak(Qt.ToolBarArea.TopToolBarArea)
+        self.addToolBar(Qt.ToolBarArea.TopToolBarArea, self.replay_tb)    # its own row, below
 
     def _build_status(self) -> None:
         sb = self.statusBar()

@@ -49,13 +49,14 @@ def make_plot(left: str, bottom: str) -> pg.PlotWidget:
 
 
 def nice_ceiling(v: float) -> float:
-    """Axis ranges grow in steps (1, 2, 5 x 10^n), so a live plot does not re-layout every round."""
+    """Axis ranges grow in steps (1, 1.5, 2, 3, 5, 7.5 x 10^n), so a live plot does not re-layout
+    every round."""
     import math
 
     if v <= 0:
         return 1.0
     e = 10 ** math.floor(math.log10(v))
-    for m in (1, 2, 5, 10):
+    for m in (1, 1.5, 2, 3, 5, 7.5, 10):
         if v <= m * e:
             return m * e
     return 10 * e

@@ -69,9 +69,10 @@ class AcceptancePanel(QWidget):
         else:
             txt = "alpha: —"
         if self._chosen_k is not None:
-            s = self._stars.get(str(self._chosen_k))
-            txt += (f" · chosen k={self._chosen_k}: alpha* = {s:.3f}" if s is not None
-                    else f" · chosen k={self._chosen_k}")
+            txt += f" · chosen k={self._chosen_k}"
+        if self._stars:
+            txt += " · α*: " + ", ".join(f"k{k} {'never' if v is None else f'{v:.2f}'}"
+                                         for k, v in sorted(self._stars.items(), key=lambda kv: int(kv[0])))
         self.info.setText(txt)
 
     def _range(self, x) -> None:
@@ -99,14 +100,18 @@ class AcceptancePanel(QWidget):
         self._stars = dict(d.alpha_star) if d is not None else {}
         self._chosen_k = d.action.get("k") if d is not None else None
         finite = {int(k): v for k, v in self._stars.items() if v is not None}
-        for j, (k, v) in enumerate(sorted(finite.items())):
-            chosen = k == self._chosen_k
+        lab_k = (self._chosen_k if self._chosen_k in finite else
+                 (min(finite, key=finite.get) if finite else None))
+        for k, v in sorted(finite.items()):
+            chosen = k == self._chosen_k or k == lab_k     # drawn strong: it bounds the shaded band
             col = QColor(k_color(k))
             col.setAlpha(255 if chosen else 90)
+            # only the chosen k's line is labelled (the labels of close lines would overlap);
+            # the info line lists every alpha*
             ln = pg.InfiniteLine(pos=v, angle=0, movable=False,
                                  pen=pg.mkPen(col, width=2.5 if chosen else 1, style=pg.QtCore.Qt.PenStyle.DashLine),
-                                 label=f"α*(k={k}) {v:.2f}",
-                                 labelOpts={"position": 0.98 - 0.16 * (j % 6), "color": col, "anchors": [(1, 1), (1, 1)]})
+                                 label=f"α*(k={k}) = {v:.2f}" if k == lab_k else None,
+                                 labelOpts={"position": 0.85, "color": col, "anchors": [(1, 1), (1, 1)]})
             ln.setZValue(5 if chosen else 1)
             self.plot.addItem(ln)
             self._star_lines.append(ln)
