@@ -335,7 +335,7 @@ class MainWindow(QMainWindow):
         self.runFinished.emit(end)
 
     def _on_failed(self, msg: str, details: str) -> None:
-        self.show_error("Engine error", msg, details)
+        self.show_error("Cannot load models" if msg.startswith("cannot load") else "Engine error", msg, details)
 
     def _set_running_ui(self) -> None:
         self.run_panel.set_running(self.running, bool(self.busy) and not self.running)

@@ -57,6 +57,7 @@ class Worker(QObject):
         self.pair: tuple[str, str] | None = None
         self.controls = Controls()
         self._seen_ids: set[int] = set()
+        self._load_failed = False
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ models (worker thread)
@@ -76,6 +77,7 @@ class Worker(QObject):
                                         progress=lambda f, w: self.progress.emit(f, w))
             self._install(t, d, prof, (target, draft))
         except Exception as e:  # noqa: BLE001 - any failure becomes a dialog
+            self._load_failed = True          # the run queued behind this load is skipped
             self._fail(f"cannot load models: {e}", e)
         finally:
             self.busy.emit("")
@@ -94,6 +96,7 @@ class Worker(QObject):
         from rakv.records import Recorder
 
         self.close_recording()
+        self._load_failed = False
         self._seen_ids = set()
         self.target, self.draft, self.profile, self.pair = target, draft, profile, pair
         with self._lock:
@@ -123,6 +126,10 @@ class Worker(QObject):
     # ------------------------------------------------------------------ run (worker thread)
     @Slot(str, str, int)
     def run(self, prompt: str, policy: str, max_new_tokens: int) -> None:
+        if self._load_failed:                 # already reported; do not run the previous pair
+            self._load_failed = False
+            self.finished.emit(None)
+            return
         if self.engine is None:
             self._fail("no models loaded", None)
             self.finished.emit(None)

@@ -262,6 +262,17 @@ def test_engine_error_shows_dialog_and_next_run_works(qtbot, win, errors, monkey
     assert errors[-1] == "ValueError: boom"
 
 
+def test_bad_model_shows_dialog_and_skips_the_run(qtbot, win, errors, models):
+    win.run_panel.set_pair("/nonexistent/model-dir", "none")
+    win.preloaded = False                      # as if the user picked a pair in the GUI
+    end = run(qtbot, win)
+    assert end is None and len(errors) == 1 and "model path not found" in errors[0]
+    target, draft, profile = models
+    with qtbot.waitSignal(win.modelsLoaded, timeout=T):
+        win.use_models(target, ModelDraft(draft), profile)
+    assert run(qtbot, win) is not None
+
+
 def test_corrupt_recording_gives_clear_message(win, errors, tmp_path):
     bad = tmp_path / "bad.jsonl"
     good_header = (ROOT / "resources" / "example.jsonl").read_text().splitlines()[0]
