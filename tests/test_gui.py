@@ -138,6 +138,38 @@ def test_run_updates_every_panel(qtbot, win, tmp_path):
     assert win.panel_snapshot()["cache"]["hits"] == 3
 
 
+def test_hover_shows_token_details(qtbot, win):
+    from PySide6.QtCore import QEvent, QPoint
+    from PySide6.QtGui import QHelpEvent, QTextCursor
+    from PySide6.QtWidgets import QApplication, QToolTip
+
+    run(qtbot, win)
+    view = win.tokens.view
+    cur = QTextCursor(view.document())
+    cur.movePosition(QTextCursor.MoveOperation.End)
+    cur.movePosition(QTextCursor.MoveOperation.Left, n=2)           # inside the last output token
+    pos = view.cursorRect(cur).center()
+    ev = QHelpEvent(QEvent.Type.ToolTip, pos, view.viewport().mapToGlobal(pos))
+    QApplication.sendEvent(view.viewport(), ev)
+    assert re.search(r"round \d+ \(\w+, k=\d+\)", QToolTip.text())
+
+
+def test_settings_persist(qtbot, win, tmp_path):
+    win.controls.budget.setValue(1024)
+    win.run_panel.prompt.setPlainText("persisted prompt")
+    win.controls.k_boxes[8].setChecked(False)
+    win.save_settings()
+    w2 = MainWindow(Settings(tmp_path / "settings.ini"), tmp_path / "sessions2")
+    qtbot.addWidget(w2)
+    try:
+        assert w2.controls.budget_mib() == 1024
+        assert w2.run_panel.prompt_text() == "persisted prompt"
+        assert w2.controls.k_set() == (0, 1, 2, 4, 6)
+        assert w2.worker.controls.budget_mib == 1024
+    finally:
+        w2.shutdown()
+
+
 def test_stop_mid_run(qtbot, win, monkeypatch):
     import time
 
