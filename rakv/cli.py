@@ -116,12 +116,13 @@ def load_pair(args, config: RakvConfig):
     return target, draft
 
 
-def get_profile(target, draft, k_max: int, force: bool = False, quick: bool = False):
+def get_profile(target, draft, k_max: int, force: bool = False, quick: bool = False, progress=None):
+    """The cost profile for this machine + pair (calibrates once; progress(frac, what) if given)."""
     from .costs import load_or_calibrate, text_progress
     from .models import cache_dir, log
 
     prof, fresh = load_or_calibrate(target, draft, cache_dir(), k_max=k_max, force=force, quick=quick,
-                                    progress=text_progress(), log=log)
+                                    progress=progress or text_progress(), log=log)
     if fresh:
         log(f"calibrated in {prof.calibration_s:.1f} s (alpha0={prof.alpha0:.2f})")
     return prof

@@ -213,6 +213,25 @@ class Controller:
                 return min(probe), "probe", costs
         return k, "argmin", costs
 
+    def round_alpha_star(self, ctx: int, k_set=None) -> dict:
+        """Per-round crossover: smallest alpha with (k d + V(k)) / E_k(alpha) <= t, per k."""
+        p = self.profile
+        t = p.step(ctx)
+        out = {}
+        for k in sorted(set(k_set if k_set is not None else self.k_set)):
+            if k == 0:
+                continue
+            need = (k * p.draft_step(ctx) + p.verify(k, ctx)) / t if t > 0 else float("inf")
+            if need > k + 1:
+                out[str(k)] = None
+                continue
+            lo, hi = 0.0, 1.0
+            for _ in range(25):
+                mid = (lo + hi) / 2
+                lo, hi = (lo, mid) if E(k, mid) >= need else (mid, hi)
+            out[str(k)] = round(hi, 4)
+        return out
+
     def observe_round(self, drafted: int, accepted: int) -> None:
         if drafted > 0:
             self.alpha.update(accepted, drafted)

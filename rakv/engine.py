@@ -53,13 +53,26 @@ class Engine:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._next_id = 0
+        self._running = False
+        self._pending_budget: int | None = None
+        self._open_request: int | None = None
         self.decide_ms_total = 0.0
         self.t0 = now()
 
     # ------------------------------------------------------------------ controls (any thread)
     def set_budget_mib(self, mib: float) -> None:
+        """Safe from any thread: applied now when idle, else at the next request's decision."""
+        if mib < 0:
+            raise EngineError("budget must be >= 0")
         with self._lock:
-            self.store.set_budget(int(mib * 1024 * 1024))
+            self._pending_budget = int(mib * 1024 * 1024)
+            if not self._running:
+                self._apply_budget()
+
+    def _apply_budget(self) -> None:   # caller holds the lock
+        if self._pending_budget is not None:
+            self.store.set_budget(self._pending_budget)
+            self._pending_budget = None
 
     def set_k_set(self, ks) -> None:
         ks = tuple(sorted({int(k) for k in ks}))
@@ -128,6 +141,26 @@ class Engine:
 
     # ------------------------------------------------------------------ one request
     def generate(self, prompt, max_new_tokens: int | None = None, prompt_text: str | None = None) -> RequestEnd:
+        """Run one request. A ``stop()`` issued before or during it ends it (within one round);
+        an exception after the request started still emits a RequestEnd with stopped="error"."""
+        with self._lock:
+            self._running = True
+            self._apply_budget()
+        try:
+            return self._generate(prompt, max_new_tokens, prompt_text)
+        except Exception as e:
+            if self._open_request is not None:
+                self._emit(RequestEnd(request_id=self._open_request, stopped="error",
+                                      text=f"{type(e).__name__}: {e}"))
+            raise
+        finally:
+            self._open_request = None
+            self._stop.clear()
+            with self._lock:
+                self._running = False
+                self._apply_budget()
+
+    def _generate(self, prompt, max_new_tokens, prompt_text) -> RequestEnd:
         N = self.config.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if N < 1:
             raise EngineError("max_new_tokens must be >= 1")
@@ -136,12 +169,12 @@ class Engine:
         maxpos = self.target.max_positions
         if maxpos is not None and P + N > maxpos:
             raise EngineError(f"prompt ({P} tokens) + max_new_tokens ({N}) exceeds the model's context of {maxpos}")
-        self._stop.clear()
         with self._lock:
             policy, k_set, force, budget = self.policy, self.k_set, self.force, self.store.budget
         rid = self._next_id
         self._next_id += 1
         text = prompt if isinstance(prompt, str) else (prompt_text or "")
+        self._open_request = rid
         self._emit(RequestStart(request_id=rid, prompt=text, prompt_ids=ids, prompt_tokens=P,
                                 max_new_tokens=N, policy=policy.name))
         t_req = now()
@@ -293,6 +326,7 @@ class Engine:
                          alpha_ewma=round(self.alpha.value, 5),
                          predicted_ms=None if choice is None else choice.predicted_ms,
                          stopped=stopped, forward_ms=round(forward_ms, 3), bookkeeping_ms=round(book_ms, 3))
+        self._open_request = None
         self._emit(end)
         return end
 
@@ -333,6 +367,7 @@ class Engine:
                                 candidates=[asdict(Candidate(int(reuse), kk, round(v * remaining, 3)))
                                             for kk, v in costs.items()],
                                 action={"reuse": int(reuse), "k": k_new}, alpha=self.alpha.value,
+                                alpha_star=self.controller.round_alpha_star(len(seq), ks_now),
                                 reason=reason, decide_ms=round(dms, 4)))
         self._last_k = k_new
         return k_new

@@ -118,3 +118,49 @@ def test_int8_self_draft_is_exact_and_quantized(arch):
         end = eng.generate(p, N)
         assert end.output_ids == oracle(target.model, p, N)
     assert end.accepted > 0
+
+
+def test_stop_before_and_during_a_request():
+    target, draft = make_pair("llama", "identical")
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy="spec:2"))
+    p = list(range(30, 60))
+    eng.stop()                                   # pressed just before the request starts
+    end = eng.generate(p, 20)
+    assert end.stopped == "stop" and len(end.output_ids) == 1
+    assert end.output_ids == oracle(target.model, p, 1)
+    seen = []
+
+    def cb(r):
+        seen.append(r)
+        if getattr(r, "type", "") == "round" and r.index == 2:
+            eng.stop()
+    eng.callback = cb
+    end = eng.generate(p, 20)
+    assert end.stopped == "stop" and 1 < len(end.output_ids) < 20
+    assert end.output_ids == oracle(target.model, p, 20)[: len(end.output_ids)]
+    eng.callback = seen.append
+    assert eng.generate(p, 20).stopped == "max_new_tokens"   # the flag does not leak into the next one
+
+
+def test_error_after_start_still_ends_the_request():
+    target, draft = make_pair("llama", "identical")
+    seen = []
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy="spec:2"), callback=seen.append)
+
+    def boom(*a, **k):
+        raise RuntimeError("draft exploded")
+    eng.draft.propose = boom
+    with pytest.raises(RuntimeError):
+        eng.generate(list(range(30, 60)), 10)
+    assert seen[-1].type == "request_end" and seen[-1].stopped == "error"
+
+
+def test_budget_change_applies_between_requests():
+    target, draft = make_pair("llama", "identical")
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy="kv"))
+    eng.generate(list(range(30, 60)), 4)
+    assert len(eng.store) == 1
+    eng.set_budget_mib(0)
+    assert len(eng.store) == 0 and eng.store.budget == 0
+    end = eng.generate(list(range(30, 60)), 4)
+    assert end.hit_tokens == 0 and len(eng.store) == 0

@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="include the transformers peers (hf:assist, hf:lookup)")
     ap.add_argument("--lookup-k", type=int, default=None, help="prompt_lookup_num_tokens (default: max K)")
     ap.add_argument("--budget-mib", type=float, default=512.0)
+    ap.add_argument("--dry-run", action="store_true", help="print the plan (streams, policies, executions) and exit")
     ap.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--report-only", action="store_true", help=argparse.SUPPRESS)
@@ -191,6 +192,8 @@ def run(args, argv: list[str]) -> int:
     k_max = max(s["k_set"] + fixed_k + [1])
     lookup_k = args.lookup_k or max(s["k_set"] + [1])
     streams = build_streams(s, args, target.tokenizer, target.max_positions)
+    if args.dry_run:
+        return print_plan(streams, arms, s["repeats"])
     profile = get_profile(target, draft, k_max, quick=args.quick or args.tiny)
     out.mkdir(parents=True, exist_ok=True)
     profile.save(out / "profile.json")
@@ -207,6 +210,17 @@ def run(args, argv: list[str]) -> int:
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     summary = write_summary(out)
     log(f"{n_exec} executions, {n_bad} mismatches vs ar, {meta['elapsed_s'] / 60:.1f} min; wrote {summary}")
+    return 0
+
+
+def print_plan(streams: dict, arms, repeats: int) -> int:
+    n_req = sum(len(x) for x in streams.values())
+    for name, st in streams.items():
+        kinds = {k: sum(1 for r in st if r.kind == k) for k in ("unrelated", "shared", "repeat")}
+        print(f"{name}: {len(st)} requests, prompt tokens {min(len(r.ids) for r in st)}-"
+              f"{max(len(r.ids) for r in st)}, {kinds}")
+    print(f"policies ({len(arms)}): {', '.join(a.name for a in arms)}")
+    print(f"timed executions: {n_req} requests x {repeats} repeats x {len(arms)} policies = {n_req * repeats * len(arms)}")
     return 0
 
 

@@ -25,7 +25,7 @@ def latency_plot(rows: list[dict], out: Path) -> Path | None:
         return None
     pols = M.policies_in(rows)
     wls = sorted({r["workload"] for r in rows})
-    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(pols) * len(wls) + 2), 4.2))
+    fig, ax = plt.subplots(figsize=(min(13, max(6, 0.3 * len(pols) * len(wls) + 3)), 4.5))
     width = 0.8 / len(wls)
     for j, w in enumerate(wls):
         med, lo, hi = [], [], []
@@ -65,11 +65,10 @@ def predicted_plot(cands: list[dict], rows: list[dict], out: Path) -> Path | Non
             if sel:
                 ax.scatter([m for _, m in sel], [p for p, _ in sel], s=14, marker=mk, color=cmap(i),
                            alpha=0.7, label=f"r={r} k={k}")
-    lo = min(min(p, m) for p, m, _ in pts) * 0.8
-    hi = max(max(p, m) for p, m, _ in pts) * 1.2
-    ax.plot([lo, hi], [lo, hi], "k--", lw=1)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    hi = max(max(p, m) for p, m, _ in pts) * 1.05
+    ax.plot([0, hi], [0, hi], "k--", lw=1)
+    ax.set_xlim(0, hi)
+    ax.set_ylim(0, hi)
     ax.set_xlabel("measured latency of the action (ms)")
     ax.set_ylabel("controller's predicted cost (ms)")
     ax.set_title("Predicted vs measured action cost")

@@ -25,6 +25,7 @@ from pathlib import Path
 WORKLOADS = ("wikitext", "humaneval", "repetitive")
 KIND_WEIGHTS = {"unrelated": 0.4, "shared": 0.4, "repeat": 0.2}
 REPO_ROOT = Path(__file__).resolve().parents[2]
+MIN_CONTEXT_CHARS = 3000
 DEFAULT_WIKITEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 
 
@@ -89,7 +90,8 @@ def wikitext_source(path: str | Path | None = None) -> Source:
         docs = [b.strip() for b in re.split(r"\n\s*\n", raw.replace("\r\n", "\n")) if len(b.strip()) > 40]
     if not docs:
         raise ValueError(f"no usable text in {p}")
-    return Source("wikitext", docs, list(QUESTIONS))
+    long = [d for d in docs if len(d) >= MIN_CONTEXT_CHARS]   # room for the 512-token bucket
+    return Source("wikitext", long if len(long) >= 8 else docs, list(QUESTIONS))
 
 
 SYSTEM_PROMPTS = [
@@ -124,14 +126,14 @@ WORDS = ("apple banana cherry delta echo falcon garden harbor island jacket kett
 
 
 def _numbered_list(rng: random.Random) -> str:
-    n = rng.randint(30, 80)
+    n = rng.randint(90, 160)
     items = [f"{i}. {rng.choice(WORDS)} {rng.choice(WORDS)}" for i in range(1, n + 1)]
     return "Here is a numbered list:\n" + "\n".join(items) + "\n"
 
 
 def _code_block(rng: random.Random) -> str:
     funcs = []
-    for j in range(rng.randint(6, 14)):
+    for j in range(rng.randint(16, 28)):
         a, b = rng.sample(WORDS, 2)
         op = rng.choice(["+", "-", "*", "//"])
         funcs.append(f"def {a}_{b}_{j}(x, y):\n    \"\"\"Return x {op} y for the {a} table.\"\"\"\n"
@@ -140,7 +142,7 @@ def _code_block(rng: random.Random) -> str:
 
 
 def _table(rng: random.Random) -> str:
-    rows = [f"| {rng.choice(WORDS)} | {rng.randint(1, 999)} | {rng.choice(WORDS)} |" for _ in range(rng.randint(20, 50))]
+    rows = [f"| {rng.choice(WORDS)} | {rng.randint(1, 999)} | {rng.choice(WORDS)} |" for _ in range(rng.randint(50, 90))]
     return "| name | value | tag |\n|---|---|---|\n" + "\n".join(rows) + "\n"
 
 
