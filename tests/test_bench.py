@@ -112,7 +112,7 @@ def test_spearman_and_controller_quality():
     assert M.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833)
     rows, cands = [], []
     base = dict(rep=0, cell="c", index=0, workload="w", kind="unrelated", match=1, rounds=1, mean_accept_len=1.0,
-                hit_tokens=0, ttft_ms=1.0, tokens_per_s=1.0, alpha_req=None, prompt_tokens=10, gen=8)
+                hit_tokens=0, ttft_ms=1.0, tokens_per_s=1.0, alpha_req=None, prompt_tokens=10, gen=8, output_tokens=8)
     for name, lat in (("ar", 100.0), ("kv", 90.0), ("spec:2", 50.0), ("joint:2", 60.0), ("adaptive:request", 65.0)):
         rows.append({**base, "policy": name, "latency_ms": lat})
     for (r, k), pred, ch in (((0, 0), 100.0, 0), ((1, 0), 80.0, 0), ((0, 2), 70.0, 0), ((1, 2), 50.0, 1)):
@@ -121,7 +121,7 @@ def test_spearman_and_controller_quality():
     q = M.controller_quality(cands, rows, "adaptive:request")
     assert q["action_acc"] == 0 and q["k_acc"] == 1 and q["actions"] == 4
     assert q["regret"] == pytest.approx(0.2) and q["realized"] == pytest.approx(0.3)
-    assert q["mape"] == pytest.approx((0 + 10 / 90 + 20 / 50 + 10 / 60) / 4)
+    assert q["mape"] == q["mape_full"] == pytest.approx((0 + 10 / 90 + 20 / 50 + 10 / 60) / 4)
     assert q["spearman"] == pytest.approx(0.8)
     assert M.paired_speedup(rows, "spec:2", "ar") == pytest.approx(2.0)
     assert M.empirical_crossover([(0.1, 0.8), (0.3, 0.9), (0.6, 1.2), (0.9, 1.5)]) == pytest.approx(0.6)
