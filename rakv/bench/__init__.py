@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="include the transformers peers (hf:assist, hf:lookup)")
     ap.add_argument("--lookup-k", type=int, default=None, help="prompt_lookup_num_tokens (default: max K)")
     ap.add_argument("--budget-mib", type=float, default=512.0)
+    ap.add_argument("--recalibrate", action="store_true", help="measure the cost profile again before running")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (streams, policies, executions) and exit")
     ap.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
@@ -194,7 +195,7 @@ def run(args, argv: list[str]) -> int:
     streams = build_streams(s, args, target.tokenizer, target.max_positions)
     if args.dry_run:
         return print_plan(streams, arms, s["repeats"])
-    profile = get_profile(target, draft, k_max, quick=args.quick or args.tiny)
+    profile = get_profile(target, draft, k_max, force=args.recalibrate, quick=args.quick or args.tiny)
     out.mkdir(parents=True, exist_ok=True)
     profile.save(out / "profile.json")
     config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, k_set=tuple(s["k_set"]),
