@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from rakv.cli import quiet_libs
 from rakv.config import POLICIES_HELP
 
 
@@ -31,26 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _quiet_libs() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    try:
-        import transformers
-
-        transformers.utils.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-    except Exception:  # noqa: BLE001
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         print("rakv-explorer: error: --max-new-tokens must be >= 1", file=sys.stderr)
         return 2
-    _quiet_libs()
+    quiet_libs()
     import torch
 
     # leave a core to the GUI thread; a shorter GIL switch interval keeps the event loop responsive

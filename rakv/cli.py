@@ -17,7 +17,8 @@ class CliError(Exception):
     pass
 
 
-def _quiet_libs() -> None:
+def quiet_libs() -> None:
+    """Silence library warnings and progress bars (our own progress goes to stderr)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import warnings
 
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         return _guard(lambda: bench_main(argv[1:]))
     ap = build_parser()
     args = ap.parse_args(argv)
-    _quiet_libs()
+    quiet_libs()
     return _guard(lambda: {"generate": cmd_generate, "calibrate": cmd_calibrate, "replay": cmd_replay}[args.cmd](args))
 
 

@@ -84,13 +84,9 @@ def main(argv=None) -> int:
 
     # ---- 1. exactness vs transformers' greedy generate
     print("## exactness vs transformers generate(do_sample=False)", file=sys.stderr)
-    from rakv.cli import get_profile
-
-    combos = [("none", "ar"), ("none", "kv")] + [(d, p) for d in drafts for p in ("spec:4", "joint:4", "adaptive")]
+    combos = [("none", "ar"), ("none", "kv")] + [(d, p) for d in drafts for p in ("spec:4", "joint:4")]
     drafts["none"] = make_draft("none", target, RakvConfig())
-    profiles = {d: get_profile(target, drafts[d], 8) for d in ("int8", "ngram")}
-    engines = {(d, p): Engine(target, drafts[d], RakvConfig(policy=p), profile=profiles.get(d))
-               for d, p in combos}
+    engines = {(d, p): Engine(target, drafts[d], RakvConfig(policy=p)) for d, p in combos}
     stream = []
     for p in prompts:              # each prompt, then the same prompt again (exact repeat)
         stream += [p, p]

@@ -8,6 +8,7 @@ from functools import lru_cache
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from rakv.bench.tiny import perturbed  # noqa: F401  (one copy of the noise recipe)
 from rakv.models import wrap
 
 VOCAB = 320
@@ -59,16 +60,6 @@ def make_model(arch: str = "llama", seed: int = 0, layers: int = 2, hidden: int 
     m.eval()
     m.generation_config.eos_token_id = eos
     m.generation_config.pad_token_id = 1
-    return m
-
-
-def perturbed(model, scale: float, seed: int = 1):
-    """A copy of ``model`` with noise added: scale ~0 agrees almost always, large disagrees."""
-    m = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
     return m
 
 
