@@ -170,7 +170,7 @@ def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
 
 
 def run(args, argv: list[str]) -> int:
-    from rakv.cli import _quiet_libs, get_profile
+    from rakv.cli import quiet_libs, get_profile
     from rakv.config import RakvConfig
     from rakv.models import log
 
@@ -183,7 +183,7 @@ def run(args, argv: list[str]) -> int:
             raise ValueError(f"no executions.csv in {out}")
         log(f"wrote {write_summary(out)}")
         return 0
-    _quiet_libs()
+    quiet_libs()
     s = settings(args)
     t_start = time.perf_counter()
     target, draft = load_models(args, args.draft)
