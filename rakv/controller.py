@@ -14,7 +14,8 @@ Acceptance: ``AlphaEWMA`` keeps EWMAs of accepted tokens and of Bernoulli trials
 weight of the newest round. It starts from the calibration's measured alpha0.
 
 Not getting stuck: if no round has drafted for ``probe_interval`` rounds (initially
-``probe_every`` = 8), the next round is a probe with the smallest k > 0 in K; its cost is real,
+``probe_every`` = 8), the next round is a probe with the k > 0 whose crossover alpha* is lowest (the k most likely
+to pay, which also yields several acceptance trials; the smallest k if none can pay); its cost is real,
 measured and recorded (Decision.reason = "probe"), and its outcome updates alpha. A probe that
 is rejected outright doubles the interval (up to 8x ``probe_every``), so on a workload where
 drafting never pays, probes cost a vanishing share; any accepted token resets the interval.
@@ -209,8 +210,13 @@ class Controller:
         if k == 0 and has_draft and self.rounds_since_draft >= self.probe_interval and remaining > 2:
             probe = [kk for kk in ks if 0 < kk <= remaining - 1]
             if probe:
+                # probe with the k most likely to pay (lowest finite crossover alpha*): a cheap
+                # verify that also yields several acceptance trials; else the smallest k
+                stars = self.round_alpha_star(ctx, probe)
+                finite = [int(kk) for kk, v in stars.items() if v is not None]
+                kp = min(finite, key=lambda kk: (stars[str(kk)], kk)) if finite else min(probe)
                 self._probing = True
-                return min(probe), "probe", costs
+                return kp, "probe", costs
         return k, "argmin", costs
 
     def round_alpha_star(self, ctx: int, k_set=None) -> dict:

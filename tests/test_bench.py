@@ -125,3 +125,26 @@ def test_spearman_and_controller_quality():
     assert q["spearman"] == pytest.approx(0.8)
     assert M.paired_speedup(rows, "spec:2", "ar") == pytest.approx(2.0)
     assert M.empirical_crossover([(0.1, 0.8), (0.3, 0.9), (0.6, 1.2), (0.9, 1.5)]) == pytest.approx(0.6)
+
+
+def test_resume_keeps_complete_streams_and_reruns_the_rest(tmp_path, capsys):
+    out = tmp_path / "r"
+    args = ["bench", "--tiny", "--workload", "repetitive", "--out", str(out), "--seed", "1", "--no-peers",
+            "--policies", "kv", "spec:2"]
+    assert main(args) == 0
+    rows = read(out / "executions.csv")
+    cells = sorted({r["cell"] for r in rows})
+    assert len(cells) >= 2
+    # cut the file in the middle of the last stream: as if the run had been stopped there
+    last = [r for r in rows if r["cell"] == cells[-1]]
+    kept = [r for r in rows if r["cell"] != cells[-1]] + last[:2]
+    with open(out / "executions.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(kept)
+    assert main(args + ["--resume"]) == 0
+    again = read(out / "executions.csv")
+    assert len(again) == len(rows)
+    assert [r["latency_ms"] for r in again if r["cell"] != cells[-1]] == \
+           [r["latency_ms"] for r in rows if r["cell"] != cells[-1]]      # complete streams kept as they were
+    assert all(r["match"] == "1" for r in again)

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--report-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the streams already complete in --out and run only the rest "
+                         "(a long grid can span several sittings; same flags required)")
     return ap
 
 
@@ -205,7 +208,8 @@ def run(args, argv: list[str]) -> int:
     log(f"bench: {len(streams)} streams x {s['n_prompts']} requests x {s['repeats']} repeats x "
         f"{len(arms)} policies ({', '.join(a.name for a in arms)}) -> {out}")
     ctx = BenchContext(target, draft, config, profile, arms, lookup_k)
-    n_exec, n_bad = run_streams(ctx, streams, s["repeats"], out, show_progress=not args.no_progress)
+    n_exec, n_bad = run_streams(ctx, streams, s["repeats"], out, show_progress=not args.no_progress,
+                                resume=args.resume)
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     meta["executions"], meta["mismatches"] = n_exec, n_bad
     (out / "meta.json").write_text(json.dumps(meta, indent=1))

@@ -217,10 +217,13 @@ def _hms(s: float) -> str:
 
 
 class CsvOut:
-    def __init__(self, path: Path, columns: list[str]):
+    def __init__(self, path: Path, columns: list[str], keep: list[dict] | None = None):
+        """A CSV flushed per write; ``keep`` rows (from a resumed run) are written first."""
         self.f = open(path, "w", newline="", encoding="utf-8")
         self.w = csv.DictWriter(self.f, fieldnames=columns, extrasaction="ignore")
         self.w.writeheader()
+        if keep:
+            self.write(keep)
 
     def write(self, rows: list[dict]) -> None:
         self.w.writerows(rows)
@@ -273,21 +276,46 @@ def warm_up(ctx: BenchContext, req: Request) -> None:
     run_request(ctx, slots, w, 0, "warmup", None)
 
 
+def completed_cells(out_dir: Path, streams: dict[str, list[Request]], n_arms: int) -> tuple[set, list, list]:
+    """For --resume: the (rep, cell) streams already complete in out_dir, and their rows.
+
+    A stream is the unit of resumption (its engines' cache state is built along it), so a
+    partly-run stream is dropped and run again from its start."""
+    rows, cands = [], []
+    for name, into in (("executions.csv", rows), ("candidates.csv", cands)):
+        f = out_dir / name
+        if f.exists():
+            with open(f, newline="", encoding="utf-8") as fh:
+                into.extend(csv.DictReader(fh))
+    count: dict[tuple[str, str], int] = {}
+    for r in rows:
+        count[(r["rep"], r["cell"])] = count.get((r["rep"], r["cell"]), 0) + 1
+    done = {key for key, n in count.items() if key[1] in streams and n == len(streams[key[1]]) * n_arms}
+    keep = [r for r in rows if (r["rep"], r["cell"]) in done]
+    keep_c = [r for r in cands if (r["rep"], r["cell"]) in done]
+    return done, keep, keep_c
+
+
 def run_streams(ctx: BenchContext, streams: dict[str, list[Request]], repeats: int, out_dir: Path,
-                show_progress: bool = True) -> tuple[int, int]:
-    """All cells x repeats; returns (executions, mismatches). Rows are flushed per request."""
+                show_progress: bool = True, resume: bool = False) -> tuple[int, int]:
+    """All cells x repeats; returns (executions, mismatches). Rows are flushed per request.
+    With ``resume``, streams already complete in out_dir are kept and skipped."""
     total = sum(len(s) for s in streams.values()) * repeats * len(ctx.arms)
     first = next((s[0] for s in streams.values() if s), None)
     if first is None:
         raise ValueError("no requests to run")
+    done, keep, keep_c = completed_cells(out_dir, streams, len(ctx.arms)) if resume else (set(), [], [])
     warm_up(ctx, first)
-    ex = CsvOut(out_dir / "executions.csv", EXEC_COLUMNS)
-    ca = CsvOut(out_dir / "candidates.csv", CAND_COLUMNS)
-    progress = Progress(total, show_progress)
-    n_exec = n_bad = 0
+    ex = CsvOut(out_dir / "executions.csv", EXEC_COLUMNS, keep)
+    ca = CsvOut(out_dir / "candidates.csv", CAND_COLUMNS, keep_c)
+    progress = Progress(total - len(keep), show_progress)
+    n_exec = len(keep)
+    n_bad = sum(1 for r in keep if str(r.get("match")) not in ("True", "1", "true"))
     try:
         for rep in range(repeats):
             for cell, stream in streams.items():
+                if (str(rep), cell) in done:
+                    continue
                 slots = make_slots(ctx.arms, ctx.target, ctx.draft, ctx.config, ctx.profile)
                 for req in stream:
                     rows, cands = run_request(ctx, slots, req, rep, cell, progress)
