@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--k-set", default=",".join(map(str, DEFAULT_K_SET)))
     g.add_argument("--budget-mib", type=float, default=512.0)
     g.add_argument("--granularity", choices=["request", "round"], default=None,
-                   help="adaptive: decide k per request (paper) or per round (default)")
+                   help="adaptive: decide k per request (paper, default) or per round")
     g.add_argument("--record", help="write a JSONL recording")
     g.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
     g.add_argument("--recalibrate", action="store_true", help="measure costs again before running")

@@ -30,7 +30,7 @@ class RakvConfig:
     # n-gram prompt lookup draft
     ngram_sizes: tuple[int, ...] = (3, 2)
     # controller
-    granularity: str = "round"       # "request" (paper) or "round" (re-decide k every round)
+    granularity: str = "request"     # "request" (paper; measured faster here) or "round" (re-decide k every round)
     alpha_decay: float = 0.3         # EWMA weight of the newest round's acceptance
     alpha_prior: float | None = None  # None: from calibration
     probe_every: int = 8             # after this many non-drafting rounds, probe one round

@@ -186,7 +186,7 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     ctxs = [c for c in ([16, 128] if quick else [16, 128, 512]) if c + 16 < maxpos]
     ids = calibration_ids(target.tokenizer, max(pf_ns + ctxs) + k_max + 32, target.vocab_size)
     dmodel = draft.lm.model if isinstance(draft, ModelDraft) else None
-    steps = len(pf_ns) * (2 if dmodel is not None else 1) + len(ctxs) * (2 if dmodel is not None else 1) + k_max + 2
+    steps = len(pf_ns) * (2 if dmodel is not None else 1) + len(ctxs) * (2 if dmodel is not None else 1) + 1 + 2
     done = 0
 
     def tick(what: str):
@@ -220,22 +220,21 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
         prof.t.append([c, step_cost(model, c)]); tick(f"target step @{c}")
     V_ctx = min(128, max(ctxs))
     prof.V_ctx = V_ctx
-    base = dec.DynamicCache()
-    dec.prefill(model, ids[:V_ctx], base)
-    for k in range(1, k_max + 1):
-        toks = ids[V_ctx: V_ctx + k + 1]
-
-        def run():
-            dec.verify(model, toks, base)
-            dec.rollback(base, k + 1)
-        run()
-        prof.V[str(k)] = _median_ms(run, reps + 2); tick(f"verify k={k}")
     if dmodel is not None:
         dec.prefill(dmodel, ids[:16], dec.DynamicCache())
         for n in pf_ns:
             prof.D_pf.append([n, pf_cost(dmodel, n)]); tick(f"draft prefill {n}")
         for c in ctxs:
             prof.d.append([c, step_cost(dmodel, c)]); tick(f"draft step @{c}")
+    # Verify costs and the draft step as *ratios to a target step*, measured interleaved in one
+    # loop (rotated order) so that machine drift or a neighbour's load hits them all alike.
+    ratios = interleaved_ratios(model, dmodel, ids, V_ctx, k_max, reps=4 if quick else 7, tick=tick)
+    t_ref = interp(prof.t, V_ctx)
+    for k in range(1, k_max + 1):
+        prof.V[str(k)] = ratios[k] * t_ref
+    if dmodel is not None:
+        d_ref = interp(prof.d, V_ctx)
+        prof.d = [[c, ms * ratios["d"] * t_ref / d_ref] for c, ms in prof.d]
     else:
         prof.d = [[16, 0.02], [1024, 0.05]] if draft.name == "ngram" else []
     # clone/store cost per token (KV copy) and lookup cost
@@ -247,6 +246,44 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     prof.calibration_s = now() - t_start
     prof.calibrated_at = time.strftime("%Y-%m-%dT%H:%M:%S")
     return prof
+
+
+def interleaved_ratios(model, dmodel, ids, ctx: int, k_max: int, reps: int, tick=None) -> dict:
+    """Median ms of a (k+1)-token target forward / a 1-token target forward, for k = 1..k_max,
+    and (key "d") a 1-token draft forward / a 1-token target forward, all at context ``ctx``."""
+    base = dec.DynamicCache()
+    dec.prefill(model, ids[:ctx], base)
+    dbase = None
+    if dmodel is not None:
+        dbase = dec.DynamicCache()
+        dec.prefill(dmodel, ids[:ctx], dbase)
+    keys = list(range(0, k_max + 1)) + (["d"] if dmodel is not None else [])
+    xs: dict = {key: [] for key in keys}
+
+    def once(key):
+        if key == "d":
+            t0 = now()
+            dec.decode_one(dmodel, ids[ctx], dbase)
+            ms = (now() - t0) * 1e3
+            dec.rollback(dbase, 1)
+            return ms
+        toks = ids[ctx: ctx + key + 1]
+        t0 = now()
+        dec.verify(model, toks, base)
+        ms = (now() - t0) * 1e3
+        dec.rollback(base, key + 1)
+        return ms
+
+    for key in keys:       # warm-up, excluded
+        once(key)
+    for r in range(reps):
+        order = keys[r % len(keys):] + keys[: r % len(keys)]
+        for key in order:
+            xs[key].append(once(key))
+    t1 = statistics.median(xs[0])
+    if tick:
+        tick("verify/step ratios")
+    return {key: statistics.median(v) / t1 for key, v in xs.items() if key != 0}
 
 
 def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8) -> float:
