@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-PROMPT=${RAKV_PROMPT:-"Write a Python function that checks whether a number is prime, then explain it."}
+PROMPT=${RAKV_PROMPT:-$'def is_prime(n):\n    """Return True if n is a prime number, else False."""'}
 if [ -n "${DISPLAY:-}${WAYLAND_DISPLAY:-}" ] && .venv/bin/python -c "import app" 2>/dev/null && [ "${1:-}" != "--cli" ]; then
   exec .venv/bin/rakv-explorer --target demo --draft int8 --prompt "$PROMPT" --autorun
 fi
