@@ -34,7 +34,7 @@ from . import decoding as dec
 from .records import hardware_info
 
 now = time.perf_counter
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
 ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
 
@@ -292,11 +292,18 @@ def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8) -> float:
 
     if isinstance(draft, NoDraft):
         return 0.0
-    # the calibration text cycles, so this prompt ends where the text starts to repeat: the
-    # prior is deliberately optimistic (drafting rounds then correct it; a pessimistic prior
-    # would only be corrected by probes)
+    # n-gram lookup (free to draft): the calibration text cycles and this prompt ends where it
+    # starts to repeat, a deliberately optimistic prior (drafting rounds then correct it; a
+    # pessimistic one would only be corrected by probes)
+    from .drafts import ModelDraft
+
     period = len(target.tokenizer(CAL_TEXT, add_special_tokens=False)["input_ids"]) if target.tokenizer else 256
-    prompt = ids[: max(16, min(period + 16, len(ids) - rounds * (k + 1) - 2))]
+    if isinstance(draft, ModelDraft):
+        # a model draft costs real time per drafted token, so an optimistic prior is expensive:
+        # measure on plain text that does not repeat (the target continues it freely)
+        prompt = ids[: max(16, min(64, period - 1))]
+    else:
+        prompt = ids[: max(16, min(period + 16, len(ids) - rounds * (k + 1) - 2))]
     draft.begin(prompt, None, False)
     cache = dec.DynamicCache()
     logits = dec.prefill(target.model, prompt, cache)
