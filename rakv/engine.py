@@ -16,7 +16,7 @@ import torch
 
 from . import decoding as dec
 from .config import Policy, RakvConfig
-from .controller import AlphaEWMA, Controller, Situation
+from .controller import AlphaEWMA, Choice, Controller, Situation
 from .costs import CostProfile
 from .drafts import DraftSource, ModelDraft, NgramDraft, NoDraft, prefill_with_reuse
 from .models import LoadedModel, model_info
@@ -189,11 +189,10 @@ class Engine:
                 choice = self.controller.decide(s, k_set, force)
             else:
                 r, k = int(policy.reuse), policy.k
-                c = self.controller.cost(s, r, k, self.alpha.value)
+                c = round(self.controller.cost(s, r, k, self.alpha.value), 3)
                 ok, why = self.controller.feasible(s, r, k)
-                choice = self.controller.decide(s, (k,), (r, k))
-                choice.candidates = [Candidate(r, k, round(c, 3), ok, why)]
-                choice.reason = "fixed"
+                stars = {str(k): self.controller.alpha_star(s, r, k)} if k > 0 else {}
+                choice = Choice(r, k, c, [Candidate(r, k, c, ok, why)], self.alpha.value, stars, "fixed")
             reuse, k = choice.reuse, choice.k
             self._emit(Decision(request_id=rid, candidates=[asdict(c) for c in choice.candidates],
                                 action={"reuse": reuse, "k": k}, alpha=choice.alpha,

@@ -231,12 +231,11 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
         return lm
     else:
         p = Path(spec).expanduser()
-        looks_local = spec.startswith((".", "/", "~")) or os.sep in spec.rstrip("/").split("/", 1)[-1] or p.exists()
         if p.exists():
             if not (p / "config.json").is_file():
                 raise ModelError(f"{spec} is not a model directory (no config.json)")
             src, name, rev = str(p), p.name, _dir_hash(p)
-        elif looks_local and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
+        elif spec.startswith((".", "/", "~")) or spec.count("/") > 1:   # a path, not an org/name hub id
             raise ModelError(f"model path not found: {spec}")
         else:
             src, name, rev = spec, spec, revision or "main"
