@@ -58,6 +58,7 @@ class Worker(QObject):
         self.controls = Controls()
         self._seen_ids: set[int] = set()
         self._load_failed = False
+        self._persist = False
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ models (worker thread)
@@ -76,6 +77,7 @@ class Worker(QObject):
             prof, _ = load_or_calibrate(t, d, cache_dir(), k_max=max(1, k_max),
                                         progress=lambda f, w: self.progress.emit(f, w))
             self._install(t, d, prof, (target, draft))
+            self._persist = True              # learning goes back to the user's profile
         except Exception as e:  # noqa: BLE001 - any failure becomes a dialog
             self._load_failed = True          # the run queued behind this load is skipped
             self._fail(f"cannot load models: {e}", e)
@@ -97,6 +99,7 @@ class Worker(QObject):
 
         self.close_recording()
         self._load_failed = False
+        self._persist = False
         self._seen_ids = set()
         self.target, self.draft, self.profile, self.pair = target, draft, profile, pair
         with self._lock:
@@ -140,6 +143,10 @@ class Worker(QObject):
             self.engine.set_policy(policy)
             end = self.engine.generate(prompt, max_new_tokens)
             self._write_pieces(prompt, end)
+            if self._persist and self.profile is not None:
+                from rakv.costs import save_learned
+                from rakv.models import cache_dir
+                save_learned(self.profile, cache_dir())   # best effort: a failure loses only learning
         except Exception as e:  # noqa: BLE001
             self._fail(str(e) or type(e).__name__, e)
         finally:

@@ -197,7 +197,19 @@ def cmd_generate(args) -> int:
     finally:
         if recorder:
             recorder.close()
+        if profile is not None and policy.adaptive:
+            save_learned(profile)
     return 0
+
+
+def save_learned(profile) -> None:
+    """Keep what this session learned (cost scales, acceptance, output share) for the next one."""
+    from .costs import save_learned as save
+    from .models import cache_dir
+
+    err = save(profile, cache_dir())
+    if err:   # a read-only cache dir loses the learning, not the run
+        print(f"[rakv] could not save the learned profile: {err}", file=sys.stderr)
 
 
 def cmd_calibrate(args) -> int:

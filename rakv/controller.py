@@ -5,13 +5,25 @@
     C(k, r)    = T_pf(P - hit_r) + D_pf(P - hitd_r) + (N / E_k(alpha)) * (k * d + V(k))
 
 N counts the tokens produced by decoding rounds (max_new_tokens - 1: the first token comes out
-of the prefill). t, d and V(k) are taken at the mean context of the request. r = 1 adds the
+of the prefill), scaled by ``out_frac``, an EWMA (weight 0.3 per request) of the share of
+max_new_tokens that requests actually produced (EOS ends many early; the argmin is unchanged by
+a common factor on every decode term, but predicted latency is not). t, d and V(k) are taken at the mean context of the request. r = 1 adds the
 measured clone/store cost and is infeasible when the prompt's KV (plus logits, plus the draft's
 KV when k > 0) exceeds the budget. The feasible argmin is chosen, k = 0 included.
 
-Acceptance: ``AlphaEWMA`` keeps EWMAs of accepted tokens and of Bernoulli trials per round
-(a successes out of a + [a < drafted] trials), alpha = S / T; decay ``lam`` (default 0.3) is the
-weight of the newest round. It starts from the calibration's measured alpha0.
+Acceptance, two time scales:
+  * per round: ``AlphaEWMA`` keeps EWMAs of accepted tokens and of Bernoulli trials per round
+    (a successes out of a + [a < drafted] trials), alpha = S / T; decay ``lam`` (default 0.3) is
+    the weight of the newest round. Per-round decisions (granularity "round") use it, and it is
+    the alpha_ewma the records and the GUI show against the crossover.
+  * per request: ``alpha_req``, an EWMA (weight ``req_decay``, default 0.3, per request) of each
+    request's pooled acceptance (all its rounds' successes / trials). Per-request decisions use
+    it: the last few rounds of the previous request (the tail of one text) predict the next
+    request poorly; measured on the controller runs in docs/results.md, choosing by the smoothed
+    request-level alpha matched the best fixed k where the per-round EWMA lost 4-6%.
+Both start from the profile's ``alpha_learned`` (what earlier sessions on this pair measured),
+else the calibration's alpha0; at the end of every request the profile's alpha_learned and
+out_frac are updated (``end_request``).
 
 Not getting stuck: if no round has drafted for ``probe_interval`` rounds (initially
 ``probe_every`` = 8), the next round is a probe with the k > 0 whose crossover alpha* is lowest (the k most likely
@@ -97,10 +109,17 @@ class Choice:
 
 class Controller:
     def __init__(self, profile: CostProfile, k_set=(0, 1, 2, 4, 6, 8), lam: float = 0.3,
-                 probe_every: int = 8, alpha_prior: float | None = None):
+                 probe_every: int = 8, alpha_prior: float | None = None, req_decay: float = 0.3):
         self.profile = profile
         self.k_set = tuple(sorted(set(k_set)))
-        self.alpha = AlphaEWMA(profile.alpha0 if alpha_prior is None else alpha_prior, lam)
+        if alpha_prior is None:
+            alpha_prior = profile.alpha_learned if profile.alpha_learned is not None else profile.alpha0
+        self.alpha = AlphaEWMA(alpha_prior, lam)
+        self.alpha_req = float(alpha_prior)      # request-level acceptance EWMA
+        self.req_decay = req_decay
+        self._req_S = 0.0                        # this request's successes / trials so far
+        self._req_T = 0.0
+        self.out_frac = profile.out_frac if profile.out_frac is not None else 1.0
         self.probe_every = probe_every
         self.probe_interval = probe_every
         self.rounds_since_draft = 0
@@ -117,7 +136,7 @@ class Controller:
     def cost(self, s: Situation, r: int, k: int, alpha: float) -> float:
         p = self.profile
         hit, hitd = self.hit_tokens(s, r)
-        n = max(0, s.N - 1)
+        n = max(0, s.N - 1) * self.out_frac
         ctx = s.P + s.N / 2
         c = p.T(s.P - hit)
         if r == 1 and not s.exact:
@@ -157,7 +176,7 @@ class Controller:
     def decide(self, s: Situation, k_set=None, force: tuple[int, int] | None = None) -> Choice:
         t0 = now()
         ks = tuple(sorted(set(k_set if k_set is not None else self.k_set)))
-        a = self.alpha.value
+        a = self.alpha_req
         cands: list[Candidate] = []
         best = None
         for r in (0, 1):
@@ -241,6 +260,8 @@ class Controller:
     def observe_round(self, drafted: int, accepted: int) -> None:
         if drafted > 0:
             self.alpha.update(accepted, drafted)
+            self._req_S += accepted
+            self._req_T += accepted + (1 if accepted < drafted else 0)
             self.rounds_since_draft = 0
             if self._probing and accepted == 0:
                 self.probe_interval = min(8 * self.probe_every, 2 * self.probe_interval)
@@ -249,6 +270,19 @@ class Controller:
         else:
             self.rounds_since_draft += 1
         self._probing = False
+
+
+    def end_request(self, produced: int, max_new: int, stopped: str) -> None:
+        """Fold a finished request into the request-level estimates and the profile."""
+        w = self.req_decay
+        if self._req_T > 0:
+            self.alpha_req = (1 - w) * self.alpha_req + w * (self._req_S / self._req_T)
+            self.profile.alpha_learned = round(self.alpha_req, 5)
+        if stopped in ("eos", "max_new_tokens") and max_new > 1:
+            frac = min(1.0, max(0, produced - 1) / (max_new - 1))
+            self.out_frac = (1 - w) * self.out_frac + w * max(frac, 0.02)
+            self.profile.out_frac = round(self.out_frac, 5)
+        self._req_S = self._req_T = 0.0
 
 
 def choice_to_dict(c: Choice) -> dict:

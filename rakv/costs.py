@@ -34,7 +34,7 @@ from . import decoding as dec
 from .records import hardware_info
 
 now = time.perf_counter
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
 ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
 
@@ -81,6 +81,10 @@ class CostProfile:
     clone_ms_per_token: float = 0.0
     lookup_ms: float = 0.0
     alpha0: float = 0.5
+    # learned from requests served (the controller writes them; `rakv generate` saves them), so a
+    # later session starts from the acceptance and output length this pair actually showed
+    alpha_learned: float | None = None
+    out_frac: float | None = None
     calibrated_at: str = ""
     calibration_s: float = 0.0
     # online refinement: multiplicative scales (log-space EWMA of measured / predicted)
@@ -137,6 +141,17 @@ class CostProfile:
             return CostProfile(**d)
         except (OSError, ValueError, TypeError):
             return None
+
+
+def save_learned(profile: CostProfile, cache: Path) -> str | None:
+    """Write a profile refined online back where it was loaded from; an error message or None."""
+    if not profile.fingerprint:
+        return None
+    try:
+        profile.save(profile_path(cache, profile.fingerprint))
+    except OSError as e:
+        return str(e)
+    return None
 
 
 def profile_path(cache: Path, fp: dict) -> Path:
@@ -249,41 +264,62 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
 
 
 def interleaved_ratios(model, dmodel, ids, ctx: int, k_max: int, reps: int, tick=None) -> dict:
-    """Median ms of a (k+1)-token target forward / a 1-token target forward, for k = 1..k_max,
-    and (key "d") a 1-token draft forward / a 1-token target forward, all at context ``ctx``."""
+    """Costs as the engine pays them, as ratios to a 1-token target forward at context ``ctx``.
+
+    One "round" of key k (1..k_max) is what a speculative round does: k consecutive 1-token
+    draft forwards, then a (k+1)-token target verify (both rolled back after). Key 0 is a plain
+    target step. All keys run interleaved in a rotated order, so drift or a neighbour's load hits
+    them alike. Measured in the loop, not in isolation: a lone draft forward after a target
+    forward runs cold and costs ~40% more than the steps of a real drafting run.
+    Returns {k: V(k)/t} and (with a draft model) "d": median draft ms per drafted token / t.
+    """
     base = dec.DynamicCache()
     dec.prefill(model, ids[:ctx], base)
     dbase = None
     if dmodel is not None:
         dbase = dec.DynamicCache()
         dec.prefill(dmodel, ids[:ctx], dbase)
-    keys = list(range(0, k_max + 1)) + (["d"] if dmodel is not None else [])
+    keys = list(range(0, k_max + 1))
     xs: dict = {key: [] for key in keys}
+    ds: list[float] = []
 
-    def once(key):
-        if key == "d":
+    def once(k):
+        if k == 0:
             t0 = now()
-            dec.decode_one(dmodel, ids[ctx], dbase)
+            dec.decode_one(model, ids[ctx], base)
             ms = (now() - t0) * 1e3
-            dec.rollback(dbase, 1)
-            return ms
-        toks = ids[ctx: ctx + key + 1]
+            dec.rollback(base, 1)
+            return ms, None
+        d_ms = None
+        if dbase is not None:
+            t0 = now()
+            for i in range(k):      # q_i = draft(x_{<ctx+i})
+                dec.decode_one(dmodel, ids[ctx + i], dbase)
+            d_ms = (now() - t0) * 1e3 / k
+            dec.rollback(dbase, k)
+        toks = ids[ctx: ctx + k + 1]
         t0 = now()
         dec.verify(model, toks, base)
         ms = (now() - t0) * 1e3
-        dec.rollback(base, key + 1)
-        return ms
+        dec.rollback(base, k + 1)
+        return ms, d_ms
 
     for key in keys:       # warm-up, excluded
         once(key)
     for r in range(reps):
         order = keys[r % len(keys):] + keys[: r % len(keys)]
         for key in order:
-            xs[key].append(once(key))
+            ms, d_ms = once(key)
+            xs[key].append(ms)
+            if d_ms is not None:
+                ds.append(d_ms)
     t1 = statistics.median(xs[0])
     if tick:
         tick("verify/step ratios")
-    return {key: statistics.median(v) / t1 for key, v in xs.items() if key != 0}
+    out = {key: statistics.median(v) / t1 for key, v in xs.items() if key != 0}
+    if ds:
+        out["d"] = statistics.median(ds) / t1
+    return out
 
 
 def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8) -> float:

@@ -325,6 +325,8 @@ class Engine:
                          alpha_ewma=round(self.alpha.value, 5),
                          predicted_ms=None if choice is None else choice.predicted_ms,
                          stopped=stopped, forward_ms=round(forward_ms, 3), bookkeeping_ms=round(book_ms, 3))
+        if self.controller is not None:
+            self.controller.end_request(len(out), N, stopped)
         self._open_request = None
         self._emit(end)
         return end

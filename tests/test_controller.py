@@ -140,3 +140,51 @@ def test_recalibrates_when_fingerprint_changes(tmp_path, monkeypatch):
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 2
     saved = json.loads(next((tmp_path / "profiles").glob("*.json")).read_text())
     assert set(saved["V"]) >= {"1", "2"} and saved["t"]
+
+
+def test_request_level_alpha_drives_request_decisions():
+    """Per-request decisions use the request-level EWMA, not the last rounds' tail."""
+    prof = profile(alpha0=0.5)
+    c = Controller(prof, lam=0.3, req_decay=0.5)
+    # a request whose rounds end on a run of full acceptances: the round EWMA is high,
+    # the request's pooled acceptance is 8 successes out of 8 + 4 trials
+    for a, m in [(0, 4)] * 4 + [(4, 4)] * 2:
+        c.observe_round(m, a)
+    assert c.alpha.value > 0.75
+    c.end_request(produced=20, max_new=20, stopped="max_new_tokens")
+    pooled = 8 / 12
+    assert c.alpha_req == pytest.approx(0.5 * 0.5 + 0.5 * pooled)
+    assert c.decide(situation()).alpha == pytest.approx(c.alpha_req)
+    assert prof.alpha_learned == pytest.approx(c.alpha_req, abs=1e-5)
+    # a request that drafted nothing leaves it alone
+    c.end_request(produced=20, max_new=20, stopped="max_new_tokens")
+    assert prof.alpha_learned == pytest.approx(c.alpha_req, abs=1e-5)
+    # a new controller on the same profile starts from what was learned, not alpha0
+    assert Controller(prof).alpha_req == pytest.approx(prof.alpha_learned)
+    assert Controller(prof).alpha.value == pytest.approx(prof.alpha_learned)
+
+
+def test_output_share_scales_predictions_not_the_argmin():
+    prof = profile()
+    c = Controller(prof, alpha_prior=0.8, req_decay=1.0)
+    s = situation(N=65)
+    full = c.decide(s)
+    c.end_request(produced=17, max_new=65, stopped="eos")     # 16 of 64 round tokens
+    assert c.out_frac == pytest.approx(0.25) and prof.out_frac == pytest.approx(0.25)
+    short = c.decide(s)
+    assert (short.reuse, short.k) == (full.reuse, full.k)
+    assert short.predicted_ms < 0.5 * full.predicted_ms
+    c.end_request(produced=3, max_new=65, stopped="stop")     # a user's stop says nothing
+    assert c.out_frac == pytest.approx(0.25)
+
+
+def test_calibration_measures_costs_in_the_loop():
+    """interleaved_ratios times k consecutive draft steps + a verify, as a round does."""
+    from tests.tiny import make_pair
+
+    target, draft_lm = make_pair("gpt2")
+    ids = list(range(5, 60))
+    r = costs_mod.interleaved_ratios(target.model, draft_lm.model, ids, ctx=16, k_max=3, reps=2)
+    assert set(r) == {1, 2, 3, "d"} and all(v > 0 for v in r.values())
+    r = costs_mod.interleaved_ratios(target.model, None, ids, ctx=16, k_max=2, reps=2)
+    assert set(r) == {1, 2}

@@ -5,7 +5,10 @@ Fairness of reuse: each engine arm gets its own Engine (own prefix cache, own co
 stream and repeat; every arm sees the same requests in the same order. Policies are interleaved
 per request: request i runs every arm once, in an order rotated by i (and by the repeat), then
 request i+1 — so drift (other processes, thermal) hits all arms alike. Models are loaded once and
-shared; the adaptive arms each get a fresh copy of the one cost profile per stream and repeat.
+shared. Each adaptive arm gets its own copy of the cost profile once per run and keeps it across
+streams and repeats, as a running tool keeps its profile: what it learned online (cost scales,
+request-level acceptance, output-length share) carries over, while its prefix cache and per-round
+state start fresh with every stream. (With --resume, learning restarts from the calibrated profile.)
 A warm-up pass (every arm on one request, throwaway engines) is run first and not recorded.
 """
 
@@ -124,13 +127,18 @@ class Slot:
     collector: Collector = field(default_factory=Collector)
 
 
-def make_slots(arms, target, draft, config: RakvConfig, profile) -> list[Slot]:
+def make_slots(arms, target, draft, config: RakvConfig, profile, learned: dict | None = None) -> list[Slot]:
+    """Fresh engines for one stream. ``learned`` maps an adaptive arm to the profile it keeps
+    across streams (None: a throwaway copy, as for the warm-up)."""
     slots = []
     for arm in arms:
         s = Slot(arm)
         if not arm.peer:
             cfg = config.with_(policy=arm.policy, granularity=arm.granularity)
-            prof = copy.deepcopy(profile) if arm.policy == "adaptive" else None
+            prof = None
+            if arm.policy == "adaptive":
+                prof = (learned.setdefault(arm.name, copy.deepcopy(profile)) if learned is not None
+                        else copy.deepcopy(profile))
             s.engine = Engine(target, draft, cfg, s.collector, prof)
         slots.append(s)
     return slots
@@ -311,12 +319,13 @@ def run_streams(ctx: BenchContext, streams: dict[str, list[Request]], repeats: i
     progress = Progress(total - len(keep), show_progress)
     n_exec = len(keep)
     n_bad = sum(1 for r in keep if str(r.get("match")) not in ("True", "1", "true"))
+    learned: dict = {}
     try:
         for rep in range(repeats):
             for cell, stream in streams.items():
                 if (str(rep), cell) in done:
                     continue
-                slots = make_slots(ctx.arms, ctx.target, ctx.draft, ctx.config, ctx.profile)
+                slots = make_slots(ctx.arms, ctx.target, ctx.draft, ctx.config, ctx.profile, learned)
                 for req in stream:
                     rows, cands = run_request(ctx, slots, req, rep, cell, progress)
                     ex.write(rows)
