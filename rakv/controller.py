@@ -9,7 +9,10 @@ of the prefill), scaled by ``out_frac``, an EWMA (weight 0.3 per request) of the
 max_new_tokens that requests actually produced (EOS ends many early; the argmin is unchanged by
 a common factor on every decode term, but predicted latency is not). t, d and V(k) are taken at the mean context of the request. r = 1 adds the
 measured clone/store cost and is infeasible when the prompt's KV (plus logits, plus the draft's
-KV when k > 0) exceeds the budget. The feasible argmin is chosen, k = 0 included.
+KV when k > 0) exceeds the budget. The feasible argmin is chosen, k = 0 included, with two near-tie rules: among actions within
+K_TIE (2%) of the best predicted cost the smallest k is taken (a longer draft's realised cost
+varies more and a miss wastes more; the margins by which k = 8 beat k = 4 where it then lost were
+0.02-1.4%), and r = 1 takes a near-tie within REUSE_TIE (1%) of the best r = 0.
 
 Acceptance, two time scales:
   * per round: ``AlphaEWMA`` keeps EWMAs of accepted tokens and of Bernoulli trials per round
@@ -44,6 +47,7 @@ from .records import Candidate
 
 now = time.perf_counter
 REUSE_TIE = 0.01
+K_TIE = 0.02    # among actions predicted within 2% of the best, the smallest k is taken
 
 
 def E(k: int, alpha: float) -> float:
@@ -192,6 +196,12 @@ class Controller:
             alt = [c for c in feas if c.reuse == 1 and c.predicted_ms <= best.predicted_ms * (1 + REUSE_TIE)]
             if alt:
                 best = min(alt, key=lambda c: c.predicted_ms)
+        if best is not None:
+            # k near-tie (within the chosen r): a longer draft's realised cost varies more and a
+            # miss wastes more (k draft steps + a wider verify), and per-request predictions carry
+            # ~10% noise here, so a larger k must win by more than K_TIE
+            near = [c for c in feas if c.reuse == best.reuse and c.predicted_ms <= best.predicted_ms * (1 + K_TIE)]
+            best = min(near, key=lambda c: (c.k, c.predicted_ms))
         reason = "argmin"
         if force is not None:
             fr, fk = force
@@ -226,6 +236,7 @@ class Controller:
         if not costs:
             return 0, "argmin", costs
         k = min(costs, key=costs.get)
+        k = min(kk for kk, v in costs.items() if v <= costs[k] * (1 + K_TIE))   # k near-tie: smallest
         if k == 0 and has_draft and self.rounds_since_draft >= self.probe_interval and remaining > 2:
             probe = [kk for kk in ks if 0 < kk <= remaining - 1]
             if probe:

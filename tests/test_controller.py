@@ -188,3 +188,28 @@ def test_calibration_measures_costs_in_the_loop():
     assert set(r) == {1, 2, 3, "d"} and all(v > 0 for v in r.values())
     r = costs_mod.interleaved_ratios(target.model, None, ids, ctx=16, k_max=2, reps=2)
     assert set(r) == {1, 2}
+
+
+def test_k_near_tie_takes_the_smaller_k():
+    """A larger k must beat a smaller one by more than K_TIE (2%), per request and per round."""
+    from rakv.controller import K_TIE
+
+    c = Controller(profile(), k_set=(0, 4, 8), alpha_prior=0.9)
+    s = situation(N=65)
+    cost = {k: c.cost(s, 1, k, c.alpha_req) for k in (4, 8)}
+    ch = c.decide(s)
+    if cost[8] < cost[4] <= cost[8] * (1 + K_TIE):
+        assert ch.k == 4
+    # make k=8 win by 1% only: choose V so that the per-token costs differ by 1%
+    E4, E8 = E(4, 0.95), E(8, 0.95)
+    V4 = 10.0
+    V8 = (4 * 2 + V4) / E4 * E8 * 0.99 - 8 * 2
+    c = Controller(profile(V={1: 12, 2: 13, 4: V4, 6: 30, 8: V8}), k_set=(0, 4, 8), alpha_prior=0.95)
+    assert c.cost(s, 1, 8, 0.95) < c.cost(s, 1, 4, 0.95)
+    assert c.decide(s).k == 4
+    k, _, costs = c.decide_round(ctx=128, remaining=60, k_set=(0, 4, 8))
+    assert costs[8] < costs[4] and k == 4
+    # by 5%, k = 8 is taken
+    V8 = (4 * 2 + V4) / E4 * E8 * 0.95 - 8 * 2
+    c = Controller(profile(V={1: 12, 2: 13, 4: V4, 6: 30, 8: V8}), k_set=(0, 4, 8), alpha_prior=0.95)
+    assert c.decide(s).k == 8
