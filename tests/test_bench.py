@@ -34,6 +34,9 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
     assert "unrelated" in {r["kind"] for r in rows} and len({r["kind"] for r in rows}) >= 2
     summary = (out / "summary.md").read_text()
     assert "0 mismatches" in summary and "Controller quality" in summary and "action acc." in summary
+    for section in ("Adaptive against every policy", "Adaptive against the best fixed policy",
+                    "Next to the paper's controller", "| hf:assist |", "| hf:lookup |"):
+        assert section in summary, section
     cands = read(out / "candidates.csv")
     assert cands and sum(int(c["chosen"]) for c in cands) == n_streams * n_req * 2   # 2 adaptive arms
     pytest.importorskip("matplotlib")

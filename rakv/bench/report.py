@@ -111,6 +111,78 @@ def controller_md(cands: list[dict], rows: list[dict]) -> str:
     return text + "\n"
 
 
+PAPER = dict(action_acc=0.833, k_acc=1.0, mape=0.321, spearman=0.780, regret=0.0032)
+
+
+def fixed_policies(rows: list[dict]) -> list[str]:
+    return [p for p in M.policies_in(rows) if M.fixed_action(p) is not None]
+
+
+def adaptive_vs_md(rows: list[dict]) -> str:
+    """Each adaptive policy against every other policy: paired speedup (median over requests of
+    latency_other / latency_adaptive; > 1: adaptive is faster), over all requests and per workload."""
+    ads = [p for p in M.policies_in(rows) if p.startswith("adaptive")]
+    if not ads:
+        return "_No adaptive policy in this run._\n"
+    others = [p for p in M.policies_in(rows) if p not in ads]
+    ws = sorted({r["workload"] for r in rows})
+    text = ""
+    for a in ads:
+        head = ["vs policy", "all"] + ws
+        body = []
+        for o in others:
+            cells = [o, fmt(M.paired_speedup(rows, a, o), x=True)]
+            for w in ws:
+                rw = [r for r in rows if r["workload"] == w]
+                cells.append(fmt(M.paired_speedup(rw, a, o), x=True))
+            body.append(cells)
+        text += f"\n**{a}** (x = median over requests of latency(policy) / latency({a}); > 1: {a} is faster)\n\n"
+        text += md_table(head, body)
+    return text
+
+
+def best_fixed_md(rows: list[dict]) -> str:
+    """Per workload: the best fixed policy (lowest total latency over the workload's requests) and
+    each adaptive policy's gap to it, in total latency and in median latency."""
+    ads = [p for p in M.policies_in(rows) if p.startswith("adaptive")]
+    fixed = fixed_policies(rows)
+    if not ads or not fixed:
+        return "_Needs an adaptive policy and fixed policies._\n"
+    body = []
+    for w in ["all"] + sorted({r["workload"] for r in rows}):
+        rw = rows if w == "all" else [r for r in rows if r["workload"] == w]
+        tot = {p: sum(r["latency_ms"] for r in rw if r["policy"] == p) for p in fixed + ads}
+        med = {p: M.median(r["latency_ms"] for r in rw if r["policy"] == p) for p in fixed + ads}
+        bt = min(fixed, key=lambda p: tot[p])
+        bm = min(fixed, key=lambda p: med[p] if med[p] is not None else float("inf"))
+        cells = [w, f"{bt} {tot[bt] / 1e3:.1f} s"]
+        cells += [f"{tot[a] / 1e3:.1f} s ({(tot[a] / tot[bt] - 1) * 100:+.1f}%)" for a in ads]
+        cells += [f"{bm} {med[bm]:.0f}"]
+        cells += [f"{med[a]:.0f} ({(med[a] / med[bm] - 1) * 100:+.1f}%)" for a in ads]
+        body.append(cells)
+    head = (["workload", "best fixed, total"] + [f"{a} total" for a in ads]
+            + ["best fixed, median ms"] + [f"{a} median" for a in ads])
+    return md_table(head, body)
+
+
+def paper_md(cands: list[dict], rows: list[dict]) -> str:
+    pols = [p for p in M.policies_in(rows) if p.startswith("adaptive")]
+    qs = [q for q in (M.controller_quality(cands, rows, p) for p in pols) if q]
+    if not qs:
+        return ""
+    head = ["metric", "paper (RAKV-ASD)"] + [q["policy"] for q in qs]
+    names = [("action_acc", "action accuracy (higher is better)", True), ("k_acc", "k accuracy (higher)", True),
+             ("mape", "MAPE, all requests (lower)", True), ("mape_full", "MAPE, full-N requests (lower)", True),
+             ("spearman", "Spearman (higher)", False), ("regret", "mean regret (lower)", True)]
+    body = []
+    for key, label, pct in names:
+        ref = PAPER.get(key, PAPER.get("mape") if key == "mape_full" else None)
+        cells = [label, fmt(ref, 1 if key != "k_acc" else 0, pct=True) if pct else fmt(ref, 3)]
+        cells += [fmt(q[key], 1, pct=True) if pct else fmt(q[key], 3) for q in qs]
+        body.append(cells)
+    return md_table(head, body)
+
+
 def crossover_md(rows: list[dict], predicted: dict) -> str:
     pts = M.speedup_points(rows)
     if not pts:
@@ -148,7 +220,12 @@ def write_summary(out: Path) -> Path:
     for w in sorted({r["workload"] for r in rows}):
         text += f"\n## Workload: {w}\n\n" + policy_md([r for r in rows if r["workload"] == w], full=False)
     text += "\n## Median latency (ms) per prompt bucket P and generation length N\n\n" + cells_md(rows)
+    text += "\n## Adaptive against every policy (paired ratios)\n" + adaptive_vs_md(rows)
+    text += "\n## Adaptive against the best fixed policy of each workload\n\n" + best_fixed_md(rows)
     text += "\n## Controller quality (oracle = every action run on the same request)\n\n" + controller_md(cands, rows)
+    pm = paper_md(cands, rows)
+    if pm:
+        text += "\n### Next to the paper's controller\n\n" + pm
     text += "\n## Acceptance crossover per k (no reuse)\n\n" + crossover_md(rows, pred)
     text += "\n## Plots\n\n" + "".join(f"![{f.stem}]({f.name})\n\n" for f in figs if f is not None)
     text += "\n" + DEFINITIONS
