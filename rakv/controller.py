@@ -19,11 +19,14 @@ Acceptance, two time scales:
     (a successes out of a + [a < drafted] trials), alpha = S / T; decay ``lam`` (default 0.3) is
     the weight of the newest round. Per-round decisions (granularity "round") use it, and it is
     the alpha_ewma the records and the GUI show against the crossover.
-  * per request: ``alpha_req``, an EWMA (weight ``req_decay``, default 0.3, per request) of each
-    request's pooled acceptance (all its rounds' successes / trials). Per-request decisions use
-    it: the last few rounds of the previous request (the tail of one text) predict the next
-    request poorly; measured on the controller runs in docs/results.md, choosing by the smoothed
-    request-level alpha matched the best fixed k where the per-round EWMA lost 4-6%.
+  * per request: ``alpha_req`` = S_r / T_r, EWMAs (weight ``req_decay``, default 0.3, per
+    request) of each request's successes and trials (all its drafting rounds, probes included),
+    the prior counting as ``PRIOR_TRIALS`` trials. Per-request decisions use it: the last few
+    rounds of the previous request (the tail of one text) predict the next request poorly;
+    measured on the controller runs in docs/results.md, choosing by the smoothed request-level
+    alpha matched the best fixed k where the per-round EWMA lost 4-6%. Weighting by trials keeps
+    a request that only probed (one or two trials) from moving it much: with a plain EWMA of
+    per-request ratios, one rejected probe cut alpha by 30% and held the controller at k = 0.
 Both start from the profile's ``alpha_learned`` (what earlier sessions on this pair measured),
 else the calibration's alpha0; at the end of every request the profile's alpha_learned and
 out_frac are updated (``end_request``).
@@ -47,6 +50,7 @@ from .records import Candidate
 
 now = time.perf_counter
 REUSE_TIE = 0.01
+PRIOR_TRIALS = 8.0   # weight of the acceptance prior, in trials
 K_TIE = 0.02    # among actions predicted within 2% of the best, the smallest k is taken
 
 
@@ -119,7 +123,9 @@ class Controller:
         if alpha_prior is None:
             alpha_prior = profile.alpha_learned if profile.alpha_learned is not None else profile.alpha0
         self.alpha = AlphaEWMA(alpha_prior, lam)
-        self.alpha_req = float(alpha_prior)      # request-level acceptance EWMA
+        self.alpha_req = float(alpha_prior)      # request-level acceptance: _rS / _rT
+        self._rS = float(alpha_prior) * PRIOR_TRIALS
+        self._rT = PRIOR_TRIALS
         self.req_decay = req_decay
         self._req_S = 0.0                        # this request's successes / trials so far
         self._req_T = 0.0
@@ -287,7 +293,9 @@ class Controller:
         """Fold a finished request into the request-level estimates and the profile."""
         w = self.req_decay
         if self._req_T > 0:
-            self.alpha_req = (1 - w) * self.alpha_req + w * (self._req_S / self._req_T)
+            self._rS = (1 - w) * self._rS + w * self._req_S
+            self._rT = (1 - w) * self._rT + w * self._req_T
+            self.alpha_req = self._rS / self._rT
             self.profile.alpha_learned = round(self.alpha_req, 5)
         if stopped in ("eos", "max_new_tokens") and max_new > 1:
             frac = min(1.0, max(0, produced - 1) / (max_new - 1))

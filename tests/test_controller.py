@@ -152,8 +152,9 @@ def test_request_level_alpha_drives_request_decisions():
         c.observe_round(m, a)
     assert c.alpha.value > 0.75
     c.end_request(produced=20, max_new=20, stopped="max_new_tokens")
-    pooled = 8 / 12
-    assert c.alpha_req == pytest.approx(0.5 * 0.5 + 0.5 * pooled)
+    from rakv.controller import PRIOR_TRIALS
+    S, T = 0.5 * 0.5 * PRIOR_TRIALS + 0.5 * 8, 0.5 * PRIOR_TRIALS + 0.5 * 12   # trials-weighted
+    assert c.alpha_req == pytest.approx(S / T)
     assert c.decide(situation()).alpha == pytest.approx(c.alpha_req)
     assert prof.alpha_learned == pytest.approx(c.alpha_req, abs=1e-5)
     # a request that drafted nothing leaves it alone
@@ -162,6 +163,20 @@ def test_request_level_alpha_drives_request_decisions():
     # a new controller on the same profile starts from what was learned, not alpha0
     assert Controller(prof).alpha_req == pytest.approx(prof.alpha_learned)
     assert Controller(prof).alpha.value == pytest.approx(prof.alpha_learned)
+
+
+def test_a_request_that_only_probed_barely_moves_alpha():
+    """One rejected probe (one trial) must not hold the controller at k = 0."""
+    c = Controller(profile(), req_decay=0.3, alpha_prior=0.8)
+    c.observe_round(4, 0)
+    c.end_request(produced=32, max_new=32, stopped="max_new_tokens")
+    assert 0.75 < c.alpha_req < 0.8
+    for _ in range(3):                     # three long requests at 0.9 pull it up
+        for _ in range(8):
+            c.observe_round(4, 4)
+        c.observe_round(4, 1)
+        c.end_request(produced=32, max_new=32, stopped="max_new_tokens")
+    assert c.alpha_req > 0.85
 
 
 def test_output_share_scales_predictions_not_the_argmin():
