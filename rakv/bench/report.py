@@ -26,6 +26,11 @@ DEFINITIONS = """\
   mismatch is any difference. The count must be 0.
 - **xR** (speedup vs policy R): median over requests of latency_R / latency (paired on the same
   request and repeat); > 1 means faster than R.
+- **Adaptive against every policy**: for each other policy P, the median over requests of
+  latency_P / latency_adaptive (paired on the same request and repeat); > 1: adaptive is faster.
+- **Best fixed policy of a workload**: the fixed policy (ar, kv, spec:k, joint:k) with the lowest
+  *total* latency over the workload's requests (what serving the workload costs), and separately
+  the one with the lowest *median* latency; the adaptive policies' gaps to each, in percent.
 - **Controller quality** (per adaptive policy; the oracle runs every action (r, k) on the same
   request: the fixed policies ar=(0,0), kv=(1,0), spec:k=(0,k), joint:k=(1,k)). Over the actions
   A both predicted (feasible candidates of the per-request decision) and measured:
