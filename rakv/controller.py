@@ -26,7 +26,7 @@ Acceptance, two time scales:
     measured on the controller runs in docs/results.md, choosing by the smoothed request-level
     alpha matched the best fixed k where the per-round EWMA lost 4-6%. Weighting by trials keeps
     a request that only probed (one or two trials) from moving it much: with a plain EWMA of
-    per-request ratios, one rejected probe cut alpha by 30% and held the controller at k = 0.
+    per-request ratios, one rejected probe cut alpha by 30%.
 Both start from the profile's ``alpha_learned`` (what earlier sessions on this pair measured),
 else the calibration's alpha0; at the end of every request the profile's alpha_learned and
 out_frac are updated (``end_request``).
