@@ -54,6 +54,11 @@ PRIOR_TRIALS = 8.0   # weight of the acceptance prior, in trials
 K_TIE = 0.02    # among actions predicted within 2% of the best, the smallest k is taken
 
 
+def trials(accepted: int, drafted: int) -> int:
+    """Bernoulli trials in a round: the accepted drafts, plus the rejected one if any."""
+    return accepted + (1 if accepted < drafted else 0)
+
+
 def E(k: int, alpha: float) -> float:
     """Expected tokens per round with k drafts at per-token acceptance alpha."""
     if k == 0:
@@ -78,10 +83,9 @@ class AlphaEWMA:
     def update(self, accepted: int, drafted: int) -> float:
         if drafted <= 0:
             return self.value
-        trials = accepted + (1 if accepted < drafted else 0)
         lam = self.lam
         self.S = (1 - lam) * self.S + lam * accepted
-        self.T = (1 - lam) * self.T + lam * trials
+        self.T = (1 - lam) * self.T + lam * trials(accepted, drafted)
         self.rounds += 1
         return self.value
 
@@ -123,7 +127,6 @@ class Controller:
         if alpha_prior is None:
             alpha_prior = profile.alpha_learned if profile.alpha_learned is not None else profile.alpha0
         self.alpha = AlphaEWMA(alpha_prior, lam)
-        self.alpha_req = float(alpha_prior)      # request-level acceptance: _rS / _rT
         self._rS = float(alpha_prior) * PRIOR_TRIALS
         self._rT = PRIOR_TRIALS
         self.req_decay = req_decay
@@ -278,7 +281,7 @@ class Controller:
         if drafted > 0:
             self.alpha.update(accepted, drafted)
             self._req_S += accepted
-            self._req_T += accepted + (1 if accepted < drafted else 0)
+            self._req_T += trials(accepted, drafted)
             self.rounds_since_draft = 0
             if self._probing and accepted == 0:
                 self.probe_interval = min(8 * self.probe_every, 2 * self.probe_interval)
@@ -288,6 +291,10 @@ class Controller:
             self.rounds_since_draft += 1
         self._probing = False
 
+    @property
+    def alpha_req(self) -> float:
+        """Request-level acceptance: trial-weighted EWMA over requests (S_r / T_r)."""
+        return self._rS / self._rT
 
     def end_request(self, produced: int, max_new: int, stopped: str) -> None:
         """Fold a finished request into the request-level estimates and the profile."""
@@ -295,7 +302,6 @@ class Controller:
         if self._req_T > 0:
             self._rS = (1 - w) * self._rS + w * self._req_S
             self._rT = (1 - w) * self._rT + w * self._req_T
-            self.alpha_req = self._rS / self._rT
             self.profile.alpha_learned = round(self.alpha_req, 5)
         if stopped in ("eos", "max_new_tokens") and max_new > 1:
             frac = min(1.0, max(0, produced - 1) / (max_new - 1))

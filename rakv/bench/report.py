@@ -99,9 +99,13 @@ def cells_md(rows: list[dict]) -> str:
     return md_table(["workload", "P", "N"] + pols, body)
 
 
-def controller_md(cands: list[dict], rows: list[dict]) -> str:
+def quality(cands: list[dict], rows: list[dict]) -> list[dict]:
+    """controller_quality of every adaptive policy that has data."""
     pols = [p for p in M.policies_in(rows) if p.startswith("adaptive")]
-    qs = [q for q in (M.controller_quality(cands, rows, p) for p in pols) if q]
+    return [q for q in (M.controller_quality(cands, rows, p) for p in pols) if q]
+
+
+def controller_md(qs: list[dict]) -> str:
     if not qs:
         return "_No controller-quality data (needs an adaptive policy and at least two fixed policies)._\n"
     head = ["policy", "requests", "|A|", "action acc.", "k acc.", "MAPE", "MAPE full N", "Spearman", "regret", "regret ms",
@@ -131,16 +135,11 @@ def adaptive_vs_md(rows: list[dict]) -> str:
         return "_No adaptive policy in this run._\n"
     others = [p for p in M.policies_in(rows) if p not in ads]
     ws = sorted({r["workload"] for r in rows})
+    subsets = [rows] + [[r for r in rows if r["workload"] == w] for w in ws]
     text = ""
     for a in ads:
         head = ["vs policy", "all"] + ws
-        body = []
-        for o in others:
-            cells = [o, fmt(M.paired_speedup(rows, a, o), x=True)]
-            for w in ws:
-                rw = [r for r in rows if r["workload"] == w]
-                cells.append(fmt(M.paired_speedup(rw, a, o), x=True))
-            body.append(cells)
+        body = [[o] + [fmt(M.paired_speedup(rw, a, o), x=True) for rw in subsets] for o in others]
         text += f"\n**{a}** (x = median over requests of latency(policy) / latency({a}); > 1: {a} is faster)\n\n"
         text += md_table(head, body)
     return text
@@ -170,9 +169,7 @@ def best_fixed_md(rows: list[dict]) -> str:
     return md_table(head, body)
 
 
-def paper_md(cands: list[dict], rows: list[dict]) -> str:
-    pols = [p for p in M.policies_in(rows) if p.startswith("adaptive")]
-    qs = [q for q in (M.controller_quality(cands, rows, p) for p in pols) if q]
+def paper_md(qs: list[dict]) -> str:
     if not qs:
         return ""
     head = ["metric", "paper (RAKV-ASD)"] + [q["policy"] for q in qs]
@@ -227,8 +224,9 @@ def write_summary(out: Path) -> Path:
     text += "\n## Median latency (ms) per prompt bucket P and generation length N\n\n" + cells_md(rows)
     text += "\n## Adaptive against every policy (paired ratios)\n" + adaptive_vs_md(rows)
     text += "\n## Adaptive against the best fixed policy of each workload\n\n" + best_fixed_md(rows)
-    text += "\n## Controller quality (oracle = every action run on the same request)\n\n" + controller_md(cands, rows)
-    pm = paper_md(cands, rows)
+    qs = quality(cands, rows)
+    text += "\n## Controller quality (oracle = every action run on the same request)\n\n" + controller_md(qs)
+    pm = paper_md(qs)
     if pm:
         text += "\n### Next to the paper's controller\n\n" + pm
     text += "\n## Acceptance crossover per k (no reuse)\n\n" + crossover_md(rows, pred)

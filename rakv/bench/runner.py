@@ -137,8 +137,12 @@ def make_slots(arms, target, draft, config: RakvConfig, profile, learned: dict |
             cfg = config.with_(policy=arm.policy, granularity=arm.granularity)
             prof = None
             if arm.policy == "adaptive":
-                prof = (learned.setdefault(arm.name, copy.deepcopy(profile)) if learned is not None
-                        else copy.deepcopy(profile))
+                if learned is None:
+                    prof = copy.deepcopy(profile)
+                else:
+                    if arm.name not in learned:
+                        learned[arm.name] = copy.deepcopy(profile)
+                    prof = learned[arm.name]
             s.engine = Engine(target, draft, cfg, s.collector, prof)
         slots.append(s)
     return slots
