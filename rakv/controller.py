@@ -9,10 +9,12 @@ of the prefill), scaled by ``out_frac``, an EWMA (weight 0.3 per request) of the
 max_new_tokens that requests actually produced (EOS ends many early; the argmin is unchanged by
 a common factor on every decode term, but predicted latency is not). t, d and V(k) are taken at the mean context of the request. r = 1 adds the
 measured clone/store cost and is infeasible when the prompt's KV (plus logits, plus the draft's
-KV when k > 0) exceeds the budget. The feasible argmin is chosen, k = 0 included, with two near-tie rules: among actions within
-K_TIE (2%) of the best predicted cost the smallest k is taken (a longer draft's realised cost
-varies more and a miss wastes more; the margins by which k = 8 beat k = 4 where it then lost were
-0.02-1.4%), and r = 1 takes a near-tie within REUSE_TIE (1%) of the best r = 0.
+KV when k > 0) exceeds the budget. The feasible argmin is chosen, k = 0 included, with two near-tie rules: when the best action
+drafts, among drafting actions within K_TIE (2%) of it the smallest k is taken (a longer draft's
+realised cost varies more and a miss wastes more; the margins by which k = 8 beat k = 4 where it
+then lost were 0.02-1.4%); the rule never moves a choice to k = 0, which would learn nothing about
+alpha (a near-tie with k = 0 is left to the argmin). r = 1 takes a near-tie within REUSE_TIE (1%)
+of the best r = 0.
 
 Acceptance, two time scales:
   * per round: ``AlphaEWMA`` keeps EWMAs of accepted tokens and of Bernoulli trials per round
@@ -32,11 +34,19 @@ else the calibration's alpha0; at the end of every request the profile's alpha_l
 out_frac are updated (``end_request``).
 
 Not getting stuck: if no round has drafted for ``probe_interval`` rounds (initially
-``probe_every`` = 8), the next round is a probe with the k > 0 whose crossover alpha* is lowest (the k most likely
-to pay, which also yields several acceptance trials; the smallest k if none can pay); its cost is real,
-measured and recorded (Decision.reason = "probe"), and its outcome updates alpha. A probe that
-is rejected outright doubles the interval (up to 8x ``probe_every``), so on a workload where
-drafting never pays, probes cost a vanishing share; any accepted token resets the interval.
+``probe_every`` = 8) and the probe credit covers the draft's catch-up, the next round is a probe
+with the k > 0 whose crossover alpha* is lowest (the k most likely to pay, which also yields
+several acceptance trials; the smallest k if none can pay); its cost is real, measured and
+recorded (Decision.reason = "probe"), and its outcome updates alpha. A probe that is rejected
+outright doubles the interval (up to 8x ``probe_every``), so on a workload where drafting never
+pays, probes cost a vanishing share; any accepted token resets the interval.
+Catch-up: a model draft that has not drafted in this request must first read the whole context
+(a 512-token prompt costs ~6 target steps with the int8 draft), which a probe pays on top of a
+k = 0 request (in a 20-request check, 512-token k = 0 requests with such probes ran up to 20%
+behind kv). So every non-drafting round earns PROBE_SHARE (2%) of its step cost as credit, and a
+probe needs credit for its catch-up D(behind), which it spends: catch-up spent on probes stays
+under 2% of the time spent not drafting, while short catch-ups (a cached draft prefix, short
+prompts) probe as soon as the interval is up.
 """
 
 from __future__ import annotations
@@ -51,7 +61,8 @@ from .records import Candidate
 now = time.perf_counter
 REUSE_TIE = 0.01
 PRIOR_TRIALS = 8.0   # weight of the acceptance prior, in trials
-K_TIE = 0.02    # among actions predicted within 2% of the best, the smallest k is taken
+K_TIE = 0.02    # among drafting actions predicted within 2% of the best, the smallest k is taken
+PROBE_SHARE = 0.02   # probe catch-up may spend this share of the non-drafting rounds' cost
 
 
 def trials(accepted: int, drafted: int) -> int:
@@ -136,6 +147,7 @@ class Controller:
         self.probe_every = probe_every
         self.probe_interval = probe_every
         self.rounds_since_draft = 0
+        self.probe_credit = 0.0      # ms a probe may spend on draft catch-up
         self._probing = False
 
     # ------------------------------------------------------------------ costs
@@ -205,11 +217,12 @@ class Controller:
             alt = [c for c in feas if c.reuse == 1 and c.predicted_ms <= best.predicted_ms * (1 + REUSE_TIE)]
             if alt:
                 best = min(alt, key=lambda c: c.predicted_ms)
-        if best is not None:
+        if best is not None and best.k > 0:
             # k near-tie (within the chosen r): a longer draft's realised cost varies more and a
             # miss wastes more (k draft steps + a wider verify), and per-request predictions carry
-            # ~10% noise here, so a larger k must win by more than K_TIE
-            near = [c for c in feas if c.reuse == best.reuse and c.predicted_ms <= best.predicted_ms * (1 + K_TIE)]
+            # ~10% noise here, so a larger k must win by more than K_TIE; never down to k = 0
+            near = [c for c in feas if c.reuse == best.reuse and c.k > 0
+                    and c.predicted_ms <= best.predicted_ms * (1 + K_TIE)]
             best = min(near, key=lambda c: (c.k, c.predicted_ms))
         reason = "argmin"
         if force is not None:
@@ -232,12 +245,12 @@ class Controller:
         p = self.profile
         ks = sorted(set(k_set if k_set is not None else self.k_set))
         a = self.alpha.value
+        catch = p.D(catchup_tokens) if draft_model and catchup_tokens > 1 else 0.0
         costs = {}
         for k in ks:
             if k == 0:
                 costs[0] = p.step(ctx)
             elif has_draft and k <= max(0, remaining - 1):
-                catch = p.D(catchup_tokens) if draft_model and catchup_tokens > 1 else 0.0
                 per_round = k * p.draft_step(ctx) + p.verify(k, ctx)
                 # spread a catch-up over the rounds left, as it is paid once
                 rounds_left = max(1.0, remaining / E(k, a))
@@ -245,18 +258,33 @@ class Controller:
         if not costs:
             return 0, "argmin", costs
         k = min(costs, key=costs.get)
-        k = min(kk for kk, v in costs.items() if v <= costs[k] * (1 + K_TIE))   # k near-tie: smallest
-        if k == 0 and has_draft and self.rounds_since_draft >= self.probe_interval and remaining > 2:
-            probe = [kk for kk in ks if 0 < kk <= remaining - 1]
-            if probe:
-                # probe with the k most likely to pay (lowest finite crossover alpha*): a cheap
-                # verify that also yields several acceptance trials; else the smallest k
-                stars = self.round_alpha_star(ctx, probe)
-                finite = [int(kk) for kk, v in stars.items() if v is not None]
-                kp = min(finite, key=lambda kk: (stars[str(kk)], kk)) if finite else min(probe)
-                self._probing = True
+        if k > 0:   # k near-tie: the smallest drafting k within K_TIE
+            k = min(kk for kk, v in costs.items() if kk > 0 and v <= costs[k] * (1 + K_TIE))
+        if k == 0 and has_draft:
+            kp = self.maybe_probe(ctx, remaining, ks, catchup_tokens, draft_model)
+            if kp:
                 return kp, "probe", costs
         return k, "argmin", costs
+
+    def maybe_probe(self, ctx: int, remaining: int, k_set=None, catchup_tokens: int = 0,
+                    draft_model: bool = True) -> int:
+        """For a round that will not draft although a draft is there: earn probe credit, and
+        return the k of a probe round when one is due (else 0)."""
+        p = self.profile
+        self.probe_credit += PROBE_SHARE * p.step(ctx)
+        catch = p.D(catchup_tokens) if draft_model and catchup_tokens > 1 else 0.0
+        probe = [kk for kk in sorted(set(k_set if k_set is not None else self.k_set)) if 0 < kk <= remaining - 1]
+        if (not probe or remaining <= 2 or self.rounds_since_draft < self.probe_interval
+                or self.probe_credit < catch):
+            return 0
+        # probe with the k most likely to pay (lowest finite crossover alpha*): a cheap verify
+        # that also yields several acceptance trials; else the smallest k
+        stars = self.round_alpha_star(ctx, probe)
+        finite = [int(kk) for kk, v in stars.items() if v is not None]
+        kp = min(finite, key=lambda kk: (stars[str(kk)], kk)) if finite else min(probe)
+        self.probe_credit -= catch
+        self._probing = True
+        return kp
 
     def round_alpha_star(self, ctx: int, k_set=None) -> dict:
         """Per-round crossover: smallest alpha with (k d + V(k)) / E_k(alpha) <= t, per k."""

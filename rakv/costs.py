@@ -34,7 +34,7 @@ from . import decoding as dec
 from .records import hardware_info
 
 now = time.perf_counter
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
 ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
 
@@ -322,24 +322,46 @@ def interleaved_ratios(model, dmodel, ids, ctx: int, k_max: int, reps: int, tick
     return out
 
 
+# prompts for a model draft's acceptance prior: plain prose, history prose and code (the kinds of
+# text the workloads hold). The target continues each freely; one text alone gave 0.67 where the
+# WikiText-2, HumanEval and repetitive workloads measure 0.78-0.88, and each run starts from it.
+ALPHA_TEXTS = (
+    CAL_TEXT.split(" def ")[0],
+    "The river flows through the valley past old mills and farms. In spring the water rises and "
+    "the meadows flood, and birds return to nest along the banks. Farmers in the region grow "
+    "wheat, barley and apples, and",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
+    "    a, b = 0, 1\n    for _ in range(n - 1):\n        a, b = b, a + b\n    return b\n\n\n"
+    "def is_prime(n):\n",
+)
+
+
 def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8) -> float:
-    """Per-token acceptance of the draft over a few greedy rounds on the calibration text."""
-    from .drafts import NoDraft
+    """Per-token acceptance of the draft over a few greedy rounds, pooled over the prompts."""
+    from .drafts import ModelDraft, NoDraft
 
     if isinstance(draft, NoDraft):
         return 0.0
-    # n-gram lookup (free to draft): the calibration text cycles and this prompt ends where it
-    # starts to repeat, a deliberately optimistic prior (drafting rounds then correct it; a
-    # pessimistic one would only be corrected by probes)
-    from .drafts import ModelDraft
-
-    period = len(target.tokenizer(CAL_TEXT, add_special_tokens=False)["input_ids"]) if target.tokenizer else 256
+    tok = target.tokenizer
     if isinstance(draft, ModelDraft):
-        # a model draft costs real time per drafted token, so an optimistic prior is expensive:
-        # measure on plain text that does not repeat (the target continues it freely)
-        prompt = ids[: max(16, min(64, period - 1))]
+        # a model draft costs real time per drafted token: measure on text that does not repeat
+        prompts = ([tok(t, add_special_tokens=False)["input_ids"][:64] for t in ALPHA_TEXTS]
+                   if tok is not None else [ids[:64]])
     else:
-        prompt = ids[: max(16, min(period + 16, len(ids) - rounds * (k + 1) - 2))]
+        # n-gram lookup (free to draft): the calibration text cycles and this prompt ends where it
+        # starts to repeat, a deliberately optimistic prior (drafting rounds then correct it; a
+        # pessimistic one would only be corrected by probes)
+        period = len(tok(CAL_TEXT, add_special_tokens=False)["input_ids"]) if tok is not None else 256
+        prompts = [ids[: max(16, min(period + 16, len(ids) - rounds * (k + 1) - 2))]]
+    acc = trials = 0
+    for prompt in prompts:
+        a, n = _accept_rounds(target, draft, prompt, k, rounds)
+        acc, trials = acc + a, trials + n
+    return acc / trials if trials else 0.0
+
+
+def _accept_rounds(target, draft, prompt, k: int, rounds: int) -> tuple[int, int]:
+    """(accepted, trials) over ``rounds`` greedy rounds of k drafts after ``prompt``."""
     draft.begin(prompt, None, False)
     cache = dec.DynamicCache()
     logits = dec.prefill(target.model, prompt, cache)
@@ -361,7 +383,7 @@ def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8) -> float:
         acc += a
         trials += a + (1 if a < len(prop) else 0)
     draft.end()
-    return acc / trials if trials else 0.0
+    return acc, trials
 
 
 def load_or_calibrate(target, draft, cache: Path, k_max: int = 8, force: bool = False,

@@ -247,8 +247,8 @@ class Engine:
                     k_use = self._decide_round(rid, rounds + 1, reuse, seq, remaining, draft_model, has_draft)
                 elif policy.adaptive and k == 0 and has_draft:
                     # per-request mode at k=0: an occasional probe round keeps alpha alive
-                    kp, why, _ = self.controller.decide_round(len(seq), remaining, k_set, 0, has_draft, draft_model)
-                    k_use = kp if why == "probe" else 0
+                    k_use = self.controller.maybe_probe(len(seq), remaining, k_set,
+                                                        self._draft_behind(seq, reuse, draft_model), draft_model)
                 k_eff = min(k_use, remaining - 1)
                 prop_tokens: list[int] = []
                 draft_ms = catch_ms = 0.0
@@ -348,16 +348,20 @@ class Engine:
         return Situation(P=P, N=N, q=q, exact=exact, qd=qd, exact_d=exact_d, entry_bytes=entry,
                          draft_entry_bytes=dentry, budget=budget, has_draft=has_draft, draft_model=draft_model)
 
+    def _draft_behind(self, seq, reuse, draft_model) -> int:
+        """Tokens a model draft must read before it can draft after ``seq`` (its catch-up)."""
+        if not draft_model:
+            return 0
+        if self.draft.cache is not None:
+            return len(seq) - len(self.draft.cached)
+        # the draft has not seen the prompt yet: its prefill (minus a cached prefix) is due
+        hd = self.store.peek(self.draft.key, self.draft.prompt) if (reuse and self.draft.reuse) else None
+        return len(seq) - (hd.usable if hd is not None else 0)
+
     def _decide_round(self, rid, index, reuse, seq, remaining, draft_model, has_draft) -> int:
         with self._lock:
             ks_now = self.k_set
-        behind = 0
-        if draft_model:
-            if self.draft.cache is not None:
-                behind = len(seq) - len(self.draft.cached)
-            else:   # the draft has not seen the prompt yet: its prefill (minus a cached prefix) is due
-                hd = self.store.peek(self.draft.key, self.draft.prompt) if (reuse and self.draft.reuse) else None
-                behind = len(seq) - (hd.usable if hd is not None else 0)
+        behind = self._draft_behind(seq, reuse, draft_model)
         td = now()
         k_new, reason, costs = self.controller.decide_round(len(seq), remaining, ks_now, behind,
                                                             has_draft, draft_model)

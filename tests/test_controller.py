@@ -228,3 +228,44 @@ def test_k_near_tie_takes_the_smaller_k():
     V8 = (4 * 2 + V4) / E4 * E8 * 0.95 - 8 * 2
     c = Controller(profile(V={1: 12, 2: 13, 4: V4, 6: 30, 8: V8}), k_set=(0, 4, 8), alpha_prior=0.95)
     assert c.decide(s).k == 8
+
+
+def test_k_tie_never_moves_the_choice_to_k0():
+    """k = 0 learns nothing about alpha: a drafting action that is best by a hair stays chosen."""
+    c = Controller(profile(), k_set=(0, 4), alpha_prior=0.5)
+    s = situation()
+    # find alpha where k = 4 beats k = 0 by about 1%
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if c.cost(s, 1, 4, mid) > c.cost(s, 1, 0, mid) * 0.99 else (lo, mid)
+    c = Controller(profile(), k_set=(0, 4), alpha_prior=hi)
+    assert c.cost(s, 1, 4, hi) < c.cost(s, 1, 0, hi) < c.cost(s, 1, 4, hi) * 1.02
+    assert c.decide(s).k == 4
+
+
+def test_probe_waits_for_credit_to_pay_a_long_catch_up():
+    """A probe whose draft must first read a long context waits until the non-drafting rounds
+    have earned PROBE_SHARE of their cost; a short catch-up probes as soon as it is due."""
+    from rakv.controller import PROBE_SHARE
+
+    prof = profile(d=9.0, D=(0.5, 1.0))          # draft prefill 1 ms per token; a step 10 ms
+    c = Controller(prof, k_set=(0, 4), alpha_prior=0.1, probe_every=3)
+    behind = 400                                  # D(400) ~ 400 ms: many k=0 rounds of credit
+    n = 0
+    while True:
+        kp = c.maybe_probe(ctx=500, remaining=50, catchup_tokens=behind)
+        if kp:
+            break
+        c.observe_round(0, 0)
+        n += 1
+    earned = PROBE_SHARE * prof.step(500)        # per round, this one included
+    assert (n + 1) * earned >= prof.D(behind) > n * earned
+    assert 0 <= c.probe_credit < earned       # spent
+    # a draft that is only a few tokens behind probes as soon as the interval is up
+    c = Controller(prof, k_set=(0, 4), alpha_prior=0.1, probe_every=3)
+    ks = []
+    for _ in range(4):
+        ks.append(c.maybe_probe(ctx=500, remaining=50, catchup_tokens=1))
+        c.observe_round(0, 0) if not ks[-1] else None
+    assert ks == [0, 0, 0, 4]
