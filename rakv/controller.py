@@ -44,9 +44,10 @@ Catch-up: a model draft that has not drafted in this request must first read the
 (a 512-token prompt costs ~6 target steps with the int8 draft), which a probe pays on top of a
 k = 0 request (in a 20-request check, 512-token k = 0 requests with such probes ran up to 20%
 behind kv). So every non-drafting round earns PROBE_SHARE (2%) of its step cost as credit, and a
-probe needs credit for its catch-up D(behind), which it spends: catch-up spent on probes stays
-under 2% of the time spent not drafting, while short catch-ups (a cached draft prefix, short
-prompts) probe as soon as the interval is up.
+probe needs credit for the part of its catch-up D(behind) beyond one target step, which it
+spends: that part stays under 2% of the time spent not drafting, while short catch-ups (the
+tokens since the last probe, a cached draft prefix, a short prompt) probe as soon as the
+interval is up.
 """
 
 from __future__ import annotations
@@ -272,7 +273,10 @@ class Controller:
         return the k of a probe round when one is due (else 0)."""
         p = self.profile
         self.probe_credit += PROBE_SHARE * p.step(ctx)
+        # a catch-up up to one target step is free (a few tokens missed since the last probe);
+        # beyond that, credit pays for it
         catch = p.D(catchup_tokens) if draft_model and catchup_tokens > 1 else 0.0
+        catch = max(0.0, catch - p.step(ctx))
         probe = [kk for kk in sorted(set(k_set if k_set is not None else self.k_set)) if 0 < kk <= remaining - 1]
         if (not probe or remaining <= 2 or self.rounds_since_draft < self.probe_interval
                 or self.probe_credit < catch):

@@ -247,8 +247,14 @@ class Engine:
                     k_use = self._decide_round(rid, rounds + 1, reuse, seq, remaining, draft_model, has_draft)
                 elif policy.adaptive and k == 0 and has_draft:
                     # per-request mode at k=0: an occasional probe round keeps alpha alive
+                    td = now()
                     k_use = self.controller.maybe_probe(len(seq), remaining, k_set,
                                                         self._draft_behind(seq, reuse, draft_model), draft_model)
+                    if k_use:
+                        self._emit(Decision(request_id=rid, round=rounds + 1, action={"reuse": int(reuse), "k": k_use},
+                                            alpha=self.alpha.value, reason="probe",
+                                            alpha_star=self.controller.round_alpha_star(len(seq), k_set),
+                                            decide_ms=round((now() - td) * 1e3, 4)))
                 k_eff = min(k_use, remaining - 1)
                 prop_tokens: list[int] = []
                 draft_ms = catch_ms = 0.0

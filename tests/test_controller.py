@@ -260,12 +260,14 @@ def test_probe_waits_for_credit_to_pay_a_long_catch_up():
         c.observe_round(0, 0)
         n += 1
     earned = PROBE_SHARE * prof.step(500)        # per round, this one included
-    assert (n + 1) * earned >= prof.D(behind) > n * earned
+    need = prof.D(behind) - prof.step(500)       # one step of catch-up is free
+    assert (n + 1) * earned >= need > n * earned
     assert 0 <= c.probe_credit < earned       # spent
-    # a draft that is only a few tokens behind probes as soon as the interval is up
+    # a draft that is only a few tokens behind (D(9) < one step) probes as soon as the interval is up
     c = Controller(prof, k_set=(0, 4), alpha_prior=0.1, probe_every=3)
+    assert prof.D(9) < prof.step(500)
     ks = []
     for _ in range(4):
-        ks.append(c.maybe_probe(ctx=500, remaining=50, catchup_tokens=1))
+        ks.append(c.maybe_probe(ctx=500, remaining=50, catchup_tokens=9))
         c.observe_round(0, 0) if not ks[-1] else None
     assert ks == [0, 0, 0, 4]

@@ -103,6 +103,29 @@ def test_draft_catches_up_after_ar_rounds():
     assert end.drafted > 0
 
 
+def test_per_request_k0_probes_are_recorded_and_exact():
+    """A per-request k=0 choice still probes (the draft catches up on the whole context) and each
+    probe is recorded as a Decision for its round; the output stays the target's greedy one."""
+    from rakv.costs import CostProfile
+    from rakv.records import Decision, Round
+
+    target, draft = make_pair("llama", "identical")
+    # the draft is as dear as the target and the prior is low, so k = 0 is chosen per request
+    prof = CostProfile(T_pf=[[8, 1.0], [64, 4.0]], D_pf=[[8, 0.5], [64, 1.0]], t=[[16, 1.0], [256, 1.0]],
+                       d=[[16, 1.0], [256, 1.0]], V={str(k): 1.0 + 0.5 * k for k in range(1, 9)}, alpha0=0.05)
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy="adaptive", probe_every=3), profile=prof)
+    seen = []
+    eng.callback = seen.append
+    p = list(range(10, 40))
+    end = eng.generate(p, 20)
+    assert end.output_ids == oracle(target.model, p, 20)
+    assert end.action["k"] == 0
+    probes = [r for r in seen if isinstance(r, Decision) and r.reason == "probe"]
+    assert probes and all(r.round >= 1 and r.action["k"] > 0 for r in probes)
+    spec = {r.index for r in seen if isinstance(r, Round) and r.kind == "spec"}
+    assert {r.round for r in probes} <= spec and end.drafted > 0
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_int8_self_draft_is_exact_and_quantized(arch):
     from rakv.models import int8_copy
