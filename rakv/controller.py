@@ -21,16 +21,21 @@ Acceptance, two time scales:
     (a successes out of a + [a < drafted] trials), alpha = S / T; decay ``lam`` (default 0.3) is
     the weight of the newest round. Per-round decisions (granularity "round") use it, and it is
     the alpha_ewma the records and the GUI show against the crossover.
-  * per request: ``alpha_req`` = S_r / T_r, EWMAs (weight ``req_decay``, default 0.3, per
-    request) of each request's successes and trials (all its drafting rounds, probes included),
-    the prior counting as ``PRIOR_TRIALS`` trials. Per-request decisions use it: the last few
-    rounds of the previous request (the tail of one text) predict the next request poorly;
-    measured on the controller runs in docs/results.md, choosing by the smoothed request-level
-    alpha matched the best fixed k where the per-round EWMA lost 4-6%. Weighting by trials keeps
-    a request that only probed (one or two trials) from moving it much: with a plain EWMA of
-    per-request ratios, one rejected probe cut alpha by 30%.
-Both start from the profile's ``alpha_learned`` (what earlier sessions on this pair measured),
-else the calibration's alpha0; at the end of every request the profile's alpha_learned and
+  * per request: ``alpha_req`` = (S_r + m a_long) / (T_r + m), where S_r, T_r are EWMAs
+    (weight ``req_decay``, default 0.3, per request) of each request's successes and trials (all
+    its drafting rounds, probes included), and m = ``PRIOR_TRIALS`` (8) pseudo-trials at the
+    long-run acceptance a_long (the same trial-weighted EWMA with weight LONG_DECAY, 0.05,
+    started at the prior). Per-request decisions use it: the last few rounds of the previous
+    request (the tail of one text) predict the next request poorly; measured on the controller
+    runs in docs/results.md, choosing by the smoothed request-level alpha matched the best fixed
+    k where the per-round EWMA lost 4-6%. Weighting by trials keeps a request that only probed
+    (one or two trials) from moving it much. A request without trials still decays S_r and T_r,
+    so while the controller does not draft its estimate drifts back to a_long: an estimate that
+    fell low would otherwise be frozen by the k = 0 choices it causes (measured: after a k = 0
+    streak the estimate sat at ~0.73 while the workloads ran at 0.83, and 5 of 10 requests of
+    the next stream stayed at k = 0 where joint:4 was 20% faster).
+Both start from the profile's ``alpha_learned`` (a_long as earlier sessions on this pair left
+it), else the calibration's alpha0; at the end of every request the profile's alpha_learned and
 out_frac are updated (``end_request``).
 
 Not getting stuck: if no round has drafted for ``probe_interval`` rounds (initially
@@ -61,7 +66,8 @@ from .records import Candidate
 
 now = time.perf_counter
 REUSE_TIE = 0.01
-PRIOR_TRIALS = 8.0   # weight of the acceptance prior, in trials
+PRIOR_TRIALS = 8.0   # weight of the long-run acceptance in the request-level one, in trials
+LONG_DECAY = 0.05    # per-request weight of the long-run acceptance EWMA
 K_TIE = 0.02    # among drafting actions predicted within 2% of the best, the smallest k is taken
 PROBE_SHARE = 0.02   # probe catch-up may spend this share of the non-drafting rounds' cost
 
@@ -139,8 +145,8 @@ class Controller:
         if alpha_prior is None:
             alpha_prior = profile.alpha_learned if profile.alpha_learned is not None else profile.alpha0
         self.alpha = AlphaEWMA(alpha_prior, lam)
-        self._rS = float(alpha_prior) * PRIOR_TRIALS
-        self._rT = PRIOR_TRIALS
+        self._rS = self._rT = 0.0                            # recent requests (weight req_decay)
+        self._lS, self._lT = float(alpha_prior) * PRIOR_TRIALS, PRIOR_TRIALS   # long run
         self.req_decay = req_decay
         self._req_S = 0.0                        # this request's successes / trials so far
         self._req_T = 0.0
@@ -324,17 +330,23 @@ class Controller:
         self._probing = False
 
     @property
+    def alpha_long(self) -> float:
+        return self._lS / self._lT
+
+    @property
     def alpha_req(self) -> float:
-        """Request-level acceptance: trial-weighted EWMA over requests (S_r / T_r)."""
-        return self._rS / self._rT
+        """Request-level acceptance: recent requests' trials plus PRIOR_TRIALS at the long-run rate."""
+        return (self._rS + PRIOR_TRIALS * self.alpha_long) / (self._rT + PRIOR_TRIALS)
 
     def end_request(self, produced: int, max_new: int, stopped: str) -> None:
         """Fold a finished request into the request-level estimates and the profile."""
         w = self.req_decay
+        self._rS = (1 - w) * self._rS + w * self._req_S      # no trials: decays toward a_long
+        self._rT = (1 - w) * self._rT + w * self._req_T
         if self._req_T > 0:
-            self._rS = (1 - w) * self._rS + w * self._req_S
-            self._rT = (1 - w) * self._rT + w * self._req_T
-            self.profile.alpha_learned = round(self.alpha_req, 5)
+            self._lS = (1 - LONG_DECAY) * self._lS + LONG_DECAY * self._req_S
+            self._lT = (1 - LONG_DECAY) * self._lT + LONG_DECAY * self._req_T
+            self.profile.alpha_learned = round(self.alpha_long, 5)
         if stopped in ("eos", "max_new_tokens") and max_new > 1:
             frac = min(1.0, max(0, produced - 1) / (max_new - 1))
             self.out_frac = (1 - w) * self.out_frac + w * max(frac, 0.02)

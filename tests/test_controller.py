@@ -152,17 +152,35 @@ def test_request_level_alpha_drives_request_decisions():
         c.observe_round(m, a)
     assert c.alpha.value > 0.75
     c.end_request(produced=20, max_new=20, stopped="max_new_tokens")
-    from rakv.controller import PRIOR_TRIALS
-    S, T = 0.5 * 0.5 * PRIOR_TRIALS + 0.5 * 8, 0.5 * PRIOR_TRIALS + 0.5 * 12   # trials-weighted
-    assert c.alpha_req == pytest.approx(S / T)
+    from rakv.controller import LONG_DECAY, PRIOR_TRIALS
+    m = PRIOR_TRIALS
+    a_long = (0.5 * m * (1 - LONG_DECAY) + 8 * LONG_DECAY) / (m * (1 - LONG_DECAY) + 12 * LONG_DECAY)
+    assert c.alpha_long == pytest.approx(a_long)
+    assert c.alpha_req == pytest.approx((0.5 * 8 + m * a_long) / (0.5 * 12 + m))    # trials-weighted
     assert c.decide(situation()).alpha == pytest.approx(c.alpha_req)
-    assert prof.alpha_learned == pytest.approx(c.alpha_req, abs=1e-5)
-    # a request that drafted nothing leaves it alone
+    assert prof.alpha_learned == pytest.approx(a_long, abs=1e-5)
+    # a request that drafted nothing moves the estimate toward the long run, not the long run
+    before = c.alpha_req
     c.end_request(produced=20, max_new=20, stopped="max_new_tokens")
-    assert prof.alpha_learned == pytest.approx(c.alpha_req, abs=1e-5)
+    assert a_long < c.alpha_req < before and prof.alpha_learned == pytest.approx(a_long, abs=1e-5)
     # a new controller on the same profile starts from what was learned, not alpha0
     assert Controller(prof).alpha_req == pytest.approx(prof.alpha_learned)
     assert Controller(prof).alpha.value == pytest.approx(prof.alpha_learned)
+
+
+def test_a_low_estimate_drifts_back_while_not_drafting():
+    """A run of poor requests pulls alpha_req down; requests without drafting let it return to
+    the long-run acceptance, so a low estimate cannot freeze the controller at k = 0."""
+    c = Controller(profile(), alpha_prior=0.85)
+    for _ in range(2):
+        for _ in range(6):
+            c.observe_round(4, 1)             # 1 success in 2 trials
+        c.end_request(produced=32, max_new=32, stopped="max_new_tokens")
+    low = c.alpha_req
+    assert low < 0.7 and c.alpha_long > 0.8
+    for _ in range(10):
+        c.end_request(produced=32, max_new=32, stopped="max_new_tokens")
+    assert c.alpha_req == pytest.approx(c.alpha_long, abs=0.01) and c.alpha_req > low + 0.1
 
 
 def test_a_request_that_only_probed_barely_moves_alpha():
