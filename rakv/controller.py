@@ -5,9 +5,11 @@
     C(k, r)    = T_pf(P - hit_r) + D_pf(P - hitd_r) + (N / E_k(alpha)) * (k * d + V(k))
 
 N counts the tokens produced by decoding rounds (max_new_tokens - 1: the first token comes out
-of the prefill), scaled by ``out_frac``, an EWMA (weight 0.3 per request) of the share of
-max_new_tokens that requests actually produced (EOS ends many early; the argmin is unchanged by
-a common factor on every decode term, but predicted latency is not). t, d and V(k) are taken at the mean context of the request. r = 1 adds the
+of the prefill), scaled by ``out_frac``, an EWMA (weight OUT_DECAY, 0.1, per request) of the
+share of max_new_tokens that requests actually produced (EOS ends many early). It weighs the
+decode terms against the fixed ones (the draft's prompt prefill), so it moves the argmin; the
+share is bimodal (a request stops after a token or two, or runs to N), and at weight 0.3 two
+one-token outputs halved it and held a stream at k = 0 where joint:4 was 25% faster. t, d and V(k) are taken at the mean context of the request. r = 1 adds the
 measured clone/store cost and is infeasible when the prompt's KV (plus logits, plus the draft's
 KV when k > 0) exceeds the budget. The feasible argmin is chosen, k = 0 included, with two near-tie rules: when the best action
 drafts, among drafting actions within K_TIE (2%) of it the smallest k is taken (a longer draft's
@@ -68,6 +70,7 @@ now = time.perf_counter
 REUSE_TIE = 0.01
 PRIOR_TRIALS = 8.0   # weight of the long-run acceptance in the request-level one, in trials
 LONG_DECAY = 0.05    # per-request weight of the long-run acceptance EWMA
+OUT_DECAY = 0.1      # per-request weight of the output-share EWMA
 K_TIE = 0.02    # among drafting actions predicted within 2% of the best, the smallest k is taken
 PROBE_SHARE = 0.02   # probe catch-up may spend this share of the non-drafting rounds' cost
 
@@ -139,7 +142,8 @@ class Choice:
 
 class Controller:
     def __init__(self, profile: CostProfile, k_set=(0, 1, 2, 4, 6, 8), lam: float = 0.3,
-                 probe_every: int = 8, alpha_prior: float | None = None, req_decay: float = 0.3):
+                 probe_every: int = 8, alpha_prior: float | None = None, req_decay: float = 0.3,
+                 out_decay: float = OUT_DECAY):
         self.profile = profile
         self.k_set = tuple(sorted(set(k_set)))
         if alpha_prior is None:
@@ -148,6 +152,7 @@ class Controller:
         self._rS = self._rT = 0.0                            # recent requests (weight req_decay)
         self._lS, self._lT = float(alpha_prior) * PRIOR_TRIALS, PRIOR_TRIALS   # long run
         self.req_decay = req_decay
+        self.out_decay = out_decay
         self._req_S = 0.0                        # this request's successes / trials so far
         self._req_T = 0.0
         self.out_frac = profile.out_frac if profile.out_frac is not None else 1.0
@@ -349,7 +354,7 @@ class Controller:
             self.profile.alpha_learned = round(self.alpha_long, 5)
         if stopped in ("eos", "max_new_tokens") and max_new > 1:
             frac = min(1.0, max(0, produced - 1) / (max_new - 1))
-            self.out_frac = (1 - w) * self.out_frac + w * max(frac, 0.02)
+            self.out_frac = (1 - self.out_decay) * self.out_frac + self.out_decay * max(frac, 0.02)
             self.profile.out_frac = round(self.out_frac, 5)
         self._req_S = self._req_T = 0.0
 

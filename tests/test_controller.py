@@ -199,7 +199,7 @@ def test_a_request_that_only_probed_barely_moves_alpha():
 
 def test_output_share_scales_predictions_not_the_argmin():
     prof = profile()
-    c = Controller(prof, alpha_prior=0.8, req_decay=1.0)
+    c = Controller(prof, alpha_prior=0.8, out_decay=1.0)
     s = situation(N=65)
     full = c.decide(s)
     c.end_request(produced=17, max_new=65, stopped="eos")     # 16 of 64 round tokens
