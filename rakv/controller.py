@@ -201,7 +201,7 @@ class Controller:
         if self.cost(s, r, k, 0.0) <= c0:
             return 0.0
         lo, hi = 0.0, 1.0
-        for _ in range(30):
+        for _ in range(16):     # to 1.5e-5: alpha* is shown and recorded, not optimised over
             mid = (lo + hi) / 2
             if self.cost(s, r, k, mid) <= c0:
                 hi = mid
