@@ -257,7 +257,7 @@ class Controller:
         p = self.profile
         ks = sorted(set(k_set if k_set is not None else self.k_set))
         a = self.alpha.value
-        catch = p.D(catchup_tokens) if draft_model and catchup_tokens > 1 else 0.0
+        catch = self.catchup_ms(catchup_tokens, draft_model)
         costs = {}
         for k in ks:
             if k == 0:
@@ -278,19 +278,28 @@ class Controller:
                 return kp, "probe", costs
         return k, "argmin", costs
 
+    def catchup_ms(self, catchup_tokens: int, draft_model: bool = True) -> float:
+        """Predicted cost of a model draft reading the tokens it is behind (1 is a normal round)."""
+        return self.profile.D(catchup_tokens) if draft_model and catchup_tokens > 1 else 0.0
+
+    @property
+    def probe_due(self) -> bool:
+        return self.rounds_since_draft >= self.probe_interval
+
     def maybe_probe(self, ctx: int, remaining: int, k_set=None, catchup_tokens: int = 0,
                     draft_model: bool = True) -> int:
         """For a round that will not draft although a draft is there: earn probe credit, and
-        return the k of a probe round when one is due (else 0)."""
-        p = self.profile
-        self.probe_credit += PROBE_SHARE * p.step(ctx)
+        return the k of a probe round when one is due (else 0). ``catchup_tokens`` matters only
+        when ``probe_due``."""
+        step = self.profile.step(ctx)
+        self.probe_credit += PROBE_SHARE * step
+        if not self.probe_due or remaining <= 2:
+            return 0
+        probe = [kk for kk in sorted(set(k_set if k_set is not None else self.k_set)) if 0 < kk <= remaining - 1]
         # a catch-up up to one target step is free (a few tokens missed since the last probe);
         # beyond that, credit pays for it
-        catch = p.D(catchup_tokens) if draft_model and catchup_tokens > 1 else 0.0
-        catch = max(0.0, catch - p.step(ctx))
-        probe = [kk for kk in sorted(set(k_set if k_set is not None else self.k_set)) if 0 < kk <= remaining - 1]
-        if (not probe or remaining <= 2 or self.rounds_since_draft < self.probe_interval
-                or self.probe_credit < catch):
+        catch = max(0.0, self.catchup_ms(catchup_tokens, draft_model) - step)
+        if not probe or self.probe_credit < catch:
             return 0
         # probe with the k most likely to pay (lowest finite crossover alpha*): a cheap verify
         # that also yields several acceptance trials; else the smallest k

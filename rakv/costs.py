@@ -362,6 +362,8 @@ def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8) -> float:
 
 def _accept_rounds(target, draft, prompt, k: int, rounds: int) -> tuple[int, int]:
     """(accepted, trials) over ``rounds`` greedy rounds of k drafts after ``prompt``."""
+    from .controller import trials as round_trials
+
     draft.begin(prompt, None, False)
     cache = dec.DynamicCache()
     logits = dec.prefill(target.model, prompt, cache)
@@ -381,7 +383,7 @@ def _accept_rounds(target, draft, prompt, k: int, rounds: int) -> tuple[int, int
         seq += prop[:a] + [pred[a]]
         draft.commit(seq)
         acc += a
-        trials += a + (1 if a < len(prop) else 0)
+        trials += round_trials(a, len(prop))
     draft.end()
     return acc, trials
 

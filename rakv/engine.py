@@ -248,8 +248,9 @@ class Engine:
                 elif policy.adaptive and k == 0 and has_draft:
                     # per-request mode at k=0: an occasional probe round keeps alpha alive
                     td = now()
-                    k_use = self.controller.maybe_probe(len(seq), remaining, k_set,
-                                                        self._draft_behind(seq, reuse, draft_model), draft_model)
+                    ctl = self.controller
+                    behind = self._draft_behind(seq, reuse, draft_model) if ctl.probe_due else 0
+                    k_use = ctl.maybe_probe(len(seq), remaining, k_set, behind, draft_model)
                     if k_use:
                         self._emit(Decision(request_id=rid, round=rounds + 1, action={"reuse": int(reuse), "k": k_use},
                                             alpha=self.alpha.value, reason="probe",
