@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     src.add_argument("--prompts-file", help=".jsonl with {\"prompt\": ...} per line, or one prompt per line")
     g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--raw", action="store_true",
+                   help="send the prompt text as it is (default: through the tokenizer's chat template, "
+                        "if it has one)")
     g.add_argument("--policy", default="adaptive", help=POLICIES_HELP)
     g.add_argument("--k-set", default=",".join(map(str, DEFAULT_K_SET)))
     g.add_argument("--budget-mib", type=float, default=512.0)
@@ -131,7 +134,7 @@ def get_profile(target, draft, k_max: int, force: bool = False, quick: bool = Fa
 
 def cmd_generate(args) -> int:
     from .engine import Engine
-    from .records import Decision, Recorder, RequestEnd
+    from .records import Decision, Recorder, RequestEnd, RequestStart
 
     if args.max_new_tokens < 1:
         raise CliError("--max-new-tokens must be >= 1")
@@ -150,7 +153,7 @@ def cmd_generate(args) -> int:
         raise CliError(f"policy {policy.name} needs a draft; --draft is 'none'")
     kw = dict(target=args.target, draft=args.draft, revision=args.revision, dtype=args.dtype,
               threads=args.threads, policy=policy.name, max_new_tokens=args.max_new_tokens,
-              k_set=k_set, budget_mib=args.budget_mib)
+              k_set=k_set, budget_mib=args.budget_mib, chat_template=not args.raw)
     if args.granularity:
         kw["granularity"] = args.granularity
     config = RakvConfig(**kw)
@@ -160,12 +163,15 @@ def cmd_generate(args) -> int:
         policy.adaptive or args.recalibrate) else None
     recorder = Recorder(args.record) if args.record else None
     last_decision: dict[int, Decision] = {}
+    starts: dict[int, RequestStart] = {}
 
     def callback(rec):
         if recorder:
             recorder(rec)
         if isinstance(rec, Decision) and rec.round == -1:
             last_decision[rec.request_id] = rec
+        elif isinstance(rec, RequestStart):
+            starts[rec.request_id] = rec
 
     engine = Engine(target, draft, config, callback, profile)
     engine.header()
@@ -173,6 +179,7 @@ def cmd_generate(args) -> int:
         for prompt in prompts:
             end: RequestEnd = engine.generate(prompt)
             dec = last_decision.get(end.request_id)
+            start = starts.get(end.request_id)
             if args.json:
                 obj = {
                     "request_id": end.request_id, "prompt_tokens": end.prompt_tokens,
@@ -185,6 +192,8 @@ def cmd_generate(args) -> int:
                     "drafted": end.drafted, "accepted": end.accepted, "rounds": end.rounds,
                     "alpha_ewma": end.alpha_ewma, "alpha_star": dec.alpha_star if dec else {},
                     "predicted_ms": end.predicted_ms, "stopped": end.stopped, "policy": policy.name,
+                    "templated": bool(start and start.templated),
+                    "template_prefix": start.template_prefix if start else 0,
                 }
                 sys.stdout.write(json.dumps(obj) + "\n")
             else:

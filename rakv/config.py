@@ -20,6 +20,8 @@ class RakvConfig:
     dtype: str = "float32"
     device: str = "cpu"
     threads: int | None = None      # torch.set_num_threads; None = torch default
+    # prompts
+    chat_template: bool = True      # apply the tokenizer's chat template (if it has one); False = raw text
     # decoding
     policy: str = "adaptive"        # adaptive | ar | kv | spec:K | joint:K
     max_new_tokens: int = 64

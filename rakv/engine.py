@@ -21,6 +21,7 @@ from .costs import CostProfile
 from .drafts import DraftSource, ModelDraft, NgramDraft, NoDraft, prefill_with_reuse
 from .models import LoadedModel, model_info
 from .prefix_cache import PrefixCache
+from .prompts import EncodedPrompt, encode_prompt
 from .records import (CacheLookup, Candidate, Decision, RequestEnd, RequestStart, Round, RunHeader,
                       hardware_info, versions_info)
 
@@ -43,6 +44,7 @@ class Engine:
         self.k_set = tuple(config.k_set)
         self.granularity = config.granularity
         self.force = config.force_action
+        self.chat_template = config.chat_template
         self.profile = profile
         self.controller = Controller(profile, self.k_set, config.alpha_decay, config.probe_every,
                                      config.alpha_prior) if profile is not None else None
@@ -96,6 +98,10 @@ class Engine:
     def set_force(self, action: tuple[int, int] | None) -> None:
         self.force = action
 
+    def set_chat_template(self, on: bool) -> None:
+        """Apply the chat template to the next text prompts (False: raw text)."""
+        self.chat_template = bool(on)
+
     def stop(self) -> None:
         self._stop.set()
 
@@ -117,23 +123,26 @@ class Engine:
 
     # ------------------------------------------------------------------ tokenization
     def encode(self, prompt) -> list[int]:
+        return self.encode_prompt(prompt).ids
+
+    def encode_prompt(self, prompt) -> EncodedPrompt:
+        """Text -> ids through ``rakv.prompts`` (chat template unless raw); ids pass through."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise EngineError("empty prompt")
             tok = self.target.tokenizer
             if tok is None:
                 raise EngineError("this target has no tokenizer: pass token ids")
-            ids = tok(prompt, add_special_tokens=False)["input_ids"]
-            if getattr(tok, "bos_token_id", None) is not None and getattr(tok, "add_bos_token", False):
-                ids = [tok.bos_token_id] + ids
+            enc = encode_prompt(tok, prompt, raw=not self.chat_template)
         else:
-            ids = [int(x) for x in prompt]
+            enc = EncodedPrompt([int(x) for x in prompt], False, 0)
+        ids = enc.ids
         if not ids:
             raise EngineError("empty prompt")
         V = int(self.target.model.config.vocab_size)
         if min(ids) < 0 or max(ids) >= V:
             raise EngineError(f"token id out of range [0, {V})")
-        return ids
+        return enc
 
     def decode_text(self, ids: list[int]) -> str:
         tok = self.target.tokenizer
@@ -164,7 +173,8 @@ class Engine:
         N = self.config.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if N < 1:
             raise EngineError("max_new_tokens must be >= 1")
-        ids = self.encode(prompt)
+        enc = self.encode_prompt(prompt)
+        ids = enc.ids
         P = len(ids)
         maxpos = self.target.max_positions
         if maxpos is not None and P + N > maxpos:
@@ -176,7 +186,8 @@ class Engine:
         text = prompt if isinstance(prompt, str) else (prompt_text or "")
         self._open_request = rid
         self._emit(RequestStart(request_id=rid, prompt=text, prompt_ids=ids, prompt_tokens=P,
-                                max_new_tokens=N, policy=policy.name))
+                                max_new_tokens=N, policy=policy.name, templated=enc.templated,
+                                template_prefix=enc.template_prefix))
         t_req = now()
         has_draft = not isinstance(self.draft, NoDraft)
         draft_model = isinstance(self.draft, ModelDraft)

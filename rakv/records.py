@@ -40,11 +40,13 @@ class RequestStart:
     type: str = "request_start"
     t: float = 0.0
     request_id: int = 0
-    prompt: str = ""
-    prompt_ids: list[int] = field(default_factory=list)
+    prompt: str = ""               # the user's text as typed (before any chat template)
+    prompt_ids: list[int] = field(default_factory=list)   # the ids actually fed (templated or raw)
     prompt_tokens: int = 0
     max_new_tokens: int = 0
     policy: str = ""
+    templated: bool = False        # True: prompt_ids are the chat template applied to ``prompt``
+    template_prefix: int = 0       # leading ids every templated prompt shares (the template's system prefix)
 
 
 @dataclass
@@ -255,6 +257,8 @@ CSV_COLUMNS = [
     ("predicted_ms", "controller's predicted latency of the chosen action"),
     ("tokens_per_s", "output tokens / latency"),
     ("stopped", "eos | max_new_tokens | stop"),
+    ("templated", "1 if the prompt went through the chat template (prompt_tokens counts the templated ids)"),
+    ("template_prefix", "leading prompt tokens every templated prompt shares (the template's system prefix)"),
 ]
 
 
@@ -265,7 +269,8 @@ def request_rows(records: Iterable) -> list[dict]:
         rid = getattr(r, "request_id", None)
         if isinstance(r, RequestStart):
             rows[rid] = {"request_id": rid, "prompt_tokens": r.prompt_tokens, "prefill_ms": 0.0,
-                         "draft_ms": 0.0, "verify_ms": 0.0}
+                         "draft_ms": 0.0, "verify_ms": 0.0, "templated": int(r.templated),
+                         "template_prefix": r.template_prefix}
         elif isinstance(r, CacheLookup) and rid in rows and r.model == "target":
             rows[rid]["prefill_ms"] = round(r.prefill_ms, 3)
         elif isinstance(r, Round) and rid in rows and r.kind != "prefill":

@@ -35,11 +35,20 @@ def _tokenizer_json(variant: int = 0) -> str:
     return tok.to_str()
 
 
-def tiny_tokenizer(variant: int = 0) -> PreTrainedTokenizerFast:
+# a small chat template (ChatML-like): a shared system prefix, the user turn, the generation prompt
+CHAT_TEMPLATE = ("{{ '<pad>system: You answer briefly and exactly.\n' }}"
+                 "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '<eos>\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+
+
+def tiny_tokenizer(variant: int = 0, chat: bool = False) -> PreTrainedTokenizerFast:
+    """The tiny tokenizer; ``chat=True`` gives it CHAT_TEMPLATE."""
     from tokenizers import Tokenizer
 
     t = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(variant)),
                                 eos_token="<eos>", pad_token="<pad>")
+    if chat:
+        t.chat_template = CHAT_TEMPLATE
     return t
 
 
@@ -84,11 +93,13 @@ def oracle(model, prompt_ids: list[int], n: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
-def save_tiny(path, arch: str = "llama", seed: int = 0, tokenizer_variant: int = 0, draft_of=None):
-    """Write a tiny model + tokenizer to ``path`` (a local dir the CLI can load)."""
+def save_tiny(path, arch: str = "llama", seed: int = 0, tokenizer_variant: int = 0, draft_of=None,
+              chat: bool = False):
+    """Write a tiny model + tokenizer to ``path`` (a local dir the CLI can load); ``chat``: with a
+    chat template."""
     import copy as _copy
 
     m = make_model(arch, seed=seed) if draft_of is None else perturbed(_copy.deepcopy(draft_of), 0.01)
     m.save_pretrained(path)
-    tiny_tokenizer(tokenizer_variant).save_pretrained(path)
+    tiny_tokenizer(tokenizer_variant, chat=chat).save_pretrained(path)
     return m
