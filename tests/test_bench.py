@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -70,9 +72,12 @@ def test_tiny_bench_prompts_file_and_policies(tmp_path):
     (["--k-set", "-1"], "k-set"),
     (["--bogus"], "unrecognized"),
     (["--draft", "none", "--policies", "spec:2"], "needs a draft"),
-    (["--buckets", "250"], "exceeds the model's context"),
+    (["--workload", "repetitive", "--buckets", "250"], "exceeds the model's context"),
+    (["--workload", "wikitext"], "--prompts PATH"),
+    (["--workload", "chat,mixed"], "--prompts PATH"),
 ])
-def test_bad_input_one_line(tmp_path, capsys, argv, msg):
+def test_bad_input_one_line(tmp_path, capsys, monkeypatch, argv, msg):
+    monkeypatch.delenv("RAKV_WIKITEXT", raising=False)
     rc = main(["bench", "--tiny", "--out", str(tmp_path / "x"), *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and msg in err[0]
@@ -104,9 +109,61 @@ def test_humaneval_and_wikitext_sources():
     assert he
     s = W.humaneval_source()
     assert len(s.suffixes) == 164 and all("def " in c for c in s.contexts)
-    if W.DEFAULT_WIKITEXT.exists():
-        w = W.wikitext_source()
+    shared = Path(__file__).resolve().parents[1].parent / "shared/data/wikitext-2-raw/wiki.test.raw"
+    if shared.exists():                      # the dev machines' copy; users pass --prompts
+        w = W.wikitext_source(shared)
         assert len(w.contexts) > 30
+
+
+def test_wikitext_needs_a_file(monkeypatch, tmp_path):
+    monkeypatch.delenv("RAKV_WIKITEXT", raising=False)
+    with pytest.raises(ValueError, match="--prompts PATH"):
+        W.wikitext_source()
+    f = tmp_path / "w.raw"
+    f.write_text(" = A =\n\n" + "Some text about a thing. " * 200 + "\n = B =\n\n" + "More words here. " * 200)
+    monkeypatch.setenv("RAKV_WIKITEXT", str(f))
+    assert len(W.wikitext_source().contexts) == 2
+
+
+def test_chat_data_ships_with_the_package():
+    chat, held = W.chat_prompts("chat"), W.chat_prompts("chat-heldout")
+    assert len(chat) >= 40 and len(held) >= 20 and not set(chat) & set(held)
+    assert all(5 <= len(p.split()) <= 40 for p in chat + held)
+    assert W.CHAT_FILES["chat"].parent == Path(W.__file__).parent / "data"
+
+
+def test_chat_stream_kinds_and_template():
+    from rakv.prompts import encode_prompt
+    from tests.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer(chat=True)
+    prompts = W.chat_prompts("chat")
+    a = W.chat_stream(prompts, tok, 20, 8, seed=2)
+    assert a == W.chat_stream(prompts, tok, 20, 8, seed=2) and a != W.chat_stream(prompts, tok, 20, 8, seed=3)
+    assert a[0].kind == "unrelated" and {r.kind for r in a} == {"unrelated", "shared", "repeat"}
+    S = encode_prompt(tok, prompts[0]).template_prefix
+    assert S > 0 and len({r.ids[:S] for r in a}) == 1          # all share the template's prefix
+    for i, r in enumerate(a):
+        base = prompts[int(r.context_id.split("/")[1])]
+        if r.kind == "unrelated":
+            assert list(r.ids) == encode_prompt(tok, base).ids
+        if r.kind == "repeat":
+            assert any(e.ids == r.ids for e in a[:i])
+        if r.kind == "shared":                                 # an earlier instruction, extended
+            prev = [e for e in a[:i] if e.context_id == r.context_id]
+            assert prev and len(os.path.commonprefix([list(prev[0].ids), list(r.ids)])) > S
+    raw = W.chat_stream(prompts, tok, 20, 8, seed=2, raw=True)
+    assert list(raw[0].ids) == tok(prompts[int(raw[0].context_id.split("/")[1])], add_special_tokens=False)["input_ids"]
+
+
+def test_tiny_bench_chat_workload(tmp_path):
+    out = tmp_path / "c"
+    rc = main(["bench", "--tiny", "--workload", "chat,chat-heldout", "--policies", "kv", "--no-peers",
+               "--out", str(out)])
+    assert rc == 0
+    rows = read(out / "executions.csv")
+    assert {r["workload"] for r in rows} == {"chat", "chat-heldout"} and all(r["match"] == "1" for r in rows)
+    assert json.loads((out / "meta.json").read_text())["streams"] == ["chat/N8", "chat-heldout/N8"]
 
 
 def test_spearman_and_controller_quality():

@@ -1,7 +1,7 @@
 """``rakv bench``: every policy and the transformers peers on the same seeded request streams.
 
-    rakv bench [--target M] [--draft M] [--workload wikitext|humaneval|repetitive|mixed|FILE]
-               [--policies ...] [--repeats R] [--out DIR] [--quick]
+    rakv bench [--target M] [--draft M] [--workload chat|chat-heldout|wikitext|humaneval|repetitive|mixed|FILE]
+               [--policies ...] [--repeats R] [--out DIR] [--quick] [--raw] [--prompts WIKITEXT_FILE]
 
 Writes DIR/executions.csv (one row per timed execution), DIR/candidates.csv (the adaptive
 policies' predicted cost of every action), DIR/summary.md, PNG plots, meta.json and the cost
@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .workloads import WORKLOADS
+from .workloads import ALL_WORKLOADS, WIKITEXT_ENV, WIKITEXT_HELP, WORKLOADS
 
 QUICK = dict(buckets="32,128", gens="32", n_prompts=6, repeats=1, k_set="0,2,4")
 FULL = dict(buckets="32,128,512", gens="32,128", n_prompts=8, repeats=2, k_set="0,1,2,4,6,8")
@@ -35,8 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = _Parser(prog="rakv bench", description=__doc__.split("\n\n")[0])
     add_model_args(ap)
-    ap.add_argument("--workload", default="wikitext",
-                    help="wikitext | humaneval | repetitive | mixed | a prompts FILE; comma-separate several")
+    ap.add_argument("--workload", default="chat",
+                    help="chat (default; instruction prompts shipped with rakv) | chat-heldout | wikitext "
+                         "(needs --prompts) | humaneval | repetitive | mixed (needs --prompts) | a prompts FILE; "
+                         "comma-separate several")
+    ap.add_argument("--raw", action="store_true",
+                    help="chat workloads: send the instructions as they are (default: through the tokenizer's "
+                         "chat template, if it has one)")
     ap.add_argument("--policies", nargs="+", default=None,
                     help="ar kv spec:K joint:K adaptive adaptive:request adaptive:round hf:assist hf:lookup "
                          "(default: ar, kv, spec:K and joint:K for each K, both adaptive, the peers)")
@@ -50,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gens", default=None, help=f"generation lengths (default {FULL['gens']})")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="one generation length (overrides --gens)")
     ap.add_argument("--n-prompts", type=int, default=None, help=f"requests per stream (default {FULL['n_prompts']})")
-    ap.add_argument("--prompts", default=None, help="WikiText raw file (default ../shared/data/wikitext-2-raw/"
-                                                    "wiki.test.raw from the repo root)")
+    ap.add_argument("--prompts", default=None,
+                    help="WikiText-2 raw file (wiki.test.raw) for the wikitext and mixed workloads "
+                         "(default: $RAKV_WIKITEXT; not shipped, CC BY-SA)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--k-set", default=None, help=f"K for the policies and the controller (default {FULL['k_set']})")
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
@@ -98,6 +105,8 @@ def settings(args) -> dict:
     if args.budget_mib < 0:
         raise ValueError("--budget-mib must be >= 0")
     s["workloads"] = parse_workloads(args.workload)
+    if {"wikitext", "mixed"} & set(s["workloads"]) and not (args.prompts or os.environ.get(WIKITEXT_ENV)):
+        raise ValueError(WIKITEXT_HELP)        # before any model is loaded
     s["policies"] = policy_names(args.policies)
     return s
 
@@ -124,8 +133,9 @@ def parse_workloads(text: str) -> list[str]:
     if not names:
         raise ValueError("--workload is empty")
     for w in names:
-        if w not in WORKLOADS + ("mixed",) and not Path(w).is_file():
-            raise ValueError(f"unknown workload {w!r} (wikitext, humaneval, repetitive, mixed, or a prompts file)")
+        if w not in ALL_WORKLOADS and not Path(w).is_file():
+            raise ValueError(f"unknown workload {w!r} (chat, chat-heldout, wikitext, humaneval, repetitive, mixed, "
+                             f"or a prompts file)")
     return names
 
 
@@ -157,7 +167,15 @@ def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
     streams = {}
     for w in s["workloads"]:
         for g in s["gens"]:
-            if Path(w).is_file() and w not in WORKLOADS + ("mixed",):
+            if w in W.CHAT_WORKLOADS:
+                st = W.chat_stream(W.chat_prompts(w), tokenizer, n, g, seed, raw=args.raw, name=w)
+                longest = max(len(r.ids) for r in st)
+                if max_pos is not None and longest + g > max_pos:
+                    raise ValueError(f"a {w} prompt ({longest} tokens) + {g} new tokens exceeds the model's "
+                                     f"context of {max_pos}")
+                streams[f"{w}/N{g}"] = st
+                continue
+            if Path(w).is_file() and w not in ALL_WORKLOADS:
                 cap = None if max_pos is None else max_pos - g
                 streams[f"file/N{g}"] = W.file_stream(W.file_source(w), tokenizer, g, cap)
                 continue

@@ -12,21 +12,36 @@ A stream is a seeded sequence of three kinds of requests, the way real traffic r
 The first request of a stream is always ``unrelated``; the others are stratified: their kinds
 follow ``KIND_WEIGHTS`` (rounded) in a seeded order. The mixed workload is one stream over all
 three sources (each unrelated request draws its source).
+
+The chat workloads (``chat``, ``chat-heldout``: instruction prompts shipped in ``data/``) are not
+cut to buckets: each request is one user turn at its natural length, sent through the tokenizer's
+chat template (unless raw), so every request shares the template's system prefix. Their kinds:
+unrelated = a fresh instruction (it hits the template's prefix only), shared = an earlier
+instruction with a follow-up sentence appended (it also reuses that instruction's tokens),
+repeat = an exact repeat. Their ``bucket`` is 0 (natural length).
 Everything is deterministic given the seed.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-WORKLOADS = ("wikitext", "humaneval", "repetitive")
+WORKLOADS = ("wikitext", "humaneval", "repetitive")       # bucketed sources (``mixed`` draws from these)
+CHAT_WORKLOADS = ("chat", "chat-heldout")                # shipped instruction prompts, chat-templated
+ALL_WORKLOADS = WORKLOADS + CHAT_WORKLOADS + ("mixed",)
 KIND_WEIGHTS = {"unrelated": 0.4, "shared": 0.4, "repeat": 0.2}
-REPO_ROOT = Path(__file__).resolve().parents[2]
+DATA_DIR = Path(__file__).resolve().parent / "data"
+CHAT_FILES = {"chat": DATA_DIR / "chat.jsonl", "chat-heldout": DATA_DIR / "chat_heldout.jsonl"}
 MIN_CONTEXT_CHARS = 3000
-DEFAULT_WIKITEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+WIKITEXT_ENV = "RAKV_WIKITEXT"
+WIKITEXT_HELP = ("the wikitext workload needs WikiText-2's raw test split (wiki.test.raw of "
+                 "wikitext-2-raw-v1, CC BY-SA; not shipped): pass --prompts PATH or set RAKV_WIKITEXT "
+                 "(the chat, humaneval and repetitive workloads need no file)")
 
 
 @dataclass(frozen=True)
@@ -67,7 +82,10 @@ QUESTIONS = [
 def wikitext_source(path: str | Path | None = None) -> Source:
     """Articles of a WikiText raw file (titles: lines starting ' = ' but not ' = ='); a text file
     without titles is split into paragraphs instead."""
-    p = Path(path) if path else DEFAULT_WIKITEXT
+    path = path or os.environ.get(WIKITEXT_ENV)
+    if not path:
+        raise ValueError(WIKITEXT_HELP)
+    p = Path(path)
     try:
         raw = p.read_bytes().decode("utf-8")
     except FileNotFoundError:
@@ -162,6 +180,27 @@ def repetitive_source(seed: int = 0, n: int = 48) -> Source:
     return Source("repetitive", [makers[i % 3](rng) for i in range(n)], list(REPEAT_INSTRUCTIONS))
 
 
+def chat_prompts(name: str = "chat") -> list[str]:
+    """The shipped instruction prompts of a chat workload (``chat`` or ``chat-heldout``)."""
+    p = CHAT_FILES[name]
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ValueError(f"the {name} prompts are missing from the installed package ({p}: {e}); "
+                         f"reinstall rakv or pass a prompts FILE as --workload") from None
+    return [json.loads(x)["prompt"] for x in lines if x.strip()]
+
+
+# appended to an earlier instruction for a "shared" chat request (an edited / extended message)
+FOLLOW_UPS = [
+    " Keep the answer under fifty words.",
+    " Then give one more example.",
+    " Answer as a numbered list.",
+    " Explain your answer in one sentence.",
+    " Use simple words a child would understand.",
+]
+
+
 def file_source(path: str) -> list[str]:
     from rakv.cli import read_prompts
 
@@ -219,6 +258,40 @@ def build_stream(sources: Source | list[Source], tokenizer, n: int, bucket: int,
         used_suffix.setdefault(c, set()).add(sfx)
         ids = cut(ctx_ids[c], encode(tokenizer, src.suffixes[sfx]), bucket)
         out.append(Request(i, src.name, kind, bucket, gen, tuple(ids), f"{src.name}/{c[1]}"))
+    return out
+
+
+def chat_stream(prompts: list[str], tokenizer, n: int, gen: int, seed: int, raw: bool = False,
+                name: str = "chat") -> list[Request]:
+    """A seeded stream of ``n`` chat requests (see the module docstring), each one user turn through
+    the chat template (``raw``: the text as it is)."""
+    from rakv.prompts import encode_prompt
+
+    if not prompts:
+        raise ValueError(f"no prompts for the {name} workload")
+    rng = random.Random(f"{seed}:{name}:{gen}")
+    fresh = rng.sample(range(len(prompts)), len(prompts))
+    used: dict[int, set[int]] = {}         # base prompt -> follow-ups used with it
+    out: list[Request] = []
+    for i, kind in enumerate(kind_plan(rng, n)):
+        if kind == "repeat":
+            prev = rng.choice(out)
+            out.append(Request(i, name, "repeat", 0, gen, prev.ids, prev.context_id))
+            continue
+        if kind == "shared":
+            base = rng.choice(sorted(used))
+            free = [x for x in range(len(FOLLOW_UPS)) if x not in used[base]]
+            f = rng.choice(free or list(range(len(FOLLOW_UPS))))
+            used[base].add(f)
+            text = prompts[base] + FOLLOW_UPS[f]
+        else:
+            if not fresh:
+                fresh = rng.sample(range(len(prompts)), len(prompts))
+            base = fresh.pop(0)
+            used.setdefault(base, set())
+            text = prompts[base]
+        ids = encode_prompt(tokenizer, text, raw=raw).ids
+        out.append(Request(i, name, kind, 0, gen, tuple(ids), f"{name}/{base}"))
     return out
 
 
