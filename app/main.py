@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--autorun", action="store_true", help="run the prompt(s) at start")
     ap.add_argument("--policy", help=POLICIES_HELP)
     ap.add_argument("--max-new-tokens", type=int)
+    ap.add_argument("--raw", action=argparse.BooleanOptionalAction, default=None,
+                    help="prompts as they are, no chat template (--no-raw: through the template; "
+                         "default: as last time)")
     ap.add_argument("--replay", metavar="FILE", help="replay a JSONL recording at start")
     ap.add_argument("--screenshot", metavar="PNG", help="save the window after the run / replay")
     ap.add_argument("--exit-after-run", action="store_true", help="quit after the run / replay (and screenshot)")
@@ -65,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         rp.policy.setCurrentText(args.policy)
     if args.max_new_tokens:
         rp.max_new.setValue(args.max_new_tokens)
+    if args.raw is not None:
+        rp.raw.setChecked(args.raw)
     if args.size:
         try:
             w, h = (int(x) for x in args.size.lower().split("x"))

@@ -39,6 +39,7 @@ class Settings:
         "run/prompt": DEFAULT_PROMPT,
         "run/policy": "adaptive",
         "run/max_new_tokens": 64,
+        "run/raw": False,                 # True: prompts go in as they are (no chat template)
         "controls/budget_mib": 512,
         "controls/k_set": ",".join(map(str, DEFAULT_K_SET)),
         "controls/granularity": "round",
@@ -56,6 +57,8 @@ class Settings:
     def get(self, key: str):
         default = self.DEFAULTS.get(key)
         v = self.q.value(key, default)
+        if isinstance(default, bool):         # an .ini store gives "true" / "false" back
+            return v if isinstance(v, bool) else str(v).strip().lower() in ("true", "1", "yes")
         if isinstance(default, int) and not isinstance(v, int):
             try:
                 v = int(float(v))

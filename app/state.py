@@ -74,6 +74,8 @@ class SessionState:
     policy: str = ""
     prompt_text: str = ""
     prompt_tokens: int = 0
+    templated: bool = False      # the prompt went through the chat template
+    template_prefix: int = 0     # S: leading prompt tokens every templated prompt shares
     max_new_tokens: int = 0
     start_t: float = 0.0
     last_t: float = 0.0
@@ -124,6 +126,8 @@ class SessionState:
         self.policy = r.policy
         self.prompt_text = r.prompt
         self.prompt_tokens = r.prompt_tokens
+        self.templated = bool(r.templated)
+        self.template_prefix = int(r.template_prefix)
         self.max_new_tokens = r.max_new_tokens
         self.start_t = r.t
         self.tokens = [Tok(i, PROMPT, p, t=r.t) for p, i in enumerate(r.prompt_ids)]
@@ -196,6 +200,23 @@ class SessionState:
             if e.request_id == request_id:
                 return e.latency_ms
         return None
+
+    def template_note(self) -> str:
+        """How much of the current hit is the chat template's shared prefix (the cache panel's line)."""
+        if self.request_id < 0:
+            return "—"
+        if not self.templated:
+            return "raw prompt (no chat template)"
+        c, S = self.cache, self.template_prefix
+        q = c.hit_tokens if c.prompt_tokens == self.prompt_tokens else 0
+        if c.exact_repeat:
+            return f"exact repeat, including the chat template's shared prefix (S = {S} tokens)"
+        if q == 0:
+            return f"chat template: its shared prefix is S = {S} of the {self.prompt_tokens} prompt tokens"
+        if q <= S:
+            return f"hit q = {q} of P = {self.prompt_tokens}: all of it the chat template's shared prefix (S = {S})"
+        return (f"hit q = {q} of P = {self.prompt_tokens}, of which S = {S} tokens are the chat template's "
+                f"shared prefix and {q - S} an earlier prompt's own text")
 
     def summary(self) -> dict:
         """A compact, comparable digest (tests compare live vs replay with it)."""

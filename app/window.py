@@ -119,6 +119,7 @@ class MainWindow(QMainWindow):
         self.controls.kSetChanged.connect(lambda ks: self.worker.set_controls(k_set=ks))
         self.controls.forceChanged.connect(lambda f: self.worker.set_controls(force=f))
         self.controls.granularityChanged.connect(lambda g: self.worker.set_controls(granularity=g))
+        self.run_panel.raw.toggled.connect(lambda on: self.worker.set_controls(chat_template=not on))
         self.replay_bar.closeRequested.connect(self.leave_replay)
 
     def _action(self, text, slot, shortcut=None, icon=None) -> QAction:
@@ -206,6 +207,8 @@ class MainWindow(QMainWindow):
         rp.prompt.setPlainText(s.get("run/prompt"))
         rp.policy.setCurrentText(s.get("run/policy"))
         rp.max_new.setValue(s.get("run/max_new_tokens"))
+        rp.raw.setChecked(bool(s.get("run/raw")))
+        self.worker.set_controls(chat_template=not rp.raw.isChecked())
         try:
             ks = parse_k_set(str(s.get("controls/k_set")))
         except ValueError:
@@ -238,6 +241,7 @@ class MainWindow(QMainWindow):
         s.set("run/prompt", rp.prompt_text())
         s.set("run/policy", rp.policy_text())
         s.set("run/max_new_tokens", rp.max_new.value())
+        s.set("run/raw", rp.raw.isChecked())
         s.set("controls/budget_mib", self.controls.budget_mib())
         s.set("controls/k_set", ",".join(map(str, self.controls.k_set())))
         s.set("controls/granularity", self.controls.granularity.currentData())

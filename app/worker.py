@@ -35,6 +35,7 @@ class Controls:
     k_set: tuple[int, ...] = (0, 1, 2, 4, 6, 8)
     force: tuple[int, int] | None = None
     granularity: str = "round"
+    chat_template: bool = True        # False: the explorer's "Raw prompt" box is checked
 
 
 class Worker(QObject):
@@ -106,6 +107,7 @@ class Worker(QObject):
             c = self.controls
             config = RakvConfig(target=pair[0], draft=pair[1], k_set=c.k_set, budget_mib=c.budget_mib,
                                 granularity=c.granularity, force_action=c.force,
+                                chat_template=c.chat_template,
                                 policy="adaptive" if profile is not None else "ar")
             self.engine = Engine(target, draft, config, self._on_record, profile)
         if self.sessions is not None:
@@ -166,7 +168,7 @@ class Worker(QObject):
         if eng is not None:
             eng.stop()
 
-    def set_controls(self, k_set=None, force="keep", granularity=None) -> None:
+    def set_controls(self, k_set=None, force="keep", granularity=None, chat_template=None) -> None:
         """Called from the GUI thread; acts on the engine's next decision."""
         with self._lock:
             c = self.controls
@@ -176,6 +178,8 @@ class Worker(QObject):
                 c.force = None if force is None else (int(force[0]), int(force[1]))
             if granularity is not None:
                 c.granularity = granularity
+            if chat_template is not None:
+                c.chat_template = bool(chat_template)
             eng = self.engine
             if eng is not None:
                 if k_set is not None:
@@ -184,6 +188,8 @@ class Worker(QObject):
                     eng.set_force(c.force)
                 if granularity is not None:
                     eng.set_granularity(c.granularity)
+                if chat_template is not None:
+                    eng.set_chat_template(c.chat_template)
 
     def tokenizer(self):
         return getattr(self.target, "tokenizer", None)

@@ -129,3 +129,54 @@ def test_cli_template_default_and_raw(chat_dir, capsys, tmp_path):
     o = json.loads(out)
     raw = tok(TEXT, add_special_tokens=False)["input_ids"]
     assert not o["templated"] and o["prompt_tokens"] == len(raw) and o["output_ids"] == upto_eos(oracle(t, raw, 10), eos)
+
+
+# ----------------------------------------------------------------------------- explorer
+def test_explorer_raw_box_and_template_in_cache_panel(qtbot, tmp_path, chat_pair, monkeypatch):
+    pytest.importorskip("pytestqt")
+    from PySide6.QtWidgets import QMessageBox
+
+    from app.settings import Settings
+    from app.window import MainWindow
+
+    monkeypatch.setattr(QMessageBox, "open", lambda self: None)
+    target, draft = chat_pair
+    w = MainWindow(Settings(tmp_path / "s.ini"), tmp_path / "sessions")
+    qtbot.addWidget(w)
+    try:
+        assert not w.run_panel.raw.isChecked() and w.worker.controls.chat_template
+        with qtbot.waitSignal(w.modelsLoaded, timeout=30_000):
+            w.use_models(target, ModelDraft(draft), None)
+        rp = w.run_panel
+        rp.policy.setCurrentText("kv")
+        rp.max_new.setValue(6)
+        for text in (TEXT, "List three prime numbers."):
+            rp.prompt.setPlainText(text)
+            with qtbot.waitSignal(w.runFinished, timeout=30_000):
+                w.run()
+        w.redraw()
+        st = w.live
+        enc = encode_prompt(target.tokenizer, "List three prime numbers.")
+        assert st.templated and st.prompt_tokens == len(enc.ids) and st.template_prefix == enc.template_prefix
+        q, S = st.cache.hit_tokens, enc.template_prefix
+        assert q >= S > 0
+        note = w.panel_snapshot()["cache"]["template"]
+        assert f"S = {S}" in note and "chat template's shared prefix" in note and f"hit q = {q}" in note
+        # the raw box: the next request goes in as it is, and the choice persists
+        rp.raw.setChecked(True)
+        assert not w.worker.controls.chat_template and not w.worker.engine.chat_template
+        with qtbot.waitSignal(w.runFinished, timeout=30_000):
+            w.run()
+        w.redraw()
+        assert not w.live.templated and w.live.prompt_tokens == len(encode_prompt(target.tokenizer, rp.prompt_text(),
+                                                                                  raw=True).ids)
+        assert w.panel_snapshot()["cache"]["template"] == "raw prompt (no chat template)"
+        w.save_settings()
+    finally:
+        w.shutdown()
+    w2 = MainWindow(Settings(tmp_path / "s.ini"), tmp_path / "sessions2")
+    qtbot.addWidget(w2)
+    try:
+        assert w2.run_panel.raw.isChecked() and not w2.worker.controls.chat_template
+    finally:
+        w2.shutdown()

@@ -30,12 +30,17 @@ class CachePanel(QWidget):
         self.entries = QLabel("0")
         self.evictions = QLabel("0")
         self.draft = QLabel("—")
+        self.template = QLabel("—")
+        self.template.setWordWrap(True)
+        self.template.setToolTip("chat-templated prompts all start with the template's system prompt and user "
+                                 "header (S tokens): the prefix cache reuses that on every request")
         form = QFormLayout()
         form.setContentsMargins(0, 0, 0, 0)
         form.addRow("Bytes used", self.bytes)
         form.addRow("Entries", self.entries)
         form.addRow("Evictions", self.evictions)
         form.addRow("Draft cache", self.draft)
+        form.addRow("Chat template", self.template)
         self.plot = make_plot("tokens", "request")
         self.plot.setMinimumHeight(110)
         self.plot.getPlotItem().setTitle("hit q (blue) of prompt P (grey) per request", size="9pt")
@@ -69,6 +74,7 @@ class CachePanel(QWidget):
         self.bytes.setFormat(f"{mib(c.bytes_used)} of {mib(c.budget)}")
         self.entries.setText(str(c.entries))
         self.evictions.setText(str(c.evictions))
+        self.template.setText(state.template_note())
         dc = state.draft_cache
         self.draft.setText("—" if dc is None else
                            f"hit q = {dc.hit_tokens} of {dc.prompt_tokens}"
@@ -89,4 +95,4 @@ class CachePanel(QWidget):
     def snapshot(self) -> dict:
         return {"hit": self.hit.text(), "detail": self.detail.text(), "bytes": self.bytes.format(),
                 "bytes_value": self.bytes.value(), "entries": self.entries.text(),
-                "evictions": self.evictions.text(), "draft": self.draft.text(), "hits": self._hits_n}
+                "evictions": self.evictions.text(), "draft": self.draft.text(), "template": self.template.text(), "hits": self._hits_n}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QComboBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QMenu,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QMenu,
                                QPlainTextEdit, QPushButton, QSpinBox, QToolButton, QVBoxLayout, QWidget)
 
 from rakv.config import Policy
@@ -39,6 +39,9 @@ class RunPanel(QWidget):
         self.max_new = QSpinBox()
         self.max_new.setRange(1, 4096)
         self.max_new.setValue(64)
+        self.raw = QCheckBox("Raw prompt (no chat template)")
+        self.raw.setToolTip("send the text as it is; unchecked, a model whose tokenizer has a chat template "
+                            "gets the prompt as one user turn (an instruct model then answers)")
         self.run = QPushButton("Run")
         self.run.setToolTip("Run (Ctrl+R)")
         self.run.setDefault(True)
@@ -56,6 +59,7 @@ class RunPanel(QWidget):
         form.addRow(self.loaded)
         form.addRow("Policy", self.policy)
         form.addRow("Max new tokens", self.max_new)
+        form.addRow("", self.raw)
         buttons = QHBoxLayout()
         buttons.addWidget(self.run)
         buttons.addWidget(self.stop)
