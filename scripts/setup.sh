@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# Idempotent set-up: a virtual env in .venv with the CPU build of torch (unless a torch is
-# already importable there), the project (editable) and its test/bench extras.
-# A user who already has torch in the chosen python keeps it: set RAKV_PYTHON to that python
-# to build the venv with --system-site-packages instead.
+# Idempotent set-up: a virtual env in .venv, torch (unless one is already importable there), the
+# project (editable) and its test/bench extras.
+#
+# torch, when the venv has none (RAKV_TORCH overrides the requirement, default torch==2.13.0):
+#   * no nvidia-smi on PATH (a CPU-only machine): the CPU build, from the PyTorch CPU wheel index
+#     (https://download.pytorch.org/whl/cpu; 15 s network timeout, one retry). If that index cannot
+#     be reached, the default index (pip's own configuration) is tried instead, and a message says
+#     so: there a CPU-only Linux machine gets the CUDA build unless a CPU wheel is configured
+#     (a find-links folder or a local index, as on our CI machines).
+#   * nvidia-smi on PATH: the default index, i.e. the CUDA build.
+# A user who already has torch in the chosen python keeps it: set RAKV_PYTHON to that python to
+# build the venv with --system-site-packages instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${RAKV_PYTHON:-python3}
+TORCH=${RAKV_TORCH:-torch==2.13.0}
+CPU_INDEX=https://download.pytorch.org/whl/cpu
+say() { echo "[setup] $*" >&2; }
 if [ ! -x .venv/bin/python ]; then
   if "$PY" -c "import torch" >/dev/null 2>&1 && [ -n "${RAKV_PYTHON:-}" ]; then
     "$PY" -m venv --system-site-packages .venv
@@ -14,16 +25,28 @@ if [ ! -x .venv/bin/python ]; then
   fi
 fi
 VPY=.venv/bin/python
-stamp=.venv/.rakv-setup-$(cat pyproject.toml | (sha1sum 2>/dev/null || shasum) | cut -c1-12)
+stamp=.venv/.rakv-setup-$(cat pyproject.toml scripts/setup.sh | (sha1sum 2>/dev/null || shasum) | cut -c1-12)
 if [ -f "$stamp" ]; then exit 0; fi
 $VPY -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-if ! $VPY -c "import torch" >/dev/null 2>&1; then
-  # CPU build of torch: never pull a multi-GB CUDA build onto a CPU-only machine.
+
+install_torch() {
   if command -v nvidia-smi >/dev/null 2>&1; then
-    $VPY -m pip install -q torch
-  else
-    $VPY -m pip install -q torch==2.13.0
+    say "NVIDIA GPU found (nvidia-smi): installing $TORCH from the default index (CUDA build)"
+    $VPY -m pip install -q "$TORCH"
+    return
   fi
+  say "no NVIDIA GPU (no nvidia-smi): installing the CPU build of $TORCH from $CPU_INDEX"
+  if $VPY -m pip install -q --timeout 15 --retries 1 --index-url "$CPU_INDEX" "$TORCH"; then
+    return
+  fi
+  say "the PyTorch CPU index could not be used; installing $TORCH from the default index instead"
+  say "(without a CPU wheel configured there, that is the CUDA build: several GB)"
+  $VPY -m pip install -q "$TORCH"
+}
+
+if ! $VPY -c "import torch" >/dev/null 2>&1; then
+  install_torch
 fi
+$VPY -c "import torch; print('[setup] torch', torch.__version__, '(CUDA ' + str(torch.version.cuda) + ')' if torch.version.cuda else '(CPU build)')" >&2
 $VPY -m pip install -q -e ".[test,bench]"
 touch "$stamp"
