@@ -241,11 +241,13 @@ def header_md(rows: list[dict], meta: dict) -> str:
     n_bad = sum(1 for r in rows if not r["match"])
     kinds = {k: sum(1 for r in rows if r["kind"] == k and r["policy"] == "ar") for k in ("unrelated", "shared", "repeat")}
     lines = ["# rakv bench summary", ""]
+    natural = any(str(w).startswith("chat") or "/" in str(w) or "." in str(w) for w in meta.get("workloads", []))
     if meta.get("command"):
         lines += [f"Command: `{meta['command']}`", ""]
     lines += [f"- target `{meta.get('target', '?')}`, draft `{meta.get('draft', '?')}`, K = {meta.get('k_set', '?')}, "
               f"lookup k = {meta.get('lookup_k', '?')}",
-              f"- workloads {meta.get('workloads', '?')}; prompt buckets {meta.get('buckets', '?')}; "
+              f"- workloads {meta.get('workloads', '?')}; prompt buckets {meta.get('buckets', '?')}"
+              f"{' (bucketed workloads only; chat and file prompts keep their own length)' if natural else ''}; "
               f"generation lengths {meta.get('gens', '?')}; {meta.get('n_prompts', '?')} requests per stream; "
               f"repeats {meta.get('repeats', '?')}; seed {meta.get('seed', '?')}",
               f"- requests per kind (per repeat x stream): unrelated {kinds['unrelated']}, shared context "
