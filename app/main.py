@@ -10,35 +10,60 @@ import argparse
 import os
 import sys
 
+from rakv import argtypes as A
 from rakv.cli import quiet_libs
 from rakv.config import POLICIES_HELP
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="rakv-explorer",
+    ap = A.OneLineParser(prog="rakv-explorer",
                                  description="Watch and steer exact speculative decoding with prefix KV reuse.")
     ap.add_argument("--target", help="hub id, local dir, .gguf file, or 'demo'")
     ap.add_argument("--draft", help="model (same forms), 'int8', 'ngram' or 'none'")
     ap.add_argument("--prompt", action="append",
                     help="prompt text for the editor (repeatable: --autorun runs them in order, one engine)")
     ap.add_argument("--autorun", action="store_true", help="run the prompt(s) at start")
-    ap.add_argument("--policy", help=POLICIES_HELP)
-    ap.add_argument("--max-new-tokens", type=int)
+    ap.add_argument("--policy", type=A.policy, help=POLICIES_HELP)
+    ap.add_argument("--max-new-tokens", type=A.int_range(1, 4096))
     ap.add_argument("--raw", action=argparse.BooleanOptionalAction, default=None,
                     help="prompts as they are, no chat template (--no-raw: through the template; "
                          "default: as last time)")
     ap.add_argument("--replay", metavar="FILE", help="replay a JSONL recording at start")
     ap.add_argument("--screenshot", metavar="PNG", help="save the window after the run / replay")
     ap.add_argument("--exit-after-run", action="store_true", help="quit after the run / replay (and screenshot)")
-    ap.add_argument("--threads", type=int, help="torch threads (default: cores - 1, at least 1)")
-    ap.add_argument("--size", default=None, help="window size WxH (e.g. 1500x940)")
+    ap.add_argument("--threads", type=A.threads,
+                    help=f"torch threads, 1 to {A.max_threads()} (default: cores - 1, at least 1)")
+    ap.add_argument("--size", default=None, type=window_size, help="window size WxH (e.g. 1500x940)")
     return ap
 
 
+def window_size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WxH like 1500x940, got {text!r}") from None
+    if not (200 <= w <= 20000 and 200 <= h <= 20000):
+        raise argparse.ArgumentTypeError(f"width and height must be 200 to 20000, got {text!r}")
+    return w, h
+
+
+window_size.__name__ = "size"
+
+
+def check_paths(args) -> None:
+    """The screenshot must not overwrite the recording being replayed."""
+    if args.screenshot and args.replay:
+        A.refuse_overwrite(args.screenshot, "--screenshot", {"--replay": args.replay})
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        print("rakv-explorer: error: --max-new-tokens must be >= 1", file=sys.stderr)
+    try:     # every flag is checked here, before anything is shown or saved to the settings
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        check_paths(args)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    except ValueError as e:
+        print(f"rakv-explorer: error: {e}", file=sys.stderr)
         return 2
     quiet_libs()
     import torch
@@ -71,12 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.raw is not None:
         rp.raw.setChecked(args.raw)
     if args.size:
-        try:
-            w, h = (int(x) for x in args.size.lower().split("x"))
-            win.resize(w, h)
-        except ValueError:
-            print(f"rakv-explorer: error: bad --size {args.size!r} (expected WxH)", file=sys.stderr)
-            return 2
+        win.resize(*args.size)
     sys.excepthook = win.excepthook
     win.show()
 

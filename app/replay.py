@@ -17,6 +17,20 @@ TICK_MS = 20
 MAX_PER_TICK = 400
 
 
+def check_replayable(recs) -> None:
+    """Apply a recording to a scratch state once; a record that cannot be shown is a RecordingError
+    naming its file:line (not an "Unexpected error" halfway through the replay)."""
+    from rakv.records import RecordingError
+
+    st = SessionState()
+    for i, r in enumerate(recs):
+        try:
+            st.apply(r)
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            where = recs.where(i) if hasattr(recs, "where") else f"record {i + 1}"
+            raise RecordingError(f"{where}: cannot replay this {r.type} record ({type(e).__name__}: {e})") from None
+
+
 class Replayer(QObject):
     positionChanged = Signal(int)
     playingChanged = Signal(bool)

@@ -6,12 +6,14 @@ Sessions (recordings of live runs) go to ``RAKV_SESSIONS`` or the user data dir.
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings
 
-from rakv.config import DEFAULT_K_SET
+from rakv.config import DEFAULT_K_SET, Policy, parse_k_set
 
 MAX_RECENT = 8
 DEFAULT_PROMPT = ("Explain in two sentences why caching the key and value states of a prompt "
@@ -28,6 +30,26 @@ def sessions_dir() -> Path:
         p = Path(user_data_dir("rakv-explorer")) / "sessions"
     p.mkdir(parents=True, exist_ok=True)
     return p
+
+
+def _ok(check, v) -> bool:
+    try:
+        return bool(check(v))
+    except (TypeError, ValueError):
+        return False
+
+
+VALID = {      # what a stored value must satisfy to be used
+    "models/target": lambda v: isinstance(v, str) and v.strip(),
+    "models/draft": lambda v: isinstance(v, str) and v.strip(),
+    "run/prompt": lambda v: isinstance(v, str),
+    "run/policy": lambda v: isinstance(v, str) and Policy.parse(v),
+    "run/max_new_tokens": lambda v: 1 <= v <= 4096,
+    "controls/budget_mib": lambda v: math.isfinite(v) and v >= 0,
+    "controls/k_set": lambda v: parse_k_set(str(v)),
+    "controls/granularity": lambda v: v in ("request", "round"),
+    "replay/speed": lambda v: isinstance(v, str),
+}
 
 
 class Settings:
@@ -62,9 +84,19 @@ class Settings:
         if isinstance(default, int) and not isinstance(v, int):
             try:
                 v = int(float(v))
-            except (TypeError, ValueError):
-                v = default
+            except (TypeError, ValueError, OverflowError):
+                v = self._bad(key, v)
+        check = VALID.get(key)
+        if check is not None and v != default and not _ok(check, v):
+            v = self._bad(key, v)
         return v
+
+    def _bad(self, key: str, v):
+        """A stored value that cannot be used: the default, with a warning (never a failed start)."""
+        default = self.DEFAULTS.get(key)
+        print(f"rakv-explorer: warning: ignoring the saved setting {key}={v!r} (using {default!r})",
+              file=sys.stderr)
+        return default
 
     def set(self, key: str, value) -> None:
         self.q.setValue(key, value)

@@ -23,7 +23,7 @@ from app.panels.run import RunPanel
 from app.panels.timeline import TimelinePanel
 from app.panels.tokens import TokenPanel
 from app.pieces import Pieces, load_pieces
-from app.replay import Replayer
+from app.replay import Replayer, check_replayable
 from app.settings import Settings, sessions_dir
 from app.state import SessionState
 from app.worker import Worker
@@ -57,6 +57,7 @@ class MainWindow(QMainWindow):
         self.loaded_pair: tuple[str, str] | None = None
         self.preloaded = False
         self.errors: list[str] = []
+        self.warnings: list[str] = []
         self.live_pieces = Pieces()
         self._drawn = None
         self.redraw_ms_max = 0.0             # slowest redraw so far (reported with the lag)
@@ -395,9 +396,12 @@ class MainWindow(QMainWindow):
                 return False
         try:
             recs = read_recording(path)
+            check_replayable(recs)
         except RecordingError as e:
             self.show_error("Cannot open recording", str(e))
             return False
+        for w in recs.warnings:          # e.g. a cut-off last line: the rest replays
+            self.show_warning("Recording cut off", w)
         if self.replayer is not None:
             self.replayer.pause()
         self.replayer = Replayer(recs, str(path), self)
@@ -495,6 +499,14 @@ class MainWindow(QMainWindow):
         box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         box.open()
         self.errorShown.emit(msg)
+
+    def show_warning(self, title: str, msg: str) -> None:
+        """A non-fatal, non-blocking notice (the action goes on)."""
+        print(f"rakv-explorer: warning: {msg}", file=sys.stderr)
+        self.warnings.append(msg)
+        box = QMessageBox(QMessageBox.Icon.Warning, title, msg, QMessageBox.StandardButton.Ok, self)
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        box.open()
 
     def excepthook(self, etype, value, tb) -> None:
         details = "".join(traceback.format_exception(etype, value, tb))

@@ -10,6 +10,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from . import argtypes as A
 from .config import DEFAULT_K_SET, POLICIES_HELP, Policy, RakvConfig, parse_k_set
 
 
@@ -36,7 +37,7 @@ def read_prompts(path: str) -> list[str]:
     """A .jsonl file: one {"prompt": ...} per line; any other file: one prompt per line."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")     # a BOM is stripped, .txt and .jsonl alike
     except FileNotFoundError:
         raise CliError(f"prompts file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -65,11 +66,12 @@ def add_model_args(ap) -> None:
     ap.add_argument("--draft", default="int8", help="model (same forms), 'int8' (default), 'ngram' or 'none'")
     ap.add_argument("--revision", default=None, help="hub revision of the target")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--threads", type=A.threads, default=None,
+                    help=f"torch threads, 1 to this machine's {A.max_threads()} cores (default: torch's choice)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="rakv", description="Exact speculative decoding with prefix KV reuse.")
+    ap = A.OneLineParser(prog="rakv", description="Exact speculative decoding with prefix KV reuse.")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate for one or more prompts (one engine, one cache)")
@@ -77,13 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     src.add_argument("--prompts-file", help=".jsonl with {\"prompt\": ...} per line, or one prompt per line")
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=A.int_range(1), default=64)
     g.add_argument("--raw", action="store_true",
                    help="send the prompt text as it is (default: through the tokenizer's chat template, "
                         "if it has one)")
-    g.add_argument("--policy", default="adaptive", help=POLICIES_HELP)
+    g.add_argument("--policy", default="adaptive", type=A.policy, help=POLICIES_HELP)
     g.add_argument("--k-set", default=",".join(map(str, DEFAULT_K_SET)))
-    g.add_argument("--budget-mib", type=float, default=512.0)
+    g.add_argument("--budget-mib", type=A.finite_float(0), default=512.0, help="prefix-cache budget (MiB, >= 0)")
     g.add_argument("--granularity", choices=["request", "round"], default=None,
                    help="adaptive: decide k per request (paper, default) or per round")
     g.add_argument("--record", help="write a JSONL recording")
@@ -92,9 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate", help="measure this machine's costs for a model pair")
     add_model_args(c)
-    c.add_argument("--k-max", type=int, default=8)
+    c.add_argument("--k-max", type=A.int_range(1, 64), default=8)
     c.add_argument("--quick", action="store_true")
     c.add_argument("--json", action="store_true")
+    c.add_argument("--check", action="store_true",
+                   help="measure a few terms now and print how far the saved profile is from them")
 
     r = sub.add_parser("replay", help="derive a timing CSV from a recording")
     r.add_argument("file")
@@ -112,9 +116,7 @@ def load_pair(args, config: RakvConfig):
     from .models import load_model
 
     if args.threads:
-        if args.threads < 1:
-            raise CliError("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)      # range checked by argparse
     target = load_model(args.target, args.dtype, args.revision, config.device)
     draft = make_draft(args.draft, target, config)
     return target, draft
@@ -136,10 +138,6 @@ def cmd_generate(args) -> int:
     from .engine import Engine
     from .records import Decision, Recorder, RequestEnd, RequestStart
 
-    if args.max_new_tokens < 1:
-        raise CliError("--max-new-tokens must be >= 1")
-    if args.budget_mib < 0:
-        raise CliError("--budget-mib must be >= 0")
     try:
         k_set = parse_k_set(args.k_set)
         policy = Policy.parse(args.policy)
@@ -151,6 +149,9 @@ def cmd_generate(args) -> int:
             raise CliError(f"prompt {i + 1} is empty")
     if policy.k > 0 and args.draft == "none":
         raise CliError(f"policy {policy.name} needs a draft; --draft is 'none'")
+    if args.record:      # checked before any model loads
+        A.refuse_overwrite(args.record, "--record", {"--prompts-file": args.prompts_file})
+        A.check_writable_file(args.record, "--record")
     kw = dict(target=args.target, draft=args.draft, revision=args.revision, dtype=args.dtype,
               threads=args.threads, policy=policy.name, max_new_tokens=args.max_new_tokens,
               k_set=k_set, budget_mib=args.budget_mib, chat_template=not args.raw)
@@ -240,8 +241,9 @@ def cmd_calibrate(args) -> int:
 def cmd_replay(args) -> int:
     from .records import RecordingError, read_recording, write_csv
 
+    A.refuse_overwrite(args.csv, "--csv", {"the recording": args.file})
     try:
-        recs = read_recording(args.file)
+        recs = read_recording(args.file, warn=lambda m: A.warn("rakv", m))
     except RecordingError as e:
         raise CliError(str(e)) from None
     try:
@@ -259,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return _guard(lambda: bench_main(argv[1:]))
     ap = build_parser()
-    args = ap.parse_args(argv)
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:     # --help (0) or a bad flag (2, one line already printed)
+        return e.code if isinstance(e.code, int) else 2
     quiet_libs()
     return _guard(lambda: {"generate": cmd_generate, "calibrate": cmd_calibrate, "replay": cmd_replay}[args.cmd](args))
 

@@ -21,10 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import statistics
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING as dataclass_missing
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +39,8 @@ from .records import hardware_info
 now = time.perf_counter
 PROFILE_VERSION = 6
 ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
+ONLINE_FIRST = 4             # this session's first measurements of a term weigh 1/2, 1/3, 1/4, 1/5 (a stale
+                             # profile is corrected within a few requests), later ones ONLINE_WEIGHT
 ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
 
 
@@ -91,6 +96,9 @@ class CostProfile:
     scale: dict[str, float] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)
 
+    def __post_init__(self):
+        self._seen: dict[str, int] = {}      # measurements per term in this session (not saved)
+
     # --------------------------------------------------------------- the model's terms
     def T(self, n: float) -> float:
         return 0.0 if n <= 0 else interp(self.T_pf, n) * self.scale.get("T", 1.0)
@@ -124,28 +132,141 @@ class CostProfile:
             return
         r = min(ONLINE_CLIP, max(1.0 / ONLINE_CLIP, measured / predicted))
         s = self.scale.get(term, 1.0)
-        self.scale[term] = math.exp((1 - ONLINE_WEIGHT) * math.log(s) + ONLINE_WEIGHT * math.log(s * r))
+        n = self._seen.get(term, 0)
+        w = 1.0 / (n + 2) if n < ONLINE_FIRST else ONLINE_WEIGHT
+        self.scale[term] = math.exp((1 - w) * math.log(s) + w * math.log(s * r))
         self.samples[term] = self.samples.get(term, 0) + 1
+        self._seen[term] = n + 1
 
     # --------------------------------------------------------------- persistence
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        tmp.replace(path)
+        """Atomic: a unique temp file in the same dir, then os.replace (concurrent saves never collide)."""
+        write_atomic(Path(path), json.dumps(asdict(self), indent=1))
 
     @staticmethod
     def load(path: Path) -> "CostProfile | None":
+        """The profile at ``path``; None if there is none; ProfileError if it is malformed."""
         try:
-            d = json.loads(Path(path).read_text())
-            return CostProfile(**d)
-        except (OSError, ValueError, TypeError):
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
             return None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ProfileError(f"cannot read cost profile {path}: {e}") from None
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise ProfileError(f"cost profile {path} is not valid JSON ({e})") from None
+        problem = profile_problem(d)
+        if problem:
+            raise ProfileError(f"cost profile {path} is malformed: {problem}")
+        return CostProfile(**d)
+
+
+class ProfileError(ValueError):
+    """A saved cost profile is unreadable or malformed; the message names the file."""
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+# ----------------------------------------------------------------------------- validation
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _curve(x) -> str | None:
+    if not isinstance(x, list):
+        return "expected a list of [n, ms] pairs"
+    for p in x:
+        if not (isinstance(p, list) and len(p) == 2 and all(_num(v) and v >= 0 for v in p)):
+            return f"expected [n, ms] pairs of finite numbers >= 0, got {p!r}"[:120]
+    return None
+
+
+def _mapping(x, ok, what: str) -> str | None:
+    if not isinstance(x, dict):
+        return "expected an object"
+    for k, v in x.items():
+        if not ok(v):
+            return f"{k!r}: expected {what}, got {v!r}"[:120]
+    return None
+
+
+def _v_table(x) -> str | None:
+    bad = _mapping(x, lambda v: _num(v) and v > 0, "a finite number > 0")
+    if bad is None and not all(isinstance(k, str) and k.isdigit() for k in x):
+        return "keys must be k values like \"1\""
+    return bad
+
+
+def _opt_frac(x) -> bool:
+    return x is None or (_num(x) and 0 <= x <= 1)
+
+
+FIELD_CHECKS: dict[str, Callable[[object], str | None]] = {
+    "fingerprint": lambda x: None if isinstance(x, dict) else "expected an object",
+    "T_pf": _curve, "D_pf": _curve, "t": _curve, "d": _curve,
+    "V": _v_table,
+    "V_ctx": lambda x: None if isinstance(x, int) and not isinstance(x, bool) and x >= 1 else "expected an integer >= 1",
+    "clone_ms_per_token": lambda x: None if _num(x) and x >= 0 else "expected a finite number >= 0",
+    "lookup_ms": lambda x: None if _num(x) and x >= 0 else "expected a finite number >= 0",
+    "alpha0": lambda x: None if _num(x) and 0 <= x <= 1 else "expected a number in [0, 1]",
+    "alpha_learned": lambda x: None if _opt_frac(x) else "expected null or a number in [0, 1]",
+    "out_frac": lambda x: None if _opt_frac(x) else "expected null or a number in [0, 1]",
+    "calibrated_at": lambda x: None if isinstance(x, str) else "expected a string",
+    "calibration_s": lambda x: None if _num(x) and x >= 0 else "expected a finite number >= 0",
+    "scale": lambda x: _mapping(x, lambda v: _num(v) and v > 0, "a finite number > 0"),
+    "samples": lambda x: _mapping(x, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                                  "an integer >= 0"),
+}
+
+
+def _like_default(f, x) -> str | None:
+    """A field without its own check: the JSON type of its default (None allows anything JSON)."""
+    default = f.default_factory() if callable(f.default_factory) else f.default
+    if default is None or default is dataclass_missing:
+        return None
+    want = (int, float) if isinstance(default, (int, float)) and not isinstance(default, bool) else type(default)
+    return None if isinstance(x, want) and not (isinstance(x, bool) and want != bool) else \
+        f"expected {getattr(want, '__name__', 'a number')}"
+
+
+def profile_problem(d) -> str | None:
+    """Why a loaded JSON object is not a usable profile (None when it is)."""
+    if not isinstance(d, dict):
+        return "expected a JSON object"
+    known = {f.name: f for f in fields(CostProfile)}
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        return f"unknown field {unknown[0]!r}"
+    for name in ("T_pf", "t", "V"):
+        if name not in d:
+            return f"missing field {name!r}"
+    for name, x in d.items():
+        check = FIELD_CHECKS.get(name)
+        bad = check(x) if check else _like_default(known[name], x)
+        if bad:
+            return f"field {name!r}: {bad}"
+    if not d["T_pf"] or not d["t"]:
+        return "no measurements (T_pf or t is empty)"
+    return None
 
 
 def save_learned(profile: CostProfile, cache: Path) -> str | None:
     """Write a profile refined online back where it was loaded from; an error message or None."""
-    if not profile.fingerprint:
+    if not profile.fingerprint or getattr(profile, "read_only", False):
         return None
     try:
         profile.save(profile_path(cache, profile.fingerprint))
@@ -390,19 +511,46 @@ def _accept_rounds(target, draft, prompt, k: int, rounds: int) -> tuple[int, int
 
 def load_or_calibrate(target, draft, cache: Path, k_max: int = 8, force: bool = False,
                       quick: bool = False, progress=None, log=None) -> tuple[CostProfile, bool]:
-    """The profile for this machine + pair, calibrating if missing or the fingerprint changed."""
+    """The profile for this machine + pair, calibrating if missing or the fingerprint changed.
+
+    A malformed profile is reported (naming the file) and measured again. Calibration runs under a
+    lock per profile: a second process for the same pair waits and then loads what the first saved
+    (two calibrations at once would also measure each other's load)."""
+    from .filelock import file_lock
+
+    say = log or (lambda m: print(f"[rakv] {m}", file=sys.stderr, flush=True))
     fp = fingerprint(target.key, getattr(draft, "key", "none"), str(next(target.model.parameters()).dtype))
     path = profile_path(cache, fp)
     if not force:
-        prof = CostProfile.load(path)
-        if prof is not None and prof.fingerprint == fp and len(prof.V) >= k_max:
+        prof = _usable(path, fp, k_max, say)
+        if prof is not None:
             return prof, False
-    if log:
-        log(f"calibrating costs for this machine and pair (one time; profile {path.name}) ...")
-    prof = calibrate(target, draft, k_max=k_max, progress=progress, quick=quick)
-    prof.fingerprint = fp
-    prof.save(path)
+    with file_lock(path.with_suffix(".lock"),
+                   on_wait=lambda: say("another process is calibrating this pair; waiting for its profile ...")):
+        if not force:
+            prof = _usable(path, fp, k_max, lambda m: None)    # saved meanwhile by that process?
+            if prof is not None:
+                return prof, False
+        say(f"calibrating costs for this machine and pair (one time; profile {path.name}) ...")
+        prof = calibrate(target, draft, k_max=k_max, progress=progress, quick=quick)
+        prof.fingerprint = fp
+        try:
+            prof.save(path)
+        except OSError as e:     # a read-only cache dir: run on the profile in memory
+            say(f"cannot save the cost profile to {path} ({e.strerror or e}); using it for this run only")
+            prof.read_only = True     # and no save of what this run learns either (warned once)
     return prof, True
+
+
+def _usable(path: Path, fp: dict, k_max: int, say) -> CostProfile | None:
+    try:
+        prof = CostProfile.load(path)
+    except ProfileError as e:
+        say(f"{e}; measuring again")
+        return None
+    if prof is not None and prof.fingerprint == fp and len(prof.V) >= k_max:
+        return prof
+    return None
 
 
 def text_progress(prefix: str = "calibrate"):

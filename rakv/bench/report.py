@@ -199,9 +199,12 @@ def predicted_alpha_star(rows: list[dict], meta: dict, out: Path) -> dict:
     prof_path = out / "profile.json"
     if not prof_path.exists():
         return {}
-    from rakv.costs import CostProfile
+    from rakv.costs import CostProfile, ProfileError
 
-    prof = CostProfile.load(prof_path)
+    try:
+        prof = CostProfile.load(prof_path)
+    except ProfileError:
+        return {}
     ks = sorted(M.speedup_points(rows))
     if prof is None or not ks:
         return {}
