@@ -225,6 +225,8 @@ def save_learned(profile) -> None:
 def cmd_calibrate(args) -> int:
     config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, threads=args.threads)
     target, draft = load_pair(args, config)
+    if args.check:
+        return calibrate_check(target, draft, args.json)
     prof = get_profile(target, draft, args.k_max, force=True, quick=args.quick)
     if args.json:
         print(json.dumps(asdict(prof)))
@@ -235,6 +237,31 @@ def cmd_calibrate(args) -> int:
     print("V(k)/t @128: " + ", ".join(f"k={k}: {prof.verify(int(k), 128) / t:.2f}" for k in sorted(prof.V, key=int)))
     print("T_pf: " + ", ".join(f"{int(n)}: {ms:.1f} ms" for n, ms in prof.T_pf))
     print(f"alpha0 = {prof.alpha0:.3f};  calibration took {prof.calibration_s:.1f} s")
+    return 0
+
+
+def calibrate_check(target, draft, as_json: bool) -> int:
+    """`rakv calibrate --check`: a few terms measured now against the saved profile (exit 0)."""
+    from .costs import check_profile, saved_profile
+    from .models import cache_dir
+
+    prof, path = saved_profile(target, draft, cache_dir())
+    if prof is None:
+        print(f"no saved cost profile for this machine and pair yet ({path}); `rakv calibrate` or a first "
+              "`rakv generate` measures one")
+        return 0
+    rows, probe_share = check_profile(prof, target, draft)
+    if as_json:
+        print(json.dumps({"profile": str(path), "contended": prof.contended, "cpu_share_now": probe_share,
+                          "terms": rows}))
+        return 0
+    q = prof.quality
+    print(f"profile {path.name} (calibrated {prof.calibrated_at}"
+          f"{', marked contended' if prof.contended else ''}; CPU share then {q.get('cpu_share', '?')}, now "
+          f"{probe_share:.2f})")
+    for r in rows:
+        print(f"  {r['term']:<16} profile {r['profile_ms']:9.3f} ms   now {r['now_ms']:9.3f} ms   "
+              f"now/profile {r['ratio']:5.2f}{'' if abs(r['ratio'] - 1) <= 0.15 else '  (off by more than 15%)'}")
     return 0
 
 

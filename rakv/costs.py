@@ -22,7 +22,6 @@ import hashlib
 import json
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -34,10 +33,11 @@ from typing import Callable
 import torch
 
 from . import decoding as dec
+from .meter import Meter, Timing, check_enabled, cpu_clock, is_quiet, time_reps
 from .records import hardware_info
 
 now = time.perf_counter
-PROFILE_VERSION = 6
+PROFILE_VERSION = 7          # 7: the quality section (spread per term, CPU share, contended)
 ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
 ONLINE_FIRST = 4             # this session's first measurements of a term weigh 1/2, 1/3, 1/4, 1/5 (a stale
                              # profile is corrected within a few requests), later ones ONLINE_WEIGHT
@@ -95,6 +95,13 @@ class CostProfile:
     # online refinement: multiplicative scales (log-space EWMA of measured / predicted)
     scale: dict[str, float] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)
+    # how clean the calibration was (rakv/meter.py): spread per term, CPU share, retries,
+    # curves made monotone, and contended (measured while the machine was busy)
+    quality: dict = field(default_factory=dict)
+
+    @property
+    def contended(self) -> bool:
+        return bool(self.quality.get("contended"))
 
     def __post_init__(self):
         self._seen: dict[str, int] = {}      # measurements per term in this session (not saved)
@@ -254,6 +261,9 @@ def profile_problem(d) -> str | None:
     for name in ("T_pf", "t", "V"):
         if name not in d:
             return f"missing field {name!r}"
+    version = d.get("fingerprint", {}).get("version") if isinstance(d.get("fingerprint"), dict) else None
+    if version is not None and version != PROFILE_VERSION:
+        return f"profile version {version!r}, this program writes {PROFILE_VERSION}"
     for name, x in d.items():
         check = FIELD_CHECKS.get(name)
         bad = check(x) if check else _like_default(known[name], x)
@@ -290,12 +300,7 @@ CAL_TEXT = (
 
 
 def _median_ms(fn: Callable[[], None], reps: int) -> float:
-    xs = []
-    for _ in range(reps):
-        t0 = now()
-        fn()
-        xs.append((now() - t0) * 1e3)
-    return statistics.median(xs)
+    return time_reps(fn, reps).value
 
 
 def calibration_ids(tokenizer, n: int, vocab: int) -> list[int]:
@@ -311,11 +316,16 @@ def calibration_ids(tokenizer, n: int, vocab: int) -> list[int]:
 
 
 def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], None] | None = None,
-              quick: bool = False) -> CostProfile:
-    """Measure every term of the cost model on this machine. ``draft`` is a DraftSource."""
+              quick: bool = False, meter: Meter | None = None) -> CostProfile:
+    """Measure every term of the cost model on this machine. ``draft`` is a DraftSource.
+
+    Every term goes through a Meter (rakv/meter.py): noisy terms are measured again, prefill and
+    step curves must rise with length, and the profile's ``quality`` says how clean it all was
+    (``contended`` when the machine was busy)."""
     from .drafts import ModelDraft
 
     t_start = now()
+    meter = meter or Meter()
     maxpos = target.max_positions or 2048
     reps = 2 if quick else 3
     pf_ns = [n for n in ([8, 32, 128] if quick else [8, 32, 128, 384]) if n < maxpos // 2]
@@ -331,40 +341,45 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
         if progress:
             progress(min(1.0, done / steps), what)
 
-    def pf_cost(model, n):
+    def pf_cost(model, n, name):
         def run():
             dec.prefill(model, ids[:n], dec.DynamicCache())
-        run()   # warm-up, excluded
-        return _median_ms(run, reps)
 
-    def step_cost(model, ctx, n_steps=4 if quick else 6):
-        cache = dec.DynamicCache()
-        dec.prefill(model, ids[:ctx], cache)
-        xs = []
-        for i in range(n_steps):
-            t0 = now()
-            dec.decode_one(model, ids[ctx + i], cache)
-            xs.append((now() - t0) * 1e3)
-        return statistics.median(xs[1:] if len(xs) > 2 else xs)
+        def timing():
+            run()   # warm-up, excluded
+            return time_reps(run, reps)
+        return meter.measure(f"{name}@{n}", timing).value
+
+    def step_cost(model, ctx, name, n_steps=4 if quick else 6):
+        def timing():
+            cache = dec.DynamicCache()
+            dec.prefill(model, ids[:ctx], cache)
+            it = iter(range(ctx, ctx + n_steps))
+            dec.decode_one(model, ids[next(it)], cache)      # the first step runs cold: excluded
+            return time_reps(lambda: dec.decode_one(model, ids[next(it)], cache), n_steps - 1)
+        return meter.measure(f"{name}@{ctx}", timing).value
+
+    def curve(model, xs, name, cost):
+        pts = []
+        for x in xs:
+            pts.append([x, cost(model, x, name)])
+            tick(f"{'target' if model is target.model else 'draft'} {name} {x}")
+        return meter.monotone(name, pts, lambda i: cost(model, pts[i][0], name))
 
     prof = CostProfile()
     model = target.model
     dec.prefill(model, ids[:16], dec.DynamicCache())   # global warm-up
-    for n in pf_ns:
-        prof.T_pf.append([n, pf_cost(model, n)]); tick(f"target prefill {n}")
-    for c in ctxs:
-        prof.t.append([c, step_cost(model, c)]); tick(f"target step @{c}")
+    prof.T_pf = curve(model, pf_ns, "T_pf", pf_cost)
+    prof.t = curve(model, ctxs, "t", step_cost)
     V_ctx = min(128, max(ctxs))
     prof.V_ctx = V_ctx
     if dmodel is not None:
         dec.prefill(dmodel, ids[:16], dec.DynamicCache())
-        for n in pf_ns:
-            prof.D_pf.append([n, pf_cost(dmodel, n)]); tick(f"draft prefill {n}")
-        for c in ctxs:
-            prof.d.append([c, step_cost(dmodel, c)]); tick(f"draft step @{c}")
+        prof.D_pf = curve(dmodel, pf_ns, "D_pf", pf_cost)
+        prof.d = curve(dmodel, ctxs, "d", step_cost)
     # Verify costs and the draft step as *ratios to a target step*, measured interleaved in one
     # loop (rotated order) so that machine drift or a neighbour's load hits them all alike.
-    ratios = interleaved_ratios(model, dmodel, ids, V_ctx, k_max, reps=4 if quick else 7, tick=tick)
+    ratios = interleaved_ratios(model, dmodel, ids, V_ctx, k_max, reps=4 if quick else 7, tick=tick, meter=meter)
     t_ref = interp(prof.t, V_ctx)
     for k in range(1, k_max + 1):
         prof.V[str(k)] = ratios[k] * t_ref
@@ -379,12 +394,14 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     prof.clone_ms_per_token = _median_ms(lambda: dec.kv_of(cache, 128), 5) / 128
     prof.alpha0 = measure_alpha(target, draft, ids, k=4, rounds=4 if quick else 8)
     tick("acceptance")
+    prof.quality = meter.quality()
     prof.calibration_s = now() - t_start
     prof.calibrated_at = time.strftime("%Y-%m-%dT%H:%M:%S")
     return prof
 
 
-def interleaved_ratios(model, dmodel, ids, ctx: int, k_max: int, reps: int, tick=None) -> dict:
+def interleaved_ratios(model, dmodel, ids, ctx: int, k_max: int, reps: int, tick=None,
+                       meter: Meter | None = None) -> dict:
     """Costs as the engine pays them, as ratios to a 1-token target forward at context ``ctx``.
 
     One "round" of key k (1..k_max) is what a speculative round does: k consecutive 1-token
@@ -393,7 +410,16 @@ def interleaved_ratios(model, dmodel, ids, ctx: int, k_max: int, reps: int, tick
     them alike. Measured in the loop, not in isolation: a lone draft forward after a target
     forward runs cold and costs ~40% more than the steps of a real drafting run.
     Returns {k: V(k)/t} and (with a draft model) "d": median draft ms per drafted token / t.
+    The whole block is measured again (``meter``) when its timings are noisy.
     """
+    meter = meter or Meter(check=False)
+    out = meter.measure_many("V", lambda: _interleaved_block(model, dmodel, ids, ctx, k_max, reps))
+    if tick:
+        tick("verify/step ratios")
+    return out
+
+
+def _interleaved_block(model, dmodel, ids, ctx: int, k_max: int, reps: int) -> tuple[dict, dict]:
     base = dec.DynamicCache()
     dec.prefill(model, ids[:ctx], base)
     dbase = None
@@ -401,27 +427,27 @@ def interleaved_ratios(model, dmodel, ids, ctx: int, k_max: int, reps: int, tick
         dbase = dec.DynamicCache()
         dec.prefill(dmodel, ids[:ctx], dbase)
     keys = list(range(0, k_max + 1))
-    xs: dict = {key: [] for key in keys}
-    ds: list[float] = []
+    xs: dict = {key: Timing() for key in keys}
+    ds = Timing()
 
     def once(k):
         if k == 0:
-            t0 = now()
+            t0, c0 = now(), cpu_clock()
             dec.decode_one(model, ids[ctx], base)
-            ms = (now() - t0) * 1e3
+            ms = (now() - t0, cpu_clock() - c0)
             dec.rollback(base, 1)
             return ms, None
         d_ms = None
         if dbase is not None:
-            t0 = now()
+            t0, c0 = now(), cpu_clock()
             for i in range(k):      # q_i = draft(x_{<ctx+i})
                 dec.decode_one(dmodel, ids[ctx + i], dbase)
-            d_ms = (now() - t0) * 1e3 / k
+            d_ms = ((now() - t0) / k, (cpu_clock() - c0) / k)
             dec.rollback(dbase, k)
         toks = ids[ctx: ctx + k + 1]
-        t0 = now()
+        t0, c0 = now(), cpu_clock()
         dec.verify(model, toks, base)
-        ms = (now() - t0) * 1e3
+        ms = (now() - t0, cpu_clock() - c0)
         dec.rollback(base, k + 1)
         return ms, d_ms
 
@@ -431,16 +457,16 @@ def interleaved_ratios(model, dmodel, ids, ctx: int, k_max: int, reps: int, tick
         order = keys[r % len(keys):] + keys[: r % len(keys)]
         for key in order:
             ms, d_ms = once(key)
-            xs[key].append(ms)
+            xs[key].add(*ms)
             if d_ms is not None:
-                ds.append(d_ms)
-    t1 = statistics.median(xs[0])
-    if tick:
-        tick("verify/step ratios")
-    out = {key: statistics.median(v) / t1 for key, v in xs.items() if key != 0}
-    if ds:
-        out["d"] = statistics.median(ds) / t1
-    return out
+                ds.add(*d_ms)
+    t1 = xs[0].value
+    out = {key: v.value / t1 for key, v in xs.items() if key != 0}
+    timings = {("t@ratio" if key == 0 else f"V{key}"): v for key, v in xs.items()}
+    if ds.ms:
+        out["d"] = ds.value / t1
+        timings["d@ratio"] = ds
+    return out, timings
 
 
 # prompts for a model draft's acceptance prior: plain prose, history prose and code (the kinds of
@@ -523,23 +549,49 @@ def load_or_calibrate(target, draft, cache: Path, k_max: int = 8, force: bool = 
     path = profile_path(cache, fp)
     if not force:
         prof = _usable(path, fp, k_max, say)
-        if prof is not None:
+        if prof is not None and not _stale_contended(prof, target, say):
             return prof, False
     with file_lock(path.with_suffix(".lock"),
                    on_wait=lambda: say("another process is calibrating this pair; waiting for its profile ...")):
         if not force:
-            prof = _usable(path, fp, k_max, lambda m: None)    # saved meanwhile by that process?
-            if prof is not None:
-                return prof, False
+            again = _usable(path, fp, k_max, lambda m: None)    # saved meanwhile by that process?
+            if again is not None and (prof is None or again.calibrated_at != prof.calibrated_at):
+                return again, False
         say(f"calibrating costs for this machine and pair (one time; profile {path.name}) ...")
         prof = calibrate(target, draft, k_max=k_max, progress=progress, quick=quick)
         prof.fingerprint = fp
+        if prof.contended:
+            say("calibration ran on a busy machine (" + "; ".join(prof.quality.get("reasons", [])) + "): the "
+                "profile is saved marked contended, and a later run on a quiet machine measures again")
         try:
             prof.save(path)
         except OSError as e:     # a read-only cache dir: run on the profile in memory
             say(f"cannot save the cost profile to {path} ({e.strerror or e}); using it for this run only")
             prof.read_only = True     # and no save of what this run learns either (warned once)
     return prof, True
+
+
+def _stale_contended(prof: CostProfile, target, say) -> bool:
+    """A profile measured under contention: measure again if the machine is quiet now."""
+    if not prof.contended or not check_enabled():
+        return False
+    probe = quiet_probe(target)
+    if is_quiet(probe):
+        say("the saved cost profile was measured on a busy machine and this one is quiet now: measuring again")
+        return True
+    say(f"the saved cost profile was measured on a busy machine (still busy: CPU share {probe.share:.0%}); "
+        "using it, refined as requests run")
+    return False
+
+
+def quiet_probe(target, n: int = 8) -> Timing:
+    """A short timing of target steps (~n forwards at a short context) to tell a quiet machine."""
+    ids = calibration_ids(target.tokenizer, 16 + n + 1, target.vocab_size)
+    cache = dec.DynamicCache()
+    dec.prefill(target.model, ids[:16], cache)
+    it = iter(range(16, 16 + n + 1))
+    dec.decode_one(target.model, ids[next(it)], cache)
+    return time_reps(lambda: dec.decode_one(target.model, ids[next(it)], cache), n)
 
 
 def _usable(path: Path, fp: dict, k_max: int, say) -> CostProfile | None:
@@ -551,6 +603,58 @@ def _usable(path: Path, fp: dict, k_max: int, say) -> CostProfile | None:
     if prof is not None and prof.fingerprint == fp and len(prof.V) >= k_max:
         return prof
     return None
+
+
+def saved_profile(target, draft, cache: Path) -> tuple[CostProfile | None, Path]:
+    """The saved profile for this machine and pair (None if there is none or it is malformed)."""
+    fp = fingerprint(target.key, getattr(draft, "key", "none"), str(next(target.model.parameters()).dtype))
+    path = profile_path(cache, fp)
+    try:
+        prof = CostProfile.load(path)
+    except ProfileError as e:
+        print(f"[rakv] {e}", file=sys.stderr)
+        prof = None
+    return prof, path
+
+
+def check_profile(prof: CostProfile, target, draft, reps: int = 5) -> tuple[list[dict], float]:
+    """A few quick terms measured now (target step, V(4), prefill of 32, the draft's step) against
+    what the profile predicts (with its learned scales); also the CPU share seen now."""
+    from .drafts import ModelDraft
+
+    ctx = prof.V_ctx
+    ids = calibration_ids(target.tokenizer, ctx + 48, target.vocab_size)
+    model, meter = target.model, Meter(check=False)
+    dmodel = draft.lm.model if isinstance(draft, ModelDraft) else None
+    dec.prefill(model, ids[:16], dec.DynamicCache())      # warm-up
+    rows = []
+
+    def row(term, predicted, timing):
+        t = meter.measure(term, timing)
+        rows.append({"term": term, "profile_ms": round(predicted, 3), "now_ms": round(t.value, 3),
+                     "ratio": round(t.value / predicted, 3) if predicted > 0 else float("nan"),
+                     "spread": round(t.spread, 3)})
+
+    def pf():
+        return time_reps(lambda: dec.prefill(model, ids[:32], dec.DynamicCache()), reps)
+
+    def at_ctx(m, n_tok, kind):
+        cache = dec.DynamicCache()
+        dec.prefill(m, ids[:ctx], cache)
+        fwd = dec.decode_one if n_tok == 1 else (lambda mm, _t, c: dec.verify(mm, ids[ctx: ctx + n_tok], c))
+
+        def once():
+            fwd(m, ids[ctx], cache)
+            dec.rollback(cache, n_tok)
+        once()
+        return time_reps(once, reps)
+
+    row("step@%d" % ctx, prof.step(ctx), lambda: at_ctx(model, 1, "t"))
+    row("V(4)@%d" % ctx, prof.verify(4, ctx), lambda: at_ctx(model, 5, "V"))
+    row("prefill 32", prof.T(32), pf)
+    if dmodel is not None and prof.d:
+        row("draft step@%d" % ctx, prof.draft_step(ctx), lambda: at_ctx(dmodel, 1, "d"))
+    return rows, meter.quality()["cpu_share"]
 
 
 def text_progress(prefix: str = "calibrate"):

@@ -8,6 +8,7 @@ step through ``callback(record)`` with the plain-Python records of ``rakv.record
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import asdict
@@ -64,8 +65,8 @@ class Engine:
     # ------------------------------------------------------------------ controls (any thread)
     def set_budget_mib(self, mib: float) -> None:
         """Safe from any thread: applied now when idle, else at the next request's decision."""
-        if mib < 0:
-            raise EngineError("budget must be >= 0")
+        if not math.isfinite(mib) or mib < 0:
+            raise EngineError("budget must be a finite number >= 0")
         with self._lock:
             self._pending_budget = int(mib * 1024 * 1024)
             if not self._running:

@@ -23,3 +23,6 @@ def _threads():
 @pytest.fixture(autouse=True)
 def _rakv_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("RAKV_CACHE", str(tmp_path_factory.getbasetemp() / "rakv-cache"))
+    # calibrations in tests are deterministic: no pauses, re-measuring or contended flag (a busy CI
+    # machine would otherwise flip them); tests/test_hardening.py turns the check on where it tests it
+    monkeypatch.setenv("RAKV_CONTENTION_CHECK", "0")
