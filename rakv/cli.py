@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget-mib", type=A.finite_float(0), default=512.0, help="prefix-cache budget (MiB, >= 0)")
     g.add_argument("--granularity", choices=["request", "round"], default=None,
                    help="adaptive: decide k per request (paper, default) or per round")
+    g.add_argument("--explore-share", type=float, default=None,
+                   help="adaptive: share of the stream's time probes may spend (default 0.005)")
     g.add_argument("--record", help="write a JSONL recording")
     g.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
     g.add_argument("--recalibrate", action="store_true", help="measure costs again before running")
@@ -157,6 +159,10 @@ def cmd_generate(args) -> int:
               k_set=k_set, budget_mib=args.budget_mib, chat_template=not args.raw)
     if args.granularity:
         kw["granularity"] = args.granularity
+    if args.explore_share is not None:
+        if not 0.0 <= args.explore_share <= 1.0:
+            raise CliError("--explore-share must be between 0 and 1")
+        kw["explore_share"] = args.explore_share
     config = RakvConfig(**kw)
     target, draft = load_pair(args, config)
     k_max = max(max(k_set), policy.k, 1)
@@ -195,6 +201,7 @@ def cmd_generate(args) -> int:
                     "predicted_ms": end.predicted_ms, "stopped": end.stopped, "policy": policy.name,
                     "templated": bool(start and start.templated),
                     "template_prefix": start.template_prefix if start else 0,
+                    "explore_ms": end.explore_ms,
                 }
                 sys.stdout.write(json.dumps(obj) + "\n")
             else:

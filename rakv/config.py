@@ -35,7 +35,8 @@ class RakvConfig:
     granularity: str = "request"     # "request" (paper; measured faster here) or "round" (re-decide k every round)
     alpha_decay: float = 0.3         # EWMA weight of the newest round's acceptance
     alpha_prior: float | None = None  # None: from calibration
-    probe_every: int = 8             # after this many non-drafting rounds, probe one round
+    probe_every: int = 8             # at least this many non-drafting rounds between probes
+    explore_share: float = 0.005     # probes may spend this share of the stream's time (priced, budgeted)
     force_action: tuple[int, int] | None = None  # (r, k) override, GUI "force"
 
     def with_(self, **kw) -> "RakvConfig":

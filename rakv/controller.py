@@ -40,21 +40,19 @@ Both start from the profile's ``alpha_learned`` (a_long as earlier sessions on t
 it), else the calibration's alpha0; at the end of every request the profile's alpha_learned and
 out_frac are updated (``end_request``).
 
-Not getting stuck: if no round has drafted for ``probe_interval`` rounds (initially
-``probe_every`` = 8) and the probe credit covers the draft's catch-up, the next round is a probe
-with the k > 0 whose crossover alpha* is lowest (the k most likely to pay, which also yields
-several acceptance trials; the smallest k if none can pay); its cost is real, measured and
-recorded (Decision.reason = "probe"), and its outcome updates alpha. A probe that is rejected
-outright doubles the interval (up to 8x ``probe_every``), so on a workload where drafting never
-pays, probes cost a vanishing share; any accepted token resets the interval.
-Catch-up: a model draft that has not drafted in this request must first read the whole context
-(a 512-token prompt costs ~6 target steps with the int8 draft), which a probe pays on top of a
-k = 0 request (in a 20-request check, 512-token k = 0 requests with such probes ran up to 20%
-behind kv). So every non-drafting round earns PROBE_SHARE (2%) of its step cost as credit, and a
-probe needs credit for the part of its catch-up D(behind) beyond one target step, which it
-spends: that part stays under 2% of the time spent not drafting, while short catch-ups (the
-tokens since the last probe, a cached draft prefix, a short prompt) probe as soon as the
-interval is up.
+Exploration (not getting stuck): a controller that never drafts never learns alpha, so k = 0
+rounds may be turned into probes, priced like any action and paid from an explicit budget:
+  * never when no k could pay even at alpha = 1 with the measured costs (``pays_at_all``);
+  * never while alpha's optimistic bound (``alpha_upper``: the estimate plus two standard errors
+    over the trials actually seen) is below every k's crossover;
+  * only when the balance (EXPLORE_SHARE, default 0.5%, of the measured time of the stream, less
+    what probes cost beyond the plain steps they replaced) covers the probe's predicted excess:
+    catch-up + k d + V(k) - E_k(alpha) t;
+  * with the k of most expected acceptance trials per millisecond of that excess.
+A probe's measured excess (round ms - emitted tokens x t) is recorded (Round.explore_ms,
+RequestEnd.explore_ms) and charged to the balance, so over any stream exploration stays within
+its share plus at most one probe. ``probe_every`` is the minimum number of k = 0 rounds between
+probes.
 """
 
 from __future__ import annotations
@@ -72,7 +70,9 @@ PRIOR_TRIALS = 8.0   # weight of the long-run acceptance in the request-level on
 LONG_DECAY = 0.05    # per-request weight of the long-run acceptance EWMA
 OUT_DECAY = 0.1      # per-request weight of the output-share EWMA
 K_TIE = 0.02    # among drafting actions predicted within 2% of the best, the smallest k is taken
-PROBE_SHARE = 0.02   # probe catch-up may spend this share of the non-drafting rounds' cost
+EXPLORE_SHARE = 0.005  # probes may spend this share of the stream's measured time (issue: <= 1%)
+UCB_Z = 2.0          # alpha's optimistic bound: estimate + UCB_Z standard errors
+MAX_EVIDENCE = 400   # trials counted for that bound at most (and it ages by LONG_DECAY a request)
 
 
 def trials(accepted: int, drafted: int) -> int:
@@ -143,7 +143,7 @@ class Choice:
 class Controller:
     def __init__(self, profile: CostProfile, k_set=(0, 1, 2, 4, 6, 8), lam: float = 0.3,
                  probe_every: int = 8, alpha_prior: float | None = None, req_decay: float = 0.3,
-                 out_decay: float = OUT_DECAY):
+                 out_decay: float = OUT_DECAY, explore_share: float = EXPLORE_SHARE):
         self.profile = profile
         self.k_set = tuple(sorted(set(k_set)))
         if alpha_prior is None:
@@ -157,10 +157,13 @@ class Controller:
         self._req_T = 0.0
         self.out_frac = profile.out_frac if profile.out_frac is not None else 1.0
         self.probe_every = probe_every
-        self.probe_interval = probe_every
         self.rounds_since_draft = 0
-        self.probe_credit = 0.0      # ms a probe may spend on draft catch-up
-        self._probing = False
+        self.explore_share = explore_share
+        self.earned_ms = 0.0         # explore_share x measured stream time
+        self.spent_ms = 0.0          # probes' measured cost beyond the plain steps they replaced
+        # trials behind the acceptance estimate (this session's, plus what the profile saw before)
+        self.evidence = min(MAX_EVIDENCE, float(profile.alpha_trials or 0.0))
+        self._probe: tuple[int, float] | None = None     # (k, predicted excess ms) of a pending probe
 
     # ------------------------------------------------------------------ costs
     def hit_tokens(self, s: Situation, r: int) -> tuple[int, int]:
@@ -282,33 +285,66 @@ class Controller:
         """Predicted cost of a model draft reading the tokens it is behind (1 is a normal round)."""
         return self.profile.D(catchup_tokens) if draft_model and catchup_tokens > 1 else 0.0
 
+    # ------------------------------------------------------------------ exploration
     @property
     def probe_due(self) -> bool:
-        return self.rounds_since_draft >= self.probe_interval
+        return self.rounds_since_draft >= self.probe_every
+
+    @property
+    def explore_balance(self) -> float:
+        return self.earned_ms - self.spent_ms
+
+    def earn(self, ms: float) -> None:
+        """Every measured millisecond of the stream earns its share of exploration."""
+        if ms > 0:
+            self.earned_ms += self.explore_share * ms
+
+    def pays_at_all(self, k: int, ctx: float) -> bool:
+        """Could k beat plain steps at alpha = 1? If not, probing k can teach nothing useful."""
+        p = self.profile
+        return k * p.draft_step(ctx) + p.verify(k, ctx) < (k + 1) * p.step(ctx)
+
+    def alpha_upper(self) -> float:
+        """Optimistic acceptance: the estimate plus UCB_Z standard errors over the evidence."""
+        a = self.alpha_req
+        n = self.evidence + PRIOR_TRIALS
+        return min(1.0, a + UCB_Z * math.sqrt(max(a * (1 - a), 0.01) / n))
+
+    def probe_plan(self, ctx: float, ks, catch_ms: float) -> tuple[int, float] | None:
+        """The probe worth most (expected trials per ms of excess), or None if none is worth it."""
+        p = self.profile
+        t = p.step(ctx)
+        a, a_hi = self.alpha_req, self.alpha_upper()
+        stars = self.round_alpha_star(ctx, ks)
+        best = None
+        for k in ks:
+            if k <= 0 or not self.pays_at_all(k, ctx):
+                continue
+            if stars.get(str(k)) is None or stars[str(k)] > a_hi:
+                continue
+            excess = catch_ms + k * p.draft_step(ctx) + p.verify(k, ctx) - E(k, a) * t
+            info = E(k, a) - (a ** k)          # expected trials: accepted drafts + a rejection
+            score = info / max(excess, 0.05 * t)
+            if best is None or score > best[0]:
+                best = (score, k, max(0.0, excess))
+        return None if best is None else (best[1], best[2])
 
     def maybe_probe(self, ctx: int, remaining: int, k_set=None, catchup_tokens: int = 0,
                     draft_model: bool = True) -> int:
-        """For a round that will not draft although a draft is there: earn probe credit, and
-        return the k of a probe round when one is due (else 0). ``catchup_tokens`` matters only
-        when ``probe_due``."""
-        step = self.profile.step(ctx)
-        self.probe_credit += PROBE_SHARE * step
+        """For a round that will not draft although a draft is there: the k of a probe round if
+        one is due, worth it and affordable (else 0). ``catchup_tokens`` matters only when due."""
         if not self.probe_due or remaining <= 2:
             return 0
-        probe = [kk for kk in sorted(set(k_set if k_set is not None else self.k_set)) if 0 < kk <= remaining - 1]
-        # a catch-up up to one target step is free (a few tokens missed since the last probe);
-        # beyond that, credit pays for it
-        catch = max(0.0, self.catchup_ms(catchup_tokens, draft_model) - step)
-        if not probe or self.probe_credit < catch:
+        ks = [kk for kk in sorted(set(k_set if k_set is not None else self.k_set)) if 0 < kk <= remaining - 1]
+        plan = self.probe_plan(ctx, ks, self.catchup_ms(catchup_tokens, draft_model))
+        if plan is None or plan[1] > self.explore_balance:
             return 0
-        # probe with the k most likely to pay (lowest finite crossover alpha*): a cheap verify
-        # that also yields several acceptance trials; else the smallest k
-        stars = self.round_alpha_star(ctx, probe)
-        finite = [int(kk) for kk, v in stars.items() if v is not None]
-        kp = min(finite, key=lambda kk: (stars[str(kk)], kk)) if finite else min(probe)
-        self.probe_credit -= catch
-        self._probing = True
-        return kp
+        self._probe = plan
+        return plan[0]
+
+    @property
+    def probe_predicted_ms(self) -> float:
+        return self._probe[1] if self._probe else 0.0
 
     def round_alpha_star(self, ctx: int, k_set=None) -> dict:
         """Per-round crossover: smallest alpha with (k d + V(k)) / E_k(alpha) <= t, per k."""
@@ -329,19 +365,24 @@ class Controller:
             out[str(k)] = round(hi, 4)
         return out
 
-    def observe_round(self, drafted: int, accepted: int) -> None:
+    def observe_round(self, drafted: int, accepted: int, round_ms: float = 0.0, emitted: int = 0,
+                      ctx: float = 0.0) -> float:
+        """Fold one round in; returns the exploration it spent (ms; 0 unless it was a probe)."""
+        spent = 0.0
         if drafted > 0:
             self.alpha.update(accepted, drafted)
             self._req_S += accepted
             self._req_T += trials(accepted, drafted)
+            self.evidence = min(MAX_EVIDENCE, self.evidence + trials(accepted, drafted))
             self.rounds_since_draft = 0
-            if self._probing and accepted == 0:
-                self.probe_interval = min(8 * self.probe_every, 2 * self.probe_interval)
-            elif accepted > 0:
-                self.probe_interval = self.probe_every
+            if self._probe is not None and round_ms > 0:
+                spent = round_ms - max(1, emitted) * self.profile.step(ctx)
+                self.spent_ms += spent
         else:
             self.rounds_since_draft += 1
-        self._probing = False
+        self.earn(round_ms)
+        self._probe = None
+        return spent
 
     @property
     def alpha_long(self) -> float:
@@ -355,12 +396,14 @@ class Controller:
     def end_request(self, produced: int, max_new: int, stopped: str) -> None:
         """Fold a finished request into the request-level estimates and the profile."""
         w = self.req_decay
+        self.evidence *= 1 - LONG_DECAY      # evidence ages: a regime can change, so probing resumes
         self._rS = (1 - w) * self._rS + w * self._req_S      # no trials: decays toward a_long
         self._rT = (1 - w) * self._rT + w * self._req_T
         if self._req_T > 0:
             self._lS = (1 - LONG_DECAY) * self._lS + LONG_DECAY * self._req_S
             self._lT = (1 - LONG_DECAY) * self._lT + LONG_DECAY * self._req_T
             self.profile.alpha_learned = round(self.alpha_long, 5)
+            self.profile.alpha_trials = round(self.evidence, 1)
         if stopped in ("eos", "max_new_tokens") and max_new > 1:
             frac = min(1.0, max(0, produced - 1) / (max_new - 1))
             self.out_frac = (1 - self.out_decay) * self.out_frac + self.out_decay * max(frac, 0.02)

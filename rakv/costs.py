@@ -90,6 +90,7 @@ class CostProfile:
     # later session starts from the acceptance and output length this pair actually showed
     alpha_learned: float | None = None
     out_frac: float | None = None
+    alpha_trials: float | None = None    # trials behind alpha_learned (capped; bounds exploration)
     calibrated_at: str = ""
     calibration_s: float = 0.0
     # online refinement: multiplicative scales (log-space EWMA of measured / predicted)

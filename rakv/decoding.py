@@ -90,8 +90,17 @@ def crop_to(cache: DynamicCache, length: int) -> None:
 
 
 def kv_of(cache: DynamicCache, n: int) -> KV:
-    """Copy of the first ``n`` positions of every layer (for storing in the prefix cache)."""
-    return [(layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone()) for layer in cache.layers]
+    """The first ``n`` positions of every layer, for storing in the prefix cache: the tensors
+    themselves when they hold exactly n positions (zero copy: DynamicCache never writes in place,
+    it concatenates into new tensors and crops by slicing), else copies."""
+    return [(_own(layer.keys, n), _own(layer.values, n)) for layer in cache.layers]
+
+
+def _own(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t[:, :, :n]`` as a tensor whose bytes are all its own (so byte accounting is exact)."""
+    v = t[:, :, :n]
+    whole = v.is_contiguous() and v.untyped_storage().nbytes() == v.numel() * v.element_size()
+    return v if whole else v.clone()
 
 
 def kv_nbytes(cache: DynamicCache, n: int) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -33,6 +33,56 @@ class EngineError(ValueError):
     """Bad input to the engine (empty prompt, too long, ...); the message is one clear line."""
 
 
+@dataclass
+class _Request:
+    """One request's state while it runs (the phases below pass it along)."""
+
+    rid: int
+    ids: list[int]
+    N: int
+    policy: Policy
+    k_set: tuple
+    force: tuple | None
+    budget: int
+    has_draft: bool
+    draft_model: bool
+    reuse: int = 0
+    k: int = 0
+    per_round: bool = False
+    t0: float = 0.0
+    ttft: float = 0.0
+    pf: object = None
+    cache: object = None
+    out: list[int] = field(default_factory=list)
+    stopped: str = ""
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    forward_ms: float = 0.0
+    book_ms: float = 0.0
+    explore_ms: float = 0.0
+
+
+def verify_accept(model, cache, pending: int, drafts: list[int]) -> tuple[list[int], int]:
+    """Verify [pending, d_1..d_k] in one forward; accept a drafts + one target token; roll back."""
+    logits = dec.verify(model, [pending] + drafts, cache)      # [k+1, V]
+    pred = torch.argmax(logits, dim=-1).tolist()
+    a = dec.accept(drafts, pred)
+    dec.rollback(cache, len(drafts) - a)
+    return drafts[:a] + [pred[a]], a
+
+
+def cut_at_eos(emitted: list[int], prov: list[str], eos, remaining: int):
+    """EOS inside the accepted run ends the output there; never exceed ``remaining``."""
+    cut, hit = len(emitted), False
+    for i, tok in enumerate(emitted):
+        if tok in eos:
+            cut, hit = i + 1, True
+            break
+    cut = min(cut, remaining)
+    return emitted[:cut], prov[:cut], hit
+
+
 class Engine:
     def __init__(self, target: LoadedModel, draft: DraftSource | None, config: RakvConfig = RakvConfig(),
                  callback=None, profile: CostProfile | None = None):
@@ -48,7 +98,7 @@ class Engine:
         self.chat_template = config.chat_template
         self.profile = profile
         self.controller = Controller(profile, self.k_set, config.alpha_decay, config.probe_every,
-                                     config.alpha_prior) if profile is not None else None
+                                     config.alpha_prior, explore_share=config.explore_share) if profile is not None else None
         self.alpha = self.controller.alpha if self.controller else AlphaEWMA(
             config.alpha_prior if config.alpha_prior is not None else 0.5, config.alpha_decay)
         if self.policy.adaptive and self.controller is None:
@@ -171,6 +221,19 @@ class Engine:
                 self._apply_budget()
 
     def _generate(self, prompt, max_new_tokens, prompt_text) -> RequestEnd:
+        rq = self._start(prompt, max_new_tokens, prompt_text)
+        choice = self._decide(rq)
+        self._prefill(rq)
+        try:
+            while not rq.stopped:
+                self._round(rq)
+        finally:
+            self.draft.end()
+        return self._finish(rq, choice)
+
+    # ---- phases of one request (each reports its own records)
+    def _start(self, prompt, max_new_tokens, prompt_text) -> "_Request":
+        """Validate, tokenize, snapshot the controls, emit RequestStart."""
         N = self.config.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if N < 1:
             raise EngineError("max_new_tokens must be >= 1")
@@ -182,173 +245,173 @@ class Engine:
             raise EngineError(f"prompt ({P} tokens) + max_new_tokens ({N}) exceeds the model's context of {maxpos}")
         with self._lock:
             policy, k_set, force, budget = self.policy, self.k_set, self.force, self.store.budget
-        rid = self._next_id
+        rq = _Request(rid=self._next_id, ids=ids, N=N, policy=policy, k_set=k_set, force=force, budget=budget,
+                      has_draft=not isinstance(self.draft, NoDraft), draft_model=isinstance(self.draft, ModelDraft))
         self._next_id += 1
+        self._open_request = rq.rid
         text = prompt if isinstance(prompt, str) else (prompt_text or "")
-        self._open_request = rid
-        self._emit(RequestStart(request_id=rid, prompt=text, prompt_ids=ids, prompt_tokens=P,
+        self._emit(RequestStart(request_id=rq.rid, prompt=text, prompt_ids=ids, prompt_tokens=P,
                                 max_new_tokens=N, policy=policy.name, templated=enc.templated,
                                 template_prefix=enc.template_prefix))
-        t_req = now()
-        has_draft = not isinstance(self.draft, NoDraft)
-        draft_model = isinstance(self.draft, ModelDraft)
+        rq.t0 = now()
+        return rq
 
-        # ---- decide (r, k)
+    def _decide(self, rq: "_Request") -> Choice | None:
+        """The per-request action (r, k): the controller's argmin, or the fixed policy's."""
+        policy, ctl = rq.policy, self.controller
         choice = None
-        if policy.adaptive or self.controller is not None:
-            s = self._situation(ids, N, budget, has_draft, draft_model, peek=policy.adaptive)
+        if ctl is not None:
+            s = self._situation(rq.ids, rq.N, rq.budget, rq.has_draft, rq.draft_model, peek=policy.adaptive)
             if policy.adaptive:
-                choice = self.controller.decide(s, k_set, force)
+                choice = ctl.decide(s, rq.k_set, rq.force)
             else:
                 r, k = int(policy.reuse), policy.k
-                c = round(self.controller.cost(s, r, k, self.alpha.value), 3)
-                ok, why = self.controller.feasible(s, r, k)
-                stars = {str(k): self.controller.alpha_star(s, r, k)} if k > 0 else {}
+                c = round(ctl.cost(s, r, k, self.alpha.value), 3)
+                ok, why = ctl.feasible(s, r, k)
+                stars = {str(k): ctl.alpha_star(s, r, k)} if k > 0 else {}
                 choice = Choice(r, k, c, [Candidate(r, k, c, ok, why)], self.alpha.value, stars, "fixed")
-            reuse, k = choice.reuse, choice.k
-            self._emit(Decision(request_id=rid, candidates=[asdict(c) for c in choice.candidates],
-                                action={"reuse": reuse, "k": k}, alpha=choice.alpha,
-                                alpha_star=choice.alpha_star, reason=choice.reason,
-                                decide_ms=choice.decide_ms))
+            rq.reuse, rq.k = choice.reuse, choice.k
+            self._emit(Decision(request_id=rq.rid, candidates=[asdict(c) for c in choice.candidates],
+                                action={"reuse": rq.reuse, "k": rq.k}, alpha=choice.alpha,
+                                alpha_star=choice.alpha_star, reason=choice.reason, decide_ms=choice.decide_ms,
+                                explore_balance_ms=round(ctl.explore_balance, 3)))
         else:
-            reuse, k = int(policy.reuse), policy.k
-            self._emit(Decision(request_id=rid, candidates=[asdict(Candidate(reuse, k, 0.0))],
-                                action={"reuse": reuse, "k": k}, alpha=self.alpha.value, reason="fixed"))
-        if k > 0 and not has_draft:
-            raise EngineError(f"k={k} needs a draft (--draft is 'none')")
+            rq.reuse, rq.k = int(policy.reuse), policy.k
+            self._emit(Decision(request_id=rq.rid, candidates=[asdict(Candidate(rq.reuse, rq.k, 0.0))],
+                                action={"reuse": rq.reuse, "k": rq.k}, alpha=self.alpha.value, reason="fixed"))
+        if rq.k > 0 and not rq.has_draft:
+            raise EngineError(f"k={rq.k} needs a draft (--draft is 'none')")
+        rq.per_round = policy.adaptive and self.granularity == "round" and rq.force is None
+        self._last_k = rq.k
+        return choice
 
-        # ---- prefill (target), first token
-        store = self.store if reuse else None
-        pf = prefill_with_reuse(self.target, ids, store)
+    def _prefill(self, rq: "_Request") -> None:
+        """Target prompt KV (through the prefix cache when r = 1) and the first token."""
+        P = len(rq.ids)
+        pf = prefill_with_reuse(self.target, rq.ids, self.store if rq.reuse else None)
         t1 = dec.argmax(pf.logits)
-        ttft = (now() - t_req) * 1e3
-        st = self.store.stats
-        self._emit(CacheLookup(request_id=rid, model="target", bucket=pf.hit.bucket, hit_tokens=pf.hit.q,
-                               reused_tokens=pf.hit.usable, exact_repeat=pf.hit.exact, prompt_tokens=P,
-                               bytes_used=st.bytes_used, budget=st.budget, entries=st.entries,
-                               evictions=st.evictions, stored=pf.stored, lookup_ms=round(pf.lookup_ms, 4),
-                               prefill_ms=round(pf.forward_ms, 3)))
+        rq.ttft = (now() - rq.t0) * 1e3
+        self._emit_lookup(rq.rid, "target", pf.hit, P, pf.stored, pf.lookup_ms, pf.forward_ms)
         if self.profile is not None and pf.forward_ms > 0:
             self.profile.observe("T", self.profile.T(P - pf.hit.usable), pf.forward_ms)
-        out = [t1]
-        self._emit(Round(request_id=rid, index=0, kind="prefill", emitted=[t1],
+        if self.controller is not None:
+            self.controller.earn(rq.ttft)
+        rq.pf, rq.cache, rq.out = pf, pf.cache, [t1]
+        rq.forward_ms = pf.forward_ms
+        self._emit(Round(request_id=rq.rid, index=0, kind="prefill", emitted=[t1],
                          provenance=["stored" if pf.hit.exact else "target"], verify_ms=round(pf.forward_ms, 3),
-                         round_ms=round(ttft, 3), context=P, alpha=self.alpha.value))
-        cache = pf.cache
-        self.draft.begin(ids, self.store, bool(reuse))
-        eos = self.target.eos_ids
-        drafted_total = accepted_total = rounds = 0
-        forward_ms = pf.forward_ms
-        book_ms = 0.0
-        stopped = "eos" if t1 in eos else ""
-        per_round = policy.adaptive and self.granularity == "round" and force is None
-        self._last_k = k
-        try:
-            while not stopped:
-                if len(out) >= N:
-                    stopped = "max_new_tokens"
-                    break
-                if self._stop.is_set():
-                    stopped = "stop"
-                    break
-                t_round = now()
-                seq = ids + out
-                remaining = N - len(out)
-                k_use = k
-                if per_round:
-                    k_use = self._decide_round(rid, rounds + 1, reuse, seq, remaining, draft_model, has_draft)
-                elif policy.adaptive and k == 0 and has_draft:
-                    # per-request mode at k=0: an occasional probe round keeps alpha alive
-                    td = now()
-                    ctl = self.controller
-                    behind = self._draft_behind(seq, reuse, draft_model) if ctl.probe_due else 0
-                    k_use = ctl.maybe_probe(len(seq), remaining, k_set, behind, draft_model)
-                    if k_use:
-                        self._emit(Decision(request_id=rid, round=rounds + 1, action={"reuse": int(reuse), "k": k_use},
-                                            alpha=self.alpha.value, reason="probe",
-                                            alpha_star=self.controller.round_alpha_star(len(seq), k_set),
-                                            decide_ms=round((now() - td) * 1e3, 4)))
-                k_eff = min(k_use, remaining - 1)
-                prop_tokens: list[int] = []
-                draft_ms = catch_ms = 0.0
-                catch_tok = 0
-                if k_eff > 0:
-                    prop = self.draft.propose(seq, k_eff)
-                    prop_tokens, draft_ms = prop.tokens, prop.ms
-                    catch_tok, catch_ms = prop.catchup_tokens, prop.catchup_ms
-                    if prop.prefill is not None:
-                        h = prop.prefill.hit
-                        st = self.store.stats
-                        self._emit(CacheLookup(request_id=rid, model="draft", bucket=h.bucket, hit_tokens=h.q,
-                                               reused_tokens=h.usable, exact_repeat=h.exact, prompt_tokens=P,
-                                               bytes_used=st.bytes_used, budget=st.budget, entries=st.entries,
-                                               evictions=st.evictions, stored=prop.prefill.stored,
-                                               lookup_ms=round(prop.prefill.lookup_ms, 4),
-                                               prefill_ms=round(prop.prefill.ms, 3)))
-                tv = now()
-                if prop_tokens:
-                    logits = dec.verify(self.target.model, [seq[-1]] + prop_tokens, cache)
-                    pred = torch.argmax(logits, dim=-1).tolist()
-                    verify_ms = (now() - tv) * 1e3
-                    a = dec.accept(prop_tokens, pred)
-                    dec.rollback(cache, len(prop_tokens) - a)
-                    emitted = prop_tokens[:a] + [pred[a]]
-                    prov = ["draft"] * a + ["target"]
-                    kind = "spec"
-                else:
-                    logits = dec.decode_one(self.target.model, seq[-1], cache)
-                    emitted = [dec.argmax(logits)]
-                    verify_ms = (now() - tv) * 1e3
-                    a = 0
-                    prov = ["target"]
-                    kind = "ar"
-                # EOS inside the accepted run ends the output there; never exceed N
-                cut = len(emitted)
-                for i, tok in enumerate(emitted):
-                    if tok in eos:
-                        cut, stopped = i + 1, "eos"
-                        break
-                cut = min(cut, remaining)
-                emitted, prov = emitted[:cut], prov[:cut]
-                out.extend(emitted)
-                if prop_tokens:
-                    self.draft.commit(ids + out)
-                m = len(prop_tokens)
-                drafted_total += m
-                accepted_total += a
-                rounds += 1
-                if self.controller is not None:
-                    self.controller.observe_round(m, a)
-                    self._observe_costs(kind, m, len(seq), verify_ms, draft_ms, catch_tok, draft_model)
-                else:
-                    self.alpha.update(a, m)
-                round_ms = (now() - t_round) * 1e3
-                fwd = verify_ms + (draft_ms if draft_model else 0.0)
-                forward_ms += fwd
-                book_ms += max(0.0, round_ms - fwd)
-                self._emit(Round(request_id=rid, index=rounds, kind=kind, k=k_eff, drafted=m, accepted=a,
-                                 emitted=emitted, provenance=prov, draft_ms=round(draft_ms, 3),
-                                 verify_ms=round(verify_ms, 3), catchup_tokens=catch_tok,
-                                 catchup_ms=round(catch_ms, 3), round_ms=round(round_ms, 3),
-                                 context=len(seq), alpha=round(self.alpha.value, 5)))
-                if len(out) >= N and not stopped:
-                    stopped = "max_new_tokens"
-        finally:
-            self.draft.end()
-        latency = (now() - t_req) * 1e3
-        end = RequestEnd(request_id=rid, output_ids=out, text=self.decode_text(out), prompt_tokens=P,
-                         hit_tokens=pf.hit.q if reuse else 0, exact_repeat=bool(pf.hit.exact),
-                         action={"reuse": int(reuse), "k": int(k)}, latency_ms=round(latency, 3),
-                         ttft_ms=round(ttft, 3), tokens_per_s=round(len(out) / (latency / 1e3), 3) if latency else 0.0,
-                         drafted=drafted_total, accepted=accepted_total, rounds=rounds,
+                         round_ms=round(rq.ttft, 3), context=P, alpha=self.alpha.value))
+        self.draft.begin(rq.ids, self.store, bool(rq.reuse))
+        rq.stopped = "eos" if t1 in self.target.eos_ids else ""
+        self._check_end(rq)
+
+    def _check_end(self, rq: "_Request") -> None:
+        if not rq.stopped and len(rq.out) >= rq.N:
+            rq.stopped = "max_new_tokens"
+        if not rq.stopped and self._stop.is_set():
+            rq.stopped = "stop"
+
+    def _round_k(self, rq: "_Request", seq: list[int], remaining: int) -> int:
+        """This round's k: the request's, a per-round decision, or a priced probe at k = 0."""
+        if rq.per_round:
+            return self._decide_round(rq.rid, rq.rounds + 1, rq.reuse, seq, remaining, rq.draft_model, rq.has_draft)
+        if not (rq.policy.adaptive and rq.k == 0 and rq.has_draft):
+            return rq.k
+        td = now()
+        ctl = self.controller
+        behind = self._draft_behind(seq, rq.reuse, rq.draft_model) if ctl.probe_due else 0
+        k = ctl.maybe_probe(len(seq), remaining, rq.k_set, behind, rq.draft_model)
+        if k:
+            self._emit(Decision(request_id=rq.rid, round=rq.rounds + 1, action={"reuse": int(rq.reuse), "k": k},
+                                alpha=self.alpha.value, reason="probe",
+                                alpha_star=ctl.round_alpha_star(len(seq), rq.k_set),
+                                decide_ms=round((now() - td) * 1e3, 4),
+                                explore_cost_ms=round(ctl.probe_predicted_ms, 3),
+                                explore_balance_ms=round(ctl.explore_balance, 3)))
+        return k
+
+    def _draft(self, rq: "_Request", seq: list[int], k: int):
+        """Draft k tokens (a model draft first catches up); reports the draft's prompt lookup."""
+        prop = self.draft.propose(seq, k)
+        if prop.prefill is not None:
+            h = prop.prefill
+            self._emit_lookup(rq.rid, "draft", h.hit, len(rq.ids), h.stored, h.lookup_ms, h.ms)
+        return prop
+
+    def _round(self, rq: "_Request") -> None:
+        """One round: k = 0 is a plain step; k > 0 drafts, verifies k+1 tokens, accepts, rolls back."""
+        t_round = now()
+        seq = rq.ids + rq.out
+        remaining = rq.N - len(rq.out)
+        k = min(self._round_k(rq, seq, remaining), remaining - 1)
+        drafts: list[int] = []
+        draft_ms = catch_ms = 0.0
+        catch_tok = 0
+        if k > 0:
+            prop = self._draft(rq, seq, k)
+            drafts, draft_ms, catch_tok, catch_ms = prop.tokens, prop.ms, prop.catchup_tokens, prop.catchup_ms
+        tv = now()
+        if drafts:
+            emitted, a = verify_accept(self.target.model, rq.cache, seq[-1], drafts)
+            prov = ["draft"] * a + ["target"]
+        else:
+            emitted, a = [dec.argmax(dec.decode_one(self.target.model, seq[-1], rq.cache))], 0
+            prov = ["target"]
+        verify_ms = (now() - tv) * 1e3
+        emitted, prov, eos = cut_at_eos(emitted, prov, self.target.eos_ids, remaining)
+        rq.out.extend(emitted)
+        if eos:
+            rq.stopped = "eos"
+        if drafts:
+            self.draft.commit(rq.ids + rq.out)
+        m = len(drafts)
+        rq.drafted += m
+        rq.accepted += a
+        rq.rounds += 1
+        round_ms = (now() - t_round) * 1e3
+        explore = 0.0
+        if self.controller is not None:
+            explore = self.controller.observe_round(m, a, round_ms, len(emitted), len(seq))
+            self._observe_costs("spec" if drafts else "ar", m, len(seq), verify_ms, draft_ms, catch_tok, rq.draft_model)
+        else:
+            self.alpha.update(a, m)
+        rq.explore_ms += explore
+        fwd = verify_ms + (draft_ms if rq.draft_model else 0.0)
+        rq.forward_ms += fwd
+        rq.book_ms += max(0.0, round_ms - fwd)
+        self._emit(Round(request_id=rq.rid, index=rq.rounds, kind="spec" if drafts else "ar", k=k, drafted=m,
+                         accepted=a, emitted=emitted, provenance=prov, draft_ms=round(draft_ms, 3),
+                         verify_ms=round(verify_ms, 3), catchup_tokens=catch_tok, catchup_ms=round(catch_ms, 3),
+                         round_ms=round(round_ms, 3), context=len(seq), alpha=round(self.alpha.value, 5),
+                         explore_ms=round(explore, 3)))
+        self._check_end(rq)
+
+    def _finish(self, rq: "_Request", choice: Choice | None) -> RequestEnd:
+        latency = (now() - rq.t0) * 1e3
+        out, pf = rq.out, rq.pf
+        end = RequestEnd(request_id=rq.rid, output_ids=out, text=self.decode_text(out), prompt_tokens=len(rq.ids),
+                         hit_tokens=pf.hit.q if rq.reuse else 0, exact_repeat=bool(pf.hit.exact),
+                         action={"reuse": int(rq.reuse), "k": int(rq.k)}, latency_ms=round(latency, 3),
+                         ttft_ms=round(rq.ttft, 3),
+                         tokens_per_s=round(len(out) / (latency / 1e3), 3) if latency else 0.0,
+                         drafted=rq.drafted, accepted=rq.accepted, rounds=rq.rounds,
                          alpha_ewma=round(self.alpha.value, 5),
                          predicted_ms=None if choice is None else choice.predicted_ms,
-                         stopped=stopped, forward_ms=round(forward_ms, 3), bookkeeping_ms=round(book_ms, 3))
+                         stopped=rq.stopped, forward_ms=round(rq.forward_ms, 3), bookkeeping_ms=round(rq.book_ms, 3),
+                         explore_ms=round(rq.explore_ms, 3))
         if self.controller is not None:
-            self.controller.end_request(len(out), N, stopped)
+            self.controller.end_request(len(out), rq.N, rq.stopped)
         self._open_request = None
         self._emit(end)
         return end
+
+    def _emit_lookup(self, rid, model, hit, P, stored, lookup_ms, prefill_ms) -> None:
+        st = self.store.stats
+        self._emit(CacheLookup(request_id=rid, model=model, bucket=hit.bucket, hit_tokens=hit.q,
+                               reused_tokens=hit.usable, exact_repeat=hit.exact, prompt_tokens=P,
+                               bytes_used=st.bytes_used, budget=st.budget, entries=st.entries,
+                               evictions=st.evictions, stored=stored, lookup_ms=round(lookup_ms, 4),
+                               prefill_ms=round(prefill_ms, 3)))
 
     # ------------------------------------------------------------------ helpers
     def _situation(self, ids, N, budget, has_draft, draft_model, peek: bool) -> Situation:
@@ -407,8 +470,8 @@ class Engine:
 
 
 def make_draft(spec: str, target: LoadedModel, config: RakvConfig) -> DraftSource:
-    """--draft: a model (hub id / dir / .gguf), 'int8', 'ngram' or 'none'."""
-    from .models import check_same_tokenizer, int8_copy, load_model
+    """--draft: a model (hub id / dir / .gguf), 'int8', 'layers:L', 'ngram' or 'none'."""
+    from .models import check_same_tokenizer, int8_copy, layers_copy, load_model
 
     s = (spec or "none").strip()
     if s == "none":
@@ -417,6 +480,12 @@ def make_draft(spec: str, target: LoadedModel, config: RakvConfig) -> DraftSourc
         return NgramDraft(config.ngram_sizes)
     if s == "int8":
         return ModelDraft(int8_copy(target))
+    if s.startswith("layers:"):
+        try:
+            L = int(s.split(":", 1)[1])
+        except ValueError:
+            raise EngineError(f"bad --draft {s!r}: expected layers:L with an integer L") from None
+        return ModelDraft(layers_copy(target, L))
     lm = load_model(s, config.dtype, None, config.device)
     check_same_tokenizer(target, lm)
     return ModelDraft(lm)

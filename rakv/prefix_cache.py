@@ -156,10 +156,12 @@ class PrefixCache:
         return np.where(neq[np.arange(len(bucket)), first], first, n)
 
     def clone_kv(self, hit: Hit) -> KV:
-        """A private copy of the clonable positions of a hit (q-1, or P on exact repeat)."""
+        """The usable positions of a hit (q-1, or P on exact repeat), as views: a DynamicCache
+        built on them only reads them (it appends by concatenating into new tensors and crops by
+        slicing), so the entry is never written and no copy is needed."""
         n = hit.usable
         assert hit.entry is not None and n > 0
-        return [(k[:, :, :n].clone(), v[:, :, :n].clone()) for k, v in hit.entry.kv]
+        return [(k[:, :, :n], v[:, :, :n]) for k, v in hit.entry.kv]
 
     # ------------------------------------------------------------------ mutation
     def entry_bytes(self, kv: KV, logits: torch.Tensor | None) -> int:

@@ -90,6 +90,8 @@ class Decision:
     alpha_star: dict = field(default_factory=dict)  # k -> crossover alpha* (None if never pays)
     reason: str = ""               # "argmin", "fixed", "probe", "forced"
     decide_ms: float = 0.0
+    explore_cost_ms: float = 0.0   # a probe's predicted cost beyond the plain steps it replaces
+    explore_balance_ms: float = 0.0  # exploration budget left before this decision
 
 
 @dataclass
@@ -111,6 +113,7 @@ class Round:
     round_ms: float = 0.0
     context: int = 0               # committed tokens before the round
     alpha: float = 0.0             # EWMA after this round
+    explore_ms: float = 0.0        # a probe's measured cost beyond plain steps (0 otherwise)
 
 
 @dataclass
@@ -135,6 +138,7 @@ class RequestEnd:
     stopped: str = ""              # "eos", "max_new_tokens", "stop"
     forward_ms: float = 0.0        # time inside model forwards
     bookkeeping_ms: float = 0.0    # everything else inside rounds
+    explore_ms: float = 0.0        # what this request's probes cost beyond plain steps
 
 
 RECORD_TYPES = {f.default: cls for cls in (RunHeader, RequestStart, CacheLookup, Decision, Round, RequestEnd)
@@ -335,6 +339,7 @@ CSV_COLUMNS = [
     ("stopped", "eos | max_new_tokens | stop"),
     ("templated", "1 if the prompt went through the chat template (prompt_tokens counts the templated ids)"),
     ("template_prefix", "leading prompt tokens every templated prompt shares (the template's system prefix)"),
+    ("explore_ms", "what probes cost beyond the plain steps they replaced"),
 ]
 
 
@@ -362,7 +367,8 @@ def request_rows(records: Iterable) -> list[dict]:
                        alpha_ewma=round(r.alpha_ewma, 4), ttft_ms=round(r.ttft_ms, 3),
                        latency_ms=round(r.latency_ms, 3),
                        predicted_ms="" if r.predicted_ms is None else round(r.predicted_ms, 3),
-                       tokens_per_s=round(r.tokens_per_s, 3), stopped=r.stopped)
+                       tokens_per_s=round(r.tokens_per_s, 3), stopped=r.stopped,
+                       explore_ms=round(r.explore_ms, 3))
             row["draft_ms"] = round(row["draft_ms"], 3)
             row["verify_ms"] = round(row["verify_ms"], 3)
             row["done"] = True

@@ -110,10 +110,12 @@ def test_per_request_k0_probes_are_recorded_and_exact():
     from rakv.records import Decision, Round
 
     target, draft = make_pair("llama", "identical")
-    # the draft is as dear as the target and the prior is low, so k = 0 is chosen per request
+    # a cheap draft that could pay, but the prior is low, so k = 0 is chosen per request; a
+    # generous exploration share lets the priced probes through
     prof = CostProfile(T_pf=[[8, 1.0], [64, 4.0]], D_pf=[[8, 0.5], [64, 1.0]], t=[[16, 1.0], [256, 1.0]],
-                       d=[[16, 1.0], [256, 1.0]], V={str(k): 1.0 + 0.5 * k for k in range(1, 9)}, alpha0=0.05)
-    eng = Engine(target, ModelDraft(draft), RakvConfig(policy="adaptive", probe_every=3), profile=prof)
+                       d=[[16, 0.05], [256, 0.05]], V={str(k): 1.0 + 0.05 * k for k in range(1, 9)}, alpha0=0.05)
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy="adaptive", probe_every=3, explore_share=1.0),
+                 profile=prof)
     seen = []
     eng.callback = seen.append
     p = list(range(10, 40))
@@ -124,6 +126,10 @@ def test_per_request_k0_probes_are_recorded_and_exact():
     assert probes and all(r.round >= 1 and r.action["k"] > 0 for r in probes)
     spec = {r.index for r in seen if isinstance(r, Round) and r.kind == "spec"}
     assert {r.round for r in probes} <= spec and end.drafted > 0
+    # every probe is priced before and measured after; the request sums what they cost
+    assert all(r.explore_cost_ms >= 0 and r.explore_balance_ms >= r.explore_cost_ms for r in probes)
+    spent = [r.explore_ms for r in seen if isinstance(r, Round) and r.index in {p.round for p in probes}]
+    assert end.explore_ms == pytest.approx(sum(spent), abs=1e-2)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -34,7 +34,7 @@ EXEC_COLUMNS = [
     "rep", "cell", "index", "workload", "kind", "context_id", "bucket", "gen", "prompt_tokens", "policy",
     "order", "latency_ms", "ttft_ms", "tokens_per_s", "output_tokens", "drafted", "accepted", "rounds",
     "mean_accept_len", "alpha_req", "hit_tokens", "exact_repeat", "reuse", "k", "mean_k", "predicted_ms",
-    "match", "first_diff", "stopped",
+    "match", "first_diff", "stopped", "explore_ms",
 ]
 CAND_COLUMNS = ["rep", "cell", "index", "policy", "reuse", "k", "predicted_ms", "feasible", "chosen"]
 
@@ -170,7 +170,7 @@ def run_engine(slot: Slot, req: Request) -> tuple[dict, list[dict]]:
                exact_repeat=int(end.exact_repeat), reuse=end.action["reuse"], k=end.action["k"],
                mean_k=round(sum(r.k for r in rounds) / len(rounds), 3) if rounds else 0,
                predicted_ms="" if end.predicted_ms is None else round(end.predicted_ms, 3),
-               stopped=end.stopped, _ids=end.output_ids)
+               stopped=end.stopped, explore_ms=round(end.explore_ms, 3), _ids=end.output_ids)
     cands = []
     dec = slot.collector.decision
     if slot.arm.policy == "adaptive" and dec is not None:
