@@ -193,3 +193,48 @@ def test_budget_change_applies_between_requests():
     assert len(eng.store) == 0 and eng.store.budget == 0
     end = eng.generate(list(range(30, 60)), 4)
     assert end.hit_tokens == 0 and len(eng.store) == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layers_draft_shares_weights_and_is_exact(arch):
+    """--draft layers:L: the target's first L layers + final norm + LM head, weights shared."""
+    from rakv.engine import EngineError, make_draft
+    from rakv.models import ModelError, wrap
+    from tests.tiny import make_model, tiny_tokenizer
+
+    target = wrap(make_model(arch, layers=4), tiny_tokenizer(), name=f"tiny-{arch}-4")
+    src = make_draft("layers:2", target, RakvConfig())
+    lm = src.lm
+    tp = {id(p) for p in target.model.parameters()}
+    assert {id(p) for p in lm.model.parameters()} <= tp                  # no copy
+    assert sum(p.numel() for p in lm.model.parameters()) < sum(p.numel() for p in target.model.parameters())
+    assert lm.key != target.key and lm.key.endswith(":layers2")
+    n_target = getattr(target.model.config, "num_hidden_layers", None) or target.model.config.n_layer
+    assert n_target == 4                                                  # the target is untouched
+    for policy in ("spec:1", "spec:4", "joint:8"):
+        eng = Engine(target, src, RakvConfig(policy=policy))
+        for p in prompts() + prompts():
+            assert eng.generate(p, N).output_ids == oracle(target.model, p, N), (policy, p)
+    for bad in ("layers:0", "layers:4", "layers:x"):
+        with pytest.raises((EngineError, ModelError)):
+            make_draft(bad, target, RakvConfig())
+
+
+def test_zero_copy_store_never_sees_its_entries_written():
+    """Entries are stored and handed out without copies; runs over them must leave them intact."""
+    import torch
+
+    target, draft = make_pair("llama", "mostly")
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy="joint:4"))
+    a = list(range(20, 60))
+    eng.generate(a, N)
+    snap = {id(e): [(k.clone(), v.clone()) for k, v in e.kv] for e in eng.store.entries()}
+    for p in (a[:25] + [90, 91], a, a[:33], a + [5, 6, 7]):       # partial, exact, prefix, extension
+        assert eng.generate(p, N).output_ids == oracle(target.model, p, N)
+    for e in eng.store.entries():
+        if id(e) in snap:
+            for (k, v), (k0, v0) in zip(e.kv, snap[id(e)]):
+                assert torch.equal(k, k0) and torch.equal(v, v0)
+    used = sum(sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in e.kv)
+               for e in eng.store.entries())
+    assert used <= eng.store.bytes_used      # byte accounting counts every stored byte
