@@ -233,6 +233,7 @@ FIELD_CHECKS: dict[str, Callable[[object], str | None]] = {
     "alpha0": lambda x: None if _num(x) and 0 <= x <= 1 else "expected a number in [0, 1]",
     "alpha_learned": lambda x: None if _opt_frac(x) else "expected null or a number in [0, 1]",
     "out_frac": lambda x: None if _opt_frac(x) else "expected null or a number in [0, 1]",
+    "alpha_trials": lambda x: None if x is None or (_num(x) and x >= 0) else "expected null or a number >= 0",
     "calibrated_at": lambda x: None if isinstance(x, str) else "expected a string",
     "calibration_s": lambda x: None if _num(x) and x >= 0 else "expected a finite number >= 0",
     "scale": lambda x: _mapping(x, lambda v: _num(v) and v > 0, "a finite number > 0"),
