@@ -4,10 +4,11 @@
 #
 # torch, when the venv has none (RAKV_TORCH overrides the requirement, default torch==2.13.0):
 #   * no nvidia-smi on PATH (a CPU-only machine): the CPU build, from the PyTorch CPU wheel index
-#     (https://download.pytorch.org/whl/cpu; 15 s network timeout, one retry). If that index cannot
-#     be reached, the default index (pip's own configuration) is tried instead, and a message says
-#     so: there a CPU-only Linux machine gets the CUDA build unless a CPU wheel is configured
-#     (a find-links folder or a local index, as on our CI machines).
+#     (https://download.pytorch.org/whl/cpu; first a 15 s reachability check, then pip with a 15 s
+#     timeout and one retry). If that index cannot be reached (or the install from it fails), the
+#     default index (pip's own configuration) is used instead, and a message says so: there a
+#     CPU-only Linux machine gets the CUDA build unless a CPU wheel is configured (a find-links
+#     folder or a local index, as on our CI machines).
 #   * nvidia-smi on PATH: the default index, i.e. the CUDA build.
 # A user who already has torch in the chosen python keeps it: set RAKV_PYTHON to that python to
 # build the venv with --system-site-packages instead.
@@ -29,18 +30,30 @@ stamp=.venv/.rakv-setup-$(cat pyproject.toml scripts/setup.sh | (sha1sum 2>/dev/
 if [ -f "$stamp" ]; then exit 0; fi
 $VPY -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 
+cpu_index_reachable() {   # a 15 s look at the index itself, so pip's own retries never stall setup
+  $VPY - "$CPU_INDEX/torch/" <<'PY' >/dev/null 2>&1
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1], timeout=15).close()
+PY
+}
+
 install_torch() {
   if command -v nvidia-smi >/dev/null 2>&1; then
     say "NVIDIA GPU found (nvidia-smi): installing $TORCH from the default index (CUDA build)"
     $VPY -m pip install -q "$TORCH"
     return
   fi
-  say "no NVIDIA GPU (no nvidia-smi): installing the CPU build of $TORCH from $CPU_INDEX"
-  if $VPY -m pip install -q --timeout 15 --retries 1 --index-url "$CPU_INDEX" "$TORCH"; then
-    return
+  if cpu_index_reachable; then
+    say "no NVIDIA GPU (no nvidia-smi): installing the CPU build of $TORCH from $CPU_INDEX"
+    if $VPY -m pip install -q --timeout 15 --retries 1 --index-url "$CPU_INDEX" "$TORCH"; then
+      return
+    fi
+    say "installing from the PyTorch CPU index failed; trying the default index"
+  else
+    say "no NVIDIA GPU, but the PyTorch CPU index ($CPU_INDEX) cannot be reached: installing $TORCH"
+    say "from the default index (pip's configuration) instead"
   fi
-  say "the PyTorch CPU index could not be used; installing $TORCH from the default index instead"
-  say "(without a CPU wheel configured there, that is the CUDA build: several GB)"
+  say "(where that index has no CPU wheel, as on plain PyPI for Linux, this is the CUDA build: several GB)"
   $VPY -m pip install -q "$TORCH"
 }
 
