@@ -163,7 +163,8 @@ def test_tiny_bench_chat_workload(tmp_path):
     assert rc == 0
     rows = read(out / "executions.csv")
     assert {r["workload"] for r in rows} == {"chat", "chat-heldout"} and all(r["match"] == "1" for r in rows)
-    assert json.loads((out / "meta.json").read_text())["streams"] == ["chat/N8", "chat-heldout/N8"]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["streams"] == ["chat/N8", "chat-heldout/N8"] and meta["chat_template"] is False   # tiny: none
 
 
 def test_spearman_and_controller_quality():

@@ -268,12 +268,14 @@ def print_plan(streams: dict, arms, repeats: int) -> int:
 def run_meta(args, argv, s, target, draft, arms, lookup_k, streams) -> dict:
     import torch
 
+    from rakv.prompts import has_chat_template
     from rakv.records import hardware_info, versions_info
 
     return dict(command=shlex.join(["rakv", "bench", *argv]), target=target.name, draft=getattr(draft, "name", "none"),
                 draft_has_model=bool(getattr(draft, "has_model", False)), k_set=s["k_set"], lookup_k=lookup_k,
                 policies=[a.name for a in arms], workloads=s["workloads"], buckets=s["buckets"], gens=s["gens"],
                 n_prompts=s["n_prompts"], repeats=s["repeats"], seed=args.seed, streams=list(streams),
+                chat_template=bool(not args.raw and has_chat_template(target.tokenizer)),
                 threads=torch.get_num_threads(), hardware=hardware_info(), versions=versions_info(),
                 started=time.strftime("%Y-%m-%dT%H:%M:%S"), elapsed_s=0.0)
 

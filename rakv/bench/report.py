@@ -252,7 +252,10 @@ def header_md(rows: list[dict], meta: dict) -> str:
               f"- workloads {meta.get('workloads', '?')}; prompt buckets {meta.get('buckets', '?')}"
               f"{' (bucketed workloads only; chat and file prompts keep their own length)' if natural else ''}; "
               f"generation lengths {meta.get('gens', '?')}; {meta.get('n_prompts', '?')} requests per stream; "
-              f"repeats {meta.get('repeats', '?')}; seed {meta.get('seed', '?')}",
+              f"repeats {meta.get('repeats', '?')}; seed {meta.get('seed', '?')}"
+              + (f"; chat prompts {'through the chat template' if meta['chat_template'] else 'raw'}"
+                 if "chat_template" in meta and any(str(w).startswith("chat") for w in meta.get("workloads", []))
+                 else ""),
               f"- requests per kind (per repeat x stream): unrelated {kinds['unrelated']}, shared context "
               f"{kinds['shared']}, exact repeat {kinds['repeat']}",
               f"- **{len(rows)} timed executions, {n_bad} mismatches vs ar**; wall time "
