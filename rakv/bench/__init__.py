@@ -239,7 +239,7 @@ def run(args, argv: list[str]) -> int:
     profile.save(out / "profile.json")
     config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, k_set=tuple(s["k_set"]),
                         budget_mib=args.budget_mib)
-    meta = run_meta(args, argv, s, target, draft, arms, lookup_k, streams)
+    meta = run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile)
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     log(f"bench: {len(streams)} streams x {s['n_prompts']} requests x {s['repeats']} repeats x "
         f"{len(arms)} policies ({', '.join(a.name for a in arms)}) -> {out}")
@@ -265,11 +265,12 @@ def print_plan(streams: dict, arms, repeats: int) -> int:
     return 0
 
 
-def run_meta(args, argv, s, target, draft, arms, lookup_k, streams) -> dict:
+def run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile=None) -> dict:
     import torch
 
     from rakv.prompts import has_chat_template
     from rakv.records import hardware_info, versions_info
+    from rakv.regime import regime
 
     return dict(command=shlex.join(["rakv", "bench", *argv]), target=target.name, draft=getattr(draft, "name", "none"),
                 draft_has_model=bool(getattr(draft, "has_model", False)), k_set=s["k_set"], lookup_k=lookup_k,
@@ -277,7 +278,8 @@ def run_meta(args, argv, s, target, draft, arms, lookup_k, streams) -> dict:
                 n_prompts=s["n_prompts"], repeats=s["repeats"], seed=args.seed, streams=list(streams),
                 chat_template=bool(not args.raw and has_chat_template(target.tokenizer)),
                 threads=torch.get_num_threads(), hardware=hardware_info(), versions=versions_info(),
-                started=time.strftime("%Y-%m-%dT%H:%M:%S"), elapsed_s=0.0)
+                started=time.strftime("%Y-%m-%dT%H:%M:%S"), elapsed_s=0.0,
+                regime=None if profile is None else regime(profile))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,12 +24,14 @@ import csv
 import math
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 NUMERIC = {"rep", "index", "bucket", "gen", "prompt_tokens", "order", "latency_ms", "ttft_ms", "tokens_per_s",
            "output_tokens", "drafted", "accepted", "rounds", "mean_accept_len", "alpha_req", "hit_tokens",
            "exact_repeat", "reuse", "k", "mean_k", "predicted_ms", "match", "first_diff", "feasible", "chosen"}
 REFS = ("ar", "kv", "joint:4")
+MIN_REPEATS = 3          # executions of every action per request for a de-noised oracle
 
 
 def load_csv(path: Path) -> list[dict]:
@@ -127,14 +129,56 @@ def _ranks(v: list[float]) -> list[float]:
     return r
 
 
-def measured_actions(rows: list[dict]) -> dict:
-    """request key -> {(r, k): measured latency} from the fixed engine policies."""
-    out: dict = defaultdict(dict)
+def request_key(r: dict) -> tuple:
+    """The same request across repeats: its stream and position (every repeat replays the stream
+    with fresh engines, so a fixed policy meets it in the same cache state)."""
+    return (r["cell"], r["index"])
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Repeated measurements of one action on one request: median, min-max, IQR, count."""
+
+    median: float
+    lo: float
+    hi: float
+    q1: float
+    q3: float
+    n: int
+
+
+def spread(xs) -> Spread | None:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    return Spread(statistics.median(xs), min(xs), max(xs), quantile(xs, 0.25), quantile(xs, 0.75), len(xs))
+
+
+def indistinguishable(a: Spread | None, oracle: Spread) -> bool:
+    """The choice counts as right "within the measured spread" when its median cost is no worse
+    than the oracle's slowest repeat (median(a) <= max(oracle)): a gap the oracle's own repeats
+    already show is noise, not a wrong decision. With one execution per action it is a tie."""
+    return a is not None and a.median <= oracle.hi
+
+
+def measured_samples(rows: list[dict]) -> dict:
+    """request key -> {(r, k): [latency of every repeat]} from the fixed engine policies."""
+    out: dict = defaultdict(lambda: defaultdict(list))
     for r in rows:
         a = fixed_action(r["policy"])
-        if a is not None:
-            out[key(r)][a] = r["latency_ms"]
+        if a is not None and r["latency_ms"] is not None:
+            out[request_key(r)][a].append(r["latency_ms"])
     return out
+
+
+def action_spreads(rows: list[dict]) -> dict:
+    """request key -> {(r, k): Spread over the repeats} (the oracle's measurements)."""
+    return {rk: {a: spread(xs) for a, xs in acts.items()} for rk, acts in measured_samples(rows).items()}
+
+
+def measured_actions(rows: list[dict]) -> dict:
+    """request key -> {(r, k): median measured latency over the repeats} from the fixed policies."""
+    return {rk: {a: s.median for a, s in acts.items()} for rk, acts in action_spreads(rows).items()}
 
 
 def fixed_action(name: str) -> tuple[int, int] | None:
@@ -148,9 +192,22 @@ def fixed_action(name: str) -> tuple[int, int] | None:
     return None
 
 
+def min_repeats(rows: list[dict]) -> int:
+    """The fewest executions of any fixed action on any request (the oracle's de-noising depth)."""
+    ns = [len(xs) for acts in measured_samples(rows).values() for xs in acts.values()]
+    return min(ns) if ns else 0
+
+
+def _best_of(S: dict, A: list, pick) -> Spread | None:
+    """The lowest-median measured action among those of A that ``pick`` selects."""
+    sel = [S[a] for a in A if pick(a)]
+    return min(sel, key=lambda s: s.median) if sel else None
+
+
 def per_request_quality(cands: list[dict], rows: list[dict], policy: str) -> list[dict]:
-    """For each request of an adaptive arm: chosen, oracle, and predicted vs measured over A."""
-    meas = measured_actions(rows)
+    """For each decision of an adaptive arm (one per request and repeat): chosen, oracle, and
+    predicted vs measured (median over repeats) over A = feasible candidates that were measured."""
+    S_all = action_spreads(rows)
     own = latency_by_key(rows, policy)
     pred: dict = defaultdict(dict)
     chosen: dict = {}
@@ -164,37 +221,92 @@ def per_request_quality(cands: list[dict], rows: list[dict], policy: str) -> lis
             chosen[kk] = a
     out = []
     for kk, p in pred.items():
-        m = meas.get(kk, {})
-        A = sorted(a for a in p if a in m)
+        rk = kk[1:]
+        S = S_all.get(rk, {})
+        A = sorted(a for a in p if a in S)
         if len(A) < 2 or kk not in chosen:
             continue
-        oracle = min(A, key=lambda a: m[a])
-        ch = chosen[kk]
-        out.append(dict(key=kk, actions=A, pred=[p[a] for a in A], meas=[m[a] for a in A], chosen=ch,
-                        oracle=oracle, chosen_meas=m.get(ch), oracle_meas=m[oracle], own=own.get(kk)))
+        oracle = min(A, key=lambda a: S[a].median)
+        ch, so = chosen[kk], S[oracle]
+        sc = S.get(ch)
+        same_k = _best_of(S, A, lambda a: a[1] == ch[1])
+        same_spec = _best_of(S, A, lambda a: (a[1] > 0) == (ch[1] > 0))
+        out.append(dict(
+            key=kk, request=rk, actions=A, pred=[p[a] for a in A], meas=[S[a].median for a in A],
+            spreads=[S[a] for a in A], chosen=ch, oracle=oracle, chosen_meas=None if sc is None else sc.median,
+            oracle_meas=so.median, oracle_spread=so, own=own.get(kk),
+            action_ok=ch == oracle, action_ok_spread=indistinguishable(sc, so),
+            k_ok=ch[1] == oracle[1], k_ok_spread=indistinguishable(same_k, so),
+            spec_ok=(ch[1] > 0) == (oracle[1] > 0), spec_ok_spread=indistinguishable(same_spec, so)))
     return out
 
 
+def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0, level: float = 0.95) -> tuple | None:
+    """Percentile bootstrap CI of the mean (resampling ``values`` with replacement; seeded)."""
+    import numpy as np
+
+    v = np.asarray([x for x in values if x is not None], dtype=float)
+    if v.size == 0:
+        return None
+    if v.size == 1:
+        return (float(v[0]), float(v[0]))
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, v.size, size=(n, v.size))].mean(axis=1)
+    a = (1 - level) / 2
+    return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+
+
+def _by_request(q: list[dict]) -> dict:
+    g: dict = defaultdict(list)
+    for x in q:
+        g[x["request"]].append(x)
+    return g
+
+
 def controller_quality(cands: list[dict], rows: list[dict], policy: str) -> dict | None:
+    """Decision metrics of one adaptive arm against the repeated-measurement oracle.
+
+    Accuracies are shares of decisions (one per request and repeat). Regrets are means over
+    requests, with bootstrap 95% CIs over requests: ``realized`` takes the arm's own latency
+    (median of its executions of the request), ``regret`` (action regret) the fixed policy's
+    median for the chosen action; both relative to the oracle's median."""
     q = per_request_quality(cands, rows, policy)
     if not q:
         return None
     ape = [abs(p - m) / m for x in q for p, m in zip(x["pred"], x["meas"]) if m]
-    full = {key(r) for r in rows if r["policy"] == "ar" and r["output_tokens"] == r["gen"]}
-    ape_full = [abs(p - m) / m for x in q if x["key"] in full for p, m in zip(x["pred"], x["meas"]) if m]
+    full = {request_key(r) for r in rows if r["policy"] == "ar" and r["output_tokens"] == r["gen"]}
+    ape_full = [abs(p - m) / m for x in q if x["request"] in full for p, m in zip(x["pred"], x["meas"]) if m]
     rho = [s for s in (spearman(x["pred"], x["meas"]) for x in q) if s is not None]
-    reg = [(x["chosen_meas"] - x["oracle_meas"]) / x["oracle_meas"] for x in q if x["chosen_meas"] is not None]
-    real = [(x["own"] - x["oracle_meas"]) / x["oracle_meas"] for x in q if x["own"] is not None]
-    return dict(policy=policy, requests=len(q), actions=len(q[0]["actions"]),
-                action_acc=statistics.fmean(x["chosen"] == x["oracle"] for x in q),
-                k_acc=statistics.fmean(x["chosen"][1] == x["oracle"][1] for x in q),
+    reqs = _by_request(q)
+    reg, reg_ms, real, same = [], [], [], []
+    for xs in reqs.values():
+        o = xs[0]["oracle_meas"]
+        r = [(x["chosen_meas"] - x["oracle_meas"]) / x["oracle_meas"] for x in xs if x["chosen_meas"] is not None]
+        if r:
+            reg.append(statistics.fmean(r))
+            reg_ms.append(statistics.fmean(x["chosen_meas"] - x["oracle_meas"] for x in xs
+                                           if x["chosen_meas"] is not None))
+        own = median(x["own"] for x in xs)
+        if own is not None and o:
+            real.append((own - o) / o)
+        same.append(len({x["chosen"] for x in xs}) == 1)
+    noise = [(x["oracle_spread"].hi - x["oracle_spread"].lo) / x["oracle_spread"].median for x in q
+             if x["oracle_spread"].median]
+    acc = lambda f: statistics.fmean(bool(x[f]) for x in q)   # noqa: E731
+    reps = min(x["oracle_spread"].n for x in q)
+    return dict(policy=policy, requests=len(reqs), decisions=len(q), actions=len(q[0]["actions"]),
+                repeats=reps, denoised=reps >= MIN_REPEATS,
+                action_acc=acc("action_ok"), action_acc_spread=acc("action_ok_spread"),
+                k_acc=acc("k_ok"), k_acc_spread=acc("k_ok_spread"),
+                spec_acc=acc("spec_ok"), spec_acc_spread=acc("spec_ok_spread"),
                 mape=statistics.fmean(ape) if ape else None,
                 mape_full=statistics.fmean(ape_full) if ape_full else None,
                 spearman=statistics.fmean(rho) if rho else None,
-                regret=statistics.fmean(reg) if reg else None,
-                regret_ms=statistics.fmean(x["chosen_meas"] - x["oracle_meas"] for x in q if x["chosen_meas"] is not None)
-                if reg else None,
-                realized=statistics.fmean(real) if real else None,
+                regret=statistics.fmean(reg) if reg else None, regret_ci=bootstrap_ci(reg),
+                regret_ms=statistics.fmean(reg_ms) if reg_ms else None,
+                realized=statistics.fmean(real) if real else None, realized_ci=bootstrap_ci(real),
+                consistency=statistics.fmean(same) if same else None,
+                oracle_noise=median(noise),
                 chosen_counts=_counts(x["chosen"] for x in q), oracle_counts=_counts(x["oracle"] for x in q))
 
 
@@ -207,13 +319,21 @@ def _counts(actions) -> str:
 
 # ----------------------------------------------------------------------------- acceptance crossover
 def speedup_points(rows: list[dict]) -> dict[int, list[tuple[float, float]]]:
-    """k -> [(alpha of the request, latency_ar / latency_spec:k)] for the no-reuse spec:k arms."""
-    ar = latency_by_key(rows, "ar")
-    out: dict = defaultdict(list)
+    """k -> [(alpha of the request, latency_ar / latency_spec:k)] for the no-reuse spec:k arms, one
+    point per request: medians over its repeats (de-noised; greedy output, hence alpha, is the
+    same in every repeat)."""
+    ar = {rk: s.median for rk, acts in action_spreads(rows).items() for a, s in acts.items() if a == (0, 0)}
+    lat: dict = defaultdict(list)
+    alpha: dict = defaultdict(list)
     for r in rows:
         a = fixed_action(r["policy"])
-        if a and a[0] == 0 and a[1] > 0 and r["alpha_req"] is not None and key(r) in ar and r["latency_ms"]:
-            out[a[1]].append((r["alpha_req"], ar[key(r)] / r["latency_ms"]))
+        if a and a[0] == 0 and a[1] > 0 and r["alpha_req"] is not None and r["latency_ms"]:
+            lat[(a[1], request_key(r))].append(r["latency_ms"])
+            alpha[(a[1], request_key(r))].append(r["alpha_req"])
+    out: dict = defaultdict(list)
+    for (k, rk), xs in lat.items():
+        if rk in ar:
+            out[k].append((median(alpha[(k, rk)]), ar[rk] / median(xs)))
     return dict(sorted(out.items()))
 
 
@@ -238,3 +358,48 @@ def predicted_crossover(profile, ks, P: float, N: float, draft_model: bool) -> d
     ctl = Controller(profile, tuple(sorted({0, *ks})))
     s = Situation(P=int(P), N=int(N), has_draft=True, draft_model=draft_model)
     return {k: ctl.alpha_star(s, 0, k) for k in ks}
+
+
+# ----------------------------------------------------------------------------- regimes
+def workload_alpha(rows: list[dict]) -> dict[str, float | None]:
+    """workload -> mean per-request acceptance alpha over the fixed drafting policies' executions
+    (spec:k and joint:k), the measured alpha of the workload on this pair."""
+    out: dict = {}
+    for w in sorted({r["workload"] for r in rows}):
+        xs = [r["alpha_req"] for r in rows if r["workload"] == w and r["alpha_req"] is not None
+              and (fixed_action(r["policy"]) or (0, 0))[1] > 0]
+        out[w] = statistics.fmean(xs) if xs else None
+    return out
+
+
+def best_fixed(rows: list[dict]) -> str | None:
+    """The fixed policy with the lowest total latency over ``rows`` (what serving them costs)."""
+    tot: dict = defaultdict(float)
+    for r in rows:
+        if fixed_action(r["policy"]) is not None and r["latency_ms"] is not None:
+            tot[r["policy"]] += r["latency_ms"]
+    return min(tot, key=lambda p: tot[p]) if tot else None
+
+
+def speculation_pays(rows: list[dict]) -> dict[str, bool | None]:
+    """workload -> does speculation pay there (the best fixed policy by total latency has k > 0)?"""
+    out = {}
+    for w in sorted({r["workload"] for r in rows}):
+        b = best_fixed([r for r in rows if r["workload"] == w])
+        out[w] = None if b is None else fixed_action(b)[1] > 0
+    return out
+
+
+def total_vs(rows: list[dict], policy: str, ref: str) -> dict | None:
+    """Total latency and throughput of ``policy`` against ``ref`` over the executions both ran
+    (same request and repeat): latency = sum(policy) / sum(ref) - 1 (< 0: policy is faster);
+    throughput = (tokens / s of policy) / (tokens / s of ref) - 1 (> 0: policy is faster)."""
+    a = {key(r): r for r in rows if r["policy"] == policy}
+    b = {key(r): r for r in rows if r["policy"] == ref}
+    ks = [k for k in a if k in b]
+    if not ks:
+        return None
+    la, lb = sum(a[k]["latency_ms"] for k in ks), sum(b[k]["latency_ms"] for k in ks)
+    na, nb = sum(a[k]["output_tokens"] or 0 for k in ks), sum(b[k]["output_tokens"] or 0 for k in ks)
+    tp = (na / la) / (nb / lb) - 1 if la and lb and nb else None
+    return dict(latency=la / lb - 1 if lb else None, throughput=tp, n=len(ks))

@@ -1,5 +1,6 @@
 """PNG plots (matplotlib, Agg): latency per policy per workload; predicted vs measured action
-cost; measured speedup vs alpha per k with the crossover marked."""
+cost (measured: median over repeats, min-max whiskers); measured speedup vs alpha per k (one
+point per request, medians over repeats) with the crossover marked."""
 
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ def latency_plot(rows: list[dict], out: Path) -> Path | None:
 def predicted_plot(cands: list[dict], rows: list[dict], out: Path) -> Path | None:
     plt = _plt()
     pols = [p for p in M.policies_in(rows) if p.startswith("adaptive")]
-    pts = [(p, m, a) for pol in pols for x in M.per_request_quality(cands, rows, pol)
-           for p, m, a in zip(x["pred"], x["meas"], x["actions"])]
+    pts = [(p, s, a) for pol in pols for x in M.per_request_quality(cands, rows, pol)
+           for p, s, a in zip(x["pred"], x["spreads"], x["actions"])]
     if plt is None or not pts:
         return None
     fig, ax = plt.subplots(figsize=(5.5, 5))
@@ -61,15 +62,16 @@ def predicted_plot(cands: list[dict], rows: list[dict], out: Path) -> Path | Non
     cmap = plt.get_cmap("viridis", max(2, len(ks)))
     for i, k in enumerate(ks):
         for r, mk in ((0, "o"), (1, "^")):
-            sel = [(p, m) for p, m, a in pts if a == (r, k)]
+            sel = [(p, s) for p, s, a in pts if a == (r, k)]
             if sel:
-                ax.scatter([m for _, m in sel], [p for p, _ in sel], s=14, marker=mk, color=cmap(i),
-                           alpha=0.7, label=f"r={r} k={k}")
-    hi = max(max(p, m) for p, m, _ in pts) * 1.05
+                ax.errorbar([s.median for _, s in sel], [p for p, _ in sel],
+                            xerr=[[s.median - s.lo for _, s in sel], [s.hi - s.median for _, s in sel]],
+                            fmt=mk, ms=3.5, color=cmap(i), alpha=0.7, elinewidth=0.6, label=f"r={r} k={k}")
+    hi = max(max(p, s.hi) for p, s, _ in pts) * 1.05
     ax.plot([0, hi], [0, hi], "k--", lw=1)
     ax.set_xlim(0, hi)
     ax.set_ylim(0, hi)
-    ax.set_xlabel("measured latency of the action (ms)")
+    ax.set_xlabel("measured latency of the action (ms): median, min-max of repeats")
     ax.set_ylabel("controller's predicted cost (ms)")
     ax.set_title("Predicted vs measured action cost")
     ax.legend(fontsize=6, ncol=2)

@@ -31,18 +31,31 @@ DEFINITIONS = """\
 - **Best fixed policy of a workload**: the fixed policy (ar, kv, spec:k, joint:k) with the lowest
   *total* latency over the workload's requests (what serving the workload costs), and separately
   the one with the lowest *median* latency; the adaptive policies' gaps to each, in percent.
-- **Controller quality** (per adaptive policy; the oracle runs every action (r, k) on the same
-  request: the fixed policies ar=(0,0), kv=(1,0), spec:k=(0,k), joint:k=(1,k)). Over the actions
-  A both predicted (feasible candidates of the per-request decision) and measured:
-  *oracle* = argmin over A of measured latency; *action acc.* = share of requests with chosen
-  (r,k) = oracle; *k acc.* = share with chosen k = oracle k; *MAPE* = mean of
-  |predicted - measured| / measured over requests and actions (*full N*: only requests whose `ar`
-  output ran to max_new_tokens, as the controller predicts N tokens); *Spearman* = rank correlation of
-  predicted vs measured costs over A, averaged over requests; *regret* = mean of
-  (measured(chosen) - measured(oracle)) / measured(oracle); *realized* = the same with the
-  adaptive policy's own measured latency instead of measured(chosen) (per-round control can go
-  below 0). The oracle's measurements come from the fixed policies' own engines, whose caches see
-  the same stream (an adaptive engine that declined reuse may see a different hit).
+- **Controller quality** (per adaptive policy). *Oracle from repeated measurements*: a request is
+  a stream position (the same request, in the same cache state, in every repeat); the cost of an
+  action (r, k) on it is the **median** over the repeats of the fixed policy that takes that action
+  (ar=(0,0), kv=(1,0), spec:k=(0,k), joint:k=(1,k)), its spread the min-max of those repeats. With
+  fewer than 3 repeats the oracle is **not de-noised** and is labelled so. Over the actions A both
+  predicted (feasible candidates of the per-request decision) and measured: *oracle* = argmin over A
+  of the medians. Accuracies are shares of decisions (one per request and repeat):
+  *action acc.* strict = chosen (r,k) is the oracle; *within spread* = the chosen action's median is
+  no worse than the oracle's slowest repeat (a gap the oracle's own repeats show is noise);
+  *k acc.* strict = chosen k = oracle k, within spread = the best measured action with the chosen k
+  is within the oracle's spread; *speculate?* (the paper's k accuracy) = the same for the binary
+  question k > 0 or not. *MAPE* = mean of |predicted - median measured| / median measured over
+  decisions and actions (*full N*: only requests whose `ar` output ran to max_new_tokens, as the
+  controller predicts N tokens); *Spearman* = rank correlation of predicted vs median measured over
+  A, averaged over decisions. *regret (own)* = per request (median of the adaptive policy's own
+  latencies of it - oracle median) / oracle median, mean over requests (per-round control can go
+  below 0); *action regret* = (median of the fixed policy of the chosen action - oracle median) /
+  oracle median, mean over the request's decisions, then over requests. 95% CIs: percentile
+  bootstrap over requests (2,000 resamples, seed 0). *same choice every repeat*: share of requests
+  on which the adaptive policy chose the same action in every repeat. The oracle's measurements
+  come from the fixed policies' own engines, whose caches see the same stream (an adaptive engine
+  that declined reuse may see a different hit).
+- **The paper's table**: per regime group (*no-pay* workloads: best fixed policy by total latency
+  has k = 0; *pays*: k > 0), latency = total latency of the adaptive policy / total of kv or
+  joint:4 over the same executions - 1 (< 0: adaptive faster); throughput = tokens/s ratio - 1.
 - **alpha** of a request: accepted / (accepted + rejecting rounds) over its drafting rounds.
   **Crossover alpha\\***: predicted = smallest alpha with C(k, 0) <= C(0, 0) from the cost profile
   at the median prompt/generation length; measured = the alpha threshold that best separates
@@ -105,22 +118,49 @@ def quality(cands: list[dict], rows: list[dict]) -> list[dict]:
     return [q for q in (M.controller_quality(cands, rows, p) for p in pols) if q]
 
 
+def ci(v, c, nd: int = 1) -> str:
+    """A share with its 95% CI, e.g. '0.4% [0.1, 0.8]'."""
+    if v is None:
+        return "-"
+    if not c:
+        return fmt(v, nd, pct=True)
+    return f"{v * 100:.{nd}f}% [{c[0] * 100:.{nd}f}, {c[1] * 100:.{nd}f}]"
+
+
+def denoise_note(rows: list[dict]) -> str:
+    n = M.min_repeats(rows)
+    if n >= M.MIN_REPEATS:
+        return (f"Oracle de-noised: every action measured at least {n} times on every request (the fixed policies, "
+                f"one execution per repeat); medians compared, spread = min-max of the repeats.")
+    return (f"**Oracle not de-noised**: repeats = {n} < {M.MIN_REPEATS}, so each action's cost on a request is "
+            f"{'a single execution' if n == 1 else f'the median of {n} executions'} and run-to-run noise can flip the "
+            f"oracle; run with `--repeats {M.MIN_REPEATS}` or more. The figures below are labelled \"not de-noised\".")
+
+
 def controller_md(qs: list[dict]) -> str:
     if not qs:
         return "_No controller-quality data (needs an adaptive policy and at least two fixed policies)._\n"
-    head = ["policy", "requests", "|A|", "action acc.", "k acc.", "MAPE", "MAPE full N", "Spearman", "regret", "regret ms",
-            "realized"]
-    body = [[q["policy"], str(q["requests"]), str(q["actions"]), fmt(q["action_acc"], 0, pct=True),
-             fmt(q["k_acc"], 0, pct=True), fmt(q["mape"], 1, pct=True),
-             fmt(q["mape_full"], 1, pct=True), fmt(q["spearman"], 2),
-             fmt(q["regret"], 1, pct=True), fmt(q["regret_ms"], 0), fmt(q["realized"], 1, pct=True)] for q in qs]
+    head = ["policy", "requests", "decisions", "|A|", "oracle", "action acc. strict / spread", "k acc. strict / spread",
+            "speculate? strict / spread", "MAPE", "MAPE full N", "Spearman", "regret (own) [95% CI]",
+            "action regret [95% CI]", "regret ms", "same choice every repeat"]
+    body = [[q["policy"], str(q["requests"]), str(q["decisions"]), str(q["actions"]),
+             f"median of {q['repeats']}" if q["denoised"] else f"not de-noised ({q['repeats']})",
+             f"{fmt(q['action_acc'], 0, pct=True)} / {fmt(q['action_acc_spread'], 0, pct=True)}",
+             f"{fmt(q['k_acc'], 0, pct=True)} / {fmt(q['k_acc_spread'], 0, pct=True)}",
+             f"{fmt(q['spec_acc'], 0, pct=True)} / {fmt(q['spec_acc_spread'], 0, pct=True)}",
+             fmt(q["mape"], 1, pct=True), fmt(q["mape_full"], 1, pct=True), fmt(q["spearman"], 2),
+             ci(q["realized"], q["realized_ci"]), ci(q["regret"], q["regret_ci"]), fmt(q["regret_ms"], 0),
+             fmt(q["consistency"], 0, pct=True)] for q in qs]
     text = md_table(head, body)
     for q in qs:
-        text += f"\n- {q['policy']}: chosen (r,k) counts {q['chosen_counts']}; oracle {q['oracle_counts']}"
+        text += (f"\n- {q['policy']}: chosen (r,k) counts {q['chosen_counts']}; oracle {q['oracle_counts']}; "
+                 f"the oracle action's own spread (max - min) / median: {fmt(q['oracle_noise'], 1, pct=True)} (median "
+                 f"over decisions)")
     return text + "\n"
 
 
-PAPER = dict(action_acc=0.833, k_acc=1.0, mape=0.321, spearman=0.780, regret=0.0032)
+PAPER = dict(action_acc=0.833, k_acc=1.0, mape=0.321, spearman=0.780, regret=0.0032, vs_kv=0.0045, vs_joint4=-0.64,
+             executions=3600, mismatches=0)
 
 
 def fixed_policies(rows: list[dict]) -> list[str]:
@@ -158,31 +198,90 @@ def best_fixed_md(rows: list[dict]) -> str:
         tot = {p: sum(r["latency_ms"] for r in rw if r["policy"] == p) for p in fixed + ads}
         med = {p: M.median(r["latency_ms"] for r in rw if r["policy"] == p) for p in fixed + ads}
         bt = min(fixed, key=lambda p: tot[p])
+        pays = M.fixed_action(bt)[1] > 0
         bm = min(fixed, key=lambda p: med[p] if med[p] is not None else float("inf"))
-        cells = [w, f"{bt} {tot[bt] / 1e3:.1f} s"]
+        mixed = w == "all" and len({r["workload"] for r in rows}) > 1
+        cells = [w, "(per workload)" if mixed else ("yes" if pays else "no"), f"{bt} {tot[bt] / 1e3:.1f} s"]
         cells += [f"{tot[a] / 1e3:.1f} s ({(tot[a] / tot[bt] - 1) * 100:+.1f}%)" for a in ads]
         cells += [f"{bm} {med[bm]:.0f}"]
         cells += [f"{med[a]:.0f} ({(med[a] / med[bm] - 1) * 100:+.1f}%)" for a in ads]
         body.append(cells)
-    head = (["workload", "best fixed, total"] + [f"{a} total" for a in ads]
+    head = (["workload", "speculation pays?", "best fixed, total"] + [f"{a} total" for a in ads]
             + ["best fixed, median ms"] + [f"{a} median" for a in ads])
     return md_table(head, body)
 
 
-def paper_md(qs: list[dict]) -> str:
-    if not qs:
-        return ""
-    head = ["metric", "paper (RAKV-ASD)"] + [q["policy"] for q in qs]
-    names = [("action_acc", "action accuracy (higher is better)", True), ("k_acc", "k accuracy (higher)", True),
-             ("mape", "MAPE, all requests (lower)", True), ("mape_full", "MAPE, full-N requests (lower)", True),
-             ("spearman", "Spearman (higher)", False), ("regret", "mean regret (lower)", True)]
-    body = []
-    for key, label, pct in names:
-        ref = PAPER.get(key, PAPER.get("mape") if key == "mape_full" else None)
-        cells = [label, fmt(ref, 1 if key != "k_acc" else 0, pct=True) if pct else fmt(ref, 3)]
-        cells += [fmt(q[key], 1, pct=True) if pct else fmt(q[key], 3) for q in qs]
-        body.append(cells)
-    return md_table(head, body)
+def regime_groups(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """(label, rows): all workloads, then the workloads where speculation does not pay (best
+    fixed policy by total latency has k = 0) and those where it pays, when the run has both kinds
+    or one kind only (then the group is the same rows, still labelled by its regime)."""
+    pays = M.speculation_pays(rows)
+    out = [("all workloads", rows)]
+    for flag, name in ((False, "no-pay"), (True, "pays")):
+        ws = [w for w, p in pays.items() if p is flag]
+        if ws:
+            out.append((f"{name}: {', '.join(ws)}", [r for r in rows if r["workload"] in ws]))
+    if len(out) == 2 and len(out[1][1]) == len(rows):
+        out = out[1:]
+    return out
+
+
+def paper_rows(rows: list[dict], cands: list[dict], policy: str, pred_star: dict) -> dict:
+    """The paper's table for one adaptive policy over ``rows``: formatted cells by metric."""
+    q = M.controller_quality(cands, rows, policy) or {}
+    kv, j4 = M.total_vs(rows, policy, "kv"), M.total_vs(rows, policy, "joint:4")
+    pts = M.speedup_points(rows)
+    tag = "" if q.get("denoised", True) else " (not de-noised)"
+    cross = "; ".join(f"k={k}: {fmt(pred_star.get(k), 2)} / {fmt(M.empirical_crossover(xy), 2)}"
+                      for k, xy in pts.items()) or "-"
+    n_bad = sum(1 for r in rows if not r["match"])
+    sp = lambda a, b: f"{fmt(q.get(a), 1, pct=True)} / {fmt(q.get(b), 1, pct=True)}{tag}" if q else "-"  # noqa: E731
+    return {
+        "latency vs kv (total)": fmt(kv and kv["latency"], 2, pct=True) if kv else "-",
+        "latency vs joint:4 (total)": fmt(j4 and j4["latency"], 1, pct=True) if j4 else "-",
+        "throughput vs joint:4": fmt(j4 and j4["throughput"], 1, pct=True) if j4 else "-",
+        "k accuracy: speculate or not, strict / within spread": sp("spec_acc", "spec_acc_spread"),
+        "k accuracy: exact k, strict / within spread": sp("k_acc", "k_acc_spread"),
+        "action accuracy, strict / within spread": sp("action_acc", "action_acc_spread"),
+        "MAPE (full-N requests)": (f"{fmt(q.get('mape'), 1, pct=True)} ({fmt(q.get('mape_full'), 1, pct=True)})"
+                                   if q else "-"),
+        "Spearman": fmt(q.get("spearman"), 3) if q else "-",
+        "regret, own executions [95% CI]": ci(q.get("realized"), q.get("realized_ci"), 2) + tag if q else "-",
+        "action regret [95% CI]": ci(q.get("regret"), q.get("regret_ci"), 2) + tag if q else "-",
+        "alpha* predicted / measured": cross,
+        "timed executions / mismatches": f"{len(rows):,} / {n_bad}",
+    }
+
+
+PAPER_CELLS = {
+    "latency vs kv (total)": f"+{PAPER['vs_kv'] * 100:.2f}%",
+    "latency vs joint:4 (total)": f"{PAPER['vs_joint4'] * 100:.0f}%",
+    "throughput vs joint:4": "-",
+    "k accuracy: speculate or not, strict / within spread": f"{PAPER['k_acc'] * 100:.0f}%",
+    "k accuracy: exact k, strict / within spread": "-",
+    "action accuracy, strict / within spread": f"{PAPER['action_acc'] * 100:.1f}%",
+    "MAPE (full-N requests)": f"{PAPER['mape'] * 100:.1f}%",
+    "Spearman": f"{PAPER['spearman']:.3f}",
+    "regret, own executions [95% CI]": f"{PAPER['regret'] * 100:.2f}%",
+    "action regret [95% CI]": "-",
+    "alpha* predicted / measured": "-",
+    "timed executions / mismatches": f"{PAPER['executions']:,} / {PAPER['mismatches']}",
+}
+
+
+def paper_table_md(rows: list[dict], cands: list[dict], pred_star: dict) -> str:
+    """The paper's table beside ours: one table per adaptive policy, a column per regime group."""
+    ads = [p for p in M.policies_in(rows) if p.startswith("adaptive")]
+    if not ads:
+        return "_No adaptive policy in this run._\n"
+    groups = regime_groups(rows)
+    text = ""
+    for a in ads:
+        cols = [paper_rows(g, cands, a, pred_star) for _, g in groups]
+        head = ["metric", "paper (RAKV-ASD, GPT-2 pair)"] + [f"{a}, {label}" for label, _ in groups]
+        body = [[m, PAPER_CELLS[m]] + [c[m] for c in cols] for m in PAPER_CELLS]
+        text += f"\n**{a}**\n\n" + md_table(head, body)
+    return text
 
 
 def crossover_md(rows: list[dict], predicted: dict) -> str:
@@ -220,7 +319,7 @@ def write_summary(out: Path) -> Path:
     pred = predicted_alpha_star(rows, meta, out)
     figs = [plots.latency_plot(rows, out), plots.predicted_plot(cands, rows, out),
             plots.crossover_plot(rows, pred, out)]
-    text = header_md(rows, meta)
+    text = header_md(rows, meta, run_regime(meta, out))
     text += "\n## Latency and throughput per policy (all requests)\n\n" + policy_md(rows)
     for w in sorted({r["workload"] for r in rows}):
         text += f"\n## Workload: {w}\n\n" + policy_md([r for r in rows if r["workload"] == w], full=False)
@@ -228,10 +327,12 @@ def write_summary(out: Path) -> Path:
     text += "\n## Adaptive against every policy (paired ratios)\n" + adaptive_vs_md(rows)
     text += "\n## Adaptive against the best fixed policy of each workload\n\n" + best_fixed_md(rows)
     qs = quality(cands, rows)
-    text += "\n## Controller quality (oracle = every action run on the same request)\n\n" + controller_md(qs)
-    pm = paper_md(qs)
-    if pm:
-        text += "\n### Next to the paper's controller\n\n" + pm
+    text += ("\n## Controller quality (oracle = every action run on the same request, median over repeats)\n\n"
+             + denoise_note(rows) + "\n\n" + controller_md(qs))
+    if qs:
+        text += ("\n### Next to the paper's controller (the paper's table, per regime)\n\n"
+                 "Regime of a workload: *no-pay* when its best fixed policy by total latency has k = 0, *pays* "
+                 "otherwise (this machine's costs are in the header).\n" + paper_table_md(rows, cands, pred))
     text += "\n## Acceptance crossover per k (no reuse)\n\n" + crossover_md(rows, pred)
     text += "\n## Plots\n\n" + "".join(f"![{f.stem}]({f.name})\n\n" for f in figs if f is not None)
     text += "\n" + DEFINITIONS
@@ -240,7 +341,26 @@ def write_summary(out: Path) -> Path:
     return path
 
 
-def header_md(rows: list[dict], meta: dict) -> str:
+def run_regime(meta: dict, out: Path) -> dict | None:
+    """The regime recorded with the run (meta.json); for an older run, the cost figures from its
+    saved profile (the ISA and threads of that machine were not recorded then)."""
+    if meta.get("regime"):
+        return meta["regime"]
+    prof_path = out / "profile.json"
+    if not prof_path.exists():
+        return None
+    from rakv.costs import CostProfile
+    from rakv.regime import regime
+
+    prof = CostProfile.load(prof_path)
+    if prof is None:
+        return None
+    reg = regime(prof, cpuinfo="")
+    reg.update(isa=None, cpu_capability=None, threads=meta.get("threads"))
+    return reg
+
+
+def header_md(rows: list[dict], meta: dict, reg: dict | None = None) -> str:
     n_bad = sum(1 for r in rows if not r["match"])
     kinds = {k: sum(1 for r in rows if r["kind"] == k and r["policy"] == "ar") for k in ("unrelated", "shared", "repeat")}
     lines = ["# rakv bench summary", ""]
@@ -263,4 +383,18 @@ def header_md(rows: list[dict], meta: dict) -> str:
               f"- machine: {meta.get('hardware', {}).get('cpu', '?')}, {meta.get('threads', '?')} torch threads; "
               f"torch {meta.get('versions', {}).get('torch', '?')}, transformers "
               f"{meta.get('versions', {}).get('transformers', '?')}", ""]
+    lines += ["## Regime of this machine and pair", ""]
+    if reg:
+        from rakv.regime import describe
+
+        lines += [f"- {x}" for x in describe(reg)]
+    else:
+        lines += ["- not recorded (no regime in meta.json and no profile.json)"]
+    alphas = M.workload_alpha(rows)
+    pays = M.speculation_pays(rows)
+    lines += ["- measured alpha per workload (mean per-request alpha of the fixed drafting policies) and whether "
+              "speculation pays there (best fixed policy by total latency has k > 0): "
+              + "; ".join(f"{w} alpha {fmt(a, 3)}, {'pays' if pays.get(w) else 'does not pay'} "
+                          f"(best {M.best_fixed([r for r in rows if r['workload'] == w])})" for w, a in alphas.items()),
+              ""]
     return "\n".join(lines)
