@@ -168,6 +168,8 @@ def test_summary_renders_the_papers_table_per_regime(tmp_path):
     assert "prose alpha" in text and "does not pay (best kv)" in text and "copy alpha 0.500, pays (best joint:4)" in text
     best = text.split("Adaptive against the best fixed policy")[1]
     assert "| prose | no | kv" in best and "| copy | yes | joint:4" in best
+    both = R.compare_md([tmp_path, tmp_path])        # runs side by side (python -m rakv.bench.report A B)
+    assert "run 2" in both and both.count("no-pay: prose") == 2 and "83.3%" in both and "avx512_vnni" in both
 
 
 def test_regime_states_whether_speculation_can_pay():

@@ -385,9 +385,7 @@ def header_md(rows: list[dict], meta: dict, reg: dict | None = None) -> str:
               f"{meta.get('versions', {}).get('transformers', '?')}", ""]
     lines += ["## Regime of this machine and pair", ""]
     if reg:
-        from rakv.regime import describe
-
-        lines += [f"- {x}" for x in describe(reg)]
+        lines += [f"- {x}" for x in describe_regime(reg)]
     else:
         lines += ["- not recorded (no regime in meta.json and no profile.json)"]
     alphas = M.workload_alpha(rows)
@@ -398,3 +396,46 @@ def header_md(rows: list[dict], meta: dict, reg: dict | None = None) -> str:
                           f"(best {M.best_fixed([r for r in rows if r['workload'] == w])})" for w, a in alphas.items()),
               ""]
     return "\n".join(lines)
+
+
+def load_run(out: Path) -> dict:
+    """A finished run's rows, candidates, meta, regime and predicted alpha* (for side-by-side tables)."""
+    rows = M.load_csv(out / "executions.csv")
+    cands = M.load_csv(out / "candidates.csv") if (out / "candidates.csv").exists() else []
+    meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
+    return dict(out=out, rows=rows, cands=cands, meta=meta, regime=run_regime(meta, out),
+                pred=predicted_alpha_star(rows, meta, out))
+
+
+def compare_md(outs: list[Path]) -> str:
+    """The paper's table across several runs (e.g. one per draft or machine: the regimes side by
+    side), one column per run x regime group x adaptive policy, and each run's regime."""
+    runs = [load_run(Path(o)) for o in outs]
+    cols, text = [], "# The paper's table across runs\n\n"
+    for i, run in enumerate(runs, 1):
+        m = run["meta"]
+        text += f"**run {i}** `{run['out']}`: target `{m.get('target', '?')}`, draft `{m.get('draft', '?')}`; "
+        text += denoise_note(run["rows"]) + "\n\n"
+        text += "".join(f"- {x}\n" for x in (describe_regime(run["regime"]) if run["regime"] else ["regime not recorded"]))
+        text += "\n"
+        for a in (p for p in M.policies_in(run["rows"]) if p.startswith("adaptive")):
+            for label, g in regime_groups(run["rows"]):
+                cols.append((f"run {i} {m.get('draft', '?')}, {a}, {label}", paper_rows(g, run["cands"], a, run["pred"])))
+    if not cols:
+        return text + "_No adaptive policy in these runs._\n"
+    head = ["metric", "paper (RAKV-ASD, GPT-2 pair)"] + [c for c, _ in cols]
+    return text + md_table(head, [[k, PAPER_CELLS[k]] + [c[k] for _, c in cols] for k in PAPER_CELLS])
+
+
+def describe_regime(reg: dict) -> list[str]:
+    from rakv.regime import describe
+
+    return describe(reg)
+
+
+if __name__ == "__main__":      # python -m rakv.bench.report OUT_DIR [OUT_DIR ...]
+    import sys
+
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m rakv.bench.report OUT_DIR [OUT_DIR ...]  (the paper's table across runs)")
+    print(compare_md([Path(a) for a in sys.argv[1:]]))
