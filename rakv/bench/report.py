@@ -127,6 +127,11 @@ def ci(v, c, nd: int = 1) -> str:
     return f"{v * 100:.{nd}f}% [{c[0] * 100:.{nd}f}, {c[1] * 100:.{nd}f}]"
 
 
+def signed(v, nd: int = 1) -> str:
+    """A relative change with its sign, e.g. '+0.45%' / '-64.0%'."""
+    return "-" if v is None else f"{v * 100:+.{nd}f}%"
+
+
 def denoise_note(rows: list[dict]) -> str:
     n = M.min_repeats(rows)
     if n >= M.MIN_REPEATS:
@@ -237,9 +242,9 @@ def paper_rows(rows: list[dict], cands: list[dict], policy: str, pred_star: dict
     n_bad = sum(1 for r in rows if not r["match"])
     sp = lambda a, b: f"{fmt(q.get(a), 1, pct=True)} / {fmt(q.get(b), 1, pct=True)}{tag}" if q else "-"  # noqa: E731
     return {
-        "latency vs kv (total)": fmt(kv and kv["latency"], 2, pct=True) if kv else "-",
-        "latency vs joint:4 (total)": fmt(j4 and j4["latency"], 1, pct=True) if j4 else "-",
-        "throughput vs joint:4": fmt(j4 and j4["throughput"], 1, pct=True) if j4 else "-",
+        "latency vs kv (total)": signed(kv and kv["latency"], 2),
+        "latency vs joint:4 (total)": signed(j4 and j4["latency"], 1),
+        "throughput vs joint:4": signed(j4 and j4["throughput"], 1),
         "k accuracy: speculate or not, strict / within spread": sp("spec_acc", "spec_acc_spread"),
         "k accuracy: exact k, strict / within spread": sp("k_acc", "k_acc_spread"),
         "action accuracy, strict / within spread": sp("action_acc", "action_acc_spread"),
