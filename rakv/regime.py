@@ -106,6 +106,7 @@ def regime(profile, cpuinfo: str | None = None) -> dict:
                            for k in ks},
         alpha0=round(profile.alpha0, 3) if profile.alpha0 is not None else None,
         alpha_learned=None if getattr(profile, "alpha_learned", None) is None else round(profile.alpha_learned, 3),
+        contended=bool(getattr(profile, "contended", False)),
     )
 
 
@@ -126,7 +127,8 @@ def describe(reg: dict) -> list[str]:
             stars = ", ".join(f"{k}: {_f(a)}" for k, a in (reg.get("alpha_star_decode") or {}).items())
             lines.append(f"best case (alpha = 1) decode cost per token / t: {best[kb]:.2f} at k = {kb} "
                          f"-> {verdict}; decode-only alpha*(k) = {stars}")
-    lines.append(f"alpha0 (calibration) = {_f(reg.get('alpha0'))}; learned alpha = {_f(reg.get('alpha_learned'))}")
+    lines.append(f"alpha0 (calibration) = {_f(reg.get('alpha0'))}; learned alpha = {_f(reg.get('alpha_learned'))}"
+                 + ("; **the profile was calibrated on a busy machine (contended)**" if reg.get("contended") else ""))
     return lines
 
 

@@ -182,7 +182,9 @@ def test_regime_states_whether_speculation_can_pay():
     assert r["d_over_t"] == 0.6 and r["V_over_t"] == {"1": 1.625, "2": 2.0} and r["t_ms"] == 80.0
     assert not r["can_pay"] and r["alpha_star_decode"] == {"1": None, "2": None}
     assert r["alpha0"] == 0.7 and r["alpha_learned"] == 0.4 and r["isa"][:3] == ["sse4_2", "avx", "avx2"]
-    assert any("cannot pay" in x for x in describe(r))
+    assert any("cannot pay" in x for x in describe(r)) and not r["contended"]
+    slow.quality = {"contended": True}
+    assert "contended" in describe(regime(slow, cpuinfo=info))[-1]
     fast = CostProfile(t=[[128, 10.0]], d=[[128, 2.0]], V={"4": 12.0}, alpha0=0.6)
     r = regime(fast, cpuinfo="")
     assert r["can_pay"] and r["isa"] == []
