@@ -104,7 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("replay", help="derive a timing CSV from a recording")
     r.add_argument("file")
-    r.add_argument("--csv", required=True, help="output CSV path")
+    r.add_argument("--csv", required=True, help="output CSV path (one row per request)")
+    r.add_argument("--oracle-csv", default=None,
+                   help="where the 'measure every action' rows go (default: OUT.oracle.csv beside --csv, "
+                        "written only when the recording has oracle measurements)")
 
     b = sub.add_parser("bench", help="benchmark policies (see rakv bench --help)", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)
@@ -273,7 +276,8 @@ def calibrate_check(target, draft, as_json: bool) -> int:
 
 
 def cmd_replay(args) -> int:
-    from .records import RecordingError, read_recording, write_csv
+    from .records import (OracleResult, RecordingError, oracle_csv_path, read_recording, write_csv,
+                          write_oracle_csv)
 
     A.refuse_overwrite(args.csv, "--csv", {"the recording": args.file})
     try:
@@ -285,6 +289,13 @@ def cmd_replay(args) -> int:
     except OSError as e:
         raise CliError(f"cannot write {args.csv}: {e}") from None
     print(f"[rakv] wrote {n} request rows to {args.csv}", file=sys.stderr)
+    if args.oracle_csv or any(isinstance(r, OracleResult) for r in recs):
+        out = args.oracle_csv or oracle_csv_path(args.csv)
+        try:
+            m = write_oracle_csv(recs, out)
+        except OSError as e:
+            raise CliError(f"cannot write {out}: {e}") from None
+        print(f"[rakv] wrote {m} oracle rows ('measure every action') to {out}", file=sys.stderr)
     return 0
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -85,6 +85,16 @@ class CacheStats:
     hits: int = 0
     stores: int = 0
     rejected: int = 0   # entries larger than the budget
+
+
+@dataclass
+class CacheSnapshot:
+    budget: int
+    buckets: dict
+    lru: OrderedDict
+    mats: dict
+    hits: dict
+    stats: CacheStats
 
 
 class PrefixCache:
@@ -198,6 +208,25 @@ class PrefixCache:
         self.stats.budget = self.budget
         self._evict_until(self.budget)
         return self.stats.evictions - before
+
+    def snapshot(self) -> "CacheSnapshot":
+        """The store's state (entries, LRU order, per-entry hits, statistics, budget), to
+        ``restore`` later. Entries are shared, not copied: their tensors are never written in place."""
+        return CacheSnapshot(budget=self.budget,
+                             buckets={b: list(es) for b, es in self._buckets.items()},
+                             lru=OrderedDict(self._lru), mats=dict(self._mats),
+                             hits={id(e): e.hits for e in self._lru.values()},
+                             stats=replace(self.stats))
+
+    def restore(self, snap: "CacheSnapshot") -> None:
+        """Put the store back exactly as it was at ``snapshot`` (entries stored since are dropped)."""
+        self.budget = snap.budget
+        self._buckets = {b: list(es) for b, es in snap.buckets.items()}
+        self._lru = OrderedDict(snap.lru)
+        self._mats = dict(snap.mats)
+        for e in self._lru.values():
+            e.hits = snap.hits.get(id(e), e.hits)
+        self.stats = replace(snap.stats)
 
     def clear(self) -> None:
         for e in list(self._lru.values()):

@@ -141,10 +141,60 @@ class RequestEnd:
     explore_ms: float = 0.0        # what this request's probes cost beyond plain steps
 
 
-RECORD_TYPES = {f.default: cls for cls in (RunHeader, RequestStart, CacheLookup, Decision, Round, RequestEnd)
+@dataclass
+class ActionMeasure:
+    """One action (r, k) of an oracle measurement: R timed runs of the same request."""
+
+    reuse: int
+    k: int
+    predicted_ms: float | None = None   # the controller's candidate cost (None: no controller)
+    feasible: bool = True               # as the controller's candidate says
+    runs_ms: list[float] = field(default_factory=list)   # RequestEnd.latency_ms of each run
+    median_ms: float = 0.0
+    min_ms: float = 0.0
+    max_ms: float = 0.0
+    output_tokens: int = 0
+
+
+@dataclass
+class OracleResult:
+    """"Measure every action": every (r, k) of {0, 1} x K run R times on one prompt from the same
+    prefix-cache and controller state, next to what the controller predicted and chose.
+
+    ``oracle`` is the feasible action with the lowest median; ``regret`` =
+    (median(choice) - median(oracle)) / median(oracle). ``adaptive_ms`` is the median latency of
+    the adaptive policy itself on the same state (its per-round re-decisions and probes included).
+    ``exact`` is False when any run's output differed from the others (``mismatch`` says where)."""
+
+    type: str = "oracle"
+    t: float = 0.0
+    after_request: int = -1        # the last request of the session before the measurement
+    prompt: str = ""
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    max_new_tokens: int = 0
+    hit_tokens: int = 0            # the target's prefix-cache hit q at the measured state
+    exact_repeat: bool = False
+    repeats: int = 0
+    k_set: list[int] = field(default_factory=list)
+    actions: list[dict] = field(default_factory=list)     # ActionMeasure as dicts
+    choice: dict = field(default_factory=dict)            # {"reuse": r, "k": k} of the controller
+    choice_reason: str = ""
+    alpha: float | None = None     # the controller's acceptance estimate at the decision
+    oracle: dict = field(default_factory=dict)            # {"reuse": r, "k": k}
+    regret: float | None = None
+    adaptive_ms: float | None = None
+    output_tokens: int = 0
+    exact: bool = True
+    mismatch: str = ""
+    elapsed_ms: float = 0.0        # wall time of the whole measurement
+
+
+RECORD_TYPES = {f.default: cls for cls in (RunHeader, RequestStart, CacheLookup, Decision, Round, RequestEnd,
+                                           OracleResult)
                 for f in fields(cls) if f.name == "type"}
 
-Record = RunHeader | RequestStart | CacheLookup | Decision | Round | RequestEnd
+Record = RunHeader | RequestStart | CacheLookup | Decision | Round | RequestEnd | OracleResult
 Callback = Callable[[object], None]
 
 
@@ -379,6 +429,70 @@ def write_csv(records: Iterable, out: str | os.PathLike) -> int:
     rows = request_rows(records)
     with open(out, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=[c for c, _ in CSV_COLUMNS])
+        w.writeheader()
+        w.writerows(rows)
+    return len(rows)
+
+
+# ----------------------------------------------------------------------------- oracle CSV
+ORACLE_CSV_COLUMNS = [
+    ("measurement", "oracle measurement number within the session (0, 1, ...)"),
+    ("after_request", "the session's last request before the measurement"),
+    ("prompt_tokens", "P, prompt length in tokens"),
+    ("hit_tokens", "q, target prefix-cache hit at the measured state"),
+    ("exact_repeat", "1 if the measured state held the prompt (exact repeat)"),
+    ("max_new_tokens", "N asked for"),
+    ("output_tokens", "tokens generated (the same for every action)"),
+    ("repeats", "R, timed runs per action"),
+    ("reuse", "r of this action"),
+    ("k", "k of this action"),
+    ("feasible", "1 if the controller considered the action feasible"),
+    ("predicted_ms", "the controller's predicted latency of this action"),
+    ("median_ms", "median measured latency over the R runs"),
+    ("min_ms", "fastest run"),
+    ("max_ms", "slowest run"),
+    ("runs_ms", "every run's latency, separated by ';'"),
+    ("chosen", "1 for the controller's choice"),
+    ("oracle", "1 for the measured best feasible action"),
+    ("regret", "(median(choice) - median(oracle)) / median(oracle), same on every row"),
+    ("adaptive_ms", "median latency of the adaptive policy itself on the same state"),
+    ("exact", "1 if every run produced the same tokens"),
+]
+
+
+def oracle_rows(records: Iterable) -> list[dict]:
+    """One row per action per oracle measurement, columns as in ORACLE_CSV_COLUMNS."""
+    rows = []
+    n = 0
+    for r in records:
+        if not isinstance(r, OracleResult):
+            continue
+        for a in r.actions:
+            is_ = lambda d: int(d.get("reuse") == a["reuse"] and d.get("k") == a["k"])  # noqa: E731
+            rows.append({"measurement": n, "after_request": r.after_request, "prompt_tokens": r.prompt_tokens,
+                         "hit_tokens": r.hit_tokens, "exact_repeat": int(r.exact_repeat),
+                         "max_new_tokens": r.max_new_tokens, "output_tokens": r.output_tokens,
+                         "repeats": r.repeats, "reuse": a["reuse"], "k": a["k"], "feasible": int(a["feasible"]),
+                         "predicted_ms": "" if a.get("predicted_ms") is None else a["predicted_ms"],
+                         "median_ms": a["median_ms"], "min_ms": a["min_ms"], "max_ms": a["max_ms"],
+                         "runs_ms": ";".join(f"{x:g}" for x in a.get("runs_ms", [])),
+                         "chosen": is_(r.choice), "oracle": is_(r.oracle),
+                         "regret": "" if r.regret is None else round(r.regret, 5),
+                         "adaptive_ms": "" if r.adaptive_ms is None else r.adaptive_ms, "exact": int(r.exact)})
+        n += 1
+    return rows
+
+
+def oracle_csv_path(out: str | os.PathLike) -> Path:
+    """Where the oracle CSV goes beside a timing CSV: ``timings.csv`` -> ``timings.oracle.csv``."""
+    p = Path(out)
+    return p.with_name(p.stem + ".oracle" + (p.suffix or ".csv"))
+
+
+def write_oracle_csv(records: Iterable, out: str | os.PathLike) -> int:
+    rows = oracle_rows(records)
+    with open(out, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=[c for c, _ in ORACLE_CSV_COLUMNS])
         w.writeheader()
         w.writerows(rows)
     return len(rows)
