@@ -13,6 +13,7 @@ _FALLBACK = {
     "stop": QStyle.StandardPixmap.SP_MediaStop,
     "open": QStyle.StandardPixmap.SP_DialogOpenButton,
     "export": QStyle.StandardPixmap.SP_DialogSaveButton,
+    "measure": QStyle.StandardPixmap.SP_FileDialogDetailedView,
     "app": QStyle.StandardPixmap.SP_ComputerIcon,
 }
 

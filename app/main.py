@@ -2,6 +2,7 @@
 
     rakv-explorer [--target M] [--draft M] [--prompt TEXT --autorun] [--replay FILE]
                   [--screenshot PNG] [--exit-after-run] [--policy P] [--max-new-tokens N]
+                  [--k-set 0,2,4] [--measure-all [--measure-prompt TEXT] [--repeats R]]
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--raw", action=argparse.BooleanOptionalAction, default=None,
                     help="prompts as they are, no chat template (--no-raw: through the template; "
                          "default: as last time)")
+    ap.add_argument("--k-set", help="allowed k, e.g. 0,2,4 (the K control)")
+    ap.add_argument("--measure-all", action="store_true",
+                    help="after the autorun prompts (if any): Measure every action on the prompt")
+    ap.add_argument("--measure-prompt", metavar="TEXT",
+                    help="the prompt --measure-all measures (default: the last --prompt)")
+    ap.add_argument("--repeats", type=int, default=3, help="--measure-all: timed runs per action (default 3)")
     ap.add_argument("--replay", metavar="FILE", help="replay a JSONL recording at start")
     ap.add_argument("--screenshot", metavar="PNG", help="save the window after the run / replay")
     ap.add_argument("--exit-after-run", action="store_true", help="quit after the run / replay (and screenshot)")
@@ -65,6 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"rakv-explorer: error: {e}", file=sys.stderr)
         return 2
+    if args.repeats < 1:
+        print("rakv-explorer: error: --repeats must be >= 1", file=sys.stderr)
+        return 2
+    k_set = None
+    if args.k_set:
+        from rakv.config import parse_k_set
+
+        try:
+            k_set = parse_k_set(args.k_set)
+        except ValueError as e:
+            print(f"rakv-explorer: error: {e}", file=sys.stderr)
+            return 2
     quiet_libs()
     import torch
 
@@ -95,12 +114,15 @@ def main(argv: list[str] | None = None) -> int:
         rp.max_new.setValue(args.max_new_tokens)
     if args.raw is not None:
         rp.raw.setChecked(args.raw)
+    if k_set is not None:
+        win.controls.set_values(win.controls.budget_mib(), k_set, win.controls.granularity.currentData())
+        win.worker.set_controls(k_set=k_set)
     if args.size:
         win.resize(*args.size)
     sys.excepthook = win.excepthook
     win.show()
 
-    scripted = bool(args.autorun or args.replay or args.screenshot or args.exit_after_run)
+    scripted = bool(args.autorun or args.replay or args.screenshot or args.exit_after_run or args.measure_all)
     rc = {"code": 0}
 
     def done(*_):
@@ -119,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.exit_after_run:
             win.close()
             app.quit()
+
+    def measure():
+        if args.measure_prompt:
+            rp.prompt.setPlainText(args.measure_prompt)
+        win.measureFinished.connect(done)
+        win.measure_all(args.repeats)
 
     def on_error(msg: str):
         rc["code"] = 1
@@ -141,10 +169,14 @@ def main(argv: list[str] | None = None) -> int:
             if end is not None and queue:
                 rp.prompt.setPlainText(queue.pop(0))
                 QTimer.singleShot(0, win.run)
+            elif end is not None and args.measure_all:
+                QTimer.singleShot(0, measure)
             else:
                 done()
         win.runFinished.connect(next_or_done)
         QTimer.singleShot(0, win.run)
+    elif args.measure_all:
+        QTimer.singleShot(0, measure)
     elif args.screenshot or args.exit_after_run:
         QTimer.singleShot(800, done)
     code = app.exec()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rakv.records import CacheLookup, Decision, RequestEnd, RequestStart, Round, RunHeader
+from rakv.records import CacheLookup, Decision, OracleResult, RequestEnd, RequestStart, Round, RunHeader
 
 # token provenance (the token stream's colours)
 PROMPT = "prompt"          # prompt token prefilled by the target this request
@@ -97,6 +97,10 @@ class SessionState:
     # results
     ends: list[RequestEnd] = field(default_factory=list)
     last_end: RequestEnd | None = None
+    # "measure every action"
+    oracles: list[OracleResult] = field(default_factory=list)
+    oracle: OracleResult | None = None         # the latest measurement
+    oracle_fresh: bool = False                 # no request has started since it
 
     # ------------------------------------------------------------------ feeding
     def apply(self, rec) -> None:
@@ -113,6 +117,10 @@ class SessionState:
             self._start(rec)
         elif isinstance(rec, RequestEnd):
             self._end(rec)
+        elif isinstance(rec, OracleResult):
+            self.oracles.append(rec)
+            self.oracle = rec
+            self.oracle_fresh = True
         elif isinstance(rec, RunHeader):
             self.header = rec
 
@@ -122,6 +130,7 @@ class SessionState:
 
     def _start(self, r: RequestStart) -> None:
         self.running = True
+        self.oracle_fresh = False
         self.request_id = r.request_id
         self.policy = r.policy
         self.prompt_text = r.prompt
@@ -228,4 +237,5 @@ class SessionState:
             "decision": None if self.decision is None else (self.decision.action, len(self.decision.candidates)),
             "rounds": [(p.x, p.k, p.draft_ms, p.verify_ms, p.alpha) for p in self.rounds],
             "ends": [(e.request_id, e.latency_ms, e.output_ids) for e in self.ends],
+            "oracles": [(o.after_request, o.choice, o.oracle, o.regret) for o in self.oracles],
         }

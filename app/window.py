@@ -10,7 +10,7 @@ from pathlib import Path
 from PySide6.QtCore import QThread, QTimer, Qt, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox,
-                               QProgressBar, QToolBar)
+                               QProgressBar, QProgressDialog, QToolBar)
 
 from app import icons
 from app.lagprobe import LagProbe
@@ -38,8 +38,10 @@ class MainWindow(QMainWindow):
     _use = Signal(object)
     _run = Signal(str, str, int)
     _budget = Signal(float)
+    _measure = Signal(str, int, int)
     # notifications (tests and scripted mode)
     runFinished = Signal(object)
+    measureFinished = Signal(object)     # OracleResult, or None (cancelled / error)
     modelsLoaded = Signal(dict)
     replayFinished = Signal()
     errorShown = Signal(str)
@@ -53,6 +55,8 @@ class MainWindow(QMainWindow):
         self.state = self.live
         self.replayer: Replayer | None = None
         self.running = False
+        self.measuring = False
+        self.measure_dialog: QProgressDialog | None = None
         self.busy = ""
         self.loaded_pair: tuple[str, str] | None = None
         self.preloaded = False
@@ -115,6 +119,7 @@ class MainWindow(QMainWindow):
 
         self.run_panel.runRequested.connect(self.run)
         self.run_panel.stopRequested.connect(self.stop)
+        self.run_panel.measureRequested.connect(self.measure_all)
         self.run_panel.loadRequested.connect(self.load_models)
         self.controls.budgetChanged.connect(self._budget_changed)
         self.controls.kSetChanged.connect(lambda ks: self.worker.set_controls(k_set=ks))
@@ -149,8 +154,12 @@ class MainWindow(QMainWindow):
         self.act_run = self._action("&Run", self.run, "Ctrl+R", "run")
         self.act_stop = self._action("&Stop", self.stop, "Esc", "stop")
         self.act_stop.setEnabled(False)
+        self.act_measure = self._action("&Measure every action", self.measure_all, "Ctrl+M", "measure")
+        self.act_measure.setToolTip("run every (r, k) of {0,1} x K on the prompt from the same cache state, "
+                                    "R times each: measured cost beside each prediction, the oracle, the regret")
         r.addAction(self.act_run)
         r.addAction(self.act_stop)
+        r.addAction(self.act_measure)
         r.addAction(self._action("&Load models", lambda: self.load_models(*self.run_panel.pair())))
         v = mb.addMenu("&View")
         for d in self.docks.values():
@@ -160,7 +169,7 @@ class MainWindow(QMainWindow):
         tb = QToolBar("Main")
         tb.setObjectName("toolbar_main")
         tb.setMovable(False)
-        for a in (self.act_run, self.act_stop, self.act_open, self.act_export):
+        for a in (self.act_run, self.act_stop, self.act_measure, self.act_open, self.act_export):
             tb.addAction(a)
         self.addToolBar(Qt.ToolBarArea.TopToolBarArea, tb)
         self.addToolBarBreak(Qt.ToolBarArea.TopToolBarArea)
@@ -191,6 +200,9 @@ class MainWindow(QMainWindow):
         self._use.connect(self.worker.use_models)
         self._run.connect(self.worker.run)
         self._budget.connect(self.worker.set_budget)
+        self._measure.connect(self.worker.measure)
+        self.worker.measureProgress.connect(self._on_measure_progress)
+        self.worker.measured.connect(self._on_measured)
         self.worker.record.connect(self._on_record)
         self.worker.busy.connect(self._on_busy)
         self.worker.progress.connect(self._on_progress)
@@ -281,6 +293,68 @@ class MainWindow(QMainWindow):
         self.msg.setText("running ...")
         self._run.emit(self.run_panel.prompt_text(), self.run_panel.policy_text(), self.run_panel.max_new.value())
 
+    def measure_all(self, repeats: int | None = None) -> None:
+        """Measure every action (r, k) on the prompt in the editor, from the session's current
+        cache and controller state (nothing is learned or stored by it), on the worker."""
+        if self.running:
+            return
+        if self.replayer is not None:
+            self.leave_replay()
+        pair = self.run_panel.pair()
+        if not self.preloaded and self.loaded_pair != pair:
+            self.load_models(*pair)
+        R = int(repeats or self.run_panel.repeats.value())
+        self.running = self.measuring = True
+        self._set_running_ui()
+        self.msg.setText("measuring every action ...")
+        dlg = QProgressDialog("Measuring every action ...", "Cancel", 0, 0, self)
+        dlg.setWindowTitle("Measure every action")
+        dlg.setWindowModality(Qt.WindowModality.WindowModal)
+        dlg.setMinimumDuration(0)
+        dlg.setAutoClose(False)
+        dlg.setAutoReset(False)
+        dlg.canceled.connect(self._cancel_measure)
+        dlg.show()
+        self.measure_dialog = dlg
+        self._measure.emit(self.run_panel.prompt_text(), self.run_panel.max_new.value(), R)
+
+    def _cancel_measure(self) -> None:
+        if self.measuring:
+            self.worker.stop()
+            self.msg.setText("cancelling the measurement ...")
+
+    def _on_measure_progress(self, done: int, total: int, what: str) -> None:
+        dlg = self.measure_dialog
+        if dlg is not None:
+            dlg.setMaximum(total)
+            dlg.setValue(done)
+            dlg.setLabelText(f"Measuring every action: run {min(done + 1, total)} of {total}\n{what}")
+        self.progress.setRange(0, max(1, total))
+        self.progress.setValue(done)
+        self.msg.setText(f"measuring every action: {done}/{total} runs · {what}")
+
+    def _on_measured(self, res) -> None:
+        self.running = self.measuring = False
+        dlg, self.measure_dialog = self.measure_dialog, None
+        if dlg is not None:
+            dlg.canceled.disconnect(self._cancel_measure)
+            dlg.close()
+            dlg.deleteLater()
+        self._set_running_ui()
+        if res is not None:
+            c, o = res.choice, res.oracle
+            self.msg.setText(f"measured {len(res.actions)} actions x {res.repeats}: oracle (r={o['reuse']}, k={o['k']})"
+                             + (f", controller (r={c['reuse']}, k={c['k']}), regret {res.regret * 100:+.1f}%"
+                                if res.regret is not None else ""))
+            if not res.exact:
+                self.show_error("Output mismatch", res.mismatch,
+                                "Every action must produce the target's greedy output token for token. "
+                                "The measurement is recorded with exact = false.")
+        elif not self.msg.text().startswith("error"):
+            self.msg.setText("measurement cancelled")
+        self.redraw()
+        self.measureFinished.emit(res)
+
     def stop(self) -> None:
         if self.running:
             self.worker.stop()
@@ -297,7 +371,7 @@ class MainWindow(QMainWindow):
 
     def _on_busy(self, what: str) -> None:
         self.busy = what
-        self.lag.active = what.startswith("generating")      # measure lag while generating
+        self.lag.active = what.startswith(("generating", "measuring"))   # measure lag while generating
         if what:
             self.msg.setText(what)
             self.progress.setRange(0, 0)
@@ -345,6 +419,7 @@ class MainWindow(QMainWindow):
     def _set_running_ui(self) -> None:
         self.run_panel.set_running(self.running, bool(self.busy) and not self.running)
         self.act_run.setEnabled(not self.running)
+        self.act_measure.setEnabled(not self.running)
         self.act_stop.setEnabled(self.running)
 
     # ------------------------------------------------------------------ drawing (timer)
@@ -447,12 +522,19 @@ class MainWindow(QMainWindow):
             path, _ = QFileDialog.getSaveFileName(self, "Export session timings", "session.csv", "CSV (*.csv)")
             if not path:
                 return None
+        from rakv.records import OracleResult, oracle_csv_path, write_oracle_csv
+
+        extra = ""
         try:
             n = write_csv(self.state.records, path)
+            if any(isinstance(r, OracleResult) for r in self.state.records):
+                op = oracle_csv_path(path)
+                m = write_oracle_csv(self.state.records, op)
+                extra = f", {m} measured-action rows to {op}"
         except OSError as e:
             self.show_error("Cannot write CSV", str(e))
             return None
-        self.msg.setText(f"wrote {n} request rows to {path}")
+        self.msg.setText(f"wrote {n} request rows to {path}{extra}")
         return n
 
     def export_plots(self, folder: str | None = None) -> list[str]:

@@ -44,6 +44,8 @@ class Worker(QObject):
     progress = Signal(float, str)     # calibration progress 0..1
     loaded = Signal(dict)             # {"target": name, "draft": name, "recording": path}
     finished = Signal(object)         # RequestEnd, or None after an error
+    measureProgress = Signal(int, int, str)   # runs done, runs in all, what runs next
+    measured = Signal(object)         # OracleResult, or None (cancelled or an error)
     failed = Signal(str, str)         # one-line message, details (traceback)
 
     def __init__(self, sessions: Path | None = None):
@@ -61,6 +63,7 @@ class Worker(QObject):
         self._load_failed = False
         self._persist = False
         self._lock = threading.Lock()
+        self._oracle = None               # the running "measure every action", if any
 
     # ------------------------------------------------------------------ models (worker thread)
     @Slot(str, str, int)
@@ -155,6 +158,33 @@ class Worker(QObject):
             self.busy.emit("")
             self.finished.emit(end)
 
+    @Slot(str, int, int)
+    def measure(self, prompt: str, max_new_tokens: int, repeats: int) -> None:
+        """Measure every action (r, k) on ``prompt`` from the engine's current state
+        (``rakv.oracle``); the OracleResult is recorded and emitted like any record."""
+        from rakv.oracle import Oracle
+
+        if self._load_failed:
+            self._load_failed = False
+            self.measured.emit(None)
+            return
+        if self.engine is None:
+            self._fail("no models loaded", None)
+            self.measured.emit(None)
+            return
+        res = None
+        try:
+            self.busy.emit("measuring every action ...")
+            self._oracle = Oracle(self.engine, repeats,
+                                  progress=lambda done, total, what: self.measureProgress.emit(done, total, what))
+            res = self._oracle.measure(prompt, max_new_tokens)
+        except Exception as e:  # noqa: BLE001
+            self._fail(str(e) or type(e).__name__, e)
+        finally:
+            self._oracle = None
+            self.busy.emit("")
+            self.measured.emit(res)
+
     @Slot(float)
     def set_budget(self, mib: float) -> None:
         with self._lock:
@@ -164,6 +194,10 @@ class Worker(QObject):
 
     # ------------------------------------------------------------------ any thread
     def stop(self) -> None:
+        o = self._oracle
+        if o is not None:
+            o.stop()
+            return
         eng = self.engine
         if eng is not None:
             eng.stop()

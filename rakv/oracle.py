@@ -100,6 +100,7 @@ class Oracle:
             self.progress(total, total, "done")
         finally:
             saved.restore()
+            eng._stop.clear()         # a stop() that came between runs must not stop the next request
         result = self._result(actions, runs, first, ks, max_new_tokens, prompt, prompt_text, saved.next_id - 1)
         result.elapsed_ms = round((now() - t_start) * 1e3, 3)
         if emit:

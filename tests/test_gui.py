@@ -341,3 +341,102 @@ def test_engine_never_imports_qt():
     for p in (ROOT / "rakv").glob("*.py"):
         src = p.read_text()
         assert not re.search(r"^\s*(from|import)\s+(PySide6|PyQt|pyqtgraph|app)\b", src, re.M), p
+
+
+# ---------------------------------------------------------------------------------------------
+# Measure every action
+def measure(qtbot, w, repeats=2):
+    with qtbot.waitSignal(w.measureFinished, timeout=T) as blocker:
+        w.measure_all(repeats)
+    w.redraw()
+    return blocker.args[0]
+
+
+def test_measure_every_action(qtbot, win, tmp_path):
+    from rakv.records import ORACLE_CSV_COLUMNS, OracleResult
+
+    for k, cb in win.controls.k_boxes.items():
+        cb.setChecked(k in (0, 2))
+    first = run(qtbot, win)
+    eng = win.worker.engine
+    next_id, entries = eng._next_id, len(eng.store)
+    progress = []
+    win.worker.measureProgress.connect(lambda d, t, w: progress.append((d, t)))
+    res = measure(qtbot, win)
+    assert isinstance(res, OracleResult) and res.exact
+    assert [(a["reuse"], a["k"]) for a in res.actions] == [(0, 0), (0, 2), (1, 0), (1, 2)]
+    assert progress[-1] == (10, 10)                       # (4 actions + adaptive) x 2 repeats
+    assert win.measure_dialog is None and not win.running and win.run_panel.run.isEnabled()
+    assert win.act_measure.isEnabled() and "regret" in win.msg.text()
+    # nothing learned or stored; the result is in the session state
+    assert eng._next_id == next_id and len(eng.store) == entries
+    assert win.live.oracle is res
+    # the costs panel switched to the measured view: measured beside each prediction, oracle, regret
+    snap = win.panel_snapshot()["costs"]
+    assert snap["view"] == 2
+    assert [m[:2] for m in snap["oracle"]["measured"]] == [(0, 0), (0, 2), (1, 0), (1, 2)]
+    assert all(lo <= med <= hi for *_, med, lo, hi in snap["oracle"]["measured"])
+    assert snap["oracle"]["best"] == res.oracle and "Regret" in snap["oracle"]["regret"]
+    assert f"{res.regret * 100:+.1f}%" in snap["oracle"]["regret"]
+    assert "runs" in win.costs.tooltip_at(0) and "measured median" in win.costs.tooltip_at(0)
+    # saved with the session, replayed into the same panel
+    recs = read_recording(win.worker.recording)
+    assert sum(isinstance(r, OracleResult) for r in recs) == 1
+    live = win.panel_snapshot()
+    assert win.open_recording(str(win.worker.recording), play=False)
+    with qtbot.waitSignal(win.replayFinished, timeout=T):
+        win.replay_bar.speed.setCurrentText("max")
+        win.replayer.play()
+    assert win.panel_snapshot() == live
+    # exported with the session timings: OUT and OUT.oracle.csv
+    out = tmp_path / "timings.csv"
+    assert win.export_csv(str(out)) == 1
+    with open(tmp_path / "timings.oracle.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == [c for c, _ in ORACLE_CSV_COLUMNS] and len(rows) == 4
+    win.leave_replay()
+    # the next request is the session's next one, and the panel goes back to its decision
+    end = run(qtbot, win)
+    assert end.request_id == first.request_id + 1 and end.output_ids == first.output_ids
+    assert win.panel_snapshot()["costs"]["view"] == 0
+
+
+def test_measure_cancel(qtbot, win, monkeypatch):
+    import time
+
+    import rakv.decoding as dec
+
+    slow = dec.decode_one
+
+    def decode_one_slowly(*a, **kw):
+        time.sleep(0.005)
+        return slow(*a, **kw)
+
+    from PySide6.QtWidgets import QPushButton
+
+    monkeypatch.setattr(dec, "decode_one", decode_one_slowly)
+    win.controls.k_custom.setText("0,2")
+    win.controls.k_custom.editingFinished.emit()
+    with qtbot.waitSignal(win.worker.measureProgress, timeout=T, check_params_cb=lambda d, t, w: d >= 2):
+        win.measure_all(3)
+    assert win.measuring and win.measure_dialog is not None and win.act_stop.isEnabled()
+    with qtbot.waitSignal(win.measureFinished, timeout=T) as b:
+        win.measure_dialog.findChild(QPushButton).click()        # the dialog's Cancel
+    assert b.args[0] is None and "cancelled" in win.msg.text()
+    assert win.live.oracle is None and win.measure_dialog is None
+    end = run(qtbot, win)                   # a cancel does not leak into the next request
+    assert end is not None and end.stopped in ("eos", "max_new_tokens") and end.request_id == 0
+
+
+def test_measure_errors_become_dialogs(qtbot, win, errors, monkeypatch):
+    import rakv.oracle
+
+    win.run_panel.prompt.setPlainText("   ")
+    assert measure(qtbot, win) is None
+    assert errors and "empty prompt" in errors[-1]
+    win.run_panel.prompt.setPlainText(PROMPT)
+    monkeypatch.setattr(rakv.oracle, "check_exact", lambda runs: (False, "OUTPUT MISMATCH: simulated"))
+    res = measure(qtbot, win, repeats=1)
+    assert res is not None and not res.exact and errors[-1] == "OUTPUT MISMATCH: simulated"
+    assert "simulated" in win.panel_snapshot()["costs"]["oracle"]["regret"]
+    assert win.run_panel.run.isEnabled()

@@ -1,10 +1,17 @@
 """Action costs: one bar per candidate (r, k) of a Decision; chosen highlighted, infeasible greyed
-(reason as tooltip); after the request, the measured latency beside the prediction."""
+(reason as tooltip); after the request, the measured latency beside the prediction.
+
+Third view, "measured: every action" (an ``OracleResult``): every action's predicted bar with its
+measured median beside it (whisker: fastest to slowest run), the oracle (best measured feasible
+action) in green with a star, and the regret of the controller's choice stated above the plot. It
+comes up by itself when a measurement arrives and goes back to the per-request view when the next
+request starts."""
 
 from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
+from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from app.state import SessionState
@@ -15,18 +22,25 @@ FEASIBLE = "#6baed6"
 CHOSEN = "#fd8d3c"
 INFEASIBLE = "#e0e0e0"
 MEASURED = "#cb181d"
+ORACLE = "#238b45"
+VIEW_REQUEST, VIEW_ROUND, VIEW_ORACLE = 0, 1, 2
 
 
 class CostsPanel(QWidget):
     def __init__(self):
         super().__init__()
         self.which = QComboBox()
-        self.which.addItems(["per-request decision", "latest per-round re-decision"])
+        self.which.addItems(["per-request decision", "latest per-round re-decision", "measured: every action"])
         self.which.setToolTip("round -1: the (r, k) decision made once per request;\n"
-                              "rounds >= 1: the controller re-deciding k (cost of the remaining tokens)")
-        self.which.currentIndexChanged.connect(lambda _: self._force_redraw())
+                              "rounds >= 1: the controller re-deciding k (cost of the remaining tokens);\n"
+                              "measured: every action run on one prompt from the same state (Measure every action)")
+        self.which.currentIndexChanged.connect(self._view_changed)
         self.info = QLabel("no decision yet")
         self.info.setWordWrap(True)
+        self.regret = QLabel("")
+        self.regret.setWordWrap(True)
+        self.regret.setTextFormat(Qt.TextFormat.RichText)
+        self.regret.hide()
         top = QHBoxLayout()
         top.addWidget(QLabel("Show"))
         top.addWidget(self.which)
@@ -38,10 +52,18 @@ class CostsPanel(QWidget):
         self.plot.addItem(self.bars)
         self.plot.addItem(self.measured)
         self.plot.addItem(self.mtext)
+        self.pred_bars = pg.BarGraphItem(x=[], height=[], width=0.34)        # oracle view
+        self.meas_bars = pg.BarGraphItem(x=[], height=[], width=0.34)
+        self.whiskers = pg.ErrorBarItem(x=np.zeros(0), y=np.zeros(0), pen=pg.mkPen("#222", width=1.5), beam=0.14)
+        self.star = pg.ScatterPlotItem(symbol="star", size=16, brush=ORACLE, pen=pg.mkPen("#111"))
+        self.otext = pg.TextItem("", color=ORACLE, anchor=(0.5, 1.0))
+        for it in (self.pred_bars, self.meas_bars, self.whiskers, self.star, self.otext):
+            self.plot.addItem(it)
         self.plot.scene().sigMouseMoved.connect(self._hover)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addLayout(top)
+        lay.addWidget(self.regret)
         lay.addWidget(self.info)
         lay.addWidget(self.plot, 1)
         self._key = None
@@ -50,6 +72,18 @@ class CostsPanel(QWidget):
         self._measured: float | None = None
         self._group_labels: list = []
         self._x = np.zeros(0)
+        self._oracle = None           # the OracleResult shown (oracle view)
+        self._auto_oracle = None      # id of the measurement we switched to by ourselves
+        self._auto = False
+
+    def _view_changed(self, _=None) -> None:
+        self._auto = False            # the user picked a view: keep it
+        self._force_redraw()
+
+    def _set_view(self, i: int) -> None:
+        self.which.blockSignals(True)
+        self.which.setCurrentIndex(i)
+        self.which.blockSignals(False)
 
     def _force_redraw(self) -> None:
         self._key = None
@@ -58,6 +92,17 @@ class CostsPanel(QWidget):
 
     def refresh(self, state: SessionState) -> None:
         self._state = state
+        o = state.oracle
+        if o is not None and state.oracle_fresh and id(o) != self._auto_oracle:
+            self._auto_oracle, self._auto = id(o), True       # a new measurement: show it
+            self._set_view(VIEW_ORACLE)
+        elif self._auto and not state.oracle_fresh and self.which.currentIndex() == VIEW_ORACLE:
+            self._auto = False                               # a request started since: back to it
+            self._set_view(VIEW_REQUEST)
+        if self.which.currentIndex() == VIEW_ORACLE:
+            self._refresh_oracle(o)
+            return
+        self._clear_oracle()
         per_round = self.which.currentIndex() == 1
         d = state.round_decision if per_round else state.decision
         measured = None if per_round or d is None else state.measured_ms(d.request_id)
@@ -125,6 +170,143 @@ class CostsPanel(QWidget):
         self.plot.getPlotItem().setXRange(float(x.min()) - 0.6, float(x.max()) + 0.6, padding=0)
         self.plot.getPlotItem().setYRange(0, top * 1.25, padding=0)
 
+    # ------------------------------------------------------------------ oracle view
+    def _group_x(self, cands) -> np.ndarray:
+        """r = 0 group, a gap, then the r = 1 group."""
+        return np.array([i + (1.0 if c["reuse"] == 1 and any(cc["reuse"] == 0 for cc in cands) else 0.0)
+                         for i, c in enumerate(cands)])
+
+    def _set_group_labels(self, x, cands, y) -> None:
+        for t in self._group_labels:
+            self.plot.removeItem(t)
+        self._group_labels = []
+        for r in (0, 1):
+            xs = [xi for xi, c in zip(x, cands) if c["reuse"] == r]
+            if xs:
+                t = pg.TextItem(f"r={r} ({'reuse' if r else 'no reuse'})", color="#555", anchor=(0.5, 0))
+                t.setPos((min(xs) + max(xs)) / 2, y)
+                self.plot.addItem(t)
+                self._group_labels.append(t)
+
+    def _clear_oracle(self) -> None:
+        if self._oracle is None and self.regret.isHidden():
+            return
+        self._oracle = None
+        self.info.setTextFormat(Qt.TextFormat.PlainText)
+        self.pred_bars.setOpts(x=[], height=[], width=0.34, brushes=None, pens=None)
+        self.meas_bars.setOpts(x=[], height=[], width=0.34, brushes=None, pens=None)
+        self.whiskers.setData(x=np.zeros(0), y=np.zeros(0), top=np.zeros(0), bottom=np.zeros(0))
+        self.star.setData([], [])
+        self.otext.setText("")
+        self.regret.hide()
+        self._key = None
+
+    def _refresh_oracle(self, o) -> None:
+        key = ("oracle", id(o))
+        if key == self._key:
+            return
+        self._key = key
+        self.bars.setOpts(x=[], height=[], width=0.7, brushes=None, pens=None)
+        self.measured.setOpts(x=[], height=[], width=0.34)
+        self.mtext.setText("")
+        self._oracle = o
+        if o is None:
+            self._cands, self._chosen, self._measured = [], -1, None
+            self.pred_bars.setOpts(x=[], height=[], width=0.34, brushes=None, pens=None)
+            self.meas_bars.setOpts(x=[], height=[], width=0.34, brushes=None, pens=None)
+            self.whiskers.setData(x=np.zeros(0), y=np.zeros(0), top=np.zeros(0), bottom=np.zeros(0))
+            self.star.setData([], [])
+            self.otext.setText("")
+            for t in self._group_labels:
+                self.plot.removeItem(t)
+            self._group_labels = []
+            self.regret.hide()
+            self.info.setTextFormat(Qt.TextFormat.PlainText)
+            self.info.setText("no measurement yet: Run → Measure every action (Ctrl+M) runs every (r, k) "
+                              "on the prompt from the same cache state")
+            return
+        cands = sorted(o.actions, key=lambda a: (a["reuse"], a["k"]))
+        x = self._group_x(cands)
+        is_ = lambda a, d: a["reuse"] == d.get("reuse") and a["k"] == d.get("k")  # noqa: E731
+        chosen = next((i for i, a in enumerate(cands) if is_(a, o.choice)), -1)
+        best = next((i for i, a in enumerate(cands) if is_(a, o.oracle)), -1)
+        pred = np.array([max(0.0, float(a["predicted_ms"] or 0.0)) for a in cands])
+        med = np.array([float(a["median_ms"]) for a in cands])
+        lo = np.array([float(a["min_ms"]) for a in cands])
+        hi = np.array([float(a["max_ms"]) for a in cands])
+        self.pred_bars.setOpts(
+            x=x - 0.18, height=pred, width=0.34,
+            brushes=[CHOSEN if i == chosen else (FEASIBLE if a["feasible"] else INFEASIBLE) for i, a in enumerate(cands)],
+            pens=[pg.mkPen("#333", width=2) if i == chosen else pg.mkPen(None) for i in range(len(cands))])
+        self.meas_bars.setOpts(
+            x=x + 0.18, height=med, width=0.34,
+            brushes=[ORACLE if i == best else (MEASURED if a["feasible"] else "#e7a3a3") for i, a in enumerate(cands)],
+            pens=[pg.mkPen("#111", width=2) if i == best else pg.mkPen(None) for i in range(len(cands))])
+        self.whiskers.setData(x=x + 0.18, y=med, top=hi - med, bottom=med - lo)
+        top = max(float(pred.max()), float(hi.max()), 1e-3)
+        if best >= 0:
+            ys = hi[best] + top * 0.06
+            self.star.setData([x[best] + 0.18], [ys])
+            self.otext.setText("oracle")
+            self.otext.setPos(x[best] + 0.18, ys + top * 0.13)
+        ax = self.plot.getPlotItem().getAxis("bottom")
+        ax.setTicks([[(float(xi), str(a["k"])) for xi, a in zip(x, cands)]])
+        self._set_group_labels(x, cands, top * 1.2)
+        self._x = x
+        self._cands = [{"reuse": a["reuse"], "k": a["k"], "predicted_ms": a["predicted_ms"] or 0.0,
+                        "feasible": a["feasible"], "reason": "", "median_ms": a["median_ms"],
+                        "min_ms": a["min_ms"], "max_ms": a["max_ms"], "runs_ms": a.get("runs_ms", [])}
+                       for a in cands]
+        self._chosen, self._measured = chosen, (float(med[chosen]) if chosen >= 0 else None)
+        # the regret, stated
+        b = cands[best] if best >= 0 else None
+        if chosen >= 0 and b is not None and o.regret is not None:
+            c = cands[chosen]
+            col = ORACLE if o.regret <= 0.02 else ("#d94801" if o.regret <= 0.10 else MEASURED)
+            head = ("the controller chose the oracle" if chosen == best else
+                    f"the controller's choice (r={c['reuse']}, k={c['k']}) took {c['median_ms']:.0f} ms vs the "
+                    f"oracle (r={b['reuse']}, k={b['k']}) {b['median_ms']:.0f} ms")
+            self.regret.setText(f"<b>Regret <span style='color:{col}'>{o.regret * 100:+.1f}%</span></b>: {head}"
+                                + ("" if chosen != best else f" (r={c['reuse']}, k={c['k']}, {c['median_ms']:.0f} ms)")
+                                + (f" · <span style='color:{MEASURED}'><b>{o.mismatch}</b></span>" if not o.exact else ""))
+        else:
+            self.regret.setText("<b>no controller choice</b> (fixed policy or no cost profile): oracle "
+                                + (f"(r={b['reuse']}, k={b['k']}) {b['median_ms']:.0f} ms" if b else "—"))
+        self.regret.show()
+        state = ("exact repeat" if o.exact_repeat else (f"hit q = {o.hit_tokens}" if o.hit_tokens else "miss"))
+        txt = (f"measured after request {o.after_request} · P = {o.prompt_tokens} ({state}), "
+               f"{o.output_tokens} tokens out · {o.repeats} runs per action, median with min–max whisker · "
+               f"<span style='color:{FEASIBLE}'>■</span> predicted (<span style='color:{CHOSEN}'>■</span> chosen by "
+               f"{o.choice_reason or '—'}) · <span style='color:{MEASURED}'>■</span> measured "
+               f"(<span style='color:{ORACLE}'>■</span> oracle)")
+        if o.adaptive_ms is not None:
+            txt += f" · adaptive policy itself {o.adaptive_ms:.0f} ms"
+        txt += " · outputs identical ✓" if o.exact else " · <b>outputs differ</b>"
+        n_inf = sum(1 for a in cands if not a["feasible"])
+        if n_inf:
+            txt += f" · {n_inf} infeasible (pale)"
+        self.info.setTextFormat(Qt.TextFormat.RichText)
+        self.info.setText(txt)
+        self.plot.getPlotItem().setXRange(float(x.min()) - 0.6, float(x.max()) + 0.6, padding=0)
+        self.plot.getPlotItem().setYRange(0, top * 1.32, padding=0)
+
+    def _tip(self, i: int) -> str:
+        c = self._cands[i]
+        tip = f"r={c['reuse']}, k={c['k']}: predicted {c['predicted_ms']:.1f} ms"
+        if "median_ms" in c:
+            runs = "; ".join(f"{v:.0f}" for v in c["runs_ms"])
+            tip += f"\nmeasured median {c['median_ms']:.1f} ms (min {c['min_ms']:.1f}, max {c['max_ms']:.1f}; runs {runs})"
+            o = self._oracle
+            if o is not None and o.oracle == {"reuse": c["reuse"], "k": c["k"]}:
+                tip += "\noracle: the fastest feasible action"
+        if i == self._chosen:
+            tip += " · chosen" if "median_ms" in c else " (chosen)"
+            if self._measured is not None and "median_ms" not in c:
+                tip += f"\nmeasured {self._measured:.1f} ms (RequestEnd.latency_ms)"
+        if not c.get("feasible", True):
+            tip += f"\ninfeasible: {c.get('reason') or 'not allowed'}"
+        return tip
+
     def _hover(self, pos) -> None:
         vb = self.plot.getPlotItem().vb
         if not self._cands or not vb.sceneBoundingRect().contains(pos):
@@ -133,25 +315,18 @@ class CostsPanel(QWidget):
         tip = ""
         i = int(np.argmin(np.abs(self._x - p.x()))) if len(self._x) else -1
         if i >= 0 and abs(p.x() - self._x[i]) <= 0.35:
-            c = self._cands[i]
-            tip = f"r={c['reuse']}, k={c['k']}: predicted {c['predicted_ms']:.1f} ms"
-            if i == self._chosen:
-                tip += " (chosen)"
-                if self._measured is not None:
-                    tip += f"\nmeasured {self._measured:.1f} ms (RequestEnd.latency_ms)"
-            if not c.get("feasible", True):
-                tip += f"\ninfeasible: {c.get('reason') or 'not allowed'}"
+            tip = self._tip(i)
         self.plot.setToolTip(tip)
 
     def tooltip_at(self, i: int) -> str:
         """The tooltip text of bar i (what hovering shows)."""
-        c = self._cands[i]
-        tip = f"r={c['reuse']}, k={c['k']}: predicted {c['predicted_ms']:.1f} ms"
-        if not c.get("feasible", True):
-            tip += f"\ninfeasible: {c.get('reason') or 'not allowed'}"
-        return tip
+        return self._tip(i)
 
     def snapshot(self) -> dict:
-        return {"info": self.info.text(),
+        o = self._oracle
+        return {"info": self.info.text(), "view": self.which.currentIndex(),
                 "bars": [(c["reuse"], c["k"], c["predicted_ms"], c.get("feasible", True)) for c in self._cands],
-                "chosen": self._chosen, "measured": self._measured}
+                "chosen": self._chosen, "measured": self._measured,
+                "oracle": None if o is None else {
+                    "regret": self.regret.text(), "best": o.oracle, "choice": o.choice,
+                    "measured": [(c["reuse"], c["k"], c["median_ms"], c["min_ms"], c["max_ms"]) for c in self._cands]}}

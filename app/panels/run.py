@@ -17,6 +17,7 @@ class RunPanel(QWidget):
     loadRequested = Signal(str, str)
     runRequested = Signal()
     stopRequested = Signal()
+    measureRequested = Signal()
 
     def __init__(self):
         super().__init__()
@@ -50,6 +51,16 @@ class RunPanel(QWidget):
         self.stop.setEnabled(False)
         self.run.clicked.connect(self.runRequested)
         self.stop.clicked.connect(self.stopRequested)
+        self.measure = QPushButton("Measure every action")
+        self.measure.setToolTip("Measure every action (Ctrl+M): run every (r, k) of {0,1} x K on this prompt from "
+                                "the same cache state,\nR times each, and draw the measured cost beside each "
+                                "prediction (the oracle and the controller's regret)")
+        self.measure.clicked.connect(self.measureRequested)
+        self.repeats = QSpinBox()
+        self.repeats.setRange(1, 20)
+        self.repeats.setValue(3)
+        self.repeats.setPrefix("R = ")
+        self.repeats.setToolTip("timed runs per action (median, min-max whisker)")
 
         form = QFormLayout()
         form.setContentsMargins(0, 0, 0, 0)
@@ -69,6 +80,10 @@ class RunPanel(QWidget):
         lay.addWidget(QLabel("Prompt"))
         lay.addWidget(self.prompt, 1)
         lay.addLayout(buttons)
+        mrow = QHBoxLayout()
+        mrow.addWidget(self.measure, 1)
+        mrow.addWidget(self.repeats)
+        lay.addLayout(mrow)
 
     def _combo(self, items, tip) -> QComboBox:
         c = QComboBox()
@@ -128,6 +143,7 @@ class RunPanel(QWidget):
 
     def set_running(self, running: bool, busy: bool = False) -> None:
         self.run.setEnabled(not running and not busy)
+        self.measure.setEnabled(not running and not busy)
         self.load.setEnabled(not running and not busy)
         self.stop.setEnabled(running)
         for w in (self.target, self.draft):
