@@ -309,7 +309,9 @@ class MainWindow(QMainWindow):
         self.msg.setText("measuring every action ...")
         dlg = QProgressDialog("Measuring every action ...", "Cancel", 0, 0, self)
         dlg.setWindowTitle("Measure every action")
-        dlg.setWindowModality(Qt.WindowModality.WindowModal)
+        # not modal: a modal QProgressDialog.setValue() runs processEvents(), which would deliver
+        # the worker's next signals (even "measured", which deletes the dialog) re-entrantly
+        dlg.setWindowModality(Qt.WindowModality.NonModal)
         dlg.setMinimumDuration(0)
         dlg.setAutoClose(False)
         dlg.setAutoReset(False)

@@ -316,33 +316,6 @@ def test_corrupt_recording_gives_clear_message(win, errors, tmp_path):
     assert "recording not found" in errors[-1]
 
 
-def test_scripted_replay_screenshot(qtbot, tmp_path, monkeypatch):
-    """`rakv-explorer --replay FILE --screenshot PNG --exit-after-run` on the shipped example."""
-    import sys
-
-    import torch
-
-    from app import main as app_main
-
-    monkeypatch.setenv("RAKV_SETTINGS", str(tmp_path / "s.ini"))
-    monkeypatch.setenv("RAKV_SESSIONS", str(tmp_path / "sessions"))
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
-    threads = torch.get_num_threads()
-    png = tmp_path / "replay.png"
-    try:
-        rc = app_main.main(["--replay", str(ROOT / "resources" / "example.jsonl"), "--screenshot", str(png),
-                            "--exit-after-run"])
-    finally:
-        torch.set_num_threads(threads)
-    assert rc == 0 and png.stat().st_size > 10_000
-
-
-def test_engine_never_imports_qt():
-    for p in (ROOT / "rakv").glob("*.py"):
-        src = p.read_text()
-        assert not re.search(r"^\s*(from|import)\s+(PySide6|PyQt|pyqtgraph|app)\b", src, re.M), p
-
-
 # ---------------------------------------------------------------------------------------------
 # Measure every action
 def measure(qtbot, w, repeats=2):
@@ -440,3 +413,31 @@ def test_measure_errors_become_dialogs(qtbot, win, errors, monkeypatch):
     assert res is not None and not res.exact and errors[-1] == "OUTPUT MISMATCH: simulated"
     assert "simulated" in win.panel_snapshot()["costs"]["oracle"]["regret"]
     assert win.run_panel.run.isEnabled()
+
+
+def test_scripted_replay_screenshot(qtbot, tmp_path, monkeypatch):
+    """`rakv-explorer --replay FILE --screenshot PNG --exit-after-run` on the shipped example."""
+    import sys
+
+    import torch
+
+    from app import main as app_main
+
+    monkeypatch.setenv("RAKV_SETTINGS", str(tmp_path / "s.ini"))
+    monkeypatch.setenv("RAKV_SESSIONS", str(tmp_path / "sessions"))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    threads = torch.get_num_threads()
+    png = tmp_path / "replay.png"
+    try:
+        rc = app_main.main(["--replay", str(ROOT / "resources" / "example.jsonl"), "--screenshot", str(png),
+                            "--exit-after-run"])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0 and png.stat().st_size > 10_000
+
+
+def test_engine_never_imports_qt():
+    for p in (ROOT / "rakv").glob("*.py"):
+        src = p.read_text()
+        assert not re.search(r"^\s*(from|import)\s+(PySide6|PyQt|pyqtgraph|app)\b", src, re.M), p
+
