@@ -133,11 +133,13 @@ class Oracle:
             if job != ADAPTIVE and job[0] == 1:
                 look = next((x for x in recs if isinstance(x, CacheLookup) and x.model == "target"), None)
                 break
-        ids = next((x.prompt_ids for x in next(iter(first.values())) if isinstance(x, RequestStart)), [])
+        start = next((x for x in next(iter(first.values())) if isinstance(x, RequestStart)), RequestStart())
+        ids = start.prompt_ids
         exact, mismatch = check_exact(runs)
         adaptive = runs.get(ADAPTIVE)
         text = prompt if isinstance(prompt, str) else (prompt_text or "")
         return OracleResult(after_request=after, prompt=text, prompt_ids=list(ids), prompt_tokens=len(ids),
+                            templated=bool(getattr(start, "templated", False)),
                             max_new_tokens=int(max_new_tokens if max_new_tokens is not None
                                                else eng.config.max_new_tokens),
                             hit_tokens=look.hit_tokens if look is not None else 0,

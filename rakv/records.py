@@ -172,6 +172,7 @@ class OracleResult:
     prompt: str = ""
     prompt_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
+    templated: bool = False        # True: prompt_ids are the chat template applied to ``prompt``
     max_new_tokens: int = 0
     hit_tokens: int = 0            # the target's prefix-cache hit q at the measured state
     exact_repeat: bool = False
