@@ -199,6 +199,7 @@ class CostsPanel(QWidget):
         self.star.setData([], [])
         self.otext.setText("")
         self.regret.hide()
+        self.plot.getPlotItem().setLabel("left", "predicted ms")
         self._key = None
 
     def _refresh_oracle(self, o) -> None:
@@ -245,10 +246,11 @@ class CostsPanel(QWidget):
         self.whiskers.setData(x=x + 0.18, y=med, top=hi - med, bottom=med - lo)
         top = max(float(pred.max()), float(hi.max()), 1e-3)
         if best >= 0:
-            ys = hi[best] + top * 0.06
+            ys = hi[best] + top * 0.05
             self.star.setData([x[best] + 0.18], [ys])
             self.otext.setText("oracle")
-            self.otext.setPos(x[best] + 0.18, ys + top * 0.13)
+            self.otext.setPos(x[best] + 0.18, ys + top * 0.045)
+        self.plot.getPlotItem().setLabel("left", "ms: predicted | measured")
         ax = self.plot.getPlotItem().getAxis("bottom")
         ax.setTicks([[(float(xi), str(a["k"])) for xi, a in zip(x, cands)]])
         self._set_group_labels(x, cands, top * 1.2)
