@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after the autorun prompts (if any): Measure every action on the prompt")
     ap.add_argument("--measure-prompt", metavar="TEXT",
                     help="the prompt --measure-all measures (default: the last --prompt)")
-    ap.add_argument("--repeats", type=int, default=3, help="--measure-all: timed runs per action (default 3)")
+    ap.add_argument("--repeats", type=A.int_range(1, 20), default=3,
+                    help="--measure-all: timed runs per action (default 3)")
     ap.add_argument("--replay", metavar="FILE", help="replay a JSONL recording at start")
     ap.add_argument("--screenshot", metavar="PNG", help="save the window after the run / replay")
     ap.add_argument("--exit-after-run", action="store_true", help="quit after the run / replay (and screenshot)")
@@ -71,9 +72,6 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     except ValueError as e:
         print(f"rakv-explorer: error: {e}", file=sys.stderr)
-        return 2
-    if args.repeats < 1:
-        print("rakv-explorer: error: --repeats must be >= 1", file=sys.stderr)
         return 2
     k_set = None
     if args.k_set:

@@ -280,6 +280,8 @@ def cmd_replay(args) -> int:
                           write_oracle_csv)
 
     A.refuse_overwrite(args.csv, "--csv", {"the recording": args.file})
+    oracle_out = args.oracle_csv or oracle_csv_path(args.csv)
+    A.refuse_overwrite(oracle_out, "--oracle-csv", {"the recording": args.file, "--csv": args.csv})
     try:
         recs = read_recording(args.file, warn=lambda m: A.warn("rakv", m))
     except RecordingError as e:
@@ -290,7 +292,7 @@ def cmd_replay(args) -> int:
         raise CliError(f"cannot write {args.csv}: {e}") from None
     print(f"[rakv] wrote {n} request rows to {args.csv}", file=sys.stderr)
     if args.oracle_csv or any(isinstance(r, OracleResult) for r in recs):
-        out = args.oracle_csv or oracle_csv_path(args.csv)
+        out = oracle_out
         try:
             m = write_oracle_csv(recs, out)
         except OSError as e:

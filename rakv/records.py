@@ -227,7 +227,11 @@ def from_dict(d: dict):
 
 # the fields inside nested objects that the explorer reads (checked when present)
 _ACTION = {"reuse": int, "k": int}
-NESTED = {"action": _ACTION, "candidates": {**_ACTION, "predicted_ms": float | None, "feasible": bool, "reason": str}}
+NESTED = {"action": _ACTION, "candidates": {**_ACTION, "predicted_ms": float | None, "feasible": bool, "reason": str},
+          # OracleResult
+          "choice": _ACTION, "oracle": _ACTION,
+          "actions": {**_ACTION, "predicted_ms": float | None, "feasible": bool, "runs_ms": list[float],
+                      "median_ms": float, "min_ms": float, "max_ms": float}}
 
 
 _HINTS: dict = {}
