@@ -166,3 +166,6 @@ def test_recorded_and_exported(pair, tmp_path, capsys):
     other = tmp_path / "elsewhere.csv"
     assert cli_main(["replay", str(rec_path), "--csv", str(out), "--oracle-csv", str(other)]) == 0
     assert len(list(csv.DictReader(open(other, newline="")))) == 4
+    before = rec_path.read_bytes()
+    assert cli_main(["replay", str(rec_path), "--csv", str(out), "--oracle-csv", str(rec_path)]) == 2
+    assert rec_path.read_bytes() == before                     # an input is never overwritten
