@@ -38,9 +38,9 @@ def engine(pair, recs, **kw):
 
 def learned_state(eng) -> dict:
     ctl = eng.controller
-    return {"profile": asdict(eng.profile), "alpha": (ctl.alpha.S, ctl.alpha.T, ctl.alpha.rounds),
-            "req": (ctl._rS, ctl._rT, ctl._lS, ctl._lT, ctl.out_frac, ctl.probe_interval,
-                    ctl.rounds_since_draft, ctl.probe_credit),
+    scalars = lambda o: {k: v for k, v in vars(o).items()  # noqa: E731
+                         if isinstance(v, (int, float, str, bool, tuple, type(None)))}
+    return {"profile": asdict(eng.profile), "alpha": scalars(ctl.alpha), "controller": scalars(ctl),
             "store": (asdict(eng.store.stats), [(e.key, e.ids.tolist(), e.hits) for e in eng.store.entries()]),
             "next_id": eng._next_id, "policy": eng.policy, "force": eng.force, "k_set": eng.k_set}
 
