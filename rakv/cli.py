@@ -184,7 +184,13 @@ def cmd_generate(args) -> int:
             starts[rec.request_id] = rec
 
     engine = Engine(target, draft, config, callback, profile)
-    engine.header()
+    h = engine.header()
+    if h.learned and policy.adaptive:
+        L = h.learned
+        moved = ", ".join(f"{k} x{v:.2f}" for k, v in L["scale"].items() if abs(v - 1) > 0.05) or "none"
+        print(f"[rakv] profile: alpha {L['alpha_learned'] if L['alpha_learned'] is not None else L['alpha0']:.2f}"
+              f" (calibrated {L['alpha0']:.2f}, {L['alpha_trials'] or 0:.0f} trials since), output share "
+              f"{L['out_frac'] if L['out_frac'] is not None else 1.0:.2f}, cost scales moved: {moved}", file=sys.stderr)
     try:
         for prompt in prompts:
             end: RequestEnd = engine.generate(prompt)

@@ -26,16 +26,15 @@ Acceptance, two time scales:
   * per request: ``alpha_req`` = (S_r + m a_long) / (T_r + m), where S_r, T_r are EWMAs
     (weight ``req_decay``, default 0.3, per request) of each request's successes and trials (all
     its drafting rounds, probes included), and m = ``PRIOR_TRIALS`` (8) pseudo-trials at the
-    long-run acceptance a_long (the same trial-weighted EWMA with weight LONG_DECAY, 0.05,
+    long-run acceptance a_long (successes / trials over about the last LONG_WINDOW, 200, trials,
     started at the prior). Per-request decisions use it: the last few rounds of the previous
     request (the tail of one text) predict the next request poorly; measured on the controller
     runs in docs/results.md, choosing by the smoothed request-level alpha matched the best fixed
     k where the per-round EWMA lost 4-6%. Weighting by trials keeps a request that only probed
     (one or two trials) from moving it much. A request without trials still decays S_r and T_r,
-    so while the controller does not draft its estimate drifts back to a_long: an estimate that
-    fell low would otherwise be frozen by the k = 0 choices it causes (measured: after a k = 0
-    streak the estimate sat at ~0.73 while the workloads ran at 0.83, and 5 of 10 requests of
-    the next stream stayed at k = 0 where joint:4 was 20% faster).
+    so while the controller does not draft its estimate returns to a_long, which follows the
+    evidence (a per-request EWMA of a_long stayed near its prior for dozens of requests and
+    sent a weak draft back to k > 0 again and again); priced probes, not drift, unfreeze k = 0.
 Both start from the profile's ``alpha_learned`` (a_long as earlier sessions on this pair left
 it), else the calibration's alpha0; at the end of every request the profile's alpha_learned and
 out_frac are updated (``end_request``).
@@ -67,7 +66,9 @@ from .records import Candidate
 now = time.perf_counter
 REUSE_TIE = 0.01
 PRIOR_TRIALS = 8.0   # weight of the long-run acceptance in the request-level one, in trials
-LONG_DECAY = 0.05    # per-request weight of the long-run acceptance EWMA
+LONG_WINDOW = 200.0  # the long-run acceptance averages about the last this many trials
+LONG_PRIOR = 32.0    # ... starting from this many pseudo-trials at the prior (a probe barely moves it)
+LONG_DECAY = 0.05    # per-request ageing of the evidence count behind alpha's optimistic bound
 OUT_DECAY = 0.1      # per-request weight of the output-share EWMA
 K_TIE = 0.02    # among drafting actions predicted within 2% of the best, the smallest k is taken
 EXPLORE_SHARE = 0.005  # probes may spend this share of the stream's measured time (issue: <= 1%)
@@ -150,7 +151,7 @@ class Controller:
             alpha_prior = profile.alpha_learned if profile.alpha_learned is not None else profile.alpha0
         self.alpha = AlphaEWMA(alpha_prior, lam)
         self._rS = self._rT = 0.0                            # recent requests (weight req_decay)
-        self._lS, self._lT = float(alpha_prior) * PRIOR_TRIALS, PRIOR_TRIALS   # long run
+        self._lS, self._lT = float(alpha_prior) * LONG_PRIOR, LONG_PRIOR       # long run
         self.req_decay = req_decay
         self.out_decay = out_decay
         self._req_S = 0.0                        # this request's successes / trials so far
@@ -400,8 +401,9 @@ class Controller:
         self._rS = (1 - w) * self._rS + w * self._req_S      # no trials: decays toward a_long
         self._rT = (1 - w) * self._rT + w * self._req_T
         if self._req_T > 0:
-            self._lS = (1 - LONG_DECAY) * self._lS + LONG_DECAY * self._req_S
-            self._lT = (1 - LONG_DECAY) * self._lT + LONG_DECAY * self._req_T
+            g = (1 - 1 / LONG_WINDOW) ** self._req_T      # every trial ages the old ones alike
+            self._lS = g * self._lS + self._req_S
+            self._lT = g * self._lT + self._req_T
             self.profile.alpha_learned = round(self.alpha_long, 5)
             self.profile.alpha_trials = round(self.evidence, 1)
         if stopped in ("eos", "max_new_tokens") and max_new > 1:

@@ -63,6 +63,14 @@ class _Request:
     explore_ms: float = 0.0
 
 
+def learned_state(p: CostProfile) -> dict:
+    """The state a profile carries from earlier sessions, beside what calibration measured: it
+    starts the controller, so it is shown (run header, CLI log) and bounded (evidence capped,
+    online scales clipped per measurement)."""
+    return {"alpha0": p.alpha0, "alpha_learned": p.alpha_learned, "alpha_trials": p.alpha_trials,
+            "out_frac": p.out_frac, "scale": {k: round(v, 3) for k, v in sorted(p.scale.items())}}
+
+
 def verify_accept(model, cache, pending: int, drafts: list[int]) -> tuple[list[int], int]:
     """Verify [pending, d_1..d_k] in one forward; accept a drafts + one target token; roll back."""
     logits = dec.verify(model, [pending] + drafts, cache)      # [k+1, V]
@@ -168,7 +176,8 @@ class Engine:
                       dtype=str(next(self.target.model.parameters()).dtype).replace("torch.", ""),
                       device=c.device, threads=torch.get_num_threads(), hardware=hardware_info(),
                       versions=versions_info(), settings=asdict(c),
-                      started=time.strftime("%Y-%m-%dT%H:%M:%S"))
+                      started=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                      learned=learned_state(self.profile) if self.profile is not None else {})
         self._emit(h)
         return h
 

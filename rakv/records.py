@@ -33,6 +33,7 @@ class RunHeader:
     versions: dict = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
     started: str = ""
+    learned: dict = field(default_factory=dict)    # what earlier sessions left in the profile
 
 
 @dataclass

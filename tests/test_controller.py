@@ -191,9 +191,9 @@ def test_regime_change_is_picked_up_within_a_few_requests():
     rng = random.Random(2)
     before = simulate(c, prof, 0.05, 30, rng)
     assert all(k == 0 for k, _, _ in before[-10:])
-    after = simulate(c, prof, 0.9, 8, rng)
+    after = simulate(c, prof, 0.9, 10, rng)
     first = next(i for i, (k, _, _) in enumerate(after) if k > 0)
-    assert first <= 4 and all(k > 0 for k, _, _ in after[first:])
+    assert first <= 5 and all(k > 0 for k, _, _ in after[first:])
 
 
 def test_online_refinement_is_robust():
@@ -233,9 +233,10 @@ def test_request_level_alpha_drives_request_decisions():
         c.observe_round(m, a)
     assert c.alpha.value > 0.75
     c.end_request(produced=20, max_new=20, stopped="max_new_tokens")
-    from rakv.controller import LONG_DECAY, PRIOR_TRIALS
+    from rakv.controller import LONG_PRIOR, LONG_WINDOW, PRIOR_TRIALS
     m = PRIOR_TRIALS
-    a_long = (0.5 * m * (1 - LONG_DECAY) + 8 * LONG_DECAY) / (m * (1 - LONG_DECAY) + 12 * LONG_DECAY)
+    g = (1 - 1 / LONG_WINDOW) ** 12
+    a_long = (0.5 * LONG_PRIOR * g + 8) / (LONG_PRIOR * g + 12)
     assert c.alpha_long == pytest.approx(a_long)
     assert c.alpha_req == pytest.approx((0.5 * 8 + m * a_long) / (0.5 * 12 + m))    # trials-weighted
     assert c.decide(situation()).alpha == pytest.approx(c.alpha_req)
@@ -249,19 +250,19 @@ def test_request_level_alpha_drives_request_decisions():
     assert Controller(prof).alpha.value == pytest.approx(prof.alpha_learned)
 
 
-def test_a_low_estimate_drifts_back_while_not_drafting():
-    """A run of poor requests pulls alpha_req down; requests without drafting let it return to
-    the long-run acceptance, so a low estimate cannot freeze the controller at k = 0."""
+def test_a_low_estimate_returns_to_the_long_run_while_not_drafting():
+    """A run of poor requests pulls alpha_req below the long run; requests without drafting let
+    it return to the long-run acceptance, which itself follows the evidence (not the prior)."""
     c = Controller(profile(), alpha_prior=0.85)
     for _ in range(2):
         for _ in range(6):
             c.observe_round(4, 1)             # 1 success in 2 trials
         c.end_request(produced=32, max_new=32, stopped="max_new_tokens")
     low = c.alpha_req
-    assert low < 0.7 and c.alpha_long > 0.8
+    assert 0.6 < c.alpha_long < 0.75 and low < c.alpha_long
     for _ in range(10):
         c.end_request(produced=32, max_new=32, stopped="max_new_tokens")
-    assert c.alpha_req == pytest.approx(c.alpha_long, abs=0.01) and c.alpha_req > low + 0.1
+    assert c.alpha_req == pytest.approx(c.alpha_long, abs=0.01) and c.alpha_req > low
 
 
 def test_a_request_that_only_probed_barely_moves_alpha():
@@ -269,7 +270,7 @@ def test_a_request_that_only_probed_barely_moves_alpha():
     c = Controller(profile(), req_decay=0.3, alpha_prior=0.8)
     c.observe_round(4, 0)
     c.end_request(produced=32, max_new=32, stopped="max_new_tokens")
-    assert 0.75 < c.alpha_req < 0.8
+    assert 0.74 < c.alpha_req < 0.8
     for _ in range(3):                     # three long requests at 0.9 pull it up
         for _ in range(8):
             c.observe_round(4, 4)
@@ -341,6 +342,23 @@ def test_k_tie_never_moves_the_choice_to_k0():
     c = Controller(profile(), k_set=(0, 4), alpha_prior=hi)
     assert c.cost(s, 1, 4, hi) < c.cost(s, 1, 0, hi) < c.cost(s, 1, 4, hi) * 1.02
     assert c.decide(s).k == 4
+
+
+@pytest.mark.parametrize("alpha_true, pays", [(0.9, True), (0.02, False)])
+def test_saved_state_does_not_change_the_next_runs_decisions(alpha_true, pays):
+    """Runs of the same stream share one profile (each saves its acceptance, output share and
+    evidence into it); with other noise (seeds) each run, the decisions stay the same."""
+    import random
+
+    prof = profile(t=10.0, d=1.0, V={k: 10.0 * (1 + 0.3 * k) for k in range(1, 9)})
+    runs = []
+    for seed in range(3):
+        c = Controller(prof, alpha_prior=None if seed else 0.6)
+        rows = simulate(c, prof, alpha_true, 25, random.Random(seed), draft_model=True)
+        runs.append([k > 0 for k, _, _ in rows][5:])       # speculate or not, after a few requests
+    assert runs[0] == runs[1] == runs[2]
+    assert all(s == pays for s in runs[0])
+    assert prof.alpha_learned is not None and prof.alpha_trials > 0
 
 
 def test_probe_waits_for_budget_to_pay_a_long_catch_up():

@@ -238,3 +238,30 @@ def test_zero_copy_store_never_sees_its_entries_written():
     used = sum(sum(k.untyped_storage().nbytes() + v.untyped_storage().nbytes() for k, v in e.kv)
                for e in eng.store.entries())
     assert used <= eng.store.bytes_used      # byte accounting counts every stored byte
+
+
+def test_no_pay_regime_runs_never_probe_and_repeat_their_decisions():
+    """Every k costs more than plain steps even at alpha = 1: k = 0 on every request, no probe,
+    and what one run saves into the profile does not change the next run's decisions."""
+    from rakv.costs import CostProfile
+    from rakv.records import Decision
+
+    target, draft = make_pair("llama", "identical")
+    # (in ms far above the tiny models' real ones: online refinement only lowers t, so k stays
+    # dearer than plain steps)
+    prof = CostProfile(T_pf=[[8, 100.0], [64, 400.0]], D_pf=[[8, 50.0], [64, 100.0]], t=[[16, 100.0], [256, 100.0]],
+                       d=[[16, 80.0], [256, 80.0]], V={str(k): 100.0 * (1 + 0.9 * k) for k in range(1, 9)},
+                       alpha0=0.9)
+    stream = [list(range(10, 40)), list(range(10, 30)) + [7, 8], list(range(50, 70)), list(range(10, 40))]
+    runs = []
+    for _ in range(3):
+        eng = Engine(target, ModelDraft(draft), RakvConfig(policy="adaptive", explore_share=1.0), profile=prof)
+        seen = []
+        eng.callback = seen.append
+        for p in stream:
+            end = eng.generate(p, N)
+            ref = oracle(target.model, p, N)
+            assert end.output_ids == ref[:len(end.output_ids)] and end.explore_ms == 0.0
+        runs.append([(r.action["reuse"], r.action["k"], r.reason) for r in seen if isinstance(r, Decision)])
+    assert runs[0] == runs[1] == runs[2]
+    assert all(k == 0 and why == "argmin" for _, k, why in runs[0])
