@@ -316,11 +316,10 @@ class Controller:
         p = self.profile
         t = p.step(ctx)
         a, a_hi = self.alpha_req, self.alpha_upper()
-        stars = self.round_alpha_star(ctx, ks)
+        can = [k for k in ks if k > 0 and self.pays_at_all(k, ctx)]
+        stars = self.round_alpha_star(ctx, can) if can else {}
         best = None
-        for k in ks:
-            if k <= 0 or not self.pays_at_all(k, ctx):
-                continue
+        for k in can:
             if stars.get(str(k)) is None or stars[str(k)] > a_hi:
                 continue
             excess = catch_ms + k * p.draft_step(ctx) + p.verify(k, ctx) - E(k, a) * t
@@ -334,7 +333,7 @@ class Controller:
                     draft_model: bool = True) -> int:
         """For a round that will not draft although a draft is there: the k of a probe round if
         one is due, worth it and affordable (else 0). ``catchup_tokens`` matters only when due."""
-        if not self.probe_due or remaining <= 2:
+        if not self.probe_due or remaining <= 2 or self.explore_balance <= 0:
             return 0
         ks = [kk for kk in sorted(set(k_set if k_set is not None else self.k_set)) if 0 < kk <= remaining - 1]
         plan = self.probe_plan(ctx, ks, self.catchup_ms(catchup_tokens, draft_model))
