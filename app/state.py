@@ -82,6 +82,7 @@ class SessionState:
     tokens: list[Tok] = field(default_factory=list)
     rounds_by_index: dict[int, Round] = field(default_factory=dict)   # current request
     generated: int = 0
+    explore_req: float = 0.0       # ms this request's probes cost beyond plain steps
     # cache
     cache: CacheView = field(default_factory=CacheView)
     draft_cache: CacheView | None = None
@@ -142,6 +143,7 @@ class SessionState:
         self.tokens = [Tok(i, PROMPT, p, t=r.t) for p, i in enumerate(r.prompt_ids)]
         self.rounds_by_index = {}
         self.generated = 0
+        self.explore_req = 0.0
         self.decision = None
         self.round_decision = None
         self.draft_cache = None
@@ -178,6 +180,7 @@ class SessionState:
             for j, (tid, prov) in enumerate(zip(r.emitted, r.provenance)):
                 self.tokens.append(Tok(tid, prov if prov in KINDS else TARGET, pos + j, r.index, r.k, r.t))
             self.generated += len(r.emitted)
+            self.explore_req += getattr(r, "explore_ms", 0.0) or 0.0
         if r.kind == "prefill":
             return
         self.n_rounds += 1
@@ -190,6 +193,12 @@ class SessionState:
         self.running = False
         self.ends.append(r)
         self.last_end = r
+
+    def exploration(self) -> tuple[float, float]:
+        """(ms probes cost this request beyond plain steps, share of the session's latency)."""
+        total = sum(e.latency_ms for e in self.ends) or 0.0
+        spent = sum(getattr(e, "explore_ms", 0.0) or 0.0 for e in self.ends)
+        return self.explore_req, (spent / total if total > 0 else 0.0)
 
     # ------------------------------------------------------------------ derived numbers
     def live_tokens_per_s(self) -> float:

@@ -437,7 +437,9 @@ class MainWindow(QMainWindow):
             self.tokens.refresh(st)
             tps = st.live_tokens_per_s()
             ttft = st.ttft_ms()
-            self.stats.setText(f"{tps:.1f} tok/s · TTFT " + (f"{ttft:.0f} ms" if ttft is not None else "—"))
+            ex_ms, ex_share = st.exploration()
+            self.stats.setText(f"{tps:.1f} tok/s · TTFT " + (f"{ttft:.0f} ms" if ttft is not None else "—")
+                               + f" · exploration {ex_ms:.0f} ms ({ex_share * 100:.2f}% of session)")
             self.redraw_ms_max = max(self.redraw_ms_max, (time.perf_counter() - t0) * 1e3)
         n = len(self.plots)
         for i in range(n):

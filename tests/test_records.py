@@ -41,3 +41,16 @@ def test_recording_is_flushed_per_line_and_round_trips(tmp_path):
     assert rows[1]["exact_repeat"] == 1 and rows[1]["hit_tokens"] == 30
     ends = [r for r in back if isinstance(r, RequestEnd)]
     assert rows[0]["output_tokens"] == len(ends[0].output_ids) == 10
+
+
+def test_session_state_sums_exploration():
+    """The explorer's status line shows what probes cost, per request and as a session share."""
+    from app.state import SessionState
+    from rakv.records import RequestEnd, RequestStart, Round
+
+    st = SessionState()
+    st.apply(RequestStart(request_id=0, prompt_tokens=4))
+    st.apply(Round(request_id=0, index=1, kind="spec", k=4, drafted=4, accepted=0, emitted=[5], explore_ms=12.5))
+    st.apply(Round(request_id=0, index=2, kind="ar", emitted=[6]))
+    st.apply(RequestEnd(request_id=0, latency_ms=500.0, explore_ms=12.5))
+    assert st.exploration() == (12.5, 0.025)
