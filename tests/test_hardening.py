@@ -256,6 +256,32 @@ def test_concurrent_profile_saves_never_collide(good_profile, tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["p.json"]       # no temp files left behind
 
 
+def test_demo_fetch_and_convert_run_once_for_two_first_uses(tmp_path, monkeypatch):
+    """Two first uses of `demo` at once: one converts, the other waits and finds the result."""
+    import time
+
+    from rakv import models as Mo
+
+    monkeypatch.setenv("RAKV_CACHE", str(tmp_path))
+    calls = []
+
+    def convert(base, out):
+        calls.append(1)
+        time.sleep(0.3)
+        tmp = base / f".part-{len(calls)}"
+        tmp.mkdir()
+        (tmp / "model.safetensors").write_bytes(b"x")
+        (tmp / "tokenizer.json").write_text("{}")
+        os.replace(tmp, out)
+
+    monkeypatch.setattr(Mo, "_convert_demo", convert)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(Mo.ensure_demo())) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len(calls) == 1 and len(got) == 2 and got[0] == got[1] and (got[0] / "model.safetensors").exists()
+
+
 def test_file_lock_serialises(tmp_path):
     from rakv.filelock import file_lock
 
@@ -489,7 +515,6 @@ def test_busy_machine_flags_the_profile(pair, tmp_path, capsys, monkeypatch):
     real = M.cpu_clock
     monkeypatch.setattr(M, "cpu_clock", lambda: real() * 0.5)      # we run half the time we measure
     monkeypatch.setattr("rakv.costs.cpu_clock", M.cpu_clock)
-    monkeypatch.setattr(M.time, "sleep", lambda s: None)
     prof, fresh = C.load_or_calibrate(target, draft, tmp_path, k_max=2, quick=True)
     err = capsys.readouterr().err
     q = prof.quality
