@@ -253,6 +253,11 @@ def cmd_calibrate(args) -> int:
     print("V(k)/t @128: " + ", ".join(f"k={k}: {prof.verify(int(k), 128) / t:.2f}" for k in sorted(prof.V, key=int)))
     print("T_pf: " + ", ".join(f"{int(n)}: {ms:.1f} ms" for n, ms in prof.T_pf))
     print(f"alpha0 = {prof.alpha0:.3f};  calibration took {prof.calibration_s:.1f} s")
+    q = prof.quality
+    if q:
+        print(f"quality: CPU share {q.get('cpu_share')}, {q.get('retries', 0)} re-measured, "
+              f"largest spread {max(q.get('spread', {0: 0}).values()):.2f}"
+              + (f"; CONTENDED: {'; '.join(q.get('reasons', []))}" if q.get("contended") else "; clean"))
     return 0
 
 

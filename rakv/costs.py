@@ -640,7 +640,7 @@ def check_profile(prof: CostProfile, target, draft, reps: int = 5) -> tuple[list
     def pf():
         return time_reps(lambda: dec.prefill(model, ids[:32], dec.DynamicCache()), reps)
 
-    def at_ctx(m, n_tok, kind):
+    def at_ctx(m, n_tok):
         cache = dec.DynamicCache()
         dec.prefill(m, ids[:ctx], cache)
         fwd = dec.decode_one if n_tok == 1 else (lambda mm, _t, c: dec.verify(mm, ids[ctx: ctx + n_tok], c))
@@ -651,11 +651,11 @@ def check_profile(prof: CostProfile, target, draft, reps: int = 5) -> tuple[list
         once()
         return time_reps(once, reps)
 
-    row("step@%d" % ctx, prof.step(ctx), lambda: at_ctx(model, 1, "t"))
-    row("V(4)@%d" % ctx, prof.verify(4, ctx), lambda: at_ctx(model, 5, "V"))
+    row("step@%d" % ctx, prof.step(ctx), lambda: at_ctx(model, 1))
+    row("V(4)@%d" % ctx, prof.verify(4, ctx), lambda: at_ctx(model, 5))
     row("prefill 32", prof.T(32), pf)
     if dmodel is not None and prof.d:
-        row("draft step@%d" % ctx, prof.draft_step(ctx), lambda: at_ctx(dmodel, 1, "d"))
+        row("draft step@%d" % ctx, prof.draft_step(ctx), lambda: at_ctx(dmodel, 1))
     return rows, meter.quality()["cpu_share"]
 
 
