@@ -3,6 +3,7 @@
     rakv-explorer [--target M] [--draft M] [--prompt TEXT --autorun] [--replay FILE]
                   [--screenshot PNG] [--exit-after-run] [--policy P] [--max-new-tokens N]
                   [--k-set 0,2,4] [--measure-all [--measure-prompt TEXT] [--repeats R]]
+                  [--device auto|cpu|cuda|mps] [--no-fast]
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import sys
 
 from rakv import argtypes as A
-from rakv.cli import quiet_libs
+from rakv.cli import add_device_args, quiet_libs
 from rakv.config import POLICIES_HELP
 
 
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=A.threads,
                     help=f"torch threads, 1 to {A.max_threads()} (default: cores - 1, at least 1)")
     ap.add_argument("--size", default=None, type=window_size, help="window size WxH (e.g. 1500x940)")
+    add_device_args(ap)
     return ap
 
 
@@ -82,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"rakv-explorer: error: {e}", file=sys.stderr)
             return 2
+    from rakv.device import DeviceError, resolve
+
+    try:
+        device = resolve(args.device)
+    except DeviceError as e:
+        print(f"rakv-explorer: error: {e}", file=sys.stderr)
+        return 2
     quiet_libs()
     import torch
 
@@ -99,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.window import MainWindow
 
     win = MainWindow()
+    win.worker.device, win.worker.fast = device, args.fast
     rp = win.run_panel
     if args.target or args.draft:
         t0, d0 = rp.pair()

@@ -51,6 +51,8 @@ class Worker(QObject):
     def __init__(self, sessions: Path | None = None):
         super().__init__()
         self.sessions = sessions
+        self.device = "auto"              # --device (resolved by rakv.models.load_model)
+        self.fast: bool | None = None     # --fast / --no-fast; None: RAKV_FAST, default on
         self.target = None
         self.draft = None
         self.profile = None
@@ -74,8 +76,9 @@ class Worker(QObject):
 
         try:
             self.busy.emit(f"loading {target} + {draft} ...")
-            config = RakvConfig(target=target, draft=draft)
-            t = load_model(target, config.dtype, None, config.device)
+            config = RakvConfig(target=target, draft=draft, device=self.device,
+                                **({} if self.fast is None else {"fast": self.fast}))
+            t = load_model(target, config.dtype, None, config.device, fast=config.fast)
             d = make_draft(draft, t, config)
             self.busy.emit("cost profile (calibrating once for this machine and pair) ...")
             prof, _ = load_or_calibrate(t, d, cache_dir(), k_max=max(1, k_max),
@@ -109,6 +112,7 @@ class Worker(QObject):
         with self._lock:
             c = self.controls
             config = RakvConfig(target=pair[0], draft=pair[1], k_set=c.k_set, budget_mib=c.budget_mib,
+                                device=str(next(target.model.parameters()).device), fast=bool(target.fast),
                                 granularity=c.granularity, force_action=c.force,
                                 chat_template=c.chat_template,
                                 policy="adaptive" if profile is not None else "ar")

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from . import argtypes as A
-from .config import DEFAULT_K_SET, POLICIES_HELP, Policy, RakvConfig, parse_k_set
+from .config import DEFAULT_K_SET, POLICIES_HELP, Policy, RakvConfig, env_fast, parse_k_set
 
 
 class CliError(Exception):
@@ -68,6 +68,23 @@ def add_model_args(ap) -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=A.threads, default=None,
                     help=f"torch threads, 1 to this machine's {A.max_threads()} cores (default: torch's choice)")
+    add_device_args(ap)
+
+
+def add_device_args(ap) -> None:
+    """--device and --fast/--no-fast (shared by generate, calibrate, bench)."""
+    ap.add_argument("--device", default="auto",
+                    help="auto (default: cuda, else mps, else cpu) | cpu | cuda | mps")
+    ap.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
+                    help="packed oneDNN linear layers on CPU (default on; --no-fast or RAKV_FAST=0: "
+                         "torch's plain kernels, for comparison)")
+
+
+def device_kw(args) -> dict:
+    """{"device": the resolved device, "fast": bool} from --device / --fast (DeviceError: exit 2)."""
+    from .device import resolve
+
+    return {"device": resolve(args.device), "fast": env_fast() if args.fast is None else bool(args.fast)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,7 +139,7 @@ def load_pair(args, config: RakvConfig):
 
     if args.threads:
         torch.set_num_threads(args.threads)      # range checked by argparse
-    target = load_model(args.target, args.dtype, args.revision, config.device)
+    target = load_model(args.target, args.dtype, args.revision, config.device, fast=config.fast)
     draft = make_draft(args.draft, target, config)
     return target, draft
 
@@ -159,7 +176,7 @@ def cmd_generate(args) -> int:
         A.check_writable_file(args.record, "--record")
     kw = dict(target=args.target, draft=args.draft, revision=args.revision, dtype=args.dtype,
               threads=args.threads, policy=policy.name, max_new_tokens=args.max_new_tokens,
-              k_set=k_set, budget_mib=args.budget_mib, chat_template=not args.raw)
+              k_set=k_set, budget_mib=args.budget_mib, chat_template=not args.raw, **device_kw(args))
     if args.granularity:
         kw["granularity"] = args.granularity
     if args.explore_share is not None:
@@ -239,7 +256,8 @@ def save_learned(profile) -> None:
 
 
 def cmd_calibrate(args) -> int:
-    config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, threads=args.threads)
+    config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, threads=args.threads,
+                        **device_kw(args))
     target, draft = load_pair(args, config)
     if args.check:
         return calibrate_check(target, draft, args.json)
@@ -247,12 +265,8 @@ def cmd_calibrate(args) -> int:
     if args.json:
         print(json.dumps(asdict(prof)))
         return 0
-    t = prof.step(128)
-    print(f"target step @128: {t:.2f} ms;  draft step: {prof.draft_step(128):.2f} ms "
-          f"(c = {prof.draft_step(128) / t:.2f})")
-    print("V(k)/t @128: " + ", ".join(f"k={k}: {prof.verify(int(k), 128) / t:.2f}" for k in sorted(prof.V, key=int)))
-    print("T_pf: " + ", ".join(f"{int(n)}: {ms:.1f} ms" for n, ms in prof.T_pf))
-    print(f"alpha0 = {prof.alpha0:.3f};  calibration took {prof.calibration_s:.1f} s")
+    for line in regime_lines(prof):
+        print(line)
     q = prof.quality
     if q:
         print(f"quality: CPU share {q.get('cpu_share')}, {q.get('retries', 0)} re-measured, "
@@ -284,6 +298,31 @@ def calibrate_check(target, draft, as_json: bool) -> int:
         print(f"  {r['term']:<16} profile {r['profile_ms']:9.3f} ms   now {r['now_ms']:9.3f} ms   "
               f"now/profile {r['ratio']:5.2f}{'' if abs(r['ratio'] - 1) <= 0.15 else '  (off by more than 15%)'}")
     return 0
+
+
+def regime_lines(prof) -> list[str]:
+    """The calibration's figures as text: the machine, the step against its floor, V(k)/t, d/t."""
+    g = prof.regime or {}
+    ctx = prof.V_ctx
+    t = prof.step(ctx)
+    out = []
+    if g:
+        out.append(f"machine: {g.get('device', '?')}, {g.get('torch_threads', '?')} threads of {g.get('cores', '?')} "
+                   f"cores, torch kernels {g.get('torch_capability') or '?'}, ISA {' '.join(g.get('isa') or []) or '?'}; "
+                   f"fast path {'on (packed oneDNN linears)' if g.get('fast') else 'off (plain torch kernels)'}")
+        if g.get("floor_ms"):
+            out.append(f"target step @{ctx}: {t:.2f} ms = {t / g['floor_ms']:.2f} x the weight-streaming floor "
+                       f"{g['floor_ms']:.2f} ms ({g.get('floor_method', '')}); 5 rows: {g.get('floor5_ms', 0):.2f} ms")
+    else:
+        out.append(f"target step @{ctx}: {t:.2f} ms")
+    out.append(f"V(k)/t @{ctx}: " + ", ".join(f"k={k}: {prof.verify(int(k), ctx) / t:.2f}"
+                                             for k in sorted(prof.V, key=int)))
+    d = prof.draft_step(ctx)
+    out.append(f"d/t @{ctx}: {d / t:.3f} (draft step {d:.2f} ms)" if d > 0 else "d/t: - (no draft model)")
+    out.append("T_pf: " + ", ".join(f"{int(n)}: {ms:.1f} ms" for n, ms in prof.T_pf))
+    out.append(f"alpha0 = {prof.alpha0:.3f};  calibration took {prof.calibration_s:.1f} s"
+               + ("  (measured while the machine was busy: contended)" if getattr(prof, "contended", False) else ""))
+    return out
 
 
 def cmd_replay(args) -> int:

@@ -5,10 +5,16 @@ Every default lives here, in one place.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 DEFAULT_K_SET: tuple[int, ...] = (0, 1, 2, 4, 6, 8)
 POLICIES_HELP = "adaptive | ar | kv | spec:K | joint:K"
+
+
+def env_fast() -> bool:
+    """The fast forward path's default: on unless ``RAKV_FAST`` is 0 / false / off / no."""
+    return os.environ.get("RAKV_FAST", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 @dataclass(frozen=True)
@@ -18,7 +24,8 @@ class RakvConfig:
     draft: str = "int8"             # model (same forms), "int8", "ngram", "none"
     revision: str | None = None     # hub revision for hub ids
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"            # auto (cuda, else mps, else cpu) | cpu | cuda | mps; the CLI stores the resolved one
+    fast: bool = field(default_factory=env_fast)  # packed oneDNN linears on CPU (rakv.fastpath); --no-fast / RAKV_FAST=0
     threads: int | None = None      # torch.set_num_threads; None = torch default
     # prompts
     chat_template: bool = True      # apply the tokenizer's chat template (if it has one); False = raw text

@@ -13,7 +13,10 @@ first time a pair is used) and is refined online from every measured round:
   alpha0    acceptance measured during calibration (the controller's prior)
 
 Profiles are JSON files in the cache dir, keyed by a machine fingerprint (CPU model, threads,
-torch version), the model pair and dtype. A changed fingerprint means a new calibration.
+torch version, device (and GPU name), fast path on/off), the model pair and dtype. A changed
+fingerprint means a new calibration. ``regime`` holds the per-machine regime figures that
+``rakv calibrate`` prints: the step against the measured weight-streaming floor, V(k)/t, d/t, the
+CPU's ISA flags and threads.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ import torch
 
 from . import decoding as dec
 from .meter import Meter, Timing, check_enabled, cpu_clock, is_quiet, time_reps
+from .device import clock
 from .records import hardware_info
 
-now = time.perf_counter
+now = clock          # synchronizes CUDA / MPS before reading the time
 PROFILE_VERSION = 7          # 7: the quality section (spread per term, CPU share, contended)
 ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
 ONLINE_FIRST = 4             # this session's first measurements of a term weigh 1/2, 1/3, 1/4, 1/5 (a stale
@@ -44,10 +48,23 @@ ONLINE_FIRST = 4             # this session's first measurements of a term weigh
 ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
 
 
-def fingerprint(target_key: str, draft_key: str, dtype: str) -> dict:
+def fingerprint(target_key: str, draft_key: str, dtype: str, device: str = "cpu", fast: bool = False) -> dict:
     hw = hardware_info()
-    return {"cpu": hw["cpu"], "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "target": target_key, "draft": draft_key, "dtype": dtype, "version": PROFILE_VERSION}
+    fp = {"cpu": hw["cpu"], "threads": torch.get_num_threads(), "torch": torch.__version__,
+          "target": target_key, "draft": draft_key, "dtype": dtype, "version": PROFILE_VERSION,
+          "device": device, "fast": bool(fast)}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        fp["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return fp
+
+
+def pair_fingerprint(target, draft) -> dict:
+    """The fingerprint of this machine and pair as loaded (device and fast path read off the model)."""
+    from .device import model_device
+    from .fastpath import is_enabled
+
+    return fingerprint(target.key, getattr(draft, "key", "none"), str(next(target.model.parameters()).dtype),
+                       device=str(model_device(target.model)), fast=is_enabled(target.model))
 
 
 def fingerprint_id(fp: dict) -> str:
@@ -106,6 +123,8 @@ class CostProfile:
 
     def __post_init__(self):
         self._seen: dict[str, int] = {}      # measurements per term in this session (not saved)
+    # regime figures of this machine (measured at calibration; see regime_figures)
+    regime: dict = field(default_factory=dict)
 
     # --------------------------------------------------------------- the model's terms
     def T(self, n: float) -> float:
@@ -397,9 +416,37 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     prof.alpha0 = measure_alpha(target, draft, ids, k=4, rounds=4 if quick else 8)
     tick("acceptance")
     prof.quality = meter.quality()
+    prof.regime = regime_figures(target, prof, reps=3 if quick else 5)
     prof.calibration_s = now() - t_start
     prof.calibrated_at = time.strftime("%Y-%m-%dT%H:%M:%S")
     return prof
+
+
+def regime_figures(target, prof: CostProfile, reps: int = 5) -> dict:
+    """Where this machine's step sits: against the weight-streaming floor, V(k)/t, d/t, ISA, threads.
+
+    The floor is measured, not computed from a bandwidth figure: one pass over all of the target's
+    linear layers on 1 row (``fastpath.linear_floor_ms``; the weights stream from memory as in a
+    step), with whatever kernel the forward uses (packed oneDNN on the fast path).
+    """
+    from .device import isa_flags, model_device, threads_info
+    from .fastpath import is_enabled, linear_floor_ms
+
+    model = target.model
+    ctx = prof.V_ctx
+    t = interp(prof.t, ctx)
+    floor = linear_floor_ms(model, rows=1, reps=reps)
+    floor_v4 = linear_floor_ms(model, rows=5, reps=reps)
+    d = interp(prof.d, ctx) if prof.d else 0.0
+    return {
+        "device": str(model_device(model)), "fast": is_enabled(model), **threads_info(), "isa": isa_flags(),
+        "ctx": ctx, "step_ms": round(t, 3),
+        "floor_ms": round(floor, 3), "floor_method": "one pass over all linear layers, 1 row (measured)",
+        "step_over_floor": round(t / floor, 3) if floor > 0 else None,
+        "floor5_ms": round(floor_v4, 3),
+        "V_over_t": {k: round(prof.V[k] / t, 3) for k in sorted(prof.V, key=int)} if t > 0 else {},
+        "d_over_t": round(d / t, 3) if t > 0 and d > 0 else None,
+    }
 
 
 def interleaved_ratios(model, dmodel, ids, ctx: int, k_max: int, reps: int, tick=None,
@@ -547,7 +594,7 @@ def load_or_calibrate(target, draft, cache: Path, k_max: int = 8, force: bool = 
     from .filelock import file_lock
 
     say = log or (lambda m: print(f"[rakv] {m}", file=sys.stderr, flush=True))
-    fp = fingerprint(target.key, getattr(draft, "key", "none"), str(next(target.model.parameters()).dtype))
+    fp = pair_fingerprint(target, draft)
     path = profile_path(cache, fp)
     if not force:
         prof = _usable(path, fp, k_max, say)
@@ -609,7 +656,7 @@ def _usable(path: Path, fp: dict, k_max: int, say) -> CostProfile | None:
 
 def saved_profile(target, draft, cache: Path) -> tuple[CostProfile | None, Path]:
     """The saved profile for this machine and pair (None if there is none or it is malformed)."""
-    fp = fingerprint(target.key, getattr(draft, "key", "none"), str(next(target.model.parameters()).dtype))
+    fp = pair_fingerprint(target, draft)
     path = profile_path(cache, fp)
     try:
         prof = CostProfile.load(path)

@@ -13,15 +13,15 @@ Shapes: ids [1, n]; logits [n, V] (batch 1 squeezed); KV per layer [1, heads, n,
 from __future__ import annotations
 
 import inspect
-import time
 from functools import lru_cache
 
 import torch
 from transformers import DynamicCache
 
+from .device import clock, model_device
 from .prefix_cache import KV
 
-now = time.perf_counter
+now = clock          # perf_counter, after synchronizing an asynchronous device (CUDA / MPS) in use
 
 
 @lru_cache(maxsize=None)
@@ -31,17 +31,17 @@ def _cache_arg(cls) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _ids(tokens) -> torch.Tensor:
+def _ids(tokens, device=None) -> torch.Tensor:
     if isinstance(tokens, torch.Tensor):
-        return tokens.view(1, -1)
-    return torch.tensor([list(tokens)], dtype=torch.long)
+        return tokens.view(1, -1).to(device) if device is not None else tokens.view(1, -1)
+    return torch.tensor([list(tokens)], dtype=torch.long, device=device)
 
 
 @torch.inference_mode()
 def forward(model, tokens, cache: DynamicCache, keep: int = 0) -> torch.Tensor:
     """Feed ``tokens`` ([n]) after what ``cache`` holds; returns logits [keep or n, V] (float32)."""
     kw = {_cache_arg(type(model)): cache}
-    out = model(input_ids=_ids(tokens), use_cache=True, logits_to_keep=keep, **kw)
+    out = model(input_ids=_ids(tokens, model_device(model)), use_cache=True, logits_to_keep=keep, **kw)
     return out.logits[0].float()
 
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import decoding as dec
+from .device import clock
 from .config import Policy, RakvConfig
 from .controller import AlphaEWMA, Choice, Controller, Situation
 from .costs import CostProfile
@@ -26,7 +27,7 @@ from .prompts import EncodedPrompt, encode_prompt
 from .records import (CacheLookup, Candidate, Decision, RequestEnd, RequestStart, Round, RunHeader,
                       hardware_info, versions_info)
 
-now = time.perf_counter
+now = clock          # synchronizes CUDA / MPS before reading the time
 
 
 class EngineError(ValueError):
@@ -495,6 +496,6 @@ def make_draft(spec: str, target: LoadedModel, config: RakvConfig) -> DraftSourc
         except ValueError:
             raise EngineError(f"bad --draft {s!r}: expected layers:L with an integer L") from None
         return ModelDraft(layers_copy(target, L))
-    lm = load_model(s, config.dtype, None, config.device)
+    lm = load_model(s, config.dtype, None, config.device, fast=config.fast)
     check_same_tokenizer(target, lm)
     return ModelDraft(lm)

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .device import clock
+
 SPREAD_RETRY = 0.25      # re-measure a term whose repeats differ by more than this (relative)
 SPREAD_HIGH = 0.5        # after re-measuring: a term this noisy counts against the whole profile
 SHARE_MIN = 0.8          # main-thread CPU share below this: another process was taking the CPU
@@ -36,7 +38,7 @@ RETRY_BUDGET = 16        # per calibration (bounds the time a busy machine can a
 RETRY_PAUSE_S = 0.05     # pause before the n-th retry: n * this (lets a burst of load pass)
 MONO_TOL = 0.05          # a curve may dip this much (relative) before it counts as falling
 
-now = time.perf_counter
+now = clock                     # perf_counter after syncing an asynchronous device in use
 cpu_clock = time.thread_time      # the calling (main) thread's CPU time
 
 

@@ -59,6 +59,8 @@ class LoadedModel:
     key: str                          # model key: id @ revision-or-hash : dtype
     max_positions: int | None
     eos_ids: frozenset[int] = field(default_factory=frozenset)
+    fast: bool = False                # the packed oneDNN forward path is engaged (rakv.fastpath)
+    fast_reason: str = ""             # why not, when it was asked for and could not apply
 
     @property
     def config(self):
@@ -121,15 +123,32 @@ def weights_hash(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def wrap(model: torch.nn.Module, tokenizer=None, name: str = "model", revision: str | None = None) -> LoadedModel:
-    """Wrap an in-memory model (tests build tiny random ones from a config)."""
+def wrap(model: torch.nn.Module, tokenizer=None, name: str = "model", revision: str | None = None,
+         fast: bool | None = None) -> LoadedModel:
+    """Wrap an in-memory model (tests build tiny random ones from a config).
+
+    ``fast``: put the model on the packed oneDNN forward path (``rakv.fastpath``) where it applies;
+    None = the process default (on unless ``RAKV_FAST=0``); False = leave it plain.
+    """
     model.eval()
     dtype = str(_dtype_of(model)).replace("torch.", "")
     rev = revision or weights_hash(model)
-    return LoadedModel(
+    lm = LoadedModel(
         name=name, model=model, tokenizer=tokenizer, key=f"{name}@{rev}:{dtype}",
         max_positions=_max_positions(model.config), eos_ids=_eos_ids(model, tokenizer),
     )
+    return set_fast(lm, fast)
+
+
+def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
+    """Switch ``lm`` to (or off) the fast forward path, in place; returns ``lm``."""
+    from . import fastpath
+
+    on = fastpath.default_enabled() if fast is None else bool(fast)
+    info = fastpath.set_fast(lm.model, on)
+    lm.fast = bool(info["fast"])
+    lm.fast_reason = "" if lm.fast or not on else info["reason"]
+    return lm
 
 
 # ----------------------------------------------------------------------------- demo model
@@ -247,8 +266,14 @@ def looks_like_path(spec: str) -> bool:
     return "/" in spec and Path(head).is_dir()      # org/name whose "org" is a local folder
 
 
-def load_model(spec: str, dtype: str = "float32", revision: str | None = None, device: str = "cpu") -> LoadedModel:
-    """Load a target (or a draft model) from ``demo``, a ``.gguf`` file, a local dir or a hub id."""
+def load_model(spec: str, dtype: str = "float32", revision: str | None = None, device: str = "cpu",
+               fast: bool | None = None) -> LoadedModel:
+    """Load a target (or a draft model) from ``demo``, a ``.gguf`` file, a local dir or a hub id.
+
+    ``device``: auto | cpu | cuda[:i] | mps (``rakv.device.resolve``); ``fast``: see ``wrap``."""
+    from .device import register, resolve
+
+    device = resolve(device)
     if not spec:
         raise ModelError("empty model name")
     torch_dtype = getattr(torch, dtype, None)
@@ -266,8 +291,9 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
                              else f"GGUF file not found: {spec} is not a file")
         model, tok = _load_gguf(p)
         model = model.to(dtype=torch_dtype, device=device)
+        register(device)
         st = p.stat()
-        lm = wrap(model, tok, name=p.name, revision=f"gguf-{st.st_size}-{int(st.st_mtime)}")
+        lm = wrap(model, tok, name=p.name, revision=f"gguf-{st.st_size}-{int(st.st_mtime)}", fast=fast)
         log(f"loaded {p.name} in {time.perf_counter() - t0:.1f} s")
         return lm
     else:
@@ -288,7 +314,8 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
                              "and run again to convert it afresh") from e
         raise
     model = model.to(device)
-    lm = wrap(model, tok, name=name, revision=rev)
+    register(device)
+    lm = wrap(model, tok, name=name, revision=rev, fast=fast)
     log(f"loaded {name} in {time.perf_counter() - t0:.1f} s")
     return lm
 
@@ -327,7 +354,14 @@ def int8_copy(target: LoadedModel) -> LoadedModel:
 
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-    m = copy.deepcopy(target.model).float()
+    from . import fastpath
+
+    dev = next(target.model.parameters()).device
+    if dev.type != "cpu":
+        raise ModelError(f"--draft int8 runs on CPU only (dynamic int8 quantization), the target is on "
+                         f"{dev.type}: use a draft model, 'ngram' or 'none'")
+    with fastpath.plain_copies():
+        m = copy.deepcopy(target.model).float()
     _conv1d_to_linear(m)
     import warnings
 
@@ -428,6 +462,8 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
 def model_info(lm: LoadedModel) -> dict:
     c = lm.model.config
     n_params = sum(p.numel() for p in lm.model.parameters())
+    dev = next(lm.model.parameters()).device
     return {"name": lm.name, "key": lm.key, "arch": type(lm.model).__name__, "params": n_params,
             "layers": getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None),
-            "max_positions": lm.max_positions}
+            "max_positions": lm.max_positions, "device": str(dev), "fast": lm.fast,
+            **({"fast_reason": lm.fast_reason} if lm.fast_reason else {})}

@@ -158,14 +158,22 @@ def parse_workloads(text: str) -> list[str]:
 
 
 def load_models(args, draft_spec: str):
-    from rakv.cli import load_pair
+    from rakv.cli import device_kw, load_pair
     from rakv.config import RakvConfig
 
+    kw = device_kw(args)
     if args.tiny:
+        from rakv.drafts import ModelDraft
+        from rakv.models import set_fast
+
         from .tiny import make_pair
 
-        return make_pair(draft_spec)
-    return load_pair(args, RakvConfig(target=args.target, draft=draft_spec, dtype=args.dtype))
+        target, draft = make_pair(draft_spec)
+        set_fast(target, kw["fast"])
+        if isinstance(draft, ModelDraft) and draft.lm.fast:
+            set_fast(draft.lm, kw["fast"])
+        return target, draft
+    return load_pair(args, RakvConfig(target=args.target, draft=draft_spec, dtype=args.dtype, **kw))
 
 
 def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
@@ -238,7 +246,7 @@ def run(args, argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     profile.save(out / "profile.json")
     config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, k_set=tuple(s["k_set"]),
-                        budget_mib=args.budget_mib)
+                        budget_mib=args.budget_mib, **device_kw(args))
     meta = run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile)
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     log(f"bench: {len(streams)} streams x {s['n_prompts']} requests x {s['repeats']} repeats x "
@@ -278,6 +286,7 @@ def run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile=None
                 n_prompts=s["n_prompts"], repeats=s["repeats"], seed=args.seed, streams=list(streams),
                 chat_template=bool(not args.raw and has_chat_template(target.tokenizer)),
                 threads=torch.get_num_threads(), hardware=hardware_info(), versions=versions_info(),
+                device=str(next(target.model.parameters()).device), fast=bool(getattr(target, "fast", False)),
                 started=time.strftime("%Y-%m-%dT%H:%M:%S"), elapsed_s=0.0,
                 regime=None if profile is None else regime(profile))
 

@@ -9,12 +9,12 @@ TTFT is taken from a streamer: the time of the first ``put`` after the prompt's.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-now = time.perf_counter
+from rakv.device import clock as now, model_device
+
 PEERS = ("hf:assist", "hf:lookup")
 
 
@@ -51,7 +51,7 @@ def generate_kwargs(target, n: int) -> dict:
 
 
 def run_peer(name: str, target, draft_model, ids, n: int, lookup_k: int) -> PeerResult:
-    x = torch.tensor([list(ids)])
+    x = torch.tensor([list(ids)], device=model_device(target.model))
     kw = generate_kwargs(target, n)
     if name == "hf:assist":
         kw["assistant_model"] = draft_model

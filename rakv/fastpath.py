@@ -1,0 +1,265 @@
+"""The fast forward path: every ``nn.Linear`` of a loaded HF model runs on a pre-packed oneDNN weight.
+
+On CPU, torch's ``F.linear`` goes to MKL's sgemm, which streams a weight at full speed for one row
+but falls to a fraction of that for 2-9 rows (a different kernel), so a verify of k+1 tokens costs
+about two steps. oneDNN's packed inner product (what inductor's weight freezing uses:
+``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``) is nearly flat in rows, as a
+memory-bound layer should be. The model itself is unchanged (HF stays the source of truth for the
+architecture and the weights: each ``FastLinear`` keeps its ``weight`` / ``bias`` parameters, so
+``state_dict``, tied embeddings and hashing behave as before); only the matmul kernel differs.
+
+Every policy (AR, speculative, the draft, calibration) runs through the same modules, so all share
+numerics: the exactness contract (spec == ar == target-only greedy) is unaffected.
+
+Automatic fallback (the model is left plain) where oneDNN is unavailable, on a non-CPU device, or
+for a dtype other than float32 / bfloat16. ``RAKV_FAST=0`` (or ``RakvConfig.fast=False``, CLI
+``--no-fast``) keeps the plain path for comparison.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def default_enabled() -> bool:
+    """The process default: on unless ``RAKV_FAST`` is 0 / false / off / no."""
+    from .config import env_fast
+
+    return env_fast()
+
+
+def _ops_available() -> bool:
+    try:
+        return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    except Exception:  # noqa: BLE001 - a torch build without the ops
+        return False
+
+
+def unavailable_reason(model: nn.Module) -> str | None:
+    """Why the fast path cannot apply to ``model`` (None: it can)."""
+    if not _ops_available():
+        return "oneDNN (mkldnn) is not available in this torch build"
+    p = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if p is None:
+        return "the model has no floating-point weights"
+    if p.device.type != "cpu":
+        return f"device {p.device.type} (the packed oneDNN path is CPU-only; torch's kernels are used)"
+    if p.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {str(p.dtype).replace('torch.', '')} (packed path: float32 / bfloat16)"
+    if p.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "bfloat16 without CPU support for oneDNN bf16 (avx512bw/vl/dq or avx_ne_convert)"
+    return None
+
+
+_PLAIN_COPIES = False
+
+
+@contextmanager
+def plain_copies():
+    """Inside: ``copy.deepcopy`` of a fast model gives plain modules (for the int8 draft's copy)."""
+    global _PLAIN_COPIES
+    old, _PLAIN_COPIES = _PLAIN_COPIES, True
+    try:
+        yield
+    finally:
+        _PLAIN_COPIES = old
+
+
+def _conv1d_cls():
+    try:
+        from transformers.pytorch_utils import Conv1D
+        return Conv1D
+    except ImportError:  # pragma: no cover
+        return None
+
+
+class FastLinear(nn.Module):
+    """A linear layer (``nn.Linear``, or GPT-2's ``Conv1D``: y = x W + b with W [in, out]) whose
+    forward uses a oneDNN-packed copy of its weight (inference only).
+
+    It keeps the original module's ``weight`` / ``bias`` parameters under the same names (so
+    ``state_dict``, tied embeddings and hashing are unchanged); ``plain()`` gives the original kind
+    of module back. The packed copy is made at construction and again after any in-place change of
+    the weight or bias (their version counters are checked); it is not part of ``state_dict``.
+    """
+
+    def __init__(self, mod: nn.Module):
+        super().__init__()
+        self.transposed = not isinstance(mod, nn.Linear)      # Conv1D stores W as [in, out]
+        if self.transposed:
+            self.in_features, self.out_features = mod.nx, mod.nf
+        else:
+            self.in_features, self.out_features = mod.in_features, mod.out_features
+        self.weight = mod.weight
+        self.bias = mod.bias
+        self.repack()
+
+    def repack(self) -> None:
+        with torch.no_grad():
+            w = self.weight.detach()
+            w = w.t().contiguous() if self.transposed else w.contiguous()
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            self._bias = None if self.bias is None else self.bias.detach()
+            self._version = self._weight_version()
+
+    def _weight_version(self) -> tuple[int, int]:
+        return (self.weight._version, -1 if self.bias is None else self.bias._version)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype or x.requires_grad or x.device.type != "cpu":
+            w = self.weight.t() if self.transposed else self.weight     # never silently change numerics
+            return nn.functional.linear(x, w, self.bias)
+        if self._weight_version() != self._version:   # the weight was changed in place: pack again
+            self.repack()
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], "")
+
+    def plain(self) -> nn.Module:
+        """The plain module (same parameters) this one replaced."""
+        if self.transposed:
+            Conv1D = _conv1d_cls()
+            mod = Conv1D.__new__(Conv1D)
+            nn.Module.__init__(mod)
+            mod.nf, mod.nx = self.out_features, self.in_features
+        else:
+            mod = nn.Linear.__new__(nn.Linear)
+            nn.Module.__init__(mod)
+            mod.in_features, mod.out_features = self.in_features, self.out_features
+        mod.weight = self.weight
+        mod.bias = self.bias
+        mod.training = self.training
+        return mod
+
+    def __deepcopy__(self, memo):
+        # oneDNN tensors cannot be deep-copied: copy the parameters, pack the copy afresh (or, inside
+        # ``plain_copies()``, give a plain module)
+        import copy
+
+        if _PLAIN_COPIES:
+            new = copy.deepcopy(self.plain(), memo)      # the parameters go through memo (ties kept)
+            memo[id(self)] = new
+            return new
+        new = FastLinear.__new__(FastLinear)
+        memo[id(self)] = new
+        nn.Module.__init__(new)
+        new.transposed = self.transposed
+        new.in_features, new.out_features = self.in_features, self.out_features
+        new.weight = copy.deepcopy(self.weight, memo)
+        new.bias = copy.deepcopy(self.bias, memo)
+        new.training = self.training
+        new.repack()
+        return new
+
+    def extra_repr(self) -> str:
+        kind = "conv1d" if self.transposed else "linear"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, {kind}, packed=onednn")
+
+
+def _linears(model: nn.Module):
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            yield parent, name, child
+
+
+def enable(model: nn.Module) -> dict:
+    """Swap every ``nn.Linear`` and GPT-2 ``Conv1D`` (LM head included) for a ``FastLinear``, in place.
+
+    Returns ``{"fast": bool, "linears": n, "reason": str}``; a model it cannot apply to is left plain.
+    Idempotent.
+    """
+    why = unavailable_reason(model)
+    if why is not None:
+        disable(model)
+        model._rakv_fast = False
+        return {"fast": False, "linears": 0, "reason": why}
+    Conv1D = _conv1d_cls()
+    n = 0
+    try:
+        for parent, name, child in list(_linears(model)):
+            if isinstance(child, FastLinear):
+                n += 1
+            elif type(child) is nn.Linear or (Conv1D is not None and type(child) is Conv1D):
+                setattr(parent, name, FastLinear(child))
+                n += 1
+    except RuntimeError as e:          # a kernel the CPU lacks: stay plain, say why
+        disable(model)
+        model._rakv_fast = False
+        return {"fast": False, "linears": 0, "reason": f"oneDNN packing failed: {str(e).splitlines()[0]}"}
+    model._rakv_fast = n > 0
+    return {"fast": n > 0, "linears": n, "reason": "" if n else "no nn.Linear layers"}
+
+
+def disable(model: nn.Module) -> int:
+    """Back to plain ``nn.Linear`` modules (the same parameters), in place; returns how many."""
+    n = 0
+    for parent, name, child in list(_linears(model)):
+        if isinstance(child, FastLinear):
+            setattr(parent, name, child.plain())
+            n += 1
+    model._rakv_fast = False
+    return n
+
+
+def set_fast(model: nn.Module, on: bool) -> dict:
+    if on:
+        return enable(model)
+    disable(model)
+    return {"fast": False, "linears": 0, "reason": "switched off"}
+
+
+def is_enabled(model: nn.Module) -> bool:
+    return any(isinstance(m, FastLinear) for m in model.modules())
+
+
+# ----------------------------------------------------------------------------- the streaming floor
+def linear_layers(model: nn.Module) -> list[nn.Module]:
+    """Every linear-like layer the forward runs (fast, plain ``nn.Linear``, ``Conv1D``, dynamic int8)."""
+    Conv1D = _conv1d_cls()
+    out = []
+    for m in model.modules():
+        if isinstance(m, (FastLinear, nn.Linear)) or (Conv1D is not None and type(m) is Conv1D):
+            out.append(m)
+        elif type(m).__name__ == "Linear" and hasattr(m, "in_features") and hasattr(m, "_packed_params"):
+            out.append(m)                      # torch.ao dynamic-quantized Linear
+    return out
+
+
+def _in_features(m: nn.Module) -> int:
+    return int(getattr(m, "in_features", None) or getattr(m, "nx"))
+
+
+@torch.inference_mode()
+def linear_floor_ms(model: nn.Module, rows: int = 1, reps: int = 5) -> float:
+    """Median time (ms) of one pass over all of ``model``'s linear layers, each on ``rows`` rows.
+
+    The layers run one after another as in a forward, so their weights stream from memory: for one
+    row this is the weight-streaming floor of a decode step (a step cannot be cheaper than reading
+    its weights once). The attention, norms and framework overhead are what a step pays above it.
+    """
+    import statistics
+
+    from .device import clock, model_device
+
+    layers = linear_layers(model)
+    if not layers:
+        return 0.0
+    dev = model_device(model)
+    p = next((q for q in model.parameters() if q.is_floating_point()), None)
+    dtype = p.dtype if p is not None and not any(type(m).__name__ == "Linear" and hasattr(m, "_packed_params")
+                                                 for m in layers) else torch.float32
+    xs = {n: torch.randn(1, rows, n, device=dev, dtype=dtype) for n in {_in_features(m) for m in layers}}
+    for m in layers:                      # warm-up (first-call kernel selection), excluded
+        m(xs[_in_features(m)])
+    times = []
+    for _ in range(reps):
+        t0 = clock()
+        for m in layers:
+            m(xs[_in_features(m)])
+        times.append((clock() - t0) * 1e3)
+    return statistics.median(times)
