@@ -4,7 +4,8 @@ On CPU, torch's ``F.linear`` goes to MKL's sgemm, which streams a weight at full
 but falls to a fraction of that for 2-9 rows (a different kernel), so a verify of k+1 tokens costs
 about two steps. oneDNN's packed inner product (what inductor's weight freezing uses:
 ``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``) is nearly flat in rows, as a
-memory-bound layer should be. The model itself is unchanged (HF stays the source of truth for the
+memory-bound layer should be. For exactly one row MKL's gemv measured faster than the packed kernel
+(1 and 2 threads), so a one-row call keeps torch's kernel (``FastLinear.one_row_plain``). The model itself is unchanged (HF stays the source of truth for the
 architecture and the weights: each ``FastLinear`` keeps its ``weight`` / ``bias`` parameters, so
 ``state_dict``, tied embeddings and hashing behave as before); only the matmul kernel differs.
 
@@ -111,9 +112,14 @@ class FastLinear(nn.Module):
     def _weight_version(self) -> tuple[int, int]:
         return (self.weight._version, -1 if self.bias is None else self.bias._version)
 
+    # One row (a decode step, a draft step): torch's own kernel (MKL's gemv) streams the weight at
+    # full speed and measured faster than the packed path here; 2+ rows (a verify, a prefill): packed.
+    one_row_plain = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.weight.dtype or x.requires_grad or x.device.type != "cpu":
-            w = self.weight.t() if self.transposed else self.weight     # never silently change numerics
+        if (x.dtype != self.weight.dtype or x.requires_grad or x.device.type != "cpu"
+                or (self.one_row_plain and x.numel() == self.in_features)):
+            w = self.weight.t() if self.transposed else self.weight
             return nn.functional.linear(x, w, self.bias)
         if self._weight_version() != self._version:   # the weight was changed in place: pack again
             self.repack()

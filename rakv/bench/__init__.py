@@ -217,7 +217,7 @@ def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
 
 
 def run(args, argv: list[str]) -> int:
-    from rakv.cli import quiet_libs, get_profile
+    from rakv.cli import device_kw, get_profile, quiet_libs
     from rakv.config import RakvConfig
     from rakv.models import log
 

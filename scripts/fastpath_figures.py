@@ -1,0 +1,201 @@
+"""Figures for the fast forward path (issue 11): plain torch kernels against packed oneDNN linears,
+measured interleaved in one process on the embedded demo model.
+
+    python scripts/fastpath_figures.py [--prompts 4] [--tokens 64] [--reps 1] [--vreps 9]
+                                       [--out docs/engine/fastpath.json]
+
+Arms: ``plain`` (the model as transformers builds it) and ``fast`` (``rakv.fastpath``: packed oneDNN
+linears for 2+ rows, torch's kernel for one row), two copies of the same weights in one process.
+  * ``ar`` tokens/s (``rakv generate --policy ar``'s engine, no draft) over the prompts, at 2 threads
+    and at 1 thread, arms and thread counts alternating prompt by prompt, the output ids compared;
+  * V(k)/t at context 128 for k = 1..8 (a (k+1)-token forward against a 1-token step, all keys and
+    both arms rotated inside each repetition; medians);
+  * the linear layers alone (all of them in sequence: the weight-streaming floor) at 1/2/5/9 rows.
+Prints a markdown table and writes the JSON. On a shared machine the ratios (same process, same
+moments) are what to read, not the absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rakv import decoding as dec  # noqa: E402
+from rakv import fastpath  # noqa: E402
+from rakv.config import RakvConfig  # noqa: E402
+from rakv.device import isa_flags, threads_info  # noqa: E402
+from rakv.engine import Engine  # noqa: E402
+from rakv.models import LoadedModel, load_model  # noqa: E402
+
+PROMPTS = [
+    "Explain in a few sentences why the sky is blue.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "The history of the city begins with a small settlement on the river. Over the centuries it",
+    "List three tips for writing clear technical documentation.",
+]
+
+
+def arms() -> dict[str, LoadedModel]:
+    fast = load_model("demo", fast=True)
+    plain = LoadedModel(**{**fast.__dict__, "model": copy.deepcopy(fast.model), "fast": False})
+    fastpath.disable(plain.model)
+    assert fast.fast and fastpath.is_enabled(fast.model) and not fastpath.is_enabled(plain.model)
+    return {"plain": plain, "fast": fast}
+
+
+def ar_tokens_per_s(models: dict, prompts: list[str], n: int, reps: int, threads: list[int]) -> dict:
+    """tokens/s of the ar policy per (arm, threads); arms and thread counts alternate per prompt."""
+    engines = {a: Engine(lm, None, RakvConfig(policy="ar", max_new_tokens=n)) for a, lm in models.items()}
+    keys = [(a, th) for th in threads for a in models]
+    toks = {k: 0 for k in keys}
+    secs = {k: 0.0 for k in keys}
+    per = {k: [] for k in keys}
+    outs: dict = {}
+    for a, eng in engines.items():          # warm-up, excluded
+        eng.generate(prompts[0], 4)
+    i = 0
+    for _ in range(reps):
+        for p in prompts:
+            order = keys[i % len(keys):] + keys[: i % len(keys)]
+            i += 1
+            for a, th in order:
+                torch.set_num_threads(th)
+                end = engines[a].generate(p, n)
+                toks[(a, th)] += len(end.output_ids)
+                secs[(a, th)] += end.latency_ms / 1e3
+                per[(a, th)].append(end.tokens_per_s)
+                outs.setdefault((a, p), end.output_ids)
+    same = all(outs[("plain", p)] == outs[("fast", p)] for p in prompts)
+    return {"tok_s": {f"{a}@{th}": round(toks[(a, th)] / secs[(a, th)], 3) for a, th in keys},
+            "tok_s_median_per_request": {f"{a}@{th}": round(statistics.median(per[(a, th)]), 3) for a, th in keys},
+            "tokens": {f"{a}@{th}": toks[(a, th)] for a, th in keys},
+            "same_ids_plain_fast": same}
+
+
+def verify_ratios(models: dict, ids: list[int], ctx: int, k_max: int, reps: int) -> dict:
+    caches = {}
+    for a, lm in models.items():
+        c = dec.DynamicCache()
+        dec.prefill(lm.model, ids[:ctx], c)
+        caches[a] = c
+    keys = [(a, k) for k in range(k_max + 1) for a in models]
+    xs: dict = {key: [] for key in keys}
+
+    def once(a, k):
+        m, c = models[a].model, caches[a]
+        t0 = dec.now()
+        dec.verify(m, ids[ctx: ctx + k + 1], c)
+        ms = (dec.now() - t0) * 1e3
+        dec.rollback(c, k + 1)
+        return ms
+
+    for key in keys:
+        once(*key)
+    for r in range(reps):
+        order = keys[r % len(keys):] + keys[: r % len(keys)]
+        for key in order:
+            xs[key].append(once(*key))
+    out = {}
+    for a in models:
+        t = statistics.median(xs[(a, 0)])
+        out[a] = {"t_ms": round(t, 3), "V_ms": {k: round(statistics.median(xs[(a, k)]), 3) for k in range(1, k_max + 1)},
+                  "V_over_t": {k: round(statistics.median(xs[(a, k)]) / t, 3) for k in range(1, k_max + 1)}}
+    return out
+
+
+def linear_floors(models: dict, rows=(1, 2, 5, 9), reps: int = 5) -> dict:
+    out = {a: {} for a in models}
+    for r in rows:
+        for a, lm in (models.items() if r % 2 else reversed(list(models.items()))):
+            out[a][r] = round(fastpath.linear_floor_ms(lm.model, rows=r, reps=reps), 3)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=1, help="passes over the prompts (tokens/s)")
+    ap.add_argument("--vreps", type=int, default=9, help="repetitions of the V(k) rotation")
+    ap.add_argument("--threads", default="2,1", help="thread counts for tokens/s (first: the V(k) and floor runs)")
+    ap.add_argument("--out", default=str(ROOT / "docs/engine/fastpath.json"))
+    args = ap.parse_args()
+    threads = [int(x) for x in args.threads.split(",")]
+    t_start = time.perf_counter()
+    models = arms()
+    tok = models["fast"].tokenizer
+    from rakv.costs import calibration_ids
+
+    ids = calibration_ids(tok, 128 + 16, models["fast"].vocab_size)
+    torch.set_num_threads(threads[0])
+    floors = linear_floors(models)
+    ratios = verify_ratios(models, ids, 128, 8, args.vreps)
+    tps = ar_tokens_per_s(models, PROMPTS[: args.prompts], args.tokens, args.reps, threads)
+    torch.set_num_threads(threads[0])
+    res = {
+        "command": "python scripts/fastpath_figures.py " + " ".join(sys.argv[1:]),
+        "machine": {"cpu": _cpu(), "isa": isa_flags(), **threads_info(), "torch": torch.__version__,
+                    "shared": "yes: other agents' jobs ran on the same 2 cores (load average during the run in load)",
+                    "load": _load()},
+        "threads_for_V_and_floor": threads[0], "floors_ms": floors, "verify": ratios, "ar": tps,
+        "elapsed_s": round(time.perf_counter() - t_start, 1),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(table(res))
+    return 0
+
+
+def _cpu() -> str:
+    from rakv.records import hardware_info
+
+    return hardware_info()["cpu"]
+
+
+def _load() -> list[float]:
+    try:
+        return [round(x, 2) for x in __import__("os").getloadavg()]
+    except OSError:
+        return []
+
+
+def table(r: dict) -> str:
+    f, v, a = r["floors_ms"], r["verify"], r["ar"]
+    th = sorted({int(k.split("@")[1]) for k in a["tok_s"]}, reverse=True)
+    lines = ["| figure | plain | fast | fast / plain |", "|---|---|---|---|"]
+    for t in th:
+        p, q = a["tok_s"][f"plain@{t}"], a["tok_s"][f"fast@{t}"]
+        lines.append(f"| `ar` tokens/s, {t} thread{'s' if t > 1 else ''} | {p:.2f} | {q:.2f} | {q / p:.2f}x |")
+    if len(th) > 1:
+        hi, lo = th[0], th[-1]
+        lines.append(f"| {hi} threads / {lo} thread (tokens/s) | {a['tok_s'][f'plain@{hi}'] / a['tok_s'][f'plain@{lo}']:.2f} "
+                     f"| {a['tok_s'][f'fast@{hi}'] / a['tok_s'][f'fast@{lo}']:.2f} | |")
+    lines.append(f"| step t @128 (ms) | {v['plain']['t_ms']:.1f} | {v['fast']['t_ms']:.1f} | "
+                 f"{v['fast']['t_ms'] / v['plain']['t_ms']:.2f} |")
+    for k in v["plain"]["V_over_t"]:
+        lines.append(f"| V({k})/t | {v['plain']['V_over_t'][k]:.2f} | {v['fast']['V_over_t'][k]:.2f} | |")
+    for rows in f["plain"]:
+        lines.append(f"| all linear layers, {rows} row{'s' if int(rows) > 1 else ''} (ms) | {f['plain'][rows]:.1f} | "
+                     f"{f['fast'][rows]:.1f} | {f['fast'][rows] / f['plain'][rows]:.2f} |")
+    lines.append(f"| step / 1-row floor | {v['plain']['t_ms'] / f['plain'][1]:.2f} | {v['fast']['t_ms'] / f['fast'][1]:.2f} | |")
+    lines.append(f"| same `ar` ids, plain vs fast | {'yes' if a['same_ids_plain_fast'] else 'NO'} | | |")
+    m = r["machine"]
+    lines.append("")
+    lines.append(f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_capability']}), "
+                 f"ISA {' '.join(m['isa'])}; V(k) and floors at {r['threads_for_V_and_floor']} threads; "
+                 f"load average {m['load']} (shared machine). Command: `{r['command']}` ({r['elapsed_s']} s).")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
