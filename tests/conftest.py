@@ -26,3 +26,24 @@ def _rakv_cache(tmp_path_factory, monkeypatch):
     # calibrations in tests are deterministic: no pauses, re-measuring or contended flag (a busy CI
     # machine would otherwise flip them); tests/test_hardening.py turns the check on where it tests it
     monkeypatch.setenv("RAKV_CONTENTION_CHECK", "0")
+
+
+# PySide6 (6.12, Python 3.11) can abort at interpreter finalization ("deallocating None") after
+# every test has passed, when objects that crossed a QThread are garbage-collected during
+# shutdown; reproduced with a bare QThread signal script, so not this project's objects. Once
+# pytest has printed its summary, leave without finalizing, keeping pytest's exit status.
+_EXIT_STATUS = {"code": None}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS["code"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    if _EXIT_STATUS["code"] is not None and os.environ.get("RAKV_TEST_FINALIZE") != "1":
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS["code"])
