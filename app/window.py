@@ -283,26 +283,26 @@ class MainWindow(QMainWindow):
         if err:
             self.show_error("Bad policy", err)
             return
+        self._ready_models()
+        self.running = True
+        self._set_running_ui()
+        self.msg.setText("running ...")
+        self._run.emit(self.run_panel.prompt_text(), self.run_panel.policy_text(), self.run_panel.max_new.value())
+
+    def _ready_models(self) -> None:
+        """Leave a replay and load the chosen pair if it is not the loaded one."""
         if self.replayer is not None:
             self.leave_replay()
         pair = self.run_panel.pair()
         if not self.preloaded and self.loaded_pair != pair:
             self.load_models(*pair)
-        self.running = True
-        self._set_running_ui()
-        self.msg.setText("running ...")
-        self._run.emit(self.run_panel.prompt_text(), self.run_panel.policy_text(), self.run_panel.max_new.value())
 
     def measure_all(self, repeats: int | None = None) -> None:
         """Measure every action (r, k) on the prompt in the editor, from the session's current
         cache and controller state (nothing is learned or stored by it), on the worker."""
         if self.running:
             return
-        if self.replayer is not None:
-            self.leave_replay()
-        pair = self.run_panel.pair()
-        if not self.preloaded and self.loaded_pair != pair:
-            self.load_models(*pair)
+        self._ready_models()
         R = int(repeats or self.run_panel.repeats.value())
         self.running = self.measuring = True
         self._set_running_ui()

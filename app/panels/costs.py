@@ -136,16 +136,7 @@ class CostsPanel(QWidget):
         ax = self.plot.getPlotItem().getAxis("bottom")
         ax.setTicks([[(float(xi), str(c["k"])) for xi, c in zip(x, cands)]])
         top = max([*h, measured or 0.0, 1e-3])
-        for t in self._group_labels:
-            self.plot.removeItem(t)
-        self._group_labels = []
-        for r in (0, 1):
-            xs = [xi for xi, c in zip(x, cands) if c["reuse"] == r]
-            if xs:
-                t = pg.TextItem(f"r={r} ({'reuse' if r else 'no reuse'})", color="#555", anchor=(0.5, 0))
-                t.setPos((min(xs) + max(xs)) / 2, top * 1.14)
-                self.plot.addItem(t)
-                self._group_labels.append(t)
+        self._set_group_labels(x, cands, top * 1.14)
         if measured is not None and chosen >= 0:
             self.measured.setOpts(x=[x[chosen] + 0.18], height=[measured], width=0.34)
             self.mtext.setText(f"measured {measured:.0f} ms")
