@@ -431,13 +431,16 @@ def request_rows(records: Iterable) -> list[dict]:
     return [{c: row.get(c, "") for c, _ in CSV_COLUMNS} for row in rows.values() if row.get("done")]
 
 
-def write_csv(records: Iterable, out: str | os.PathLike) -> int:
-    rows = request_rows(records)
+def _write_rows(rows: list[dict], columns, out: str | os.PathLike) -> int:
     with open(out, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=[c for c, _ in CSV_COLUMNS])
+        w = csv.DictWriter(f, fieldnames=[c for c, _ in columns])
         w.writeheader()
         w.writerows(rows)
     return len(rows)
+
+
+def write_csv(records: Iterable, out: str | os.PathLike) -> int:
+    return _write_rows(request_rows(records), CSV_COLUMNS, out)
 
 
 # ----------------------------------------------------------------------------- oracle CSV
@@ -496,9 +499,4 @@ def oracle_csv_path(out: str | os.PathLike) -> Path:
 
 
 def write_oracle_csv(records: Iterable, out: str | os.PathLike) -> int:
-    rows = oracle_rows(records)
-    with open(out, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=[c for c, _ in ORACLE_CSV_COLUMNS])
-        w.writeheader()
-        w.writerows(rows)
-    return len(rows)
+    return _write_rows(oracle_rows(records), ORACLE_CSV_COLUMNS, out)
