@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rakv.gate import Reliability
 from rakv.records import CacheLookup, Decision, OracleResult, RequestEnd, RequestStart, Round, RunHeader
 
 # token provenance (the token stream's colours)
@@ -95,6 +96,8 @@ class SessionState:
     rounds: list[RoundPoint] = field(default_factory=list)
     request_x: list[tuple[int, int]] = field(default_factory=list)        # (x where request starts, rid)
     n_rounds: int = 0
+    gate: Reliability = field(default_factory=Reliability)   # the gate's predicted vs observed acceptance
+    gate_rounds: int = 0
     # results
     ends: list[RequestEnd] = field(default_factory=list)
     last_end: RequestEnd | None = None
@@ -183,6 +186,9 @@ class SessionState:
             self.explore_req += getattr(r, "explore_ms", 0.0) or 0.0
         if r.kind == "prefill":
             return
+        if getattr(r, "draft_pred", None):
+            self.gate.add(r.draft_pred, r.drafted, r.accepted)
+            self.gate_rounds += 1
         self.n_rounds += 1
         self.rounds.append(RoundPoint(self.n_rounds, r.request_id, r.index, r.kind, r.k, r.drafted,
                                       r.accepted, r.draft_ms, r.verify_ms, r.alpha))

@@ -158,7 +158,7 @@ def get_profile(target, draft, k_max: int, force: bool = False, quick: bool = Fa
 
 def cmd_generate(args) -> int:
     from .engine import Engine
-    from .records import Decision, Recorder, RequestEnd, RequestStart
+    from .records import Decision, Recorder, RequestEnd, RequestStart, Round
 
     try:
         k_set = parse_k_set(args.k_set)
@@ -191,6 +191,7 @@ def cmd_generate(args) -> int:
     recorder = Recorder(args.record) if args.record else None
     last_decision: dict[int, Decision] = {}
     starts: dict[int, RequestStart] = {}
+    gated: dict[int, list[dict]] = {}
 
     def callback(rec):
         if recorder:
@@ -199,6 +200,10 @@ def cmd_generate(args) -> int:
             last_decision[rec.request_id] = rec
         elif isinstance(rec, RequestStart):
             starts[rec.request_id] = rec
+        elif isinstance(rec, Round) and rec.draft_stop:
+            gated.setdefault(rec.request_id, []).append(
+                {"round": rec.index, "k_max": rec.k, "drafted": rec.drafted, "accepted": rec.accepted,
+                 "pred": rec.draft_pred, "stop": rec.draft_stop})
 
     engine = Engine(target, draft, config, callback, profile)
     h = engine.header()
@@ -228,6 +233,7 @@ def cmd_generate(args) -> int:
                     "templated": bool(start and start.templated),
                     "template_prefix": start.template_prefix if start else 0,
                     "explore_ms": end.explore_ms,
+                    **({"gate": gated.pop(end.request_id)} if end.request_id in gated else {}),
                 }
                 sys.stdout.write(json.dumps(obj) + "\n")
             else:

@@ -9,7 +9,8 @@ import os
 from dataclasses import dataclass, field, replace
 
 DEFAULT_K_SET: tuple[int, ...] = (0, 1, 2, 4, 6, 8)
-POLICIES_HELP = "adaptive | ar | kv | spec:K | joint:K"
+POLICIES_HELP = "adaptive | adaptive:gate | adaptive:nogate | ar | kv | spec:K | joint:K"
+GATE_BY_DEFAULT = False   # plain "adaptive" = adaptive:nogate (the paper's) until the gate measures better
 
 
 def env_fast() -> bool:
@@ -62,12 +63,15 @@ class Policy:
     reuse: bool = False
     k: int = 0
     adaptive: bool = False
+    gate: bool = False          # the confidence gate (rakv.gate) cuts each drafting round
 
     @staticmethod
     def parse(text: str) -> "Policy":
         t = text.strip().lower()
         if t == "adaptive":
-            return Policy("adaptive", adaptive=True)
+            return Policy("adaptive", adaptive=True, gate=GATE_BY_DEFAULT)
+        if t in ("adaptive:gate", "adaptive:nogate"):
+            return Policy(t, adaptive=True, gate=t == "adaptive:gate")
         if t == "ar":
             return Policy("ar", reuse=False, k=0)
         if t == "kv":

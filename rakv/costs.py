@@ -108,6 +108,8 @@ class CostProfile:
     alpha_learned: float | None = None
     out_frac: float | None = None
     alpha_trials: float | None = None    # trials behind alpha_learned (capped; bounds exploration)
+    # the draft's confidence against acceptance, per bin (rakv.gate): {"hits": [...], "n": [...]}
+    accept_map: dict = field(default_factory=dict)
     calibrated_at: str = ""
     calibration_s: float = 0.0
     # online refinement: multiplicative scales (log-space EWMA of measured / predicted)
@@ -413,7 +415,11 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     cache = dec.DynamicCache()
     dec.prefill(model, ids[:128], cache)
     prof.clone_ms_per_token = _median_ms(lambda: dec.kv_of(cache, 128), 5) / 128
-    prof.alpha0 = measure_alpha(target, draft, ids, k=4, rounds=4 if quick else 8)
+    from .gate import AcceptMap
+
+    amap = AcceptMap()
+    prof.alpha0 = measure_alpha(target, draft, ids, k=4, rounds=4 if quick else 8, amap=amap)
+    prof.accept_map = amap.counts()
     tick("acceptance")
     prof.quality = meter.quality()
     prof.regime = regime_figures(target, prof, reps=3 if quick else 5)
@@ -532,8 +538,9 @@ ALPHA_TEXTS = (
 )
 
 
-def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8) -> float:
-    """Per-token acceptance of the draft over a few greedy rounds, pooled over the prompts."""
+def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8, amap=None) -> float:
+    """Per-token acceptance of the draft over a few greedy rounds, pooled over the prompts; with
+    ``amap`` (rakv.gate.AcceptMap) each drafted token's confidence and outcome go into it too."""
     from .drafts import ModelDraft, NoDraft
 
     if isinstance(draft, NoDraft):
@@ -551,14 +558,15 @@ def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8) -> float:
         prompts = [ids[: max(16, min(period + 16, len(ids) - rounds * (k + 1) - 2))]]
     acc = trials = 0
     for prompt in prompts:
-        a, n = _accept_rounds(target, draft, prompt, k, rounds)
+        a, n = _accept_rounds(target, draft, prompt, k, rounds, amap)
         acc, trials = acc + a, trials + n
     return acc / trials if trials else 0.0
 
 
-def _accept_rounds(target, draft, prompt, k: int, rounds: int) -> tuple[int, int]:
+def _accept_rounds(target, draft, prompt, k: int, rounds: int, amap=None) -> tuple[int, int]:
     """(accepted, trials) over ``rounds`` greedy rounds of k drafts after ``prompt``."""
     from .controller import trials as round_trials
+    from .gate import recording_gate
 
     draft.begin(prompt, None, False)
     cache = dec.DynamicCache()
@@ -566,7 +574,8 @@ def _accept_rounds(target, draft, prompt, k: int, rounds: int) -> tuple[int, int
     seq = list(prompt) + [dec.argmax(logits)]
     acc = trials = 0
     for _ in range(rounds):
-        prop = draft.propose(seq, k).tokens
+        gate = recording_gate(amap, k) if amap is not None else None
+        prop = draft.propose(seq, k, gate).tokens
         if not prop:
             logits = dec.decode_one(target.model, seq[-1], cache)
             seq.append(dec.argmax(logits))
@@ -575,6 +584,8 @@ def _accept_rounds(target, draft, prompt, k: int, rounds: int) -> tuple[int, int
         logits = dec.verify(target.model, [seq[-1]] + prop, cache)
         pred = torch.argmax(logits, dim=-1).tolist()
         a = dec.accept(prop, pred)
+        if gate is not None:
+            amap.observe(gate.confs, gate.preds, a)
         dec.rollback(cache, len(prop) - a)
         seq += prop[:a] + [pred[a]]
         draft.commit(seq)

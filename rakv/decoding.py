@@ -74,6 +74,11 @@ def argmax(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits, dim=-1))
 
 
+def top_prob(logits: torch.Tensor) -> float:
+    """Softmax probability of the argmax token ([V] logits): the draft's confidence."""
+    return float(torch.exp(logits.max() - torch.logsumexp(logits, dim=-1)))
+
+
 # ----------------------------------------------------------------------------- cache helpers
 def cache_len(cache: DynamicCache) -> int:
     return int(cache.get_seq_length())

@@ -47,7 +47,9 @@ class DraftSource:
     def begin(self, prompt_ids: list[int], store: PrefixCache | None, reuse: bool) -> None:
         pass
 
-    def propose(self, ids: list[int], k: int) -> Proposal:
+    def propose(self, ids: list[int], k: int, gate=None) -> Proposal:
+        """Up to k tokens after ``ids``. With a ``gate`` (rakv.gate.RoundGate), each token's
+        confidence goes to ``gate.keep_going(conf)``, which may stop the draft early."""
         return Proposal([])
 
     def commit(self, ids: list[int]) -> None:
@@ -70,15 +72,37 @@ class NgramDraft(DraftSource):
     def __init__(self, sizes: tuple[int, ...] = (3, 2)):
         self.sizes = tuple(sizes)
 
-    def propose(self, ids: list[int], k: int) -> Proposal:
+    def propose(self, ids: list[int], k: int, gate=None) -> Proposal:
         t0 = now()
-        toks = ngram_lookup(ids, k, self.sizes)
+        toks, m = ngram_match(ids, k, self.sizes)
+        if gate is not None and toks:
+            conf = ngram_confidence(m)
+            n = 1
+            while n < len(toks) and gate.keep_going(conf):
+                n += 1
+            if n == len(toks) and len(gate.confs) < n:
+                gate.keep_going(conf)          # the last token's confidence (the source ran out)
+            toks = toks[:n]
         return Proposal(toks, ms=(now() - t0) * 1e3)
 
 
+def ngram_confidence(match_len: int) -> float:
+    """A copy is likelier to continue the longer the context it matched (calibrated online)."""
+    return match_len / (match_len + 2.0)
+
+
+MAX_MATCH = 32
+
+
 def ngram_lookup(ids, k: int, sizes=(3, 2)) -> list[int]:
+    return ngram_match(ids, k, sizes)[0]
+
+
+def ngram_match(ids, k: int, sizes=(3, 2)) -> tuple[list[int], int]:
+    """(up to k tokens that followed the latest earlier occurrence of the last n tokens, and the
+    length of the match, extended backwards up to MAX_MATCH tokens)."""
     if k <= 0:
-        return []
+        return [], 0
     a = np.asarray(ids, dtype=np.int64)
     L = len(a)
     for n in sizes:
@@ -94,8 +118,11 @@ def ngram_lookup(ids, k: int, sizes=(3, 2)) -> list[int]:
         starts = starts[starts < L - n]
         if starts.size:
             i = int(starts[-1]) + n
-            return a[i: i + k].tolist()
-    return []
+            m = n
+            while m < MAX_MATCH and i - m - 1 >= 0 and a[i - m - 1] == a[L - m - 1]:
+                m += 1
+            return a[i: i + k].tolist(), m
+    return [], 0
 
 
 class ModelDraft(DraftSource):
@@ -129,7 +156,7 @@ class ModelDraft(DraftSource):
         self.cached = list(self.prompt[: dec.cache_len(self.cache)])
         return PrefillInfo(hit=res.hit, ms=res.forward_ms, stored=res.stored, lookup_ms=res.lookup_ms)
 
-    def propose(self, ids: list[int], k: int) -> Proposal:
+    def propose(self, ids: list[int], k: int, gate=None) -> Proposal:
         if k <= 0:
             return Proposal([])
         t0 = now()
@@ -141,9 +168,11 @@ class ModelDraft(DraftSource):
         logits = dec.prefill(model, new, self.cache)
         first_ms = (now() - ta) * 1e3
         toks = [dec.argmax(logits)]
-        for _ in range(k - 1):
+        while len(toks) < k and (gate is None or gate.keep_going(dec.top_prob(logits))):
             logits = dec.decode_one(model, toks[-1], self.cache)
             toks.append(dec.argmax(logits))
+        if gate is not None and len(gate.confs) < len(toks):
+            gate.keep_going(dec.top_prob(logits))      # the last token's confidence
         self.cached = list(ids) + toks[:-1]
         catch = max(0, len(new) - 2)   # 1 (pending) or 2 (last accepted + pending) is a normal round
         ms = (now() - t0) * 1e3

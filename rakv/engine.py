@@ -21,6 +21,7 @@ from .config import Policy, RakvConfig
 from .controller import AlphaEWMA, Choice, Controller, Situation
 from .costs import CostProfile
 from .drafts import DraftSource, ModelDraft, NgramDraft, NoDraft, prefill_with_reuse
+from .gate import AcceptMap, RoundGate
 from .models import LoadedModel, model_info
 from .prefix_cache import PrefixCache
 from .prompts import EncodedPrompt, encode_prompt
@@ -81,6 +82,14 @@ def verify_accept(model, cache, pending: int, drafts: list[int]) -> tuple[list[i
     return drafts[:a] + [pred[a]], a
 
 
+def gate_k_max(k: int, rq: "_Request", remaining: int) -> int:
+    """With the gate, a drafting round may go to the largest k of K: the gate, not an average
+    acceptance, decides where each round stops (probes and fixed policies keep their k)."""
+    if rq.policy.gate and rq.k > 0 and k == min(rq.k, remaining - 1):
+        return max(k, min(max(rq.k_set), remaining - 1))
+    return k
+
+
 def cut_at_eos(emitted: list[int], prov: list[str], eos, remaining: int):
     """EOS inside the accepted run ends the output there; never exceed ``remaining``."""
     cut, hit = len(emitted), False
@@ -112,6 +121,8 @@ class Engine:
             config.alpha_prior if config.alpha_prior is not None else 0.5, config.alpha_decay)
         if self.policy.adaptive and self.controller is None:
             raise EngineError("the adaptive policy needs a cost profile (run calibration)")
+        # draft confidence -> chance of acceptance, for the gate (prior: the calibration's counts)
+        self.accept_map = AcceptMap(self.alpha.value, profile.accept_map if profile is not None else None)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._next_id = 0
@@ -340,9 +351,20 @@ class Engine:
                                 explore_balance_ms=round(ctl.explore_balance, 3)))
         return k
 
-    def _draft(self, rq: "_Request", seq: list[int], k: int):
-        """Draft k tokens (a model draft first catches up); reports the draft's prompt lookup."""
-        prop = self.draft.propose(seq, k)
+    def _gate(self, rq: "_Request", seq: list[int], k: int) -> RoundGate | None:
+        """The round's confidence gate (policy adaptive:gate and a cost profile), else None."""
+        p = self.profile
+        if not (rq.policy.gate and p is not None and k > 0):
+            return None
+        ctx = len(seq)
+        behind = self._draft_behind(seq, rq.reuse, rq.draft_model)
+        return RoundGate(self.accept_map, k, p.draft_step(ctx) if rq.draft_model else 0.0,
+                         [p.step(ctx)] + [p.verify(j, ctx) for j in range(1, k + 1)],
+                         sunk=self.controller.catchup_ms(behind, rq.draft_model))
+
+    def _draft(self, rq: "_Request", seq: list[int], k: int, gate: RoundGate | None = None):
+        """Draft up to k tokens (a model draft first catches up); reports the draft's prompt lookup."""
+        prop = self.draft.propose(seq, k, gate)
         if prop.prefill is not None:
             h = prop.prefill
             self._emit_lookup(rq.rid, "draft", h.hit, len(rq.ids), h.stored, h.lookup_ms, h.ms)
@@ -357,9 +379,13 @@ class Engine:
         drafts: list[int] = []
         draft_ms = catch_ms = 0.0
         catch_tok = 0
+        gate = self._gate(rq, seq, gate_k_max(k, rq, remaining)) if k > 0 else None
         if k > 0:
-            prop = self._draft(rq, seq, k)
+            prop = self._draft(rq, seq, gate.k_max if gate else k, gate)
             drafts, draft_ms, catch_tok, catch_ms = prop.tokens, prop.ms, prop.catchup_tokens, prop.catchup_ms
+        proposed = bool(drafts)
+        if gate is not None and drafts:
+            drafts = drafts[: gate.verify_length(len(drafts))]
         tv = now()
         if drafts:
             emitted, a = verify_accept(self.target.model, rq.cache, seq[-1], drafts)
@@ -372,9 +398,11 @@ class Engine:
         rq.out.extend(emitted)
         if eos:
             rq.stopped = "eos"
-        if drafts:
+        if proposed:
             self.draft.commit(rq.ids + rq.out)
         m = len(drafts)
+        if gate is not None and m:
+            self.accept_map.observe(gate.confs[:m], gate.preds[:m], a)
         rq.drafted += m
         rq.accepted += a
         rq.rounds += 1
@@ -393,7 +421,10 @@ class Engine:
                          accepted=a, emitted=emitted, provenance=prov, draft_ms=round(draft_ms, 3),
                          verify_ms=round(verify_ms, 3), catchup_tokens=catch_tok, catchup_ms=round(catch_ms, 3),
                          round_ms=round(round_ms, 3), context=len(seq), alpha=round(self.alpha.value, 5),
-                         explore_ms=round(explore, 3)))
+                         explore_ms=round(explore, 3),
+                         draft_conf=[round(c, 4) for c in gate.confs] if gate else [],
+                         draft_pred=[round(c, 4) for c in gate.preds] if gate else [],
+                         draft_stop=gate.stop if gate else ""))
         self._check_end(rq)
 
     def _finish(self, rq: "_Request", choice: Choice | None) -> RequestEnd:

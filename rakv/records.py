@@ -115,6 +115,11 @@ class Round:
     context: int = 0               # committed tokens before the round
     alpha: float = 0.0             # EWMA after this round
     explore_ms: float = 0.0        # a probe's measured cost beyond plain steps (0 otherwise)
+    # the confidence gate (policy adaptive:gate): per drafted token its confidence and calibrated
+    # chance of acceptance, and why the draft stopped (k_max | gate | cut | source; "" = no gate)
+    draft_conf: list[float] = field(default_factory=list)
+    draft_pred: list[float] = field(default_factory=list)
+    draft_stop: str = ""
 
 
 @dataclass
@@ -396,6 +401,10 @@ CSV_COLUMNS = [
     ("templated", "1 if the prompt went through the chat template (prompt_tokens counts the templated ids)"),
     ("template_prefix", "leading prompt tokens every templated prompt shares (the template's system prefix)"),
     ("explore_ms", "what probes cost beyond the plain steps they replaced"),
+    ("gate_rounds", "drafting rounds the confidence gate decided (policy adaptive:gate)"),
+    ("gate_stops", "why the gate's drafts stopped, counted: k_max / gate / cut / source"),
+    ("gate_pred", "mean predicted acceptance of the judged drafted tokens (accepted + first rejected)"),
+    ("gate_observed", "their observed acceptance rate (compare with gate_pred)"),
 ]
 
 
@@ -413,6 +422,8 @@ def request_rows(records: Iterable) -> list[dict]:
         elif isinstance(r, Round) and rid in rows and r.kind != "prefill":
             rows[rid]["draft_ms"] += r.draft_ms
             rows[rid]["verify_ms"] += r.verify_ms
+            if r.draft_stop:
+                _gate_row(rows[rid], r)
         elif isinstance(r, RequestEnd) and rid in rows:
             row = rows[rid]
             row.update(hit_tokens=r.hit_tokens, exact_repeat=int(r.exact_repeat),
@@ -427,8 +438,24 @@ def request_rows(records: Iterable) -> list[dict]:
                        explore_ms=round(r.explore_ms, 3))
             row["draft_ms"] = round(row["draft_ms"], 3)
             row["verify_ms"] = round(row["verify_ms"], 3)
+            if row.get("gate_rounds"):
+                stops = row.pop("_stops")
+                row["gate_stops"] = " ".join(f"{k}:{stops[k]}" for k in ("k_max", "gate", "cut", "source") if k in stops)
+                n, p, h = row.pop("_judged")
+                row["gate_pred"] = round(p / n, 4) if n else ""
+                row["gate_observed"] = round(h / n, 4) if n else ""
             row["done"] = True
     return [{c: row.get(c, "") for c, _ in CSV_COLUMNS} for row in rows.values() if row.get("done")]
+
+
+def _gate_row(row: dict, r: "Round") -> None:
+    """Fold one gated round into a request row (stops counted; judged tokens' prediction vs outcome)."""
+    row["gate_rounds"] = row.get("gate_rounds", 0) + 1
+    stops = row.setdefault("_stops", {})
+    stops[r.draft_stop] = stops.get(r.draft_stop, 0) + 1
+    n, p, h = row.get("_judged", (0, 0.0, 0))
+    judged = r.draft_pred[: min(r.drafted, r.accepted + 1)]
+    row["_judged"] = (n + len(judged), p + sum(judged), h + min(r.accepted, len(judged)))
 
 
 def _write_rows(rows: list[dict], columns, out: str | os.PathLike) -> int:

@@ -1,12 +1,14 @@
 """Acceptance: alpha EWMA over rounds and requests, with the alpha* crossover lines of the latest
-per-request decision (chosen k bright, others dim) and the region where speculation pays shaded."""
+per-request decision (chosen k bright, others dim) and the region where speculation pays shaded.
+With the confidence gate (policy adaptive:gate) a second plot shows its calibration: drafted tokens
+binned by predicted acceptance, observed rate against prediction (on the diagonal = calibrated)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from app.state import SessionState
 
@@ -40,10 +42,26 @@ class AcceptancePanel(QWidget):
         self._stars_key = None
         self._stars: dict = {}
         self._chosen_k = None
+        # the gate's reliability diagram (hidden until a gated round arrives)
+        self.rel = make_plot("observed acceptance", "predicted acceptance (gate)")
+        self.rel.setToolTip("drafted tokens of gated rounds, binned by the gate's predicted chance of acceptance:\n"
+                            "observed rate per bin (dot size ~ tokens); dashed diagonal = perfectly calibrated")
+        ri = self.rel.getPlotItem()
+        ri.setXRange(0, 1, padding=0.02)
+        ri.setYRange(0, 1, padding=0.02)
+        ri.plot([0, 1], [0, 1], pen=pg.mkPen("#999", style=pg.QtCore.Qt.PenStyle.DashLine))
+        self.rel_pts = pg.ScatterPlotItem(pen=pg.mkPen("#08519c"), brush=pg.mkBrush(8, 81, 156, 150))
+        ri.addItem(self.rel_pts)
+        self.rel.setMaximumWidth(260)
+        self.rel.setVisible(False)
+        self._rel_key = None
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addWidget(self.info)
-        lay.addWidget(self.plot, 1)
+        row = QHBoxLayout()
+        row.addWidget(self.plot, 1)
+        row.addWidget(self.rel)
+        lay.addLayout(row, 1)
 
     def refresh(self, state: SessionState) -> None:
         key = (id(state), state.n_rounds, len(state.request_x))
@@ -70,10 +88,28 @@ class AcceptancePanel(QWidget):
             txt = "alpha: —"
         if self._chosen_k is not None:
             txt += f" · chosen k={self._chosen_k}"
+        self._draw_gate(state)
+        if state.gate_rounds:
+            err = state.gate.error()
+            txt += f" · gate: {state.gate_rounds} rounds, calibration error {err:.3f}" if err is not None else ""
         if self._stars:
             txt += " · α*: " + ", ".join(f"k{k} {'never' if v is None else f'{v:.2f}'}"
                                          for k, v in sorted(self._stars.items(), key=lambda kv: int(kv[0])))
         self.info.setText(txt)
+
+    def _draw_gate(self, state: SessionState) -> None:
+        key = (id(state), state.gate_rounds)
+        if key == self._rel_key:
+            return
+        self._rel_key = key
+        rows = state.gate.rows()
+        self.rel.setVisible(bool(rows))
+        if rows:
+            top = max(r["n"] for r in rows)
+            self.rel_pts.setData([r["predicted"] for r in rows], [r["observed"] for r in rows],
+                                 size=[6 + 14 * (r["n"] / top) ** 0.5 for r in rows])
+        else:
+            self.rel_pts.setData([], [])
 
     def _range(self, x) -> None:
         lo = float(x[0]) if len(x) else 0.0
@@ -128,4 +164,5 @@ class AcceptancePanel(QWidget):
         return {"info": self.info.text(), "n": 0 if x is None else len(x),
                 "last": None if y is None or not len(y) else float(y[-1]),
                 "stars": {k: v for k, v in self._stars.items()}, "chosen_k": self._chosen_k,
-                "region": tuple(round(v, 6) for v in self.region.getRegion())}
+                "region": tuple(round(v, 6) for v in self.region.getRegion()),
+                "gate_bins": len(self.rel_pts.data)}

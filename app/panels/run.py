@@ -10,7 +10,7 @@ from rakv.config import Policy
 
 TARGETS = ["demo"]
 DRAFTS = ["int8", "ngram", "none"]
-POLICIES = ["adaptive", "ar", "kv", "spec:4", "joint:4"]
+POLICIES = ["adaptive", "adaptive:gate", "ar", "kv", "spec:4", "joint:4"]
 
 
 class RunPanel(QWidget):

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="chat workloads: send the instructions as they are (default: through the tokenizer's "
                          "chat template, if it has one)")
     ap.add_argument("--policies", nargs="+", default=None,
-                    help="ar kv spec:K joint:K adaptive adaptive:request adaptive:round hf:assist hf:lookup "
+                    help="ar kv spec:K joint:K adaptive adaptive:request adaptive:round adaptive:gate adaptive:nogate hf:assist hf:confidence hf:lookup "
                          "(default: ar, kv, spec:K and joint:K for each K, both adaptive, the peers)")
     ap.add_argument("--repeats", type=A.int_range(1), default=None, help="replays of every stream with fresh engines "
                     f"(default {FULL['repeats']}; --quick {QUICK['repeats']})")
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=A.int_range(0), default=0)
     ap.add_argument("--k-set", default=None, help=f"K for the policies and the controller (default {FULL['k_set']})")
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
-                    help="include the transformers peers (hf:assist, hf:lookup)")
+                    help="include the transformers peers (hf:assist, hf:confidence, hf:lookup)")
     ap.add_argument("--lookup-k", type=A.int_range(1, 64), default=None, help="prompt_lookup_num_tokens (default: max K)")
     ap.add_argument("--budget-mib", type=A.finite_float(0), default=512.0)
     ap.add_argument("--recalibrate", action="store_true", help="measure the cost profile again before running")
@@ -139,7 +139,7 @@ def policy_names(raw: list[str] | None) -> list[str] | None:
         return None
     names = [n.strip().lower() for x in raw for n in x.split(",") if n.strip()]
     for n in names:
-        if n not in ("adaptive", "adaptive:request", "adaptive:round") + PEERS:
+        if n not in ("adaptive", "adaptive:request", "adaptive:round", "adaptive:gate", "adaptive:nogate") + PEERS:
             Policy.parse(n)
     if not names:
         raise ValueError("--policies is empty")

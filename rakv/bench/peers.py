@@ -1,8 +1,12 @@
 """Peer baselines run through transformers itself on the same models and prompts.
 
-  hf:assist  ``model.generate(assistant_model=draft, do_sample=False)`` with transformers' default
-             (dynamic) assistant schedule; for ``--draft int8`` the assistant is the int8 model.
-  hf:lookup  ``model.generate(prompt_lookup_num_tokens=K, do_sample=False)`` (prompt lookup).
+  hf:assist      ``model.generate(assistant_model=draft, do_sample=False)`` with the assistant's own
+                 generation settings (transformers 5.x defaults: 20 tokens, constant schedule,
+                 assistant_confidence_threshold 0.4); for ``--draft int8`` the assistant is the int8 model.
+  hf:confidence  the same with the assistant's length set to K (max of --k-set) and its confidence
+                 gate explicit: stop drafting below ``assistant_confidence_threshold`` (0.4; adapted
+                 online only when scikit-learn is installed): transformers' counterpart of adaptive:gate.
+  hf:lookup      ``model.generate(prompt_lookup_num_tokens=K, do_sample=False)`` (prompt lookup).
 
 TTFT is taken from a streamer: the time of the first ``put`` after the prompt's.
 """
@@ -15,7 +19,8 @@ import torch
 
 from rakv.device import clock as now, model_device
 
-PEERS = ("hf:assist", "hf:lookup")
+PEERS = ("hf:assist", "hf:confidence", "hf:lookup")
+CONFIDENCE_THRESHOLD = 0.4      # transformers' default assistant_confidence_threshold
 
 
 @dataclass
@@ -53,20 +58,31 @@ def generate_kwargs(target, n: int) -> dict:
 def run_peer(name: str, target, draft_model, ids, n: int, lookup_k: int) -> PeerResult:
     x = torch.tensor([list(ids)], device=model_device(target.model))
     kw = generate_kwargs(target, n)
-    if name == "hf:assist":
+    saved = None
+    if name in ("hf:assist", "hf:confidence"):
         kw["assistant_model"] = draft_model
+        if name == "hf:confidence":
+            gc = draft_model.generation_config
+            saved = {a: getattr(gc, a, None) for a in
+                     ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")}
+            gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = lookup_k, "constant"
+            gc.assistant_confidence_threshold = CONFIDENCE_THRESHOLD
     elif name == "hf:lookup":
         kw["prompt_lookup_num_tokens"] = lookup_k
     else:
         raise ValueError(f"unknown peer {name!r}")
     t0 = now()
     timer = FirstTokenTimer(t0)
-    with torch.inference_mode():
-        out = target.model.generate(x, attention_mask=torch.ones_like(x), streamer=timer, **kw)
+    try:
+        with torch.inference_mode():
+            out = target.model.generate(x, attention_mask=torch.ones_like(x), streamer=timer, **kw)
+    finally:
+        for a, v in (saved or {}).items():
+            setattr(draft_model.generation_config, a, v)
     latency = (now() - t0) * 1e3
     return PeerResult(out[0, x.shape[1]:].tolist(), latency, timer.ttft_ms or latency)
 
 
 def peer_available(name: str, draft) -> bool:
-    """hf:assist needs a draft model (not ngram / none)."""
-    return name != "hf:assist" or getattr(draft, "has_model", False)
+    """hf:assist and hf:confidence need a draft model (not ngram / none)."""
+    return name not in ("hf:assist", "hf:confidence") or getattr(draft, "has_model", False)

@@ -109,3 +109,49 @@ def crossover_plot(rows: list[dict], predicted: dict, out: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def gate_reliability(rows: list[dict]) -> dict:
+    """Per gated policy: rakv.gate.Reliability over every judged drafted token of the run."""
+    from rakv.gate import Reliability, conf_bin
+
+    out: dict = {}
+    for r in rows:
+        toks = (r.get("gate_tokens") or "").split()
+        if not toks:
+            continue
+        rel = out.setdefault(r["policy"], Reliability())
+        for t in toks:
+            p, ok = t.split(":")
+            b = conf_bin(float(p))
+            rel.n[b] += 1
+            rel.hits[b] += int(ok)
+            rel.pred[b] += float(p)
+    return out
+
+
+def gate_plot(rows: list[dict], out: Path) -> Path | None:
+    """Reliability diagram of the confidence gate: predicted acceptance against observed, per bin."""
+    plt = _plt()
+    rels = gate_reliability(rows)
+    if plt is None or not rels:
+        return None
+    fig, ax = plt.subplots(figsize=(4.8, 4.5))
+    ax.plot([0, 1], [0, 1], "--", color="#999", lw=1, label="calibrated")
+    for pol, rel in sorted(rels.items()):
+        rs = rel.rows()
+        top = max(x["n"] for x in rs)
+        ax.scatter([x["predicted"] for x in rs], [x["observed"] for x in rs],
+                   s=[20 + 180 * (x["n"] / top) ** 0.5 for x in rs], alpha=0.7,
+                   label=f"{pol} (ECE {rel.error():.3f}, {sum(rel.n)} tokens)")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("predicted acceptance (gate)")
+    ax.set_ylabel("observed acceptance")
+    ax.set_title("Confidence gate: reliability")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    path = out / "gate_reliability.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -323,7 +323,7 @@ def write_summary(out: Path) -> Path:
     meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
     pred = predicted_alpha_star(rows, meta, out)
     figs = [plots.latency_plot(rows, out), plots.predicted_plot(cands, rows, out),
-            plots.crossover_plot(rows, pred, out)]
+            plots.crossover_plot(rows, pred, out), plots.gate_plot(rows, out)]
     text = header_md(rows, meta, run_regime(meta, out))
     text += "\n## Latency and throughput per policy (all requests)\n\n" + policy_md(rows)
     for w in sorted({r["workload"] for r in rows}):
@@ -339,11 +339,34 @@ def write_summary(out: Path) -> Path:
                  "Regime of a workload: *no-pay* when its best fixed policy by total latency has k = 0, *pays* "
                  "otherwise (this machine's costs are in the header).\n" + paper_table_md(rows, cands, pred))
     text += "\n## Acceptance crossover per k (no reuse)\n\n" + crossover_md(rows, pred)
+    text += gate_md(rows)
     text += "\n## Plots\n\n" + "".join(f"![{f.stem}]({f.name})\n\n" for f in figs if f is not None)
     text += "\n" + DEFINITIONS
     path = out / "summary.md"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def gate_md(rows: list[dict]) -> str:
+    """The confidence gate's calibration per gated policy: predicted vs observed per bin, and its
+    stop reasons (empty when no policy used the gate)."""
+    rels = plots.gate_reliability(rows)
+    if not rels:
+        return ""
+    text = "\n## Confidence gate: predicted against observed acceptance (judged drafted tokens)\n\n"
+    for pol, rel in sorted(rels.items()):
+        stops: dict[str, int] = {}
+        for r in rows:
+            if r["policy"] == pol:
+                for s in (r.get("gate_stops") or "").split():
+                    k, v = s.split(":")
+                    stops[k] = stops.get(k, 0) + int(v)
+        text += (f"**{pol}**: {sum(rel.n)} tokens, calibration error (ECE) {rel.error():.3f}; draft stops: "
+                 + ", ".join(f"{k} {v}" for k, v in sorted(stops.items())) + "\n\n")
+        text += md_table(["predicted bin", "tokens", "mean predicted", "observed"],
+                         [[f"{x['bin'][0]:.1f}-{x['bin'][1]:.1f}", str(x["n"]), f"{x['predicted']:.3f}",
+                           f"{x['observed']:.3f}"] for x in rel.rows()]) + "\n"
+    return text
 
 
 def run_regime(meta: dict, out: Path) -> dict | None:

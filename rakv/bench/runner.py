@@ -34,7 +34,7 @@ EXEC_COLUMNS = [
     "rep", "cell", "index", "workload", "kind", "context_id", "bucket", "gen", "prompt_tokens", "policy",
     "order", "latency_ms", "ttft_ms", "tokens_per_s", "output_tokens", "drafted", "accepted", "rounds",
     "mean_accept_len", "alpha_req", "hit_tokens", "exact_repeat", "reuse", "k", "mean_k", "predicted_ms",
-    "match", "first_diff", "stopped", "explore_ms",
+    "match", "first_diff", "stopped", "explore_ms", "gate_stops", "gate_tokens",
 ]
 CAND_COLUMNS = ["rep", "cell", "index", "policy", "reuse", "k", "predicted_ms", "feasible", "chosen"]
 
@@ -49,7 +49,7 @@ class Arm:
     @property
     def action(self) -> tuple[int, int] | None:
         """(r, k) of a fixed engine policy (None for adaptive and peers)."""
-        if self.peer or self.policy == "adaptive":
+        if self.peer or self.policy.startswith("adaptive"):
             return None
         p = Policy.parse(self.policy)
         return int(p.reuse), p.k
@@ -85,6 +85,8 @@ def parse_arms(names: list[str], draft) -> list[Arm]:
                    Arm("adaptive:round", policy="adaptive", granularity="round")]
         elif n in ("adaptive:request", "adaptive:round"):
             new = [Arm(n, policy="adaptive", granularity=n.split(":")[1])]
+        elif n in ("adaptive:gate", "adaptive:nogate"):      # per request, with / without the gate
+            new = [Arm(n, policy=n, granularity="request")]
         elif n in PEERS:
             if not peer_available(n, draft):
                 raise ValueError(f"peer {n} needs a draft model (--draft is {getattr(draft, 'name', 'none')!r})")
@@ -136,7 +138,7 @@ def make_slots(arms, target, draft, config: RakvConfig, profile, learned: dict |
         if not arm.peer:
             cfg = config.with_(policy=arm.policy, granularity=arm.granularity)
             prof = None
-            if arm.policy == "adaptive":
+            if arm.policy.startswith("adaptive"):
                 if learned is None:
                     prof = copy.deepcopy(profile)
                 else:
@@ -158,6 +160,21 @@ def alpha_of(rounds: list[Round]) -> float | None:
     return acc / trials if trials else None
 
 
+def gate_columns(rounds: list[Round]) -> dict:
+    """The confidence gate's rounds of one execution: stop reasons counted, and every judged drafted
+    token as "predicted:outcome" (accepted 1 / first rejected 0), for its reliability diagram."""
+    gated = [r for r in rounds if r.draft_stop]
+    if not gated:
+        return {}
+    stops: dict[str, int] = {}
+    toks = []
+    for r in gated:
+        stops[r.draft_stop] = stops.get(r.draft_stop, 0) + 1
+        judged = r.draft_pred[: min(r.drafted, r.accepted + 1)]
+        toks += [f"{p:.3f}:{int(i < r.accepted)}" for i, p in enumerate(judged)]
+    return {"gate_stops": " ".join(f"{k}:{v}" for k, v in sorted(stops.items())), "gate_tokens": " ".join(toks)}
+
+
 def run_engine(slot: Slot, req: Request) -> tuple[dict, list[dict]]:
     slot.collector.reset()
     end = slot.engine.generate(list(req.ids), req.gen)
@@ -170,10 +187,11 @@ def run_engine(slot: Slot, req: Request) -> tuple[dict, list[dict]]:
                exact_repeat=int(end.exact_repeat), reuse=end.action["reuse"], k=end.action["k"],
                mean_k=round(sum(r.k for r in rounds) / len(rounds), 3) if rounds else 0,
                predicted_ms="" if end.predicted_ms is None else round(end.predicted_ms, 3),
-               stopped=end.stopped, explore_ms=round(end.explore_ms, 3), _ids=end.output_ids)
+               stopped=end.stopped, explore_ms=round(end.explore_ms, 3), _ids=end.output_ids,
+               **gate_columns(rounds))
     cands = []
     dec = slot.collector.decision
-    if slot.arm.policy == "adaptive" and dec is not None:
+    if slot.arm.policy.startswith("adaptive") and dec is not None:
         for c in dec.candidates:
             cands.append(dict(policy=slot.arm.name, reuse=c["reuse"], k=c["k"], predicted_ms=c["predicted_ms"],
                               feasible=int(bool(c["feasible"])),

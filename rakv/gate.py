@@ -1,0 +1,177 @@
+"""The confidence gate (beyond the paper): inside a drafting round, stop the draft at the length
+with the best expected tokens per millisecond, from the draft's own confidence and measured costs.
+
+Each drafted token comes with a confidence in [0, 1] (a model draft: its softmax top probability;
+n-gram lookup: from the length of the match it copies). ``AcceptMap`` turns a confidence into the
+chance the target accepts the token, fitted online from verify outcomes (binned counts over a prior
+from the calibration pass), one map per draft source. With c_i the calibrated chance of draft i and
+S_j = c_1 ... c_j the chance that the first j drafts all survive:
+
+    E_j = 1 + S_1 + ... + S_j          expected tokens of a round that verifies j drafts
+    C_j = sunk_j + V(j)                its cost: drafting so far (catch-up + j d) plus the verify;
+                                       V(0) = t: drop the drafts and take a plain step
+
+The per-request (r, k) stays the controller's argmin (k = 0: no drafting at all); the gate only
+decides how far each drafting round goes, within k_max.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BINS = 10             # confidence bins of width 0.1
+PRIOR_WEIGHT = 2.0    # pseudo-trials per bin behind the prior (calibration or the confidence itself)
+
+
+def conf_bin(c: float) -> int:
+    return min(BINS - 1, max(0, int(c * BINS)))
+
+
+class AcceptMap:
+    """P(target accepts | draft confidence bin): (prior + observed accepts) / (prior + observed trials).
+
+    A trial is a drafted token whose outcome the verify decided: the accepted ones, and the first
+    rejected one (tokens after it were never judged on their own prefix)."""
+
+    def __init__(self, alpha: float = 0.5, prior: dict | None = None):
+        # prior: the calibration's per-bin counts, else the bin's confidence shrunk toward alpha
+        self.hits = [0.0] * BINS
+        self.n = [0.0] * BINS
+        if prior and len(prior.get("hits", [])) == BINS and len(prior.get("n", [])) == BINS:
+            for b in range(BINS):
+                w = min(float(prior["n"][b]), 4 * PRIOR_WEIGHT)     # calibration counts are few: cap their weight
+                rate = prior["hits"][b] / prior["n"][b] if prior["n"][b] > 0 else 0.5 * ((b + 0.5) / BINS + alpha)
+                self.hits[b], self.n[b] = rate * max(w, PRIOR_WEIGHT), max(w, PRIOR_WEIGHT)
+        else:
+            for b in range(BINS):
+                self.hits[b] = PRIOR_WEIGHT * 0.5 * ((b + 0.5) / BINS + alpha)
+                self.n[b] = PRIOR_WEIGHT
+        # observed only (the reliability diagram): trials, accepts, and the sum of what was predicted
+        self.obs_n = [0] * BINS
+        self.obs_hits = [0] * BINS
+        self.obs_pred = [0.0] * BINS
+
+    def p(self, conf: float) -> float:
+        b = conf_bin(conf)
+        return self.hits[b] / self.n[b]
+
+    def observe(self, confs: list[float], preds: list[float], accepted: int) -> None:
+        """Fold in one verify: drafts 1..accepted were accepted, draft accepted+1 (if any) rejected."""
+        for i, c in enumerate(confs[: accepted + 1]):
+            b = conf_bin(c)
+            ok = i < accepted
+            self.hits[b] += ok
+            self.n[b] += 1
+            self.obs_n[b] += 1
+            self.obs_hits[b] += ok
+            self.obs_pred[b] += preds[i] if i < len(preds) else self.p(c)
+
+    def counts(self) -> dict:
+        """Observed counts (what a profile stores as the next session's prior)."""
+        return {"hits": list(self.obs_hits), "n": list(self.obs_n)}
+
+    def reliability(self) -> list[dict]:
+        """Per bin with outcomes: mean predicted acceptance against the observed rate."""
+        out = []
+        for b in range(BINS):
+            if self.obs_n[b]:
+                out.append({"bin": [b / BINS, (b + 1) / BINS], "n": self.obs_n[b],
+                            "predicted": round(self.obs_pred[b] / self.obs_n[b], 4),
+                            "observed": round(self.obs_hits[b] / self.obs_n[b], 4)})
+        return out
+
+
+@dataclass
+class RoundGate:
+    """One drafting round's stopping rule. ``V[j]`` for j = 0..k_max (V[0] = t), ``d`` a draft
+    step, ``sunk`` what the round has already cost before its first draft (a catch-up)."""
+
+    amap: AcceptMap
+    k_max: int
+    d: float
+    V: list[float]
+    sunk: float = 0.0
+    confs: list[float] = field(default_factory=list)
+    preds: list[float] = field(default_factory=list)
+    S: list[float] = field(default_factory=list)      # S_j, j = 1..drafted
+    stop: str = ""
+
+    def E(self, j: int) -> float:
+        return 1.0 + sum(self.S[:j])
+
+    def C(self, j: int) -> float:
+        return self.sunk + len(self.S) * self.d + self.V[j]
+
+    def keep_going(self, conf: float) -> bool:
+        """Called after each drafted token: draft one more? (records why it stops)."""
+        c = self.amap.p(conf)
+        self.confs.append(conf)
+        self.preds.append(c)
+        self.S.append((self.S[-1] if self.S else 1.0) * c)
+        j = len(self.S)
+        if j >= self.k_max:
+            self.stop = "k_max"
+            return False
+        if not worth_next(self.S[-1] * c, self.d + self.V[j + 1] - self.V[j], self.E(j), self.C(j)):
+            self.stop = "gate"
+            return False
+        return True
+
+    def verify_length(self, drafted: int) -> int:
+        """How many of the drafted tokens to verify (0: none, a plain step instead)."""
+        if not self.stop:
+            self.stop = "source"     # the source offered fewer than the gate would take
+        j = best_verify_length(self.S[:drafted], self.V, self.sunk + drafted * self.d)
+        if j < drafted:
+            self.stop = "cut"
+        return j
+
+
+def worth_next(gain: float, extra_ms: float, E: float, C: float) -> bool:
+    """Draft one more token only if its expected tokens per extra ms beat the round's rate E / C."""
+    return extra_ms <= 0 or gain * C > E * extra_ms
+
+
+def best_verify_length(S: list[float], V: list[float], spent: float) -> int:
+    """The verify length j <= len(S) with the most expected tokens per ms (V is not monotone on CPU)."""
+    best_j, best_e, best_c = 0, 1.0, spent + V[0]
+    e = 1.0
+    for j, s in enumerate(S, start=1):
+        e += s
+        if e * best_c > best_e * (spent + V[j]):
+            best_j, best_e, best_c = j, e, spent + V[j]
+    return best_j
+
+
+def recording_gate(amap: AcceptMap, k: int) -> RoundGate:
+    """A gate that never stops a draft early (zero costs): it only records confidences (calibration)."""
+    return RoundGate(amap, k, 0.0, [0.0] * (k + 1))
+
+
+class Reliability:
+    """The calibration check of the gate's predictions: drafted tokens binned by their predicted
+    acceptance, the mean prediction against the observed rate per bin (a reliability diagram)."""
+
+    def __init__(self):
+        self.n = [0] * BINS
+        self.hits = [0] * BINS
+        self.pred = [0.0] * BINS
+
+    def add(self, preds: list[float], drafted: int, accepted: int) -> None:
+        """One verified round: drafts 1..accepted accepted, draft accepted+1 rejected, later ones unjudged."""
+        for i, p in enumerate(preds[: min(drafted, accepted + 1)]):
+            b = conf_bin(p)
+            self.n[b] += 1
+            self.hits[b] += i < accepted
+            self.pred[b] += p
+
+    def rows(self) -> list[dict]:
+        return [{"bin": [b / BINS, (b + 1) / BINS], "n": self.n[b], "predicted": round(self.pred[b] / self.n[b], 4),
+                 "observed": round(self.hits[b] / self.n[b], 4)} for b in range(BINS) if self.n[b]]
+
+    def error(self) -> float | None:
+        """Expected calibration error: |predicted - observed| averaged over tokens (None: no data)."""
+        total = sum(self.n)
+        if not total:
+            return None
+        return sum(abs(self.pred[b] - self.hits[b]) for b in range(BINS)) / total

@@ -1,0 +1,116 @@
+"""The confidence gate (rakv.gate): its rules on their own, and the engine with it stays exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from rakv.config import Policy, RakvConfig
+from rakv.costs import CostProfile
+from rakv.drafts import ModelDraft, NgramDraft
+from rakv.engine import Engine
+from rakv.gate import BINS, AcceptMap, RoundGate, best_verify_length, conf_bin, worth_next
+from rakv.records import Round
+from tests.tiny import make_pair, oracle
+
+N = 24
+
+
+def profile(V=None, d=0.3, alpha0=0.7) -> CostProfile:
+    V = V or {str(k): 1.0 + 0.02 * k for k in range(1, 9)}
+    return CostProfile(T_pf=[[8, 1.0], [64, 4.0]], D_pf=[[8, 0.5], [64, 1.0]], t=[[16, 1.0], [256, 1.0]],
+                       d=[[16, d], [256, d]], V=V, alpha0=alpha0)
+
+
+def test_policy_names():
+    assert Policy.parse("adaptive:gate").gate and Policy.parse("adaptive:gate").adaptive
+    assert not Policy.parse("adaptive:nogate").gate and Policy.parse("adaptive:nogate").adaptive
+    assert not Policy.parse("joint:4").gate
+
+
+def test_accept_map_learns_per_bin_and_reports_reliability():
+    m = AcceptMap(alpha=0.5)
+    hi, lo = 0.95, 0.15
+    for _ in range(200):
+        m.observe([hi, hi, lo], [m.p(hi), m.p(hi), m.p(lo)], 2)     # two confident accepted, then a rejection
+    assert m.p(hi) > 0.95 and m.p(lo) < 0.05
+    rel = {r["bin"][0]: r for r in m.reliability()}
+    assert rel[conf_bin(hi) / BINS]["observed"] == 1.0 and rel[conf_bin(lo) / BINS]["observed"] == 0.0
+    assert m.counts()["n"][conf_bin(hi)] == 400
+    # tokens after the first rejection are never judged
+    m2 = AcceptMap()
+    m2.observe([0.5, 0.5, 0.5], [0.5, 0.5, 0.5], 0)
+    assert sum(m2.obs_n) == 1
+    # a calibration's counts become the prior
+    m3 = AcceptMap(0.5, m.counts())
+    assert m3.p(hi) > 0.8 and m3.p(lo) < 0.2
+
+
+def test_stop_rules():
+    # one more draft costs d + V(j+1) - V(j) and gains S_j c tokens; the round's rate is E / C
+    assert worth_next(0.9, 0.3, 1.9, 1.5)
+    assert not worth_next(0.1, 0.3, 1.9, 1.5)
+    assert worth_next(0.0, 0.0, 1.0, 1.0)          # free: keep going
+    # verify length: V not monotone -- verifying 3 can beat 2 when V(2) spikes
+    V = [1.0, 1.1, 2.0, 1.15]
+    assert best_verify_length([0.9, 0.8, 0.7], V, spent=0.3) == 3
+    assert best_verify_length([0.9, 0.8], V, spent=0.3) == 1
+    # hopeless drafts: a plain step instead of a verify that costs more
+    assert best_verify_length([0.01], [1.0, 1.6], spent=0.3) == 0
+
+
+def test_round_gate_stops_on_low_confidence_and_at_k_max():
+    m = AcceptMap(alpha=0.5)
+    g = RoundGate(m, 8, 0.3, [1.0] + [1.05] * 8)
+    assert g.keep_going(0.97)
+    assert not g.keep_going(0.05) and g.stop == "gate"
+    g2 = RoundGate(m, 2, 0.0, [1.0, 1.0, 1.0])
+    assert g2.keep_going(0.9) and not g2.keep_going(0.9) and g2.stop == "k_max"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("agreement", ["identical", "mostly", "disagree"])
+def test_gated_adaptive_matches_oracle(arch, agreement):
+    target, draft = make_pair(arch, agreement)
+    base = list(range(5, 45))
+    prompts = [base, base[:30] + [7, 8, 9, 10], base[:12], [3, 4, 5] * 6, base]   # partial and exact hits
+    for src in (ModelDraft(draft), NgramDraft()):
+        recs = []
+        eng = Engine(target, src, RakvConfig(policy="adaptive:gate"), callback=recs.append, profile=profile())
+        for p in prompts:
+            assert eng.generate(p, N).output_ids == oracle(target.model, p, N), (arch, agreement, src.name, p)
+        spec = [r for r in recs if isinstance(r, Round) and r.kind == "spec"]
+        assert spec, "the gate profile makes drafting pay: some rounds must draft"
+        for r in spec:
+            assert r.draft_stop in ("k_max", "gate", "cut", "source")
+            assert len(r.draft_pred) == len(r.draft_conf) >= r.drafted
+            assert all(0.0 <= c <= 1.0 for c in r.draft_conf + r.draft_pred)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_gate_eos_mid_round(arch):
+    target, draft = make_pair(arch, "identical")
+    p = list(range(30, 50))
+    free = oracle(target.model, p, 30)
+    j = next(i for i in range(5, 30) if free[i] not in free[:i])
+    target.eos_ids = frozenset({free[j]})
+    target.model.generation_config.eos_token_id = free[j]
+    ref = oracle(target.model, p, 30)
+    end = Engine(target, ModelDraft(draft), RakvConfig(policy="adaptive:gate"), profile=profile()).generate(p, 30)
+    assert end.output_ids == ref and end.stopped == "eos"
+
+
+def test_gate_cuts_a_disagreeing_draft_short():
+    """A draft that is nearly always rejected: after a few rounds the calibrated map makes the gate
+    stop early, so drafted tokens per drafting round fall well below k_max."""
+    target, draft = make_pair("llama", "disagree")
+    target.eos_ids = frozenset()          # the tokenizer's <eos> (id 0) is not the model's EOS here
+    recs = []
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy="adaptive:gate", k_set=(0, 8)),
+                 callback=recs.append, profile=profile(alpha0=0.95))
+    eng.set_force((1, 8))
+    for s in range(6):
+        p = list(range(10 + s, 40 + s))
+        assert eng.generate(p, N).output_ids == oracle(target.model, p, N)
+    spec = [r for r in recs if isinstance(r, Round) and r.kind == "spec"]
+    late = spec[len(spec) // 2:]
+    assert sum(r.drafted for r in late) / len(late) < 4
