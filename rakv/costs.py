@@ -12,6 +12,14 @@ first time a pair is used) and is refined online from every measured round:
   clone     prefix-cache clone/store cost per token; lookup cost
   alpha0    acceptance measured during calibration (the controller's prior)
 
+Online refinement: every prediction is base x machine x term. ``machine`` (scale["machine"]) is
+one factor all terms share, moved by every measurement: when the machine slows down (another
+process, a frequency change) all terms move together, so the ratios that decide k (V(k)/t, d/t,
+measured interleaved at calibration) stay. A term's own scale corrects its ratio to the others
+and is bounded by TERM_DRIFT: measured independently, a step observed during a burst of load
+and a verify observed before it made k = 1 look 30% cheaper than k = 0 at zero acceptance, and
+then no plain step was taken again to correct it (docs/results.md, session 5).
+
 Profiles are JSON files in the cache dir, keyed by a machine fingerprint (CPU model, threads,
 torch version, device (and GPU name), fast path on/off), the model pair and dtype. A changed
 fingerprint means a new calibration. ``regime`` holds the per-machine regime figures that
@@ -46,6 +54,8 @@ ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-
 ONLINE_FIRST = 4             # this session's first measurements of a term weigh 1/2, 1/3, 1/4, 1/5 (a stale
                              # profile is corrected within a few requests), later ones ONLINE_WEIGHT
 ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
+MACHINE = "machine"          # the shared factor's key in ``scale``
+TERM_DRIFT = 1.10            # a term's own scale stays within [1/this, this] (ratios are calibrated)
 
 
 def fingerprint(target_key: str, draft_key: str, dtype: str, device: str = "cpu", fast: bool = False) -> dict:
@@ -129,17 +139,22 @@ class CostProfile:
     regime: dict = field(default_factory=dict)
 
     # --------------------------------------------------------------- the model's terms
+    def factor(self, term: str) -> float:
+        """The online scale of a term: the shared machine factor times its own (bounded) one."""
+        own = min(TERM_DRIFT, max(1.0 / TERM_DRIFT, self.scale.get(term, 1.0)))
+        return self.scale.get(MACHINE, 1.0) * own
+
     def T(self, n: float) -> float:
-        return 0.0 if n <= 0 else interp(self.T_pf, n) * self.scale.get("T", 1.0)
+        return 0.0 if n <= 0 else interp(self.T_pf, n) * self.factor("T")
 
     def D(self, n: float) -> float:
-        return 0.0 if n <= 0 or not self.D_pf else interp(self.D_pf, n) * self.scale.get("D", 1.0)
+        return 0.0 if n <= 0 or not self.D_pf else interp(self.D_pf, n) * self.factor("D")
 
     def step(self, ctx: float) -> float:
-        return interp(self.t, ctx) * self.scale.get("t", 1.0)
+        return interp(self.t, ctx) * self.factor("t")
 
     def draft_step(self, ctx: float) -> float:
-        return (interp(self.d, ctx) if self.d else 0.0) * self.scale.get("d", 1.0)
+        return (interp(self.d, ctx) if self.d else 0.0) * self.factor("d")
 
     def verify(self, k: int, ctx: float) -> float:
         """V(k) at context ctx: measured at V_ctx, scaled with context like a step."""
@@ -152,20 +167,30 @@ class CostProfile:
             pts.insert(0, [0, interp(self.t, self.V_ctx)])
             base = interp(pts, k)
         ctx_factor = interp(self.t, ctx) / max(1e-9, interp(self.t, self.V_ctx))
-        return base * ctx_factor * self.scale.get(f"V{k}", 1.0)
+        return base * ctx_factor * self.factor(f"V{k}")
 
     # --------------------------------------------------------------- online refinement
     def observe(self, term: str, predicted: float, measured: float) -> None:
-        """Refine one term's scale from a measurement (robust: clipped ratio, log-space EWMA)."""
+        """Refine the scales from one measurement of ``term`` (``predicted`` with the current
+        scales): the machine factor takes it first, the term's own scale what is left (bounded).
+        Robust: a clipped ratio, log-space EWMAs."""
         if predicted <= 0 or measured <= 0 or not math.isfinite(measured):
             return
         r = min(ONLINE_CLIP, max(1.0 / ONLINE_CLIP, measured / predicted))
-        s = self.scale.get(term, 1.0)
-        n = self._seen.get(term, 0)
-        w = 1.0 / (n + 2) if n < ONLINE_FIRST else ONLINE_WEIGHT
-        self.scale[term] = math.exp((1 - w) * math.log(s) + w * math.log(s * r))
+        m = self.scale.get(MACHINE, 1.0)
+        m_new = m * r ** self._weight(MACHINE)
+        self.scale[MACHINE] = m_new
+        left = r * m / m_new                    # the part of this measurement the machine did not explain
+        own = min(TERM_DRIFT, max(1.0 / TERM_DRIFT, self.scale.get(term, 1.0)))
+        self.scale[term] = min(TERM_DRIFT, max(1.0 / TERM_DRIFT, own * left ** self._weight(term)))
         self.samples[term] = self.samples.get(term, 0) + 1
-        self._seen[term] = n + 1
+
+    def _weight(self, key: str) -> float:
+        """This session's first measurements weigh 1/2, 1/3, ... (a stale profile is corrected within
+        a few requests), later ones ONLINE_WEIGHT."""
+        n = self._seen.get(key, 0)
+        self._seen[key] = n + 1
+        return 1.0 / (n + 2) if n < ONLINE_FIRST else ONLINE_WEIGHT
 
     # --------------------------------------------------------------- persistence
     def save(self, path: Path) -> None:

@@ -205,6 +205,27 @@ def test_online_refinement_is_robust():
     assert p.step(100) < 20.0 * 1.1
 
 
+def test_a_burst_of_load_moves_every_term_together():
+    """Steps observed during a burst of load must not make drafting look cheaper than stepping: the
+    shared machine factor moves V(k) and d with t, and a term's own drift is bounded."""
+    p = profile(t=10.0, d=3.0, V={k: 10.0 for k in range(1, 9)})     # k = 1 costs 1.3 steps per round
+    s = situation(P=40, N=48)
+    c = Controller(p, (0, 1, 2, 4))
+    c._lS, c._lT = 0.0, 1000.0                        # acceptance ~0: drafting cannot pay
+    assert c.decide(s).k == 0
+    for _ in range(30):
+        p.observe("t", p.step(60), 16.0)              # plain steps 1.6x slower during the burst
+    assert p.step(60) == pytest.approx(16.0, rel=0.12)
+    ratio = (p.draft_step(60) + p.verify(1, 60)) / p.step(60)
+    assert ratio > 1.3 / costs_mod.TERM_DRIFT ** 2 - 1e-9
+    assert c.decide(s).k == 0
+    # old profiles with far-apart per-term scales are read within the bound
+    q = profile(t=10.0)
+    q.scale = {"t": 1.5, "V1": 0.5}
+    assert q.step(60) == pytest.approx(10.0 * costs_mod.TERM_DRIFT)
+    assert q.verify(1, 60) == pytest.approx(q.V["1"] / costs_mod.TERM_DRIFT)
+
+
 def test_recalibrates_when_fingerprint_changes(tmp_path, monkeypatch):
     from rakv.drafts import ModelDraft
     from tests.tiny import make_pair
