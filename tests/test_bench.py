@@ -235,3 +235,22 @@ def test_adaptive_arms_keep_their_profile_across_streams():
     assert a[ad[0]].engine.profile is not a[ad[1]].engine.profile
     w = make_slots(arms, target, draft, RakvConfig(), prof)
     assert all(w[i].engine.profile is not a[i].engine.profile for i in ad)
+
+
+def test_tiny_bench_gate_arms_and_cpu_share(tmp_path):
+    out = tmp_path / "g"
+    rc = main(["bench", "--tiny", "--workload", "repetitive", "--policies", "kv", "joint:4", "adaptive:gate",
+               "adaptive:nogate", "hf:confidence", "--out", str(out), "--repeats", "1", "--n-prompts", "4"])
+    assert rc == 0
+    rows = read(out / "executions.csv")
+    assert {"adaptive:gate", "adaptive:nogate", "hf:confidence"} <= {r["policy"] for r in rows}
+    assert all(r["match"] == "1" for r in rows)
+    assert all(0.0 < float(r["cpu_share"]) <= 1.0 for r in rows)
+    assert not any(r["gate_tokens"] for r in rows if r["policy"] != "adaptive:gate")
+    gated = [r for r in rows if r["policy"] == "adaptive:gate" and r["gate_tokens"]]
+    summary = (out / "summary.md").read_text()
+    assert "exploration" in summary
+    if gated:
+        toks = [t.split(":") for r in gated for t in r["gate_tokens"].split()]
+        assert all(0.0 <= float(p) <= 1.0 and o in ("0", "1") for p, o in toks)
+        assert "Confidence gate: predicted against observed" in summary

@@ -29,9 +29,20 @@ from pathlib import Path
 
 NUMERIC = {"rep", "index", "bucket", "gen", "prompt_tokens", "order", "latency_ms", "ttft_ms", "tokens_per_s",
            "output_tokens", "drafted", "accepted", "rounds", "mean_accept_len", "alpha_req", "hit_tokens",
-           "exact_repeat", "reuse", "k", "mean_k", "predicted_ms", "match", "first_diff", "feasible", "chosen"}
+           "exact_repeat", "reuse", "k", "mean_k", "predicted_ms", "match", "first_diff", "feasible", "chosen",
+           "explore_ms", "cpu_share"}
 REFS = ("ar", "kv", "joint:4")
 MIN_REPEATS = 3          # executions of every action per request for a de-noised oracle
+
+
+QUIET_SHARE = 0.8    # an execution whose main thread got less CPU than this share of its wall time was contended
+
+
+def quiet_rows(rows: list[dict]) -> tuple[list[dict], int]:
+    """Rows of the request positions (repeat, stream, index) where every execution had the CPU
+    (cpu_share >= QUIET_SHARE; rows without the column count as quiet), and how many were dropped."""
+    bad = {key(r) for r in rows if isinstance(r.get("cpu_share"), (int, float)) and r["cpu_share"] < QUIET_SHARE}
+    return [r for r in rows if key(r) not in bad], len(bad)
 
 
 def load_csv(path: Path) -> list[dict]:

@@ -331,6 +331,12 @@ def write_summary(out: Path) -> Path:
     text += "\n## Median latency (ms) per prompt bucket P and generation length N\n\n" + cells_md(rows)
     text += "\n## Adaptive against every policy (paired ratios)\n" + adaptive_vs_md(rows)
     text += "\n## Adaptive against the best fixed policy of each workload\n\n" + best_fixed_md(rows)
+    text += explore_md(rows)
+    quiet, dropped = M.quiet_rows(rows)
+    if dropped:
+        text += (f"\n### The same without contended requests\n\n{dropped} of {len({M.key(r) for r in rows})} "
+                 f"request positions dropped: in at least one policy's execution the main thread got less than "
+                 f"{M.QUIET_SHARE:.0%} of the wall time (another process took the CPU).\n\n" + best_fixed_md(quiet))
     qs = quality(cands, rows)
     text += ("\n## Controller quality (oracle = every action run on the same request, median over repeats)\n\n"
              + denoise_note(rows) + "\n\n" + controller_md(qs))
@@ -345,6 +351,18 @@ def write_summary(out: Path) -> Path:
     path = out / "summary.md"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def explore_md(rows: list[dict]) -> str:
+    """What each adaptive policy spent on exploration (probes' cost beyond the plain steps they replaced)."""
+    out = []
+    for p in (p for p in M.policies_in(rows) if p.startswith("adaptive")):
+        mine = [r for r in rows if r["policy"] == p]
+        total = sum(r["latency_ms"] or 0 for r in mine)
+        spent = sum(r.get("explore_ms") or 0 for r in mine)
+        if total > 0:
+            out.append(f"- {p}: exploration {spent:.0f} ms of {total / 1e3:.1f} s ({100 * spent / total:.2f}%)")
+    return ("\n" + "\n".join(out) + "\n") if out else ""
 
 
 def gate_md(rows: list[dict]) -> str:

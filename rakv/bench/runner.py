@@ -29,12 +29,13 @@ from .peers import PEERS, peer_available, run_peer
 from .workloads import Request
 
 now = time.perf_counter
+cpu_clock = time.thread_time
 
 EXEC_COLUMNS = [
     "rep", "cell", "index", "workload", "kind", "context_id", "bucket", "gen", "prompt_tokens", "policy",
     "order", "latency_ms", "ttft_ms", "tokens_per_s", "output_tokens", "drafted", "accepted", "rounds",
     "mean_accept_len", "alpha_req", "hit_tokens", "exact_repeat", "reuse", "k", "mean_k", "predicted_ms",
-    "match", "first_diff", "stopped", "explore_ms", "gate_stops", "gate_tokens",
+    "match", "first_diff", "stopped", "explore_ms", "cpu_share", "gate_stops", "gate_tokens",
 ]
 CAND_COLUMNS = ["rep", "cell", "index", "policy", "reuse", "k", "predicted_ms", "feasible", "chosen"]
 
@@ -280,10 +281,15 @@ def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, ce
     rot = (req.index + rep) % n
     rows, cands = [], []
     for pos, slot in enumerate(slots[rot:] + slots[:rot]):
+        c0, w0 = cpu_clock(), now()
         if slot.arm.peer:
             row, cc = run_peer_slot(slot, req, ctx.target, ctx.draft, ctx.lookup_k)
         else:
             row, cc = run_engine(slot, req)
+        wall = now() - w0
+        # the main thread's CPU time over wall time: ~1 on a quiet machine (it computes or spins
+        # through every forward); lower when another process took the CPU during this execution
+        row["cpu_share"] = round(min(1.0, (cpu_clock() - c0) / wall), 3) if wall > 0 else ""
         base = dict(rep=rep, cell=cell, index=req.index, workload=req.workload, kind=req.kind,
                     context_id=req.context_id, bucket=req.bucket, gen=req.gen, prompt_tokens=len(req.ids),
                     policy=slot.arm.name, order=pos)
