@@ -2,10 +2,10 @@
 
     python scripts/calibration_under_load.py --draft int8 --out out/cal-load.json
 
-1. quiet: ``rakv calibrate --recalibrate`` on a quiet machine -> profile Q;
+1. quiet: ``rakv calibrate`` on a quiet machine -> profile Q;
 2. loaded: the same while a second torch process keeps every core busy (matrix products on as many
    threads as this machine has cores) -> profile L, which must come out flagged ``contended``;
-3. after: the load stopped, an ordinary ``rakv calibrate`` (no --recalibrate) loads L, sees the
+3. after: the load stopped, an ordinary ``rakv generate`` (one short request) loads L, sees the
    contended flag on a quiet machine and measures again -> the saved profile S.
 
 Each run uses its own profile folder (RAKV_CACHE, the converted models shared by a link). Printed:
@@ -30,8 +30,11 @@ LOAD = ("import torch, os\ntorch.set_num_threads(os.cpu_count())\na = torch.rand
 
 def calibrate(cache: Path, args, recalibrate: bool) -> tuple[dict, float]:
     env = dict(os.environ, RAKV_CACHE=str(cache))
-    cmd = [sys.executable, "-m", "rakv", "calibrate", "--target", args.target, "--draft", args.draft,
-           "--threads", str(args.threads)] + (["--recalibrate"] if recalibrate else [])
+    # `rakv calibrate` always measures; an ordinary run (one short request) loads the saved profile
+    # and measures again only if it must (here: it was marked contended and the machine is quiet now)
+    cmd = [sys.executable, "-m", "rakv"] + (["calibrate"] if recalibrate else
+                                            ["generate", "--prompt", "Hi", "--max-new-tokens", "1"]) + [
+        "--target", args.target, "--draft", args.draft, "--threads", str(args.threads)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
