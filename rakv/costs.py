@@ -58,6 +58,11 @@ MACHINE = "machine"          # the shared factor's key in ``scale``
 TERM_DRIFT = 1.10            # a term's own scale stays within [1/this, this] (ratios are calibrated)
 
 
+def _bounded(own: float) -> float:
+    """A term's own online scale, kept within TERM_DRIFT of 1."""
+    return min(TERM_DRIFT, max(1.0 / TERM_DRIFT, own))
+
+
 def fingerprint(target_key: str, draft_key: str, dtype: str, device: str = "cpu", fast: bool = False) -> dict:
     hw = hardware_info()
     fp = {"cpu": hw["cpu"], "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -141,8 +146,7 @@ class CostProfile:
     # --------------------------------------------------------------- the model's terms
     def factor(self, term: str) -> float:
         """The online scale of a term: the shared machine factor times its own (bounded) one."""
-        own = min(TERM_DRIFT, max(1.0 / TERM_DRIFT, self.scale.get(term, 1.0)))
-        return self.scale.get(MACHINE, 1.0) * own
+        return self.scale.get(MACHINE, 1.0) * _bounded(self.scale.get(term, 1.0))
 
     def T(self, n: float) -> float:
         return 0.0 if n <= 0 else interp(self.T_pf, n) * self.factor("T")
@@ -181,8 +185,7 @@ class CostProfile:
         m_new = m * r ** self._weight(MACHINE)
         self.scale[MACHINE] = m_new
         left = r * m / m_new                    # the part of this measurement the machine did not explain
-        own = min(TERM_DRIFT, max(1.0 / TERM_DRIFT, self.scale.get(term, 1.0)))
-        self.scale[term] = min(TERM_DRIFT, max(1.0 / TERM_DRIFT, own * left ** self._weight(term)))
+        self.scale[term] = _bounded(_bounded(self.scale.get(term, 1.0)) * left ** self._weight(term))
         self.samples[term] = self.samples.get(term, 0) + 1
 
     def _weight(self, key: str) -> float:

@@ -27,6 +27,12 @@ def conf_bin(c: float) -> int:
     return min(BINS - 1, max(0, int(c * BINS)))
 
 
+def judged(xs: list, drafted: int, accepted: int) -> list[tuple]:
+    """(x, accepted?) for the drafted tokens a verify judged: the accepted ones and the first
+    rejected one (tokens after it were never judged on their own prefix)."""
+    return [(x, i < accepted) for i, x in enumerate(xs[: min(drafted, accepted + 1)])]
+
+
 class AcceptMap:
     """P(target accepts | draft confidence bin): (prior + observed accepts) / (prior + observed trials).
 
@@ -57,9 +63,8 @@ class AcceptMap:
 
     def observe(self, confs: list[float], preds: list[float], accepted: int) -> None:
         """Fold in one verify: drafts 1..accepted were accepted, draft accepted+1 (if any) rejected."""
-        for i, c in enumerate(confs[: accepted + 1]):
+        for i, (c, ok) in enumerate(judged(confs, len(confs), accepted)):
             b = conf_bin(c)
-            ok = i < accepted
             self.hits[b] += ok
             self.n[b] += 1
             self.obs_n[b] += 1
@@ -159,11 +164,14 @@ class Reliability:
 
     def add(self, preds: list[float], drafted: int, accepted: int) -> None:
         """One verified round: drafts 1..accepted accepted, draft accepted+1 rejected, later ones unjudged."""
-        for i, p in enumerate(preds[: min(drafted, accepted + 1)]):
-            b = conf_bin(p)
-            self.n[b] += 1
-            self.hits[b] += i < accepted
-            self.pred[b] += p
+        for p, ok in judged(preds, drafted, accepted):
+            self.add_one(p, ok)
+
+    def add_one(self, p: float, ok: bool) -> None:
+        b = conf_bin(p)
+        self.n[b] += 1
+        self.hits[b] += ok
+        self.pred[b] += p
 
     def rows(self) -> list[dict]:
         return [{"bin": [b / BINS, (b + 1) / BINS], "n": self.n[b], "predicted": round(self.pred[b] / self.n[b], 4),

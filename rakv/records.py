@@ -453,9 +453,11 @@ def _gate_row(row: dict, r: "Round") -> None:
     row["gate_rounds"] = row.get("gate_rounds", 0) + 1
     stops = row.setdefault("_stops", {})
     stops[r.draft_stop] = stops.get(r.draft_stop, 0) + 1
+    from .gate import judged
+
     n, p, h = row.get("_judged", (0, 0.0, 0))
-    judged = r.draft_pred[: min(r.drafted, r.accepted + 1)]
-    row["_judged"] = (n + len(judged), p + sum(judged), h + min(r.accepted, len(judged)))
+    js = judged(r.draft_pred, r.drafted, r.accepted)
+    row["_judged"] = (n + len(js), p + sum(x for x, _ in js), h + sum(ok for _, ok in js))
 
 
 def _write_rows(rows: list[dict], columns, out: str | os.PathLike) -> int:

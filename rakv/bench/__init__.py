@@ -134,12 +134,13 @@ def policy_names(raw: list[str] | None) -> list[str] | None:
     from rakv.config import Policy
 
     from .peers import PEERS
+    from .runner import ADAPTIVE_ARMS
 
     if not raw:
         return None
     names = [n.strip().lower() for x in raw for n in x.split(",") if n.strip()]
     for n in names:
-        if n not in ("adaptive", "adaptive:request", "adaptive:round", "adaptive:gate", "adaptive:nogate") + PEERS:
+        if n not in ADAPTIVE_ARMS + PEERS:
             Policy.parse(n)
     if not names:
         raise ValueError("--policies is empty")

@@ -113,7 +113,7 @@ def crossover_plot(rows: list[dict], predicted: dict, out: Path) -> Path | None:
 
 def gate_reliability(rows: list[dict]) -> dict:
     """Per gated policy: rakv.gate.Reliability over every judged drafted token of the run."""
-    from rakv.gate import Reliability, conf_bin
+    from rakv.gate import Reliability
 
     out: dict = {}
     for r in rows:
@@ -123,10 +123,7 @@ def gate_reliability(rows: list[dict]) -> dict:
         rel = out.setdefault(r["policy"], Reliability())
         for t in toks:
             p, ok = t.split(":")
-            b = conf_bin(float(p))
-            rel.n[b] += 1
-            rel.hits[b] += int(ok)
-            rel.pred[b] += float(p)
+            rel.add_one(float(p), ok == "1")
     return out
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rakv.config import Policy, RakvConfig
 from rakv.engine import Engine
+from rakv.gate import judged
 from rakv.records import Decision, Round
 
 from .peers import PEERS, peer_available, run_peer
@@ -37,6 +38,8 @@ EXEC_COLUMNS = [
     "mean_accept_len", "alpha_req", "hit_tokens", "exact_repeat", "reuse", "k", "mean_k", "predicted_ms",
     "match", "first_diff", "stopped", "explore_ms", "cpu_share", "gate_stops", "gate_tokens",
 ]
+GATE_ARMS = ("adaptive:gate", "adaptive:nogate")     # per request, with / without the confidence gate
+ADAPTIVE_ARMS = ("adaptive", "adaptive:request", "adaptive:round") + GATE_ARMS
 CAND_COLUMNS = ["rep", "cell", "index", "policy", "reuse", "k", "predicted_ms", "feasible", "chosen"]
 
 
@@ -86,7 +89,7 @@ def parse_arms(names: list[str], draft) -> list[Arm]:
                    Arm("adaptive:round", policy="adaptive", granularity="round")]
         elif n in ("adaptive:request", "adaptive:round"):
             new = [Arm(n, policy="adaptive", granularity=n.split(":")[1])]
-        elif n in ("adaptive:gate", "adaptive:nogate"):      # per request, with / without the gate
+        elif n in GATE_ARMS:      # per request, with / without the gate
             new = [Arm(n, policy=n, granularity="request")]
         elif n in PEERS:
             if not peer_available(n, draft):
@@ -171,8 +174,7 @@ def gate_columns(rounds: list[Round]) -> dict:
     toks = []
     for r in gated:
         stops[r.draft_stop] = stops.get(r.draft_stop, 0) + 1
-        judged = r.draft_pred[: min(r.drafted, r.accepted + 1)]
-        toks += [f"{p:.3f}:{int(i < r.accepted)}" for i, p in enumerate(judged)]
+        toks += [f"{p:.3f}:{int(ok)}" for p, ok in judged(r.draft_pred, r.drafted, r.accepted)]
     return {"gate_stops": " ".join(f"{k}:{v}" for k, v in sorted(stops.items())), "gate_tokens": " ".join(toks)}
 
 
