@@ -646,7 +646,13 @@ def load_or_calibrate(target, draft, cache: Path, k_max: int = 8, force: bool = 
             if again is not None and (prof is None or again.calibrated_at != prof.calibrated_at):
                 return again, False
         say(f"calibrating costs for this machine and pair (one time; profile {path.name}) ...")
-        prof = calibrate(target, draft, k_max=k_max, progress=progress, quick=quick)
+        meter = Meter()
+        busy = busy_now(target)
+        if busy:
+            say(f"the machine is busy ({busy}): a quick calibration, saved marked contended and measured "
+                "again on a later run when the machine is quiet")
+            meter.note(f"busy when calibration started: {busy}")
+        prof = calibrate(target, draft, k_max=k_max, progress=progress, quick=quick or bool(busy), meter=meter)
         prof.fingerprint = fp
         if prof.contended:
             say("calibration ran on a busy machine (" + "; ".join(prof.quality.get("reasons", [])) + "): the "
@@ -670,6 +676,18 @@ def _stale_contended(prof: CostProfile, target, say) -> bool:
     say(f"the saved cost profile was measured on a busy machine (still busy: CPU share {probe.share:.0%}); "
         "using it, refined as requests run")
     return False
+
+
+def busy_now(target) -> str | None:
+    """Why the machine looks busy right now (a short probe of target steps), or None if quiet.
+    A busy machine gets a quick calibration: full repeats would only measure the load, slowly."""
+    if not check_enabled():
+        return None
+    for _ in range(2):          # twice: one noisy probe on a quiet machine is not enough to say busy
+        probe = quiet_probe(target)
+        if is_quiet(probe):
+            return None
+    return f"CPU share {probe.share:.0%}, spread {probe.spread:.0%}"
 
 
 def quiet_probe(target, n: int = 8) -> Timing:

@@ -21,7 +21,7 @@ from .config import Policy, RakvConfig
 from .controller import AlphaEWMA, Choice, Controller, Situation
 from .costs import CostProfile
 from .drafts import DraftSource, ModelDraft, NgramDraft, NoDraft, prefill_with_reuse
-from .gate import AcceptMap, RoundGate
+from .gate import LOOKUP_ALPHA, AcceptMap, RoundGate
 from .models import LoadedModel, model_info
 from .prefix_cache import PrefixCache
 from .prompts import EncodedPrompt, encode_prompt
@@ -123,6 +123,9 @@ class Engine:
             raise EngineError("the adaptive policy needs a cost profile (run calibration)")
         # draft confidence -> chance of acceptance, for the gate (prior: the calibration's counts)
         self.accept_map = AcceptMap(self.alpha.value, profile.accept_map if profile is not None else None)
+        # the n-gram side draft of k = 0 rounds under the gate (its own map unless it is the draft)
+        self.lookup = self.draft if isinstance(self.draft, NgramDraft) else NgramDraft()
+        self.lookup_map = self.accept_map if self.lookup is self.draft else AcceptMap(LOOKUP_ALPHA)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._next_id = 0
@@ -362,6 +365,20 @@ class Engine:
                          [p.step(ctx)] + [p.verify(j, ctx) for j in range(1, k + 1)],
                          sunk=self.controller.catchup_ms(behind, rq.draft_model))
 
+    def _lookup(self, rq: "_Request", seq: list[int], remaining: int) -> tuple[list[int], float, RoundGate | None]:
+        """A k = 0 round under the gate: the n-gram continuation costs ~nothing to look up, so verify
+        the part of it whose expected tokens per ms beat a plain step (often none)."""
+        p = self.profile
+        k_max = min(max(rq.k_set), remaining - 1)
+        if not (rq.policy.gate and p is not None and rq.force is None and k_max >= 1):
+            return [], 0.0, None
+        ctx = len(seq)
+        gate = RoundGate(self.lookup_map, k_max, 0.0, [p.step(ctx)] + [p.verify(j, ctx) for j in range(1, k_max + 1)])
+        prop = self.lookup.propose(seq, k_max, gate)
+        if not prop.tokens:
+            return [], prop.ms, None
+        return prop.tokens[: gate.verify_length(len(prop.tokens))], prop.ms, gate
+
     def _draft(self, rq: "_Request", seq: list[int], k: int, gate: RoundGate | None = None):
         """Draft up to k tokens (a model draft first catches up); reports the draft's prompt lookup."""
         prop = self.draft.propose(seq, k, gate)
@@ -386,6 +403,9 @@ class Engine:
         proposed = bool(drafts)
         if gate is not None and drafts:
             drafts = drafts[: gate.verify_length(len(drafts))]
+        lookup = k == 0 and rq.policy.gate
+        if lookup:
+            drafts, draft_ms, gate = self._lookup(rq, seq, remaining)
         tv = now()
         if drafts:
             emitted, a = verify_accept(self.target.model, rq.cache, seq[-1], drafts)
@@ -402,15 +422,18 @@ class Engine:
             self.draft.commit(rq.ids + rq.out)
         m = len(drafts)
         if gate is not None and m:
-            self.accept_map.observe(gate.confs[:m], gate.preds[:m], a)
-        rq.drafted += m
-        rq.accepted += a
+            (self.lookup_map if lookup else self.accept_map).observe(gate.confs[:m], gate.preds[:m], a)
+        if not lookup:           # a request's drafted / accepted count the model draft's rounds
+            rq.drafted += m
+            rq.accepted += a
         rq.rounds += 1
         round_ms = (now() - t_round) * 1e3
         explore = 0.0
         if self.controller is not None:
-            explore = self.controller.observe_round(m, a, round_ms, len(emitted), len(seq))
-            self._observe_costs("spec" if drafts else "ar", m, len(seq), verify_ms, draft_ms, catch_tok, rq.draft_model)
+            # a lookup's acceptance is not the model draft's alpha: the controller sees a k = 0 round
+            explore = self.controller.observe_round(0 if lookup else m, a, round_ms, len(emitted), len(seq))
+            self._observe_costs("spec" if drafts else "ar", m, len(seq), verify_ms, draft_ms, catch_tok,
+                                rq.draft_model and not lookup)
         else:
             self.alpha.update(a, m)
         rq.explore_ms += explore
@@ -424,7 +447,8 @@ class Engine:
                          explore_ms=round(explore, 3),
                          draft_conf=[round(c, 4) for c in gate.confs] if gate else [],
                          draft_pred=[round(c, 4) for c in gate.preds] if gate else [],
-                         draft_stop=gate.stop if gate else ""))
+                         draft_stop=gate.stop if gate else "",
+                         draft_source="lookup" if lookup and gate else ""))
         self._check_end(rq)
 
     def _finish(self, rq: "_Request", choice: Choice | None) -> RequestEnd:

@@ -11,8 +11,10 @@ S_j = c_1 ... c_j the chance that the first j drafts all survive:
     C_j = sunk_j + V(j)                its cost: drafting so far (catch-up + j d) plus the verify;
                                        V(0) = t: drop the drafts and take a plain step
 
-The per-request (r, k) stays the controller's argmin (k = 0: no drafting at all); the gate only
-decides how far each drafting round goes, within k_max.
+The per-request (r, k) stays the controller's argmin; the gate decides how far each drafting round
+goes, within k_max. In a k = 0 round (the model draft does not pay) the gate still looks up the
+n-gram continuation, which costs microseconds, and verifies it when E_j / C_j beats a plain step:
+the one way to gain where no model draft pays (``Engine._lookup``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 BINS = 10             # confidence bins of width 0.1
 PRIOR_WEIGHT = 2.0    # pseudo-trials per bin behind the prior (calibration or the confidence itself)
+LOOKUP_ALPHA = 0.3    # the n-gram side draft's prior acceptance before any verify (learned online)
 
 
 def conf_bin(c: float) -> int:

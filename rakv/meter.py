@@ -36,6 +36,7 @@ SHARE_QUIET = 0.9        # ... at or above this (and a low spread): the machine 
 MAX_RETRIES = 2          # per term
 RETRY_BUDGET = 16        # per calibration (bounds the time a busy machine can add)
 RETRY_PAUSE_S = 0.05     # pause before the n-th retry: n * this (lets a burst of load pass)
+RETRY_DEADLINE_S = 120.0 # no re-measuring after a calibration has run this long (a busy machine's cap)
 MONO_TOL = 0.05          # a curve may dip this much (relative) before it counts as falling
 
 now = clock                     # perf_counter after syncing an asynchronous device in use
@@ -121,19 +122,33 @@ def drops(ys: list[float]) -> list[int]:
 class Meter:
     """Collects the timings of one calibration and decides what to re-measure."""
 
-    def __init__(self, check: bool | None = None, pause: Callable[[float], None] = time.sleep):
+    def __init__(self, check: bool | None = None, pause: Callable[[float], None] = time.sleep,
+                 deadline_s: float = RETRY_DEADLINE_S):
         self.check = check_enabled() if check is None else check
         self.pause = pause
         self.terms: dict[str, Timing] = {}
         self.retries: dict[str, int] = {}
         self.budget = RETRY_BUDGET
         self.forced: list[str] = []
+        self.notes: list[str] = []                 # reasons found outside the timings (a busy start)
+        self.deadline = now() + deadline_s
+        self.past_deadline = False
+
+    def may_retry(self) -> bool:
+        """Re-measuring is allowed: checking is on, retries are left and the deadline has not passed."""
+        if self.check and self.budget > 0 and now() >= self.deadline:
+            self.past_deadline = True
+        return self.check and self.budget > 0 and not self.past_deadline
+
+    def note(self, reason: str) -> None:
+        """A reason this calibration counts as contended, found outside its own timings."""
+        self.notes.append(reason)
 
     def measure(self, term: str, timing: Callable[[], Timing]) -> Timing:
         """Time a term; while noisy (and retries are left) time it again; keep the cleanest."""
         best = timing()
         n = 0
-        while self.check and best.noisy and n < MAX_RETRIES and self.budget > 0:
+        while best.noisy and n < MAX_RETRIES and self.may_retry():
             n += 1
             self.budget -= 1
             self.pause(RETRY_PAUSE_S * n)
@@ -155,7 +170,7 @@ class Meter:
 
         best, best_ts = fn()
         n = 0
-        while self.check and judge(best_ts).noisy and n < MAX_RETRIES and self.budget > 0:
+        while judge(best_ts).noisy and n < MAX_RETRIES and self.may_retry():
             n += 1
             self.budget -= 1
             self.pause(RETRY_PAUSE_S * n)
@@ -173,7 +188,7 @@ class Meter:
         pts = [list(p) for p in sorted(points)]
         for _ in range(MAX_RETRIES):
             bad = drops([y for _, y in pts])
-            if not bad or not self.check or self.budget <= 0:
+            if not bad or not self.may_retry():
                 break
             for i in sorted({j for b in bad for j in (b, b + 1)}):
                 pts[i][1] = remeasure(i)
@@ -189,7 +204,9 @@ class Meter:
         cpu = sum(sum(t.cpu_ms) for t in self.terms.values())
         share = min(1.0, cpu / wall) if wall > 0 else 1.0
         noisy = [k for k, s in spreads.items() if s > SPREAD_HIGH]
-        reasons = []
+        reasons = list(self.notes)
+        if self.past_deadline:
+            reasons.append(f"re-measuring stopped after {RETRY_DEADLINE_S:.0f} s")
         if share < SHARE_MIN:
             reasons.append(f"this process got {share:.0%} of the CPU time it measured (another process was busy)")
         if spreads and len(noisy) * 3 > len(spreads):
@@ -198,6 +215,7 @@ class Meter:
             reasons.append(f"{', '.join(self.forced)} fell with length even when measured again")
         return {"spread": spreads, "cpu_share": round(share, 3), "retries": sum(self.retries.values()),
                 "retried": sorted(self.retries), "monotone_forced": list(self.forced),
+                "past_deadline": self.past_deadline,
                 "contended": bool(reasons) and self.check, "reasons": reasons if self.check else [],
                 "load_per_core": load_per_core(), "checked": self.check}
 

@@ -120,6 +120,7 @@ class Round:
     draft_conf: list[float] = field(default_factory=list)
     draft_pred: list[float] = field(default_factory=list)
     draft_stop: str = ""
+    draft_source: str = ""      # "lookup": an n-gram side draft the gate verified in a k = 0 round
 
 
 @dataclass

@@ -114,3 +114,41 @@ def test_gate_cuts_a_disagreeing_draft_short():
     spec = [r for r in recs if isinstance(r, Round) and r.kind == "spec"]
     late = spec[len(spec) // 2:]
     assert sum(r.drafted for r in late) / len(late) < 4
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_lookup_in_k0_rounds_gains_where_no_model_draft_pays(arch):
+    """The model draft costs 5 steps a token (k = 0 on every request), a verify about one step: the
+    gate verifies the n-gram continuation in k = 0 rounds, the controller's alpha is left alone,
+    and the output stays the target's own greedy decoding."""
+    target, draft = make_pair(arch, "mostly")
+    target.eos_ids = frozenset()
+    prompts = [[3, 4, 5, 6] * 6, list(range(5, 30)) * 2, [9, 8, 7] * 8]
+    for policy in ("adaptive:gate", "adaptive:nogate"):
+        recs = []
+        eng = Engine(target, ModelDraft(draft), RakvConfig(policy=policy, k_set=(0, 2, 4)), callback=recs.append,
+                     profile=profile(d=5.0, alpha0=0.2))
+        alpha0 = eng.alpha.value
+        for p in prompts:
+            end = eng.generate(p, 40)
+            assert end.output_ids == oracle(target.model, p, 40), (arch, policy, p)
+            assert end.action["k"] == 0
+        looked = [r for r in recs if isinstance(r, Round) and r.draft_source == "lookup"]
+        if policy == "adaptive:nogate":
+            assert not looked
+            continue
+        if arch == "gpt2":      # this tiny GPT-2 repeats itself (260 260, 237 237): lookups are accepted
+            assert sum(r.accepted for r in looked) > 0 and sum(eng.lookup_map.obs_n) > 0
+        assert all(r.kind == "spec" and r.k == 0 and r.draft_stop for r in looked if r.drafted)
+        assert eng.alpha.value == alpha0            # lookups are not the model draft's acceptance
+
+
+def test_lookup_is_not_verified_when_a_verify_costs_three_steps():
+    target, draft = make_pair("llama", "mostly")
+    target.eos_ids = frozenset()
+    recs = []
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy="adaptive:gate", k_set=(0, 2, 4)), callback=recs.append,
+                 profile=profile(V={str(k): 3.0 for k in range(1, 9)}, d=5.0, alpha0=0.2))
+    p = [3, 4, 5, 6] * 6
+    assert eng.generate(p, 30).output_ids == oracle(target.model, p, 30)
+    assert not any(r.drafted for r in recs if isinstance(r, Round))

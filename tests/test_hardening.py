@@ -507,6 +507,28 @@ def test_noisy_term_is_measured_again_and_the_cleanest_kept():
     assert m.retries == {} and not m.quality()["contended"]  # the check off: no retries, no flag
 
 
+def test_retries_stop_at_the_deadline():
+    """A machine busy for the whole calibration: past the deadline no term is measured again
+    (the cap on how long a busy machine can make a calibration), and the profile says so."""
+    m = M.Meter(check=True, pause=lambda s: None, deadline_s=0.0)
+    n = []
+    m.measure("t@16", lambda: n.append(1) or M.Timing([10, 30, 50], [10, 30, 50]))
+    assert len(n) == 1 and m.retries == {}
+    q = m.quality()
+    assert q["past_deadline"] and q["contended"] and any("stopped after" in r for r in q["reasons"])
+
+
+def test_busy_start_gives_a_quick_calibration_marked_contended(pair, tmp_path, capsys, monkeypatch):
+    target, draft = pair
+    monkeypatch.setenv("RAKV_CONTENTION_CHECK", "1")
+    monkeypatch.setattr("rakv.costs.is_quiet", lambda t: False)
+    prof, fresh = C.load_or_calibrate(target, draft, tmp_path, k_max=2)
+    err = capsys.readouterr().err
+    assert fresh and prof.contended and "a quick calibration" in err
+    assert any("busy when calibration started" in r for r in prof.quality["reasons"])
+    assert [x for x, _ in prof.t] == [16, 128]            # the quick grid, not the full one
+
+
 def test_busy_machine_flags_the_profile(pair, tmp_path, capsys, monkeypatch):
     """A calibration where another process takes half the CPU: flagged, said so, saved marked;
     a later run on a quiet machine measures again, on a still-busy one reuses it."""

@@ -36,7 +36,7 @@ EXEC_COLUMNS = [
     "rep", "cell", "index", "workload", "kind", "context_id", "bucket", "gen", "prompt_tokens", "policy",
     "order", "latency_ms", "ttft_ms", "tokens_per_s", "output_tokens", "drafted", "accepted", "rounds",
     "mean_accept_len", "alpha_req", "hit_tokens", "exact_repeat", "reuse", "k", "mean_k", "predicted_ms",
-    "match", "first_diff", "stopped", "explore_ms", "cpu_share", "gate_stops", "gate_tokens",
+    "match", "first_diff", "stopped", "explore_ms", "cpu_share", "gate_stops", "gate_tokens", "lookup_drafted", "lookup_accepted",
 ]
 GATE_ARMS = ("adaptive:gate", "adaptive:nogate")     # per request, with / without the confidence gate
 ADAPTIVE_ARMS = ("adaptive", "adaptive:request", "adaptive:round") + GATE_ARMS
@@ -158,7 +158,7 @@ def alpha_of(rounds: list[Round]) -> float | None:
     """Per-request acceptance, the engine's definition: sum a / sum (a + [a < drafted])."""
     acc = trials = 0
     for r in rounds:
-        if r.drafted > 0:
+        if r.drafted > 0 and not r.draft_source:      # the model draft's rounds, not n-gram lookups
             acc += r.accepted
             trials += r.accepted + (1 if r.accepted < r.drafted else 0)
     return acc / trials if trials else None
@@ -170,12 +170,14 @@ def gate_columns(rounds: list[Round]) -> dict:
     gated = [r for r in rounds if r.draft_stop]
     if not gated:
         return {}
+    looked = [r for r in rounds if r.draft_source == "lookup"]
+    out = {"lookup_drafted": sum(r.drafted for r in looked), "lookup_accepted": sum(r.accepted for r in looked)}
     stops: dict[str, int] = {}
     toks = []
     for r in gated:
         stops[r.draft_stop] = stops.get(r.draft_stop, 0) + 1
         toks += [f"{p:.3f}:{int(ok)}" for p, ok in judged(r.draft_pred, r.drafted, r.accepted)]
-    return {"gate_stops": " ".join(f"{k}:{v}" for k, v in sorted(stops.items())), "gate_tokens": " ".join(toks)}
+    return {"gate_stops": " ".join(f"{k}:{v}" for k, v in sorted(stops.items())), "gate_tokens": " ".join(toks), **out}
 
 
 def run_engine(slot: Slot, req: Request) -> tuple[dict, list[dict]]:
