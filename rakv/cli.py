@@ -203,7 +203,7 @@ def cmd_generate(args) -> int:
         elif isinstance(rec, Round) and rec.draft_stop:
             gated.setdefault(rec.request_id, []).append(
                 {"round": rec.index, "k_max": rec.k, "drafted": rec.drafted, "accepted": rec.accepted,
-                 "pred": rec.draft_pred, "stop": rec.draft_stop})
+                 "pred": rec.draft_pred, "stop": rec.draft_stop, "source": rec.draft_source or "draft"})
 
     engine = Engine(target, draft, config, callback, profile)
     h = engine.header()
