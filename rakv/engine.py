@@ -90,6 +90,12 @@ def gate_k_max(k: int, rq: "_Request", remaining: int) -> int:
     return k
 
 
+def use_lookup(tokens: list[int], lookup: RoundGate | None, model: RoundGate, alpha: float) -> bool:
+    """A gated drafting round takes the n-gram lookup instead of the model draft when the lookup's
+    tokens per ms (nothing to draft: C_j = V(j)) beat what the model draft can expect at alpha."""
+    return bool(tokens) and lookup.rate(len(tokens)) >= model.expected_rate(alpha)
+
+
 def cut_at_eos(emitted: list[int], prov: list[str], eos, remaining: int):
     """EOS inside the accepted run ends the output there; never exceed ``remaining``."""
     cut, hit = len(emitted), False
@@ -397,15 +403,18 @@ class Engine:
         draft_ms = catch_ms = 0.0
         catch_tok = 0
         gate = self._gate(rq, seq, gate_k_max(k, rq, remaining)) if k > 0 else None
-        if k > 0:
+        lookup = k == 0 and rq.policy.gate
+        if lookup or (gate is not None and self.lookup is not self.draft):
+            lk, lk_ms, lk_gate = self._lookup(rq, seq, remaining)
+            lookup = lookup or use_lookup(lk, lk_gate, gate, self.alpha.value)
+            if lookup:
+                drafts, draft_ms, gate = lk, lk_ms, lk_gate
+        if k > 0 and not lookup:
             prop = self._draft(rq, seq, gate.k_max if gate else k, gate)
             drafts, draft_ms, catch_tok, catch_ms = prop.tokens, prop.ms, prop.catchup_tokens, prop.catchup_ms
-        proposed = bool(drafts)
-        if gate is not None and drafts:
+        proposed = bool(drafts) and not lookup
+        if gate is not None and drafts and not lookup:
             drafts = drafts[: gate.verify_length(len(drafts))]
-        lookup = k == 0 and rq.policy.gate
-        if lookup:
-            drafts, draft_ms, gate = self._lookup(rq, seq, remaining)
         tv = now()
         if drafts:
             emitted, a = verify_accept(self.target.model, rq.cache, seq[-1], drafts)

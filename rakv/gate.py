@@ -14,7 +14,8 @@ S_j = c_1 ... c_j the chance that the first j drafts all survive:
 The per-request (r, k) stays the controller's argmin; the gate decides how far each drafting round
 goes, within k_max. In a k = 0 round (the model draft does not pay) the gate still looks up the
 n-gram continuation, which costs microseconds, and verifies it when E_j / C_j beats a plain step:
-the one way to gain where no model draft pays (``Engine._lookup``).
+the one way to gain where no model draft pays (``Engine._lookup``). In a drafting round the same
+free lookup replaces the model draft when its E_j / C_j beats what the model draft can expect.
 """
 
 from __future__ import annotations
@@ -124,6 +125,19 @@ class RoundGate:
             self.stop = "gate"
             return False
         return True
+
+    def expected_rate(self, alpha: float) -> float:
+        """Tokens per ms this round can expect before drafting, at i.i.d. acceptance alpha (its best j)."""
+        best, e, s = 1.0 / self.V[0], 1.0, 1.0
+        for j in range(1, self.k_max + 1):
+            s *= alpha
+            e += s
+            best = max(best, e / (self.sunk + j * self.d + self.V[j]))
+        return best
+
+    def rate(self, j: int) -> float:
+        """E_j / C_j for the tokens drafted so far (j of them verified)."""
+        return self.E(j) / self.C(j)
 
     def verify_length(self, drafted: int) -> int:
         """How many of the drafted tokens to verify (0: none, a plain step instead)."""

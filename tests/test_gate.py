@@ -152,3 +152,18 @@ def test_lookup_is_not_verified_when_a_verify_costs_three_steps():
     p = [3, 4, 5, 6] * 6
     assert eng.generate(p, 30).output_ids == oracle(target.model, p, 30)
     assert not any(r.drafted for r in recs if isinstance(r, Round))
+
+
+def test_a_confident_lookup_replaces_the_model_draft_in_a_drafting_round():
+    from rakv.engine import use_lookup
+
+    m = AcceptMap(alpha=0.5)
+    model = RoundGate(m, 4, 0.5, [1.0, 1.05, 1.1, 1.15, 1.2])       # a model draft at half a step a token
+    lk = RoundGate(AcceptMap(alpha=0.5), 4, 0.0, [1.0, 1.05, 1.1, 1.15, 1.2])
+    for _ in range(3):
+        lk.keep_going(0.95)
+    assert use_lookup([1, 2, 3], lk, model, alpha=0.6)     # free and confident beats paying for drafts
+    assert not use_lookup([], lk, model, alpha=0.6)
+    weak = RoundGate(AcceptMap(alpha=0.0), 4, 0.0, [1.0, 1.05, 1.1, 1.15, 1.2])
+    weak.keep_going(0.05)
+    assert not use_lookup([1], weak, model, alpha=0.95)   # a confident model draft beats a doubtful copy
