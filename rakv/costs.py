@@ -76,10 +76,13 @@ def fingerprint(target_key: str, draft_key: str, dtype: str, device: str = "cpu"
 def pair_fingerprint(target, draft) -> dict:
     """The fingerprint of this machine and pair as loaded (device and fast path read off the model)."""
     from .device import model_device
-    from .fastpath import is_enabled
+    from .fastpath import is_enabled, one_row_kernel
 
-    return fingerprint(target.key, getattr(draft, "key", "none"), str(next(target.model.parameters()).dtype),
-                       device=str(model_device(target.model)), fast=is_enabled(target.model))
+    fp = fingerprint(target.key, getattr(draft, "key", "none"), str(next(target.model.parameters()).dtype),
+                     device=str(model_device(target.model)), fast=is_enabled(target.model))
+    if one_row_kernel(target.model) == "packed":     # a step on the other kernel is another machine
+        fp["one_row"] = "packed"
+    return fp
 
 
 def fingerprint_id(fp: dict) -> str:
@@ -464,7 +467,7 @@ def regime_figures(target, prof: CostProfile, reps: int = 5) -> dict:
     step), with whatever kernel the forward uses (packed oneDNN on the fast path).
     """
     from .device import isa_flags, model_device, threads_info
-    from .fastpath import is_enabled, linear_floor_ms
+    from .fastpath import is_enabled, linear_floor_ms, one_row_kernel
 
     model = target.model
     ctx = prof.V_ctx
@@ -473,7 +476,8 @@ def regime_figures(target, prof: CostProfile, reps: int = 5) -> dict:
     floor_v4 = linear_floor_ms(model, rows=5, reps=reps)
     d = interp(prof.d, ctx) if prof.d else 0.0
     return {
-        "device": str(model_device(model)), "fast": is_enabled(model), **threads_info(), "isa": isa_flags(),
+        "device": str(model_device(model)), "fast": is_enabled(model), "one_row_kernel": one_row_kernel(model),
+        **threads_info(), "isa": isa_flags(),
         "ctx": ctx, "step_ms": round(t, 3),
         "floor_ms": round(floor, 3), "floor_method": "one pass over all linear layers, 1 row (measured)",
         "step_over_floor": round(t / floor, 3) if floor > 0 else None,

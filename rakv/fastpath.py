@@ -4,8 +4,10 @@ On CPU, torch's ``F.linear`` goes to MKL's sgemm, which streams a weight at full
 but falls to a fraction of that for 2-9 rows (a different kernel), so a verify of k+1 tokens costs
 about two steps. oneDNN's packed inner product (what inductor's weight freezing uses:
 ``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``) is nearly flat in rows, as a
-memory-bound layer should be. For exactly one row MKL's gemv measured faster than the packed kernel
-(1 and 2 threads), so a one-row call keeps torch's kernel (``FastLinear.one_row_plain``). The model itself is unchanged (HF stays the source of truth for the
+memory-bound layer should be. For exactly one row (a decode or draft step) which kernel is faster
+depends on the machine (MKL's gemv won on one busy session, the packed kernel by ~17% on a quiet
+one), so ``choose_one_row`` times both on the model's own layers once per machine, model and thread
+count, keeps the faster, and remembers it (``RAKV_ONE_ROW=plain|packed`` forces one). The model itself is unchanged (HF stays the source of truth for the
 architecture and the weights: each ``FastLinear`` keeps its ``weight`` / ``bias`` parameters, so
 ``state_dict``, tied embeddings and hashing behave as before); only the matmul kernel differs.
 
@@ -20,6 +22,7 @@ for a dtype other than float32 / bfloat16. ``RAKV_FAST=0`` (or ``RakvConfig.fast
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -112,8 +115,8 @@ class FastLinear(nn.Module):
     def _weight_version(self) -> tuple[int, int]:
         return (self.weight._version, -1 if self.bias is None else self.bias._version)
 
-    # One row (a decode step, a draft step): torch's own kernel (MKL's gemv) streams the weight at
-    # full speed and measured faster than the packed path here; 2+ rows (a verify, a prefill): packed.
+    # One row (a decode step, a draft step): torch's own kernel (MKL's gemv) unless choose_one_row
+    # measured the packed one faster on this machine; 2+ rows (a verify, a prefill): packed.
     one_row_plain = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,6 +161,7 @@ class FastLinear(nn.Module):
         new.weight = copy.deepcopy(self.weight, memo)
         new.bias = copy.deepcopy(self.bias, memo)
         new.training = self.training
+        new.one_row_plain = self.one_row_plain
         new.repack()
         return new
 
@@ -269,3 +273,81 @@ def linear_floor_ms(model: nn.Module, rows: int = 1, reps: int = 5) -> float:
             m(xs[_in_features(m)])
         times.append((clock() - t0) * 1e3)
     return statistics.median(times)
+
+
+ONE_ROW_MIN_PARAMS = 10_000_000   # smaller models (the tests' tiny ones) keep the default: nothing to gain
+ONE_ROW_MARGIN = 0.97             # the packed kernel must be 3% faster to replace the default
+
+
+def one_row_kernel(model: nn.Module) -> str:
+    """The kernel a one-row call of ``model`` uses: "packed", "plain", or "" (not on the fast path)."""
+    layers = [m for m in linear_layers(model) if isinstance(m, FastLinear)]
+    if not layers:
+        return ""
+    return "plain" if layers[0].one_row_plain else "packed"
+
+
+def set_one_row(model: nn.Module, kernel: str) -> None:
+    for m in linear_layers(model):
+        if isinstance(m, FastLinear):
+            m.one_row_plain = kernel != "packed"
+
+
+def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, rounds: int = 3) -> dict:
+    """Set the one-row kernel of a fast-path model to the faster one on this machine.
+
+    Forced by ``RAKV_ONE_ROW`` (plain | packed); else remembered in ``cache/kernels.json`` per model,
+    thread count, torch build and CPU; else measured: one pass over all linear layers on one row
+    with each kernel, interleaved ``rounds`` times (~2 s on the demo model), medians compared."""
+    import json
+    import os
+    import statistics
+
+    from .records import hardware_info
+
+    if not is_enabled(model):
+        return {"kernel": "", "how": "not on the fast path"}
+    forced = os.environ.get("RAKV_ONE_ROW", "auto").strip().lower()
+    if forced in ("plain", "packed"):
+        set_one_row(model, forced)
+        return {"kernel": forced, "how": "RAKV_ONE_ROW"}
+    if sum(m.weight.numel() for m in linear_layers(model)) < ONE_ROW_MIN_PARAMS:
+        set_one_row(model, "plain")
+        return {"kernel": "plain", "how": "small model (default)"}
+    ident = "|".join([key, str(torch.get_num_threads()), torch.__version__, hardware_info()["cpu"],
+                      torch.backends.cpu.get_cpu_capability()])
+    path = cache / "kernels.json" if cache is not None else None
+    known = {}
+    if path is not None and path.exists():
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+    if isinstance(known.get(ident), dict) and known[ident].get("kernel") in ("plain", "packed"):
+        set_one_row(model, known[ident]["kernel"])
+        return dict(known[ident], how="remembered")
+    import time
+
+    ms = {"plain": [], "packed": []}
+    wall0, cpu0 = time.perf_counter(), time.thread_time()
+    for r in range(rounds):
+        for kernel in (("plain", "packed") if r % 2 == 0 else ("packed", "plain")):
+            set_one_row(model, kernel)
+            ms[kernel].append(linear_floor_ms(model, rows=1, reps=3))
+    share = (time.thread_time() - cpu0) / max(1e-9, time.perf_counter() - wall0)
+    plain, packed = statistics.median(ms["plain"]), statistics.median(ms["packed"])
+    kernel = "packed" if packed < ONE_ROW_MARGIN * plain else "plain"
+    if share < 0.8:            # another process took the CPU: keep the default, measure again next time
+        set_one_row(model, "plain")
+        return {"kernel": "plain", "plain_ms": round(plain, 2), "packed_ms": round(packed, 2),
+                "how": f"busy machine (CPU share {share:.0%}): default kept, not remembered"}
+    set_one_row(model, kernel)
+    out = {"kernel": kernel, "plain_ms": round(plain, 2), "packed_ms": round(packed, 2)}
+    if path is not None:
+        try:
+            known[ident] = out
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(known, indent=1))
+        except OSError:
+            pass
+    return dict(out, how="measured")

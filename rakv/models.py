@@ -61,6 +61,7 @@ class LoadedModel:
     eos_ids: frozenset[int] = field(default_factory=frozenset)
     fast: bool = False                # the packed oneDNN forward path is engaged (rakv.fastpath)
     fast_reason: str = ""             # why not, when it was asked for and could not apply
+    one_row: dict = field(default_factory=dict)   # the one-row kernel chosen on the fast path, and how
 
     @property
     def config(self):
@@ -148,6 +149,8 @@ def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
     info = fastpath.set_fast(lm.model, on)
     lm.fast = bool(info["fast"])
     lm.fast_reason = "" if lm.fast or not on else info["reason"]
+    if lm.fast:
+        lm.one_row = fastpath.choose_one_row(lm.model, lm.key, cache_dir())
     return lm
 
 
@@ -466,4 +469,5 @@ def model_info(lm: LoadedModel) -> dict:
     return {"name": lm.name, "key": lm.key, "arch": type(lm.model).__name__, "params": n_params,
             "layers": getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None),
             "max_positions": lm.max_positions, "device": str(dev), "fast": lm.fast,
-            **({"fast_reason": lm.fast_reason} if lm.fast_reason else {})}
+            **({"fast_reason": lm.fast_reason} if lm.fast_reason else {}),
+            **({"one_row_kernel": lm.one_row.get("kernel", "")} if lm.one_row else {})}

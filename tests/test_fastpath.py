@@ -149,3 +149,41 @@ def test_cli_fast_and_plain_same_ids_and_calibrate_regime(tiny_dir, capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "weight-streaming floor" in out and "V(k)/t" in out and "d/t" in out and "ISA" in out
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_packed_one_row_kernel_keeps_greedy_ids(arch, monkeypatch):
+    """RAKV_ONE_ROW=packed: decode steps on the packed kernel too; every policy still gives the plain
+    model's greedy ids (and the profile fingerprint tells the two kernels apart)."""
+    from rakv.costs import pair_fingerprint
+
+    plain = make_model(arch)
+    ref = {tuple(p): oracle(plain, p, 20) for p in PROMPTS}
+    monkeypatch.setenv("RAKV_ONE_ROW", "packed")
+    lm = wrap(copy.deepcopy(plain), tiny_tokenizer(), name=f"tiny-{arch}")
+    assert lm.one_row == {"kernel": "packed", "how": "RAKV_ONE_ROW"} and fastpath.one_row_kernel(lm.model) == "packed"
+    draft = wrap(copy.deepcopy(plain), tiny_tokenizer(), name="d")
+    for policy in ("ar", "spec:4", "joint:8"):
+        eng = Engine(lm, ModelDraft(draft), RakvConfig(policy=policy))
+        for p in PROMPTS:
+            assert eng.generate(p, 20).output_ids == ref[tuple(p)], (policy, p)
+    assert pair_fingerprint(lm, None).get("one_row") == "packed"
+    monkeypatch.setenv("RAKV_ONE_ROW", "plain")
+    lm2 = wrap(copy.deepcopy(plain), tiny_tokenizer(), name=f"tiny-{arch}")
+    assert fastpath.one_row_kernel(lm2.model) == "plain" and "one_row" not in pair_fingerprint(lm2, None)
+
+
+@needs_onednn
+def test_one_row_kernel_measured_once_then_remembered(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAKV_ONE_ROW", raising=False)
+    m = make_model("llama")
+    fastpath.enable(m)
+    assert fastpath.choose_one_row(m, "tiny", tmp_path)["how"] == "small model (default)"
+    monkeypatch.setattr(fastpath, "ONE_ROW_MIN_PARAMS", 0)
+    first = fastpath.choose_one_row(m, "tiny", tmp_path)
+    assert first["how"] == "measured" and first["kernel"] in ("plain", "packed") and first["plain_ms"] > 0
+    assert fastpath.one_row_kernel(m) == first["kernel"]
+    again = fastpath.choose_one_row(m, "tiny", tmp_path)
+    assert again["how"] == "remembered" and again["kernel"] == first["kernel"]
+    assert json.loads((tmp_path / "kernels.json").read_text())
