@@ -404,7 +404,8 @@ class Engine:
         catch_tok = 0
         gate = self._gate(rq, seq, gate_k_max(k, rq, remaining)) if k > 0 else None
         lookup = k == 0 and rq.policy.gate
-        if lookup or (gate is not None and self.lookup is not self.draft):
+        # (a probe keeps the model draft: it is there to measure the model draft's acceptance)
+        if lookup or (gate is not None and rq.k > 0 and self.lookup is not self.draft):
             lk, lk_ms, lk_gate = self._lookup(rq, seq, remaining)
             lookup = lookup or use_lookup(lk, lk_gate, gate, self.alpha.value)
             if lookup:

@@ -42,7 +42,8 @@ def calibrate(cache: Path, args, recalibrate: bool) -> tuple[dict, float]:
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"calibrate failed: {p.stderr.strip().splitlines()[-1:]}")
-    prof = json.loads(next((cache / "profiles").glob("*.json")).read_text())
+    newest = max((cache / "profiles").glob("*.json"), key=lambda f: f.stat().st_mtime)
+    prof = json.loads(newest.read_text())
     return prof, time.perf_counter() - t0
 
 
@@ -78,6 +79,9 @@ def main() -> int:
         caches[name] = c
     print("[cal] 1/3 quiet calibration", file=sys.stderr)
     Q, q_s = calibrate(caches["quiet"], args, True)
+    # every later step on the one-row kernel the quiet machine chose (a loaded machine would keep the
+    # default without remembering it, and a profile of the other kernel is another machine's)
+    os.environ["RAKV_ONE_ROW"] = (Q.get("regime") or {}).get("one_row_kernel") or "plain"
     Q2, _ = calibrate(caches["quiet2"], args, True)
     print("[cal] 2/3 calibration with a second torch process running", file=sys.stderr)
     load = subprocess.Popen([sys.executable, "-c", LOAD])
@@ -105,7 +109,7 @@ def main() -> int:
         "loaded_reasons": L.get("quality", {}).get("reasons", []),
         "after_contended": bool(S.get("quality", {}).get("contended")),
         "after_remeasured": S.get("calibrated_at") != L.get("calibrated_at"),
-        "settle_s": args.settle, "worst_quiet2_dev": round(worst_aa, 3),
+        "settle_s": args.settle, "one_row_kernel": os.environ["RAKV_ONE_ROW"], "worst_quiet2_dev": round(worst_aa, 3),
         "worst_loaded_dev": round(worst_loaded, 3), "worst_after_dev": round(worst_after, 3),
         "after_within_tolerance": worst_after <= args.tolerance, "tolerance": args.tolerance,
     }
