@@ -96,8 +96,10 @@ def regime(profile, cpuinfo: str | None = None) -> dict:
     ks = sorted(int(k) for k in getattr(profile, "V", {}) or {})
     v = {k: profile.verify(k, CTX) for k in ks}
     best = {k: (k * d + v[k]) / ((k + 1) * t) for k in ks} if t > 0 else {}
+    fp = getattr(profile, "fingerprint", None) or {}
     return dict(
         isa=cpu_flags(cpuinfo), cpu_capability=cpu_capability(), threads=threads(),
+        one_row_kernel=fp.get("one_row") or ("plain" if fp.get("fast") else ""),
         ctx=CTX, t_ms=round(t, 3), d_ms=round(d, 3), d_over_t=round(d / t, 3) if t > 0 else None,
         V_over_t={str(k): round(v[k] / t, 3) for k in ks} if t > 0 else {},
         alpha1_cost_per_token={str(k): round(x, 3) for k, x in best.items()},
@@ -114,7 +116,8 @@ def describe(reg: dict) -> list[str]:
     """Human-readable lines (the bench summary header and `rakv calibrate`)."""
     isa = " ".join(reg.get("isa") or []) or "not recorded"
     cap = f" (torch kernels: {reg['cpu_capability']})" if reg.get("cpu_capability") else ""
-    lines = [f"ISA: {isa}{cap}; {reg.get('threads', '?')} threads"]
+    row = f"; one-row kernel {reg['one_row_kernel']}" if reg.get("one_row_kernel") else ""
+    lines = [f"ISA: {isa}{cap}; {reg.get('threads', '?')} threads{row}"]
     if reg.get("t_ms") is not None:
         vt = ", ".join(f"{k}: {x:.2f}" for k, x in (reg.get("V_over_t") or {}).items())
         lines.append(f"t = {reg['t_ms']:.2f} ms (target step at context {reg.get('ctx', CTX)}); "
