@@ -279,6 +279,29 @@ ONE_ROW_MIN_PARAMS = 10_000_000   # smaller models (the tests' tiny ones) keep t
 ONE_ROW_MARGIN = 0.97             # the packed kernel must be 3% faster to replace the default
 
 
+@torch.inference_mode()
+def _decode_steps_ms(model: nn.Module, ctx: int = 64, steps: int = 4) -> float:
+    """Median ms of real decode steps (one token after a ``ctx``-token prefill): what the one-row
+    kernel is chosen for. (A bare pass over the linear layers ranked the kernels the other way on
+    the session-6 machine, where whole steps and `ar` tokens/s favoured the packed one.)"""
+    import statistics
+
+    from . import decoding as dec
+    from .device import clock
+
+    vocab = int(getattr(model.config, "vocab_size", 1000))
+    ids = [(i * 7919) % vocab for i in range(1, ctx + steps + 2)]
+    cache = dec.DynamicCache()
+    dec.prefill(model, ids[:ctx], cache)
+    dec.decode_one(model, ids[ctx], cache)                 # cold: excluded
+    times = []
+    for i in range(steps):
+        t0 = clock()
+        dec.decode_one(model, ids[ctx + 1 + i], cache)
+        times.append((clock() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def one_row_kernel(model: nn.Module) -> str:
     """The kernel a one-row call of ``model`` uses: "packed", "plain", or "" (not on the fast path)."""
     layers = [m for m in linear_layers(model) if isinstance(m, FastLinear)]
@@ -297,8 +320,7 @@ def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, roun
     """Set the one-row kernel of a fast-path model to the faster one on this machine.
 
     Forced by ``RAKV_ONE_ROW`` (plain | packed); else remembered in ``cache/kernels.json`` per model,
-    thread count, torch build and CPU; else measured: one pass over all linear layers on one row
-    with each kernel, interleaved ``rounds`` times (~2 s on the demo model), medians compared."""
+    thread count, torch build and CPU; else measured: real decode steps with each kernel, interleaved ``rounds`` times (~3 s on the demo model), medians compared."""
     import json
     import os
     import statistics
@@ -333,16 +355,16 @@ def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, roun
     for r in range(rounds):
         for kernel in (("plain", "packed") if r % 2 == 0 else ("packed", "plain")):
             set_one_row(model, kernel)
-            ms[kernel].append(linear_floor_ms(model, rows=1, reps=3))
+            ms[kernel].append(_decode_steps_ms(model))
     share = (time.thread_time() - cpu0) / max(1e-9, time.perf_counter() - wall0)
     plain, packed = statistics.median(ms["plain"]), statistics.median(ms["packed"])
     kernel = "packed" if packed < ONE_ROW_MARGIN * plain else "plain"
     if share < 0.8:            # another process took the CPU: keep the default, measure again next time
         set_one_row(model, "plain")
-        return {"kernel": "plain", "plain_ms": round(plain, 2), "packed_ms": round(packed, 2),
+        return {"kernel": "plain", "plain_step_ms": round(plain, 2), "packed_step_ms": round(packed, 2),
                 "how": f"busy machine (CPU share {share:.0%}): default kept, not remembered"}
     set_one_row(model, kernel)
-    out = {"kernel": kernel, "plain_ms": round(plain, 2), "packed_ms": round(packed, 2)}
+    out = {"kernel": kernel, "plain_step_ms": round(plain, 2), "packed_step_ms": round(packed, 2)}
     if path is not None:
         try:
             known[ident] = out

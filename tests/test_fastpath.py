@@ -182,7 +182,7 @@ def test_one_row_kernel_measured_once_then_remembered(tmp_path, monkeypatch):
     assert fastpath.choose_one_row(m, "tiny", tmp_path)["how"] == "small model (default)"
     monkeypatch.setattr(fastpath, "ONE_ROW_MIN_PARAMS", 0)
     first = fastpath.choose_one_row(m, "tiny", tmp_path)
-    assert first["how"] == "measured" and first["kernel"] in ("plain", "packed") and first["plain_ms"] > 0
+    assert first["how"] == "measured" and first["kernel"] in ("plain", "packed") and first["plain_step_ms"] > 0
     assert fastpath.one_row_kernel(m) == first["kernel"]
     again = fastpath.choose_one_row(m, "tiny", tmp_path)
     assert again["how"] == "remembered" and again["kernel"] == first["kernel"]

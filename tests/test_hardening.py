@@ -521,12 +521,15 @@ def test_retries_stop_at_the_deadline():
 def test_busy_start_gives_a_quick_calibration_marked_contended(pair, tmp_path, capsys, monkeypatch):
     target, draft = pair
     monkeypatch.setenv("RAKV_CONTENTION_CHECK", "1")
-    monkeypatch.setattr("rakv.costs.is_quiet", lambda t: False)
+    monkeypatch.setattr("rakv.costs.quiet_probe", lambda target: M.Timing([10, 10, 10], [5, 5, 5]))   # 50% share
     prof, fresh = C.load_or_calibrate(target, draft, tmp_path, k_max=2)
     err = capsys.readouterr().err
     assert fresh and prof.contended and "a quick calibration" in err
     assert any("busy when calibration started" in r for r in prof.quality["reasons"])
     assert [x for x, _ in prof.t] == [16, 128]            # the quick grid, not the full one
+    # a quiet machine whose probe only varies (full CPU share, high spread) is not called busy
+    monkeypatch.setattr("rakv.costs.quiet_probe", lambda target: M.Timing([10, 20, 14], [10, 20, 14]))
+    assert C.busy_now(target) is None
 
 
 def test_busy_machine_flags_the_profile(pair, tmp_path, capsys, monkeypatch):
