@@ -181,6 +181,10 @@ def test_one_row_kernel_measured_once_then_remembered(tmp_path, monkeypatch):
     fastpath.enable(m)
     assert fastpath.choose_one_row(m, "tiny", tmp_path)["how"] == "small model (default)"
     monkeypatch.setattr(fastpath, "ONE_ROW_MIN_PARAMS", 0)
+    monkeypatch.setattr(fastpath, "ONE_ROW_SHARE_MIN", 1.01)     # as if another process took the CPU
+    busy = fastpath.choose_one_row(m, "tiny", tmp_path)
+    assert busy["kernel"] == "plain" and busy["how"].startswith("busy") and not (tmp_path / "kernels.json").exists()
+    monkeypatch.setattr(fastpath, "ONE_ROW_SHARE_MIN", 0.0)
     first = fastpath.choose_one_row(m, "tiny", tmp_path)
     assert first["how"] == "measured" and first["kernel"] in ("plain", "packed") and first["plain_step_ms"] > 0
     assert fastpath.one_row_kernel(m) == first["kernel"]
