@@ -367,9 +367,12 @@ class Engine:
             return None
         ctx = len(seq)
         behind = self._draft_behind(seq, rq.reuse, rq.draft_model)
-        return RoundGate(self.accept_map, k, p.draft_step(ctx) if rq.draft_model else 0.0,
-                         [p.step(ctx)] + [p.verify(j, ctx) for j in range(1, k + 1)],
+        return RoundGate(self.accept_map, k, p.draft_step(ctx) if rq.draft_model else 0.0, self._V(ctx, k),
                          sunk=self.controller.catchup_ms(behind, rq.draft_model))
+
+    def _V(self, ctx: int, k: int) -> list[float]:
+        """V(j) for j = 0..k at context ctx (V(0) = t: a plain step), as the gate reads them."""
+        return [self.profile.step(ctx)] + [self.profile.verify(j, ctx) for j in range(1, k + 1)]
 
     def _lookup(self, rq: "_Request", seq: list[int], remaining: int) -> tuple[list[int], float, RoundGate | None]:
         """A k = 0 round under the gate: the n-gram continuation costs ~nothing to look up, so verify
@@ -378,8 +381,7 @@ class Engine:
         k_max = min(max(rq.k_set), remaining - 1)
         if not (rq.policy.gate and p is not None and rq.force is None and k_max >= 1):
             return [], 0.0, None
-        ctx = len(seq)
-        gate = RoundGate(self.lookup_map, k_max, 0.0, [p.step(ctx)] + [p.verify(j, ctx) for j in range(1, k_max + 1)])
+        gate = RoundGate(self.lookup_map, k_max, 0.0, self._V(len(seq), k_max))
         prop = self.lookup.propose(seq, k_max, gate)
         if not prop.tokens:
             return [], prop.ms, None

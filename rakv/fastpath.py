@@ -281,26 +281,19 @@ ONE_ROW_SHARE_MIN = 0.8           # main-thread CPU share below this while timin
 
 
 @torch.inference_mode()
-def _decode_steps_ms(model: nn.Module, ctx: int = 64, steps: int = 4) -> float:
-    """Median ms of real decode steps (one token after a ``ctx``-token prefill): what the one-row
-    kernel is chosen for. (A bare pass over the linear layers ranked the kernels the other way on
-    the session-6 machine, where whole steps and `ar` tokens/s favoured the packed one.)"""
-    import statistics
-
+def _decode_steps(model: nn.Module, ctx: int = 64, steps: int = 4):
+    """Timing (rakv.meter) of real decode steps, one token after a ``ctx``-token prefill: what the
+    one-row kernel is chosen for. (A bare pass over the linear layers ranked the kernels the other
+    way on the session-6 machine, where whole steps and `ar` tokens/s favoured the packed one.)"""
     from . import decoding as dec
-    from .device import clock
+    from .meter import time_reps
 
     vocab = int(getattr(model.config, "vocab_size", 1000))
-    ids = [(i * 7919) % vocab for i in range(1, ctx + steps + 2)]
+    ids = iter([(i * 7919) % vocab for i in range(1, ctx + steps + 2)])
     cache = dec.DynamicCache()
-    dec.prefill(model, ids[:ctx], cache)
-    dec.decode_one(model, ids[ctx], cache)                 # cold: excluded
-    times = []
-    for i in range(steps):
-        t0 = clock()
-        dec.decode_one(model, ids[ctx + 1 + i], cache)
-        times.append((clock() - t0) * 1e3)
-    return statistics.median(times)
+    dec.prefill(model, [next(ids) for _ in range(ctx)], cache)
+    dec.decode_one(model, next(ids), cache)                 # cold: excluded
+    return time_reps(lambda: dec.decode_one(model, next(ids), cache), steps)
 
 
 def one_row_kernel(model: nn.Module) -> str:
@@ -321,11 +314,13 @@ def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, roun
     """Set the one-row kernel of a fast-path model to the faster one on this machine.
 
     Forced by ``RAKV_ONE_ROW`` (plain | packed); else remembered in ``cache/kernels.json`` per model,
-    thread count, torch build and CPU; else measured: real decode steps with each kernel, interleaved ``rounds`` times (~3 s on the demo model), medians compared."""
+    thread count, torch build and CPU; else measured: real decode steps with each kernel,
+    interleaved ``rounds`` times (~3 s on the demo model), medians compared."""
     import json
     import os
     import statistics
 
+    from .meter import Timing
     from .records import hardware_info
 
     if not is_enabled(model):
@@ -340,37 +335,33 @@ def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, roun
     ident = "|".join([key, str(torch.get_num_threads()), torch.__version__, hardware_info()["cpu"],
                       torch.backends.cpu.get_cpu_capability()])
     path = cache / "kernels.json" if cache is not None else None
-    known = {}
-    if path is not None and path.exists():
-        try:
-            known = json.loads(path.read_text())
-        except (OSError, ValueError):
-            known = {}
+    try:
+        known = json.loads(path.read_text()) if path is not None and path.exists() else {}
+    except (OSError, ValueError):
+        known = {}
     if isinstance(known.get(ident), dict) and known[ident].get("kernel") in ("plain", "packed"):
         set_one_row(model, known[ident]["kernel"])
         return dict(known[ident], how="remembered")
-    import time
-
-    ms = {"plain": [], "packed": []}
-    wall0, cpu0 = time.perf_counter(), time.thread_time()
+    runs = {"plain": [], "packed": []}
     for r in range(rounds):
         for kernel in (("plain", "packed") if r % 2 == 0 else ("packed", "plain")):
             set_one_row(model, kernel)
-            ms[kernel].append(_decode_steps_ms(model))
-    share = (time.thread_time() - cpu0) / max(1e-9, time.perf_counter() - wall0)
-    plain, packed = statistics.median(ms["plain"]), statistics.median(ms["packed"])
-    kernel = "packed" if packed < ONE_ROW_MARGIN * plain else "plain"
+            runs[kernel].append(_decode_steps(model))
+    plain, packed = (statistics.median(t.value for t in runs[k]) for k in ("plain", "packed"))
+    out = {"kernel": "packed" if packed < ONE_ROW_MARGIN * plain else "plain",
+           "plain_step_ms": round(plain, 2), "packed_step_ms": round(packed, 2)}
+    share = Timing([x for ts in runs.values() for t in ts for x in t.ms],
+                   [x for ts in runs.values() for t in ts for x in t.cpu_ms]).share
     if share < ONE_ROW_SHARE_MIN:   # another process took the CPU: keep the default, measure again next time
         set_one_row(model, "plain")
-        return {"kernel": "plain", "plain_step_ms": round(plain, 2), "packed_step_ms": round(packed, 2),
-                "how": f"busy machine (CPU share {share:.0%}): default kept, not remembered"}
-    set_one_row(model, kernel)
-    out = {"kernel": kernel, "plain_step_ms": round(plain, 2), "packed_step_ms": round(packed, 2)}
+        return dict(out, kernel="plain", how=f"busy machine (CPU share {share:.0%}): default kept, not remembered")
+    set_one_row(model, out["kernel"])
     if path is not None:
+        from .costs import write_atomic
+
+        known[ident] = out
         try:
-            known[ident] = out
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(known, indent=1))
+            write_atomic(path, json.dumps(known, indent=1))
         except OSError:
             pass
     return dict(out, how="measured")
