@@ -49,7 +49,8 @@ from .device import clock
 from .records import hardware_info
 
 now = clock          # synchronizes CUDA / MPS before reading the time
-PROFILE_VERSION = 7          # 7: the quality section (spread per term, CPU share, contended)
+PROFILE_VERSION = 8          # 8: V measured past k_max (lookup_vs) for n-gram lookups
+                             # 7: the quality section (spread per term, CPU share, contended)
 ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
 ONLINE_FIRST = 4             # this session's first measurements of a term weigh 1/2, 1/3, 1/4, 1/5 (a stale
                              # profile is corrected within a few requests), later ones ONLINE_WEIGHT
@@ -434,9 +435,10 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
         prof.d = curve(dmodel, ctxs, "d", step_cost)
     # Verify costs and the draft step as *ratios to a target step*, measured interleaved in one
     # loop (rotated order) so that machine drift or a neighbour's load hits them all alike.
-    ratios = interleaved_ratios(model, dmodel, ids, V_ctx, k_max, reps=4 if quick else 7, tick=tick, meter=meter)
+    ratios = interleaved_ratios(model, dmodel, ids, V_ctx, k_max, reps=4 if quick else 7, tick=tick, meter=meter,
+                                extra=lookup_vs(k_max))
     t_ref = interp(prof.t, V_ctx)
-    for k in range(1, k_max + 1):
+    for k in [k for k in ratios if k != "d"]:
         prof.V[str(k)] = ratios[k] * t_ref
     if dmodel is not None:
         d_ref = interp(prof.d, V_ctx)
@@ -488,8 +490,15 @@ def regime_figures(target, prof: CostProfile, reps: int = 5) -> dict:
     }
 
 
+def lookup_vs(k_max: int) -> list[int]:
+    """Verify lengths measured past k_max (no draft): a gated n-gram lookup may verify up to
+    config.LOOKUP_K tokens, and V past the measured ones must not be a guess (V is not linear)."""
+    from .config import LOOKUP_K
+    return [k for k in sorted({(k_max + LOOKUP_K) // 2, LOOKUP_K}) if k > k_max]
+
+
 def interleaved_ratios(model, dmodel, ids, ctx: int, k_max: int, reps: int, tick=None,
-                       meter: Meter | None = None) -> dict:
+                       meter: Meter | None = None, extra: list[int] = ()) -> dict:
     """Costs as the engine pays them, as ratios to a 1-token target forward at context ``ctx``.
 
     One "round" of key k (1..k_max) is what a speculative round does: k consecutive 1-token
@@ -497,24 +506,25 @@ def interleaved_ratios(model, dmodel, ids, ctx: int, k_max: int, reps: int, tick
     target step. All keys run interleaved in a rotated order, so drift or a neighbour's load hits
     them alike. Measured in the loop, not in isolation: a lone draft forward after a target
     forward runs cold and costs ~40% more than the steps of a real drafting run.
+    Keys in ``extra`` (past k_max) time the verify alone: n-gram lookups, which draft nothing.
     Returns {k: V(k)/t} and (with a draft model) "d": median draft ms per drafted token / t.
     The whole block is measured again (``meter``) when its timings are noisy.
     """
     meter = meter or Meter(check=False)
-    out = meter.measure_many("V", lambda: _interleaved_block(model, dmodel, ids, ctx, k_max, reps))
+    out = meter.measure_many("V", lambda: _interleaved_block(model, dmodel, ids, ctx, k_max, reps, extra))
     if tick:
         tick("verify/step ratios")
     return out
 
 
-def _interleaved_block(model, dmodel, ids, ctx: int, k_max: int, reps: int) -> tuple[dict, dict]:
+def _interleaved_block(model, dmodel, ids, ctx: int, k_max: int, reps: int, extra=()) -> tuple[dict, dict]:
     base = dec.DynamicCache()
     dec.prefill(model, ids[:ctx], base)
     dbase = None
     if dmodel is not None:
         dbase = dec.DynamicCache()
         dec.prefill(dmodel, ids[:ctx], dbase)
-    keys = list(range(0, k_max + 1))
+    keys = list(range(0, k_max + 1)) + [k for k in extra if k > k_max]
     xs: dict = {key: Timing() for key in keys}
     ds = Timing()
 
@@ -526,7 +536,7 @@ def _interleaved_block(model, dmodel, ids, ctx: int, k_max: int, reps: int) -> t
             dec.rollback(base, 1)
             return ms, None
         d_ms = None
-        if dbase is not None:
+        if dbase is not None and k <= k_max:
             t0, c0 = now(), cpu_clock()
             for i in range(k):      # q_i = draft(x_{<ctx+i})
                 dec.decode_one(dmodel, ids[ctx + i], dbase)
@@ -713,7 +723,7 @@ def _usable(path: Path, fp: dict, k_max: int, say) -> CostProfile | None:
     except ProfileError as e:
         say(f"{e}; measuring again")
         return None
-    if prof is not None and prof.fingerprint == fp and len(prof.V) >= k_max:
+    if prof is not None and prof.fingerprint == fp and all(str(k) in prof.V for k in range(1, k_max + 1)):
         return prof
     return None
 

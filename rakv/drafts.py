@@ -76,12 +76,12 @@ class NgramDraft(DraftSource):
         t0 = now()
         toks, m = ngram_match(ids, k, self.sizes)
         if gate is not None and toks:
-            conf = ngram_confidence(m)
+            # token n is judged after n-1 accepted copies: its match is then m + n - 1 tokens long
             n = 1
-            while n < len(toks) and gate.keep_going(conf):
+            while n < len(toks) and gate.keep_going(ngram_confidence(m + n - 1)):
                 n += 1
             if n == len(toks) and len(gate.confs) < n:
-                gate.keep_going(conf)          # the last token's confidence (the source ran out)
+                gate.keep_going(ngram_confidence(m + n - 1))    # the last token's confidence (the source ran out)
             toks = toks[:n]
         return Proposal(toks, ms=(now() - t0) * 1e3)
 

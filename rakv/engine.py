@@ -82,11 +82,12 @@ def verify_accept(model, cache, pending: int, drafts: list[int]) -> tuple[list[i
     return drafts[:a] + [pred[a]], a
 
 
-def gate_k_max(k: int, rq: "_Request", remaining: int) -> int:
-    """With the gate, a drafting round may go to the largest k of K: the gate, not an average
-    acceptance, decides where each round stops (probes and fixed policies keep their k)."""
+def gate_k_max(k: int, rq: "_Request", remaining: int, k_top: int) -> int:
+    """With the gate, a drafting round may go to k_top (the largest k of K; lookup_k for an n-gram
+    draft, which drafts for free): the gate, not an average acceptance, decides where each round
+    stops (probes and fixed policies keep their k)."""
     if rq.policy.gate and rq.k > 0 and k == min(rq.k, remaining - 1):
-        return max(k, min(max(rq.k_set), remaining - 1))
+        return max(k, min(k_top, remaining - 1))
     return k
 
 
@@ -370,6 +371,11 @@ class Engine:
         return RoundGate(self.accept_map, k, p.draft_step(ctx) if rq.draft_model else 0.0, self._V(ctx, k),
                          sunk=self.controller.catchup_ms(behind, rq.draft_model))
 
+    def _k_top(self, rq: "_Request", source) -> int:
+        """The longest draft a gated round may verify: max(K), or lookup_k for n-gram lookup."""
+        top = max(rq.k_set)
+        return max(top, self.config.lookup_k) if isinstance(source, NgramDraft) else top
+
     def _V(self, ctx: int, k: int) -> list[float]:
         """V(j) for j = 0..k at context ctx (V(0) = t: a plain step), as the gate reads them."""
         return [self.profile.step(ctx)] + [self.profile.verify(j, ctx) for j in range(1, k + 1)]
@@ -378,7 +384,7 @@ class Engine:
         """A k = 0 round under the gate: the n-gram continuation costs ~nothing to look up, so verify
         the part of it whose expected tokens per ms beat a plain step (often none)."""
         p = self.profile
-        k_max = min(max(rq.k_set), remaining - 1)
+        k_max = min(self._k_top(rq, self.lookup), remaining - 1)
         if not (rq.policy.gate and p is not None and rq.force is None and k_max >= 1):
             return [], 0.0, None
         gate = RoundGate(self.lookup_map, k_max, 0.0, self._V(len(seq), k_max))
@@ -404,7 +410,7 @@ class Engine:
         drafts: list[int] = []
         draft_ms = catch_ms = 0.0
         catch_tok = 0
-        gate = self._gate(rq, seq, gate_k_max(k, rq, remaining)) if k > 0 else None
+        gate = self._gate(rq, seq, gate_k_max(k, rq, remaining, self._k_top(rq, self.draft))) if k > 0 else None
         lookup = k == 0 and rq.policy.gate
         # (a probe keeps the model draft: it is there to measure the model draft's acceptance)
         if lookup or (gate is not None and rq.k > 0 and self.lookup is not self.draft):

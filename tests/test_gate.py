@@ -167,3 +167,37 @@ def test_a_confident_lookup_replaces_the_model_draft_in_a_drafting_round():
     weak = RoundGate(AcceptMap(alpha=0.0), 4, 0.0, [1.0, 1.05, 1.1, 1.15, 1.2])
     weak.keep_going(0.05)
     assert not use_lookup([1], weak, model, alpha=0.95)   # a confident model draft beats a doubtful copy
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_ngram_lookup_may_verify_past_the_largest_k(arch):
+    """An n-gram draft drafts for free: a gated round may verify up to lookup_k tokens (past max K)
+    where the measured V says a long verify pays, and the output stays exact."""
+    target, _ = make_pair(arch, "mostly")
+    target.eos_ids = frozenset()
+    V = {str(k): 1.0 + 0.01 * k for k in range(1, 17)}
+    p = list(range(5, 40)) * 3
+    recs = []
+    eng = Engine(target, NgramDraft(), RakvConfig(policy="adaptive:gate", k_set=(0, 2, 4), lookup_k=12),
+                 callback=recs.append, profile=profile(V=V, d=0.0, alpha0=0.95))
+    eng.lookup_map = eng.accept_map = AcceptMap(alpha=1.0)     # every copy trusted: rounds run to the cap
+    assert eng.generate(p, 40).output_ids == oracle(target.model, p, 40)
+    drafted = [r.drafted for r in recs if isinstance(r, Round)]
+    assert max(drafted) <= 12                                  # never past lookup_k ...
+    if arch == "gpt2":      # ... and past max(K) = 4 where the output repeats (this tiny GPT-2 does)
+        assert max(drafted) > 4
+
+
+def test_ngram_confidence_grows_along_the_copy():
+    """Token n of a copy is judged after n - 1 accepted copies: its match is longer, so its
+    confidence is higher than the first token's."""
+    gate = RoundGate(AcceptMap(alpha=1.0), 6, 0.0, [1.0] * 7)
+    NgramDraft().propose([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3], 6, gate)
+    assert len(gate.confs) == 6 and gate.confs == sorted(gate.confs) and gate.confs[-1] > gate.confs[0]
+
+
+def test_calibration_measures_verify_lengths_for_lookups():
+    from rakv.config import LOOKUP_K
+    from rakv.costs import lookup_vs
+
+    assert lookup_vs(8) == [12, LOOKUP_K] and lookup_vs(LOOKUP_K) == []
