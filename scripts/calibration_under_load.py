@@ -10,10 +10,10 @@
    contended flag on a quiet machine and measures again -> the saved profile S. It starts ``--settle``
    seconds after the load stopped: a VM whose cores were both busy for minutes runs slower for a
    while afterwards (the host's CPU accounting), which no CPU-share check can see.
-
 4. quiet again: ``rakv calibrate`` right after S -> Q3, the quiet calibration nearest in time to S.
    This VM's own speed drifts by up to 30% within minutes (docs/results.md, session 6), so S is also
    read against Q3: same machine state, the contention is the only difference left.
+
 Each run uses its own profile folder (RAKV_CACHE, the converted models shared by a link). Printed:
 per term (prefill T_pf(n), step t(c), draft D_pf(n), d(c), verify V(k)) the ratios L/Q, S/Q and S/Q3,
 and whether S is within 15% of Q3 (step 4) on every term.
