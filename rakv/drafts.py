@@ -98,6 +98,14 @@ def ngram_lookup(ids, k: int, sizes=(3, 2)) -> list[int]:
     return ngram_match(ids, k, sizes)[0]
 
 
+def periodic(follow: list[int], k: int) -> list[int]:
+    """k tokens of a copy whose source runs into the present: past the end it copies its own
+    copy (a match p tokens back predicts a period of p), so a short recent match still proposes k."""
+    if len(follow) >= k or not follow:
+        return follow[:k]
+    return [follow[j % len(follow)] for j in range(k)]
+
+
 def ngram_match(ids, k: int, sizes=(3, 2)) -> tuple[list[int], int]:
     """(up to k tokens that followed the latest earlier occurrence of the last n tokens, and the
     length of the match, extended backwards up to MAX_MATCH tokens)."""
@@ -121,7 +129,7 @@ def ngram_match(ids, k: int, sizes=(3, 2)) -> tuple[list[int], int]:
             m = n
             while m < MAX_MATCH and i - m - 1 >= 0 and a[i - m - 1] == a[L - m - 1]:
                 m += 1
-            return a[i: i + k].tolist(), m
+            return periodic(a[i:L].tolist(), k), m
     return [], 0
 
 

@@ -121,7 +121,7 @@ class RoundGate:
         if j >= self.k_max:
             self.stop = "k_max"
             return False
-        if not worth_next(self.S[-1] * c, self.d + self.V[j + 1] - self.V[j], self.E(j), self.C(j)):
+        if not worth_more(self.S, c, self.d, self.V, self.sunk, self.k_max):
             self.stop = "gate"
             return False
         return True
@@ -149,9 +149,21 @@ class RoundGate:
         return j
 
 
-def worth_next(gain: float, extra_ms: float, E: float, C: float) -> bool:
-    """Draft one more token only if its expected tokens per extra ms beat the round's rate E / C."""
-    return extra_ms <= 0 or gain * C > E * extra_ms
+def worth_more(S: list[float], c: float, d: float, V: list[float], sunk: float, k_max: int) -> bool:
+    """Draft on only if some longer draft (its next tokens as likely as this one, c) has a better
+    expected rate E/C than the best verify length now: one step ahead is myopic, V is not monotone."""
+    j = len(S)
+    spent = sunk + j * d
+    b = best_verify_length(S, V, spent)
+    best_e, best_c = 1.0 + sum(S[:b]), spent + V[b]
+    e, s = 1.0 + sum(S), S[-1] if S else 1.0
+    for jj in range(j + 1, k_max + 1):
+        s *= c
+        e += s
+        C = sunk + jj * d + V[jj]
+        if C <= 0 or e * best_c > best_e * C:      # (zero costs: a recording gate, never stops)
+            return True
+    return False
 
 
 def best_verify_length(S: list[float], V: list[float], spent: float) -> int:

@@ -8,7 +8,7 @@ from rakv.config import Policy, RakvConfig
 from rakv.costs import CostProfile
 from rakv.drafts import ModelDraft, NgramDraft
 from rakv.engine import Engine
-from rakv.gate import BINS, AcceptMap, RoundGate, best_verify_length, conf_bin, worth_next
+from rakv.gate import BINS, AcceptMap, RoundGate, best_verify_length, conf_bin, worth_more
 from rakv.records import Round
 from tests.tiny import make_pair, oracle
 
@@ -46,10 +46,15 @@ def test_accept_map_learns_per_bin_and_reports_reliability():
 
 
 def test_stop_rules():
-    # one more draft costs d + V(j+1) - V(j) and gains S_j c tokens; the round's rate is E / C
-    assert worth_next(0.9, 0.3, 1.9, 1.5)
-    assert not worth_next(0.1, 0.3, 1.9, 1.5)
-    assert worth_next(0.0, 0.0, 1.0, 1.0)          # free: keep going
+    # draft on while some longer draft (next tokens as likely as this one) beats the best rate now
+    V = [1.0] + [1.05] * 8
+    assert worth_more([0.9], 0.9, 0.3, V, 0.0, 8)
+    assert not worth_more([0.1], 0.1, 0.3, V, 0.0, 8)
+    assert not worth_more([0.9], 0.9, 0.3, V, 0.0, 1)           # nothing longer allowed
+    # V not monotone: one step ahead costs a spike, two steps ahead is cheap again -- look past it
+    V = [1.0, 1.1, 1.1, 1.6, 1.15]
+    assert worth_more([0.9, 0.8], 0.8, 0.0, V, 0.0, 4)
+    assert not worth_more([0.9, 0.8], 0.8, 0.0, V, 0.0, 3)
     # verify length: V not monotone -- verifying 3 can beat 2 when V(2) spikes
     V = [1.0, 1.1, 2.0, 1.15]
     assert best_verify_length([0.9, 0.8, 0.7], V, spent=0.3) == 3
@@ -186,6 +191,14 @@ def test_ngram_lookup_may_verify_past_the_largest_k(arch):
     assert max(drafted) <= 12                                  # never past lookup_k ...
     if arch == "gpt2":      # ... and past max(K) = 4 where the output repeats (this tiny GPT-2 does)
         assert max(drafted) > 4
+
+
+def test_ngram_copy_runs_past_the_present_as_a_period():
+    from rakv.drafts import ngram_match
+
+    toks, m = ngram_match([7, 1, 2, 3, 1, 2, 3, 1, 2], 7)      # last seen "1 2" 3 tokens back: period 3
+    assert toks == [3, 1, 2, 3, 1, 2, 3] and m >= 2
+    assert ngram_match([5, 6, 7, 8, 9, 5, 6], 2)[0] == [7, 8]   # a long source: a plain copy
 
 
 def test_ngram_confidence_grows_along_the_copy():
