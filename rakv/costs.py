@@ -44,6 +44,7 @@ from typing import Callable
 import torch
 
 from . import decoding as dec
+from .config import LOOKUP_K
 from .meter import SHARE_QUIET, Meter, Timing, check_enabled, cpu_clock, is_quiet, time_reps
 from .device import clock
 from .records import hardware_info
@@ -493,7 +494,6 @@ def regime_figures(target, prof: CostProfile, reps: int = 5) -> dict:
 def lookup_vs(k_max: int) -> list[int]:
     """Verify lengths measured past k_max (no draft): a gated n-gram lookup may verify up to
     config.LOOKUP_K tokens, and V past the measured ones must not be a guess (V is not linear)."""
-    from .config import LOOKUP_K
     return [k for k in sorted({(k_max + LOOKUP_K) // 2, LOOKUP_K}) if k > k_max]
 
 

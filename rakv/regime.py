@@ -95,7 +95,9 @@ def regime(profile, cpuinfo: str | None = None) -> dict:
     d = profile.draft_step(CTX)
     ks = sorted(int(k) for k in getattr(profile, "V", {}) or {})
     v = {k: profile.verify(k, CTX) for k in ks}
-    best = {k: (k * d + v[k]) / ((k + 1) * t) for k in ks} if t > 0 else {}
+    # a drafting policy's k: 1..k_max (V(12), V(16) past it are measured for n-gram lookups only)
+    kd = [k for k in ks if all(j in v for j in range(1, k + 1))]
+    best = {k: (k * d + v[k]) / ((k + 1) * t) for k in kd} if t > 0 else {}
     fp = getattr(profile, "fingerprint", None) or {}
     return dict(
         isa=cpu_flags(cpuinfo), cpu_capability=cpu_capability(), threads=threads(),
@@ -105,7 +107,7 @@ def regime(profile, cpuinfo: str | None = None) -> dict:
         alpha1_cost_per_token={str(k): round(x, 3) for k, x in best.items()},
         can_pay=any(x < 1.0 for x in best.values()),
         alpha_star_decode={str(k): (None if (a := decode_crossover(t, d, v[k], k)) is None else round(a, 3))
-                           for k in ks},
+                           for k in kd},
         alpha0=round(profile.alpha0, 3) if profile.alpha0 is not None else None,
         alpha_learned=None if getattr(profile, "alpha_learned", None) is None else round(profile.alpha_learned, 3),
         contended=bool(getattr(profile, "contended", False)),
