@@ -89,14 +89,23 @@ def decode_crossover(t: float, d: float, v: float, k: int) -> float | None:
     return hi
 
 
+def drafting_ks(ks: list[int]) -> list[int]:
+    """The k a drafting policy may use: the measured ones up to k_max, without the lengths past
+    it that calibration adds for n-gram lookups only (``costs.lookup_vs``)."""
+    from .costs import lookup_vs
+    for m in ks:
+        if [k for k in ks if k > m] == lookup_vs(m) and lookup_vs(m):
+            return [k for k in ks if k <= m]
+    return ks
+
+
 def regime(profile, cpuinfo: str | None = None) -> dict:
     """The regime of this machine for ``profile``'s model pair (plain JSON-able values)."""
     t = profile.step(CTX)
     d = profile.draft_step(CTX)
     ks = sorted(int(k) for k in getattr(profile, "V", {}) or {})
     v = {k: profile.verify(k, CTX) for k in ks}
-    # a drafting policy's k: 1..k_max (V(12), V(16) past it are measured for n-gram lookups only)
-    kd = [k for k in ks if all(j in v for j in range(1, k + 1))]
+    kd = drafting_ks(ks)
     best = {k: (k * d + v[k]) / ((k + 1) * t) for k in kd} if t > 0 else {}
     fp = getattr(profile, "fingerprint", None) or {}
     return dict(

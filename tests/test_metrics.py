@@ -191,3 +191,7 @@ def test_regime_states_whether_speculation_can_pay():
     a = r["alpha_star_decode"]["4"]           # (4*2 + 12) / E_4(a) = 10  <=>  E_4(a) = 2
     assert (1 - a ** 5) / (1 - a) == pytest.approx(2.0, abs=1e-3)
     assert decode_crossover(10.0, 0.0, 9.0, 1) == 0.0
+    # V(12), V(16) (measured for n-gram lookups only) are listed, but no drafting policy has that k
+    lk = CostProfile(t=[[128, 10.0]], d=[[128, 2.0]], V={str(k): 10.0 + k for k in list(range(1, 9)) + [12, 16]})
+    r = regime(lk, cpuinfo="")
+    assert set(r["V_over_t"]) >= {"12", "16"} and set(r["alpha_star_decode"]) == {str(k) for k in range(1, 9)}
