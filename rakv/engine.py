@@ -21,7 +21,7 @@ from .config import Policy, RakvConfig
 from .controller import AlphaEWMA, Choice, Controller, Situation
 from .costs import CostProfile
 from .drafts import DraftSource, ModelDraft, NgramDraft, NoDraft, prefill_with_reuse
-from .gate import LOOKUP_ALPHA, AcceptMap, RoundGate
+from .gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, judged, request_trust
 from .models import LoadedModel, model_info
 from .prefix_cache import PrefixCache
 from .prompts import EncodedPrompt, encode_prompt
@@ -59,6 +59,8 @@ class _Request:
     stopped: str = ""
     drafted: int = 0
     accepted: int = 0
+    lk_hits: float = 0.0         # this request's judged lookup tokens: accepted, and the pooled map's prediction
+    lk_pred: float = 0.0
     rounds: int = 0
     forward_ms: float = 0.0
     book_ms: float = 0.0
@@ -387,7 +389,8 @@ class Engine:
         k_max = min(self._k_top(rq, self.lookup), remaining - 1)
         if not (rq.policy.gate and p is not None and rq.force is None and k_max >= 1):
             return [], 0.0, None
-        gate = RoundGate(self.lookup_map, k_max, 0.0, self._V(len(seq), k_max))
+        gate = RoundGate(Trusted(self.lookup_map, request_trust(rq.lk_hits, rq.lk_pred)), k_max, 0.0,
+                         self._V(len(seq), k_max))
         prop = self.lookup.propose(seq, k_max, gate)
         if not prop.tokens:
             return [], prop.ms, None
@@ -440,6 +443,10 @@ class Engine:
             self.draft.commit(rq.ids + rq.out)
         m = len(drafts)
         if gate is not None and m:
+            if lookup:
+                for c, ok in judged(gate.confs, m, a):
+                    rq.lk_pred += self.lookup_map.p(c)
+                    rq.lk_hits += ok
             (self.lookup_map if lookup else self.accept_map).observe(gate.confs[:m], gate.preds[:m], a)
         if not lookup:           # a request's drafted / accepted count the model draft's rounds
             rq.drafted += m

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 BINS = 10             # confidence bins of width 0.1
 PRIOR_WEIGHT = 2.0    # pseudo-trials per bin behind the prior (calibration or the confidence itself)
 LOOKUP_ALPHA = 0.3    # the n-gram side draft's prior acceptance before any verify (learned online)
+TRUST_WEIGHT = 2.0    # pseudo-tokens behind a request's own lookup trust (1 until its lookups are judged)
 
 
 def conf_bin(c: float) -> int:
@@ -88,6 +89,22 @@ class AcceptMap:
                             "predicted": round(self.obs_pred[b] / self.obs_n[b], 4),
                             "observed": round(self.obs_hits[b] / self.obs_n[b], 4)})
         return out
+
+
+def request_trust(hits: float, predicted: float) -> float:
+    """A request's own lookups correct the pooled map: (accepted + w) / (predicted + w) over its
+    judged lookup tokens (a numbered list copies the last item's layout, not its words)."""
+    return (hits + TRUST_WEIGHT) / (predicted + TRUST_WEIGHT)
+
+
+class Trusted:
+    """An accept map's chances scaled by a request's trust (capped at 1)."""
+
+    def __init__(self, amap: AcceptMap, trust: float):
+        self.amap, self.trust = amap, trust
+
+    def p(self, conf: float) -> float:
+        return min(1.0, self.amap.p(conf) * self.trust)
 
 
 @dataclass

@@ -214,3 +214,15 @@ def test_calibration_measures_verify_lengths_for_lookups():
     from rakv.costs import lookup_vs
 
     assert lookup_vs(8) == [12, LOOKUP_K] and lookup_vs(LOOKUP_K) == []
+
+
+def test_a_requests_failed_lookups_lower_its_trust():
+    """A request whose copies keep failing verifies fewer of them: its own outcomes scale the pooled
+    map (a list copies the layout of the last item, not its words); no evidence leaves it alone."""
+    from rakv.gate import Trusted, request_trust
+
+    assert request_trust(0, 0) == 1.0
+    assert request_trust(0, 6.0) == pytest.approx(0.25)            # 6 predicted, none accepted
+    assert request_trust(5, 5.0) == 1.0 and request_trust(4, 2.0) > 1.0
+    m = AcceptMap(alpha=0.8)
+    assert Trusted(m, 0.25).p(0.9) == pytest.approx(m.p(0.9) * 0.25) and Trusted(m, 9.0).p(0.9) == 1.0
