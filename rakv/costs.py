@@ -439,8 +439,7 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     ratios = interleaved_ratios(model, dmodel, ids, V_ctx, k_max, reps=4 if quick else 7, tick=tick, meter=meter,
                                 extra=lookup_vs(k_max))
     t_ref = interp(prof.t, V_ctx)
-    for k in [k for k in ratios if k != "d"]:
-        prof.V[str(k)] = ratios[k] * t_ref
+    prof.V.update({str(k): r * t_ref for k, r in ratios.items() if k != "d"})
     if dmodel is not None:
         d_ref = interp(prof.d, V_ctx)
         prof.d = [[c, ms * ratios["d"] * t_ref / d_ref] for c, ms in prof.d]

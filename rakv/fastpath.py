@@ -21,6 +21,10 @@ for a dtype other than float32 / bfloat16. ``RAKV_FAST=0`` (or ``RakvConfig.fast
 
 from __future__ import annotations
 
+import copy
+import json
+import os
+import statistics
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -147,8 +151,6 @@ class FastLinear(nn.Module):
     def __deepcopy__(self, memo):
         # oneDNN tensors cannot be deep-copied: copy the parameters, pack the copy afresh (or, inside
         # ``plain_copies()``, give a plain module)
-        import copy
-
         if _PLAIN_COPIES:
             new = copy.deepcopy(self.plain(), memo)      # the parameters go through memo (ties kept)
             memo[id(self)] = new
@@ -252,8 +254,6 @@ def linear_floor_ms(model: nn.Module, rows: int = 1, reps: int = 5) -> float:
     row this is the weight-streaming floor of a decode step (a step cannot be cheaper than reading
     its weights once). The attention, norms and framework overhead are what a step pays above it.
     """
-    import statistics
-
     from .device import clock, model_device
 
     layers = linear_layers(model)
@@ -316,10 +316,6 @@ def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, roun
     Forced by ``RAKV_ONE_ROW`` (plain | packed); else remembered in ``cache/kernels.json`` per model,
     thread count, torch build and CPU; else measured: real decode steps with each kernel,
     interleaved ``rounds`` times (~3 s on the demo model), medians compared."""
-    import json
-    import os
-    import statistics
-
     from .meter import Timing
     from .records import hardware_info
 

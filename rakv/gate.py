@@ -16,6 +16,7 @@ goes, within k_max. In a k = 0 round (the model draft does not pay) the gate sti
 n-gram continuation, which costs microseconds, and verifies it when E_j / C_j beats a plain step:
 the one way to gain where no model draft pays (``Engine._lookup``). In a drafting round the same
 free lookup replaces the model draft when its E_j / C_j beats what the model draft can expect.
+A request's own judged lookups scale the pooled lookup map (``request_trust``).
 """
 
 from __future__ import annotations

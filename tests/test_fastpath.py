@@ -117,7 +117,7 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine has the device")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a missing CUDA device; this machine has one")
 def test_cli_unavailable_device_is_one_line_exit_2(tiny_dir, capsys):
     code = main(["generate", "--target", str(tiny_dir / "target"), "--draft", "none", "--prompt", "hello",
                  "--device", "cuda", "--max-new-tokens", "2"])
