@@ -315,7 +315,7 @@ def regime_lines(prof) -> list[str]:
     if g:
         out.append(f"machine: {g.get('device', '?')}, {g.get('torch_threads', '?')} threads of {g.get('cores', '?')} "
                    f"cores, torch kernels {g.get('torch_capability') or '?'}, ISA {' '.join(g.get('isa') or []) or '?'}; "
-                   f"fast path {'on (packed oneDNN linears)' if g.get('fast') else 'off (plain torch kernels)'}")
+                   f"fast path {'on (packed oneDNN linears' + (', lean forward)' if g.get('lean') else ')') if g.get('fast') else 'off (plain torch kernels)'}")
         if g.get("floor_ms"):
             out.append(f"target step @{ctx}: {t:.2f} ms = {t / g['floor_ms']:.2f} x the weight-streaming floor "
                        f"{g['floor_ms']:.2f} ms ({g.get('floor_method', '')}); 5 rows: {g.get('floor5_ms', 0):.2f} ms")

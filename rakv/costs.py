@@ -84,6 +84,8 @@ def pair_fingerprint(target, draft) -> dict:
                      device=str(model_device(target.model)), fast=is_enabled(target.model))
     if one_row_kernel(target.model) == "packed":     # a step on the other kernel is another machine
         fp["one_row"] = "packed"
+    if getattr(target.model, "_rakv_lean", None) is not None:    # so is a step on the lean forward
+        fp["lean"] = True
     return fp
 
 
@@ -480,6 +482,7 @@ def regime_figures(target, prof: CostProfile, reps: int = 5) -> dict:
     d = interp(prof.d, ctx) if prof.d else 0.0
     return {
         "device": str(model_device(model)), "fast": is_enabled(model), "one_row_kernel": one_row_kernel(model),
+        "lean": getattr(model, "_rakv_lean", None) is not None,
         **threads_info(), "isa": isa_flags(),
         "ctx": ctx, "step_ms": round(t, 3),
         "floor_ms": round(floor, 3), "floor_method": "one pass over all linear layers, 1 row (measured)",

@@ -39,7 +39,12 @@ def _ids(tokens, device=None) -> torch.Tensor:
 
 @torch.inference_mode()
 def forward(model, tokens, cache: DynamicCache, keep: int = 0) -> torch.Tensor:
-    """Feed ``tokens`` ([n]) after what ``cache`` holds; returns logits [keep or n, V] (float32)."""
+    """Feed ``tokens`` ([n]) after what ``cache`` holds; returns logits [keep or n, V] (float32).
+
+    A model with a lean forward (``rakv.lean``, attached with the fast path) runs that; else HF's."""
+    lean = getattr(model, "_rakv_lean", None)
+    if lean is not None:
+        return lean.forward(_ids(tokens), cache, keep)[0].float()
     kw = {_cache_arg(type(model)): cache}
     out = model(input_ids=_ids(tokens, model_device(model)), use_cache=True, logits_to_keep=keep, **kw)
     return out.logits[0].float()

@@ -215,6 +215,7 @@ def disable(model: nn.Module) -> int:
             setattr(parent, name, child.plain())
             n += 1
     model._rakv_fast = False
+    model._rakv_lean = None          # the lean forward (rakv.lean) belongs to the fast path
     return n
 
 

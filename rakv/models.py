@@ -60,6 +60,7 @@ class LoadedModel:
     max_positions: int | None
     eos_ids: frozenset[int] = field(default_factory=frozenset)
     fast: bool = False                # the packed oneDNN forward path is engaged (rakv.fastpath)
+    lean: str = ""                    # the lean forward (rakv.lean) runs it: "" when not, else its kind
     fast_reason: str = ""             # why not, when it was asked for and could not apply
     one_row: dict = field(default_factory=dict)   # the one-row kernel chosen on the fast path, and how
 
@@ -142,16 +143,31 @@ def wrap(model: torch.nn.Module, tokenizer=None, name: str = "model", revision: 
 
 
 def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
-    """Switch ``lm`` to (or off) the fast forward path, in place; returns ``lm``."""
-    from . import fastpath
+    """Switch ``lm`` to (or off) the fast forward path, in place; returns ``lm``. The fast path is
+    the packed linears (``rakv.fastpath``) and, where the architecture allows, the lean forward
+    (``rakv.lean``; ``RAKV_LEAN=0`` keeps HF's forward over the packed linears)."""
+    from . import fastpath, lean
 
     on = fastpath.default_enabled() if fast is None else bool(fast)
     info = fastpath.set_fast(lm.model, on)
     lm.fast = bool(info["fast"])
     lm.fast_reason = "" if lm.fast or not on else info["reason"]
+    attach_lean(lm, lm.fast and lean.env_enabled())
     if lm.fast:
         lm.one_row = fastpath.choose_one_row(lm.model, lm.key, cache_dir())
     return lm
+
+
+def attach_lean(lm: LoadedModel, on: bool = True, like: LoadedModel | None = None) -> None:
+    """The lean forward for ``lm`` (``like``: the model whose layers it shares, for layers:L)."""
+    from . import lean
+
+    base = getattr(like.model, "_rakv_lean", None) if like is not None else None
+    if on and base is not None and lean.supported(lm.model) is None:
+        lm.model._rakv_lean = base.truncated(lm.model)
+        lm.lean = "llama"
+        return
+    lm.lean = "llama" if lean.attach(lm.model, on) == "" else ""
 
 
 # ----------------------------------------------------------------------------- demo model
@@ -372,9 +388,11 @@ def int8_copy(target: LoadedModel) -> LoadedModel:
         warnings.simplefilter("ignore")
         q = quantize_dynamic(m, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
     q.eval()
-    return LoadedModel(name=f"{target.name}-int8", model=q, tokenizer=target.tokenizer,
-                       key=target.key.rsplit(":", 1)[0] + ":int8-dynamic",
-                       max_positions=target.max_positions, eos_ids=target.eos_ids)
+    lm = LoadedModel(name=f"{target.name}-int8", model=q, tokenizer=target.tokenizer,
+                     key=target.key.rsplit(":", 1)[0] + ":int8-dynamic",
+                     max_positions=target.max_positions, eos_ids=target.eos_ids)
+    attach_lean(lm, bool(target.lean))
+    return lm
 
 
 def layers_copy(target: LoadedModel, L: int) -> LoadedModel:
@@ -400,8 +418,10 @@ def layers_copy(target: LoadedModel, L: int) -> LoadedModel:
         setattr(parent, name, child)
         parent = child
     setattr(parent, path[-1], torch.nn.ModuleList(list(layers)[:L]))
-    return LoadedModel(name=f"{target.name}-layers{L}", model=new, tokenizer=target.tokenizer,
-                       key=f"{target.key}:layers{L}", max_positions=target.max_positions, eos_ids=target.eos_ids)
+    lm = LoadedModel(name=f"{target.name}-layers{L}", model=new, tokenizer=target.tokenizer,
+                     key=f"{target.key}:layers{L}", max_positions=target.max_positions, eos_ids=target.eos_ids)
+    attach_lean(lm, bool(target.lean), like=target)
+    return lm
 
 
 def _decoder_layers(model: torch.nn.Module) -> tuple[list[str], torch.nn.ModuleList]:
@@ -468,6 +488,6 @@ def model_info(lm: LoadedModel) -> dict:
     dev = next(lm.model.parameters()).device
     return {"name": lm.name, "key": lm.key, "arch": type(lm.model).__name__, "params": n_params,
             "layers": getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None),
-            "max_positions": lm.max_positions, "device": str(dev), "fast": lm.fast,
+            "max_positions": lm.max_positions, "device": str(dev), "fast": lm.fast, "lean": bool(lm.lean),
             **({"fast_reason": lm.fast_reason} if lm.fast_reason else {}),
             **({"one_row_kernel": lm.one_row.get("kernel", "")} if lm.one_row else {})}

@@ -1,11 +1,14 @@
-"""Figures for the fast forward path (issue 11): plain torch kernels against packed oneDNN linears,
-measured interleaved in one process on the embedded demo model.
+"""Figures for the fast forward path (issue 11): plain torch kernels, packed oneDNN linears under
+HF's forward, and the lean forward over them, measured interleaved in one process on the embedded
+demo model; llama.cpp on the same weights as a fourth arm when it is there.
 
     python scripts/fastpath_figures.py [--prompts 4] [--tokens 64] [--reps 1] [--vreps 9]
-                                       [--out docs/engine/fastpath.json]
+                                       [--gguf F32.gguf] [--out docs/engine/fastpath.json]
 
-Arms: ``plain`` (the model as transformers builds it) and ``fast`` (``rakv.fastpath``: packed oneDNN
-linears for 2+ rows, torch's kernel for one row), two copies of the same weights in one process.
+Arms, copies of the same weights in one process: ``plain`` (the model as transformers builds it),
+``fast`` (``rakv.fastpath``: packed oneDNN linears, the one-row kernel chosen per machine, HF's
+forward), ``lean`` (the default: the fast path's linears under ``rakv.lean``'s forward) and, with
+``--gguf`` and ``llama_cpp`` (llama-cpp-python) importable, ``llama.cpp`` (greedy, same prompt ids).
   * ``ar`` tokens/s (``rakv generate --policy ar``'s engine, no draft) over the prompts, at 2 threads
     and at 1 thread, arms and thread counts alternating prompt by prompt, the output ids compared;
   * V(k)/t at context 128 for k = 1..8 (a (k+1)-token forward against a 1-token step, all keys and
@@ -46,23 +49,57 @@ PROMPTS = [
 
 
 def arms() -> dict[str, LoadedModel]:
-    fast = load_model("demo", fast=True)
-    plain = LoadedModel(**{**fast.__dict__, "model": copy.deepcopy(fast.model), "fast": False})
+    lean = load_model("demo", fast=True)
+    fast = LoadedModel(**{**lean.__dict__, "model": copy.deepcopy(lean.model), "lean": ""})   # no lean forward
+    plain = LoadedModel(**{**lean.__dict__, "model": copy.deepcopy(lean.model), "fast": False, "lean": ""})
     fastpath.disable(plain.model)
-    assert fast.fast and fastpath.is_enabled(fast.model) and not fastpath.is_enabled(plain.model)
-    return {"plain": plain, "fast": fast}
+    assert lean.lean and lean.model._rakv_lean is not None and fast.model._rakv_lean is None
+    assert fastpath.is_enabled(fast.model) and not fastpath.is_enabled(plain.model)
+    return {"plain": plain, "fast": fast, "lean": lean}
 
 
-def ar_tokens_per_s(models: dict, prompts: list[str], n: int, reps: int, threads: list[int]) -> dict:
+class LlamaCpp:
+    """llama.cpp (llama-cpp-python) on a GGUF of the same weights: greedy, the same prompt ids."""
+
+    def __init__(self, gguf: str, eos):
+        self.gguf, self.eos, self.llm, self.threads = gguf, set(eos), None, None
+
+    def _load(self, threads: int):
+        if self.threads != threads:
+            from llama_cpp import Llama
+
+            self.llm = Llama(model_path=self.gguf, n_ctx=1024, n_threads=threads, n_threads_batch=threads,
+                             n_batch=512, verbose=False)
+            self.threads = threads
+        return self.llm
+
+    def generate(self, ids: list[int], n: int, threads: int):
+        llm = self._load(threads)
+        out = []
+        t0 = time.perf_counter()
+        for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(int(tok))
+            if tok in self.eos or len(out) >= n:
+                break
+        return out, time.perf_counter() - t0
+
+
+def ar_tokens_per_s(models: dict, prompts: list[str], n: int, reps: int, threads: list[int],
+                    peer: "LlamaCpp | None" = None) -> dict:
     """tokens/s of the ar policy per (arm, threads); arms and thread counts alternate per prompt."""
     engines = {a: Engine(lm, None, RakvConfig(policy="ar", max_new_tokens=n)) for a, lm in models.items()}
-    keys = [(a, th) for th in threads for a in models]
+    names = list(models) + (["llama.cpp"] if peer is not None else [])
+    keys = [(a, th) for th in threads for a in names]
     toks = {k: 0 for k in keys}
     secs = {k: 0.0 for k in keys}
     per = {k: [] for k in keys}
     outs: dict = {}
     for a, eng in engines.items():          # warm-up, excluded
         eng.generate(prompts[0], 4)
+    any_eng = next(iter(engines.values()))
+    if peer is not None:
+        for th in threads:
+            peer.generate(any_eng.encode(prompts[0]), 4, th)
     i = 0
     for _ in range(reps):
         for p in prompts:
@@ -70,16 +107,21 @@ def ar_tokens_per_s(models: dict, prompts: list[str], n: int, reps: int, threads
             i += 1
             for a, th in order:
                 torch.set_num_threads(th)
-                end = engines[a].generate(p, n)
-                toks[(a, th)] += len(end.output_ids)
-                secs[(a, th)] += end.latency_ms / 1e3
-                per[(a, th)].append(end.tokens_per_s)
-                outs.setdefault((a, p), end.output_ids)
-    same = all(outs[("plain", p)] == outs[("fast", p)] for p in prompts)
+                if a == "llama.cpp":
+                    ids, s = peer.generate(any_eng.encode(p), n, th)
+                    ms, tps = s * 1e3, len(ids) / s
+                else:
+                    end = engines[a].generate(p, n)
+                    ids, ms, tps = end.output_ids, end.latency_ms, end.tokens_per_s
+                toks[(a, th)] += len(ids)
+                secs[(a, th)] += ms / 1e3
+                per[(a, th)].append(tps)
+                outs.setdefault((a, p), ids)
+    same = {a: all(outs[(a, p)] == outs[("plain", p)] for p in prompts) for a in names if a != "plain"}
     return {"tok_s": {f"{a}@{th}": round(toks[(a, th)] / secs[(a, th)], 3) for a, th in keys},
             "tok_s_median_per_request": {f"{a}@{th}": round(statistics.median(per[(a, th)]), 3) for a, th in keys},
             "tokens": {f"{a}@{th}": toks[(a, th)] for a, th in keys},
-            "same_ids_plain_fast": same}
+            "same_ids_as_plain": same}
 
 
 def verify_ratios(models: dict, ids: list[int], ctx: int, k_max: int, reps: int) -> dict:
@@ -128,6 +170,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=1, help="passes over the prompts (tokens/s)")
     ap.add_argument("--vreps", type=int, default=9, help="repetitions of the V(k) rotation")
     ap.add_argument("--threads", default="2,1", help="thread counts for tokens/s (first: the V(k) and floor runs)")
+    ap.add_argument("--gguf", help="a GGUF of the same weights (F32): adds the llama.cpp arm (needs llama_cpp)")
     ap.add_argument("--out", default=str(ROOT / "docs/engine/fastpath.json"))
     args = ap.parse_args()
     threads = [int(x) for x in args.threads.split(",")]
@@ -140,12 +183,12 @@ def main() -> int:
     torch.set_num_threads(threads[0])
     floors = linear_floors(models)
     ratios = verify_ratios(models, ids, 128, 8, args.vreps)
-    tps = ar_tokens_per_s(models, PROMPTS[: args.prompts], args.tokens, args.reps, threads)
+    peer = LlamaCpp(args.gguf, models["lean"].eos_ids) if args.gguf else None
+    tps = ar_tokens_per_s(models, PROMPTS[: args.prompts], args.tokens, args.reps, threads, peer)
     torch.set_num_threads(threads[0])
     res = {
         "command": "python scripts/fastpath_figures.py " + " ".join(sys.argv[1:]),
         "machine": {"cpu": _cpu(), "isa": isa_flags(), **threads_info(), "torch": torch.__version__,
-                    "shared": "yes: other agents' jobs ran on the same 2 cores (load average during the run in load)",
                     "load": _load()},
         "threads_for_V_and_floor": threads[0], "floors_ms": floors, "verify": ratios, "ar": tps,
         "elapsed_s": round(time.perf_counter() - t_start, 1),
@@ -172,28 +215,35 @@ def _load() -> list[float]:
 def table(r: dict) -> str:
     f, v, a = r["floors_ms"], r["verify"], r["ar"]
     th = sorted({int(k.split("@")[1]) for k in a["tok_s"]}, reverse=True)
-    lines = ["| figure | plain | fast | fast / plain |", "|---|---|---|---|"]
+    names = list(dict.fromkeys(k.split("@")[0] for k in a["tok_s"]))
+    model_arms = [n for n in names if n in v]
+    lines = ["| figure | " + " | ".join(names) + " | lean / plain | lean / fast |",
+             "|---|" + "---|" * (len(names) + 2)]
     for t in th:
-        p, q = a["tok_s"][f"plain@{t}"], a["tok_s"][f"fast@{t}"]
-        lines.append(f"| `ar` tokens/s, {t} thread{'s' if t > 1 else ''} | {p:.2f} | {q:.2f} | {q / p:.2f}x |")
+        row = [a["tok_s"][f"{n}@{t}"] for n in names]
+        lines.append(f"| `ar` tokens/s, {t} thread{'s' if t > 1 else ''} | " + " | ".join(f"{x:.2f}" for x in row)
+                     + f" | {a['tok_s'][f'lean@{t}'] / a['tok_s'][f'plain@{t}']:.2f}x"
+                     + f" | {a['tok_s'][f'lean@{t}'] / a['tok_s'][f'fast@{t}']:.2f}x |")
     if len(th) > 1:
         hi, lo = th[0], th[-1]
-        lines.append(f"| {hi} threads / {lo} thread (tokens/s) | {a['tok_s'][f'plain@{hi}'] / a['tok_s'][f'plain@{lo}']:.2f} "
-                     f"| {a['tok_s'][f'fast@{hi}'] / a['tok_s'][f'fast@{lo}']:.2f} | |")
-    lines.append(f"| step t @128 (ms) | {v['plain']['t_ms']:.1f} | {v['fast']['t_ms']:.1f} | "
-                 f"{v['fast']['t_ms'] / v['plain']['t_ms']:.2f} |")
+        lines.append(f"| {hi} threads / {lo} thread (tokens/s) | "
+                     + " | ".join(f"{a['tok_s'][f'{n}@{hi}'] / a['tok_s'][f'{n}@{lo}']:.2f}" for n in names) + " | | |")
+    pad = " |" * (len(names) - len(model_arms))
+    lines.append("| step t @128 (ms) | " + " | ".join(f"{v[n]['t_ms']:.1f}" for n in model_arms) + pad
+                 + f" {v['lean']['t_ms'] / v['plain']['t_ms']:.2f} | {v['lean']['t_ms'] / v['fast']['t_ms']:.2f} |")
     for k in v["plain"]["V_over_t"]:
-        lines.append(f"| V({k})/t | {v['plain']['V_over_t'][k]:.2f} | {v['fast']['V_over_t'][k]:.2f} | |")
+        lines.append(f"| V({k})/t | " + " | ".join(f"{v[n]['V_over_t'][k]:.2f}" for n in model_arms) + pad + " | |")
     for rows in f["plain"]:
-        lines.append(f"| all linear layers, {rows} row{'s' if int(rows) > 1 else ''} (ms) | {f['plain'][rows]:.1f} | "
-                     f"{f['fast'][rows]:.1f} | {f['fast'][rows] / f['plain'][rows]:.2f} |")
-    lines.append(f"| step / 1-row floor | {v['plain']['t_ms'] / f['plain'][1]:.2f} | {v['fast']['t_ms'] / f['fast'][1]:.2f} | |")
-    lines.append(f"| same `ar` ids, plain vs fast | {'yes' if a['same_ids_plain_fast'] else 'NO'} | | |")
+        lines.append(f"| all linear layers, {rows} row{'s' if int(rows) > 1 else ''} (ms) | "
+                     + " | ".join(f"{f[n][rows]:.1f}" for n in model_arms) + pad + " | |")
+    lines.append("| step / 1-row floor | " + " | ".join(f"{v[n]['t_ms'] / f[n][1]:.2f}" for n in model_arms) + pad + " | |")
+    lines.append("| same `ar` ids as plain | yes | " + " | ".join("yes" if a["same_ids_as_plain"][n] else "NO"
+                                                              for n in names[1:]) + " | | |")
     m = r["machine"]
     lines.append("")
     lines.append(f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_capability']}), "
                  f"ISA {' '.join(m['isa'])}; V(k) and floors at {r['threads_for_V_and_floor']} threads; "
-                 f"load average {m['load']} (shared machine). Command: `{r['command']}` ({r['elapsed_s']} s).")
+                 f"load average {m['load']}. Command: `{r['command']}` ({r['elapsed_s']} s).")
     return "\n".join(lines)
 
 

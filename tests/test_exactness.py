@@ -116,6 +116,11 @@ def test_per_request_k0_probes_are_recorded_and_exact():
                        d=[[16, 0.05], [256, 0.05]], V={str(k): 1.0 + 0.05 * k for k in range(1, 9)}, alpha0=0.05)
     eng = Engine(target, ModelDraft(draft), RakvConfig(policy="adaptive", probe_every=3, explore_share=1.0),
                  profile=prof)
+    # the balance is a share of *measured* time, the prices are this synthetic profile's: earn a
+    # stream's worth up front and keep the profile from learning this machine's real (tiny-model)
+    # costs, so the probe rule is tested on the synthetic profile whatever this machine's speed
+    eng.controller.earn(1000.0)
+    prof.observe = lambda *a, **kw: None
     seen = []
     eng.callback = seen.append
     p = list(range(10, 40))

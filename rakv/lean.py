@@ -1,0 +1,226 @@
+"""A lean decoder forward for Llama-family models: the same weights and maths as the HF model,
+without the framework around it.
+
+A decode step of the demo model (30 layers, 135M parameters) spends about a third of its time
+outside the linear layers: HF's per-module dispatch, decorators, mask construction and rotary
+recomputation. This forward runs the same computation straight through, layer by layer, on the
+model's own modules' kernels (the fast path's ``FastLinear`` where it is on), with
+
+  * q, k, v and gate, up fused into one linear each (one weight read, one kernel call),
+  * cos / sin for every position computed once (grown on demand),
+  * no mask for one new token (it sees the whole cache) and a bool mask for n > 1,
+  * the KV in the same ``DynamicCache`` as before (crop, prefix-cache store and clone unchanged).
+
+HF stays the source of truth: the weights are the model's parameters (fused copies are made from
+them and made again if a parameter changes in place), and ``supported`` refuses any config this
+forward does not reproduce (rope scaling, sliding windows, biases it does not carry, other
+activations), in which case the HF forward runs. Every policy goes through the same forward, so
+outputs stay identical across policies. ``RAKV_LEAN=0`` (or ``--no-fast``) keeps the HF forward.
+
+Shapes: x [1, n, H]; q [1, Hq, n, D]; k, v [1, Hkv, n, D] (the cache: [1, Hkv, past + n, D]).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def env_enabled() -> bool:
+    return os.environ.get("RAKV_LEAN", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def supported(model: nn.Module) -> str | None:
+    """Why the lean forward cannot run ``model`` (None: it can)."""
+    cfg = getattr(model, "config", None)
+    name = type(model).__name__
+    if cfg is None or name not in ARCHS:
+        return f"{name} (lean forward: {', '.join(ARCHS)})"
+    for rope in (getattr(cfg, "rope_parameters", None), getattr(cfg, "rope_scaling", None)):
+        if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type") or "default") != "default":
+            return f"rope type {rope.get('rope_type') or rope.get('type')}"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act}"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
+            and name != "LlamaForCausalLM":
+        return "sliding-window attention"
+    if getattr(cfg, "mlp_bias", False):
+        return "MLP bias"
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp"
+    p = next(model.parameters())
+    if p.device.type != "cpu":
+        return f"device {p.device.type}"
+    return None
+
+
+class _Fused(nn.Module):
+    """Several linear layers over the same input as one: y = x [W_1; W_2; ...]^T (+ b).
+
+    Built from the layers' own parameters (a concatenated copy, packed by the fast path when the
+    layers are), rebuilt when any of them changes in place."""
+
+    def __init__(self, mods: list[nn.Module]):
+        super().__init__()
+        self.mods = mods
+        # a quantized linear (the int8 draft) has no weight tensor to concatenate: run them apart
+        self.split = not all(isinstance(getattr(m, "weight", None), torch.Tensor) for m in mods)
+        if self.split:
+            self.fns = [m.forward for m in mods]
+            return
+        self.sizes = [int(m.weight.shape[0]) for m in mods]
+        self._build()
+
+    def _versions(self):
+        return tuple((m.weight._version, -1 if m.bias is None else m.bias._version) for m in self.mods)
+
+    def _build(self) -> None:
+        from .fastpath import FastLinear
+
+        # (a rebuild runs inside the forward's inference mode: the copy must be a normal tensor)
+        with torch.inference_mode(False), torch.no_grad():
+            w = torch.cat([m.weight.detach() for m in self.mods], 0)
+            b = None
+            if any(m.bias is not None for m in self.mods):
+                b = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(n)
+                               for m, n in zip(self.mods, self.sizes)])
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
+            lin.weight = nn.Parameter(w, requires_grad=False)
+            if b is not None:
+                lin.bias = nn.Parameter(b, requires_grad=False)
+            if all(isinstance(m, FastLinear) for m in self.mods):
+                fl = FastLinear(lin)
+                fl.one_row_plain = self.mods[0].one_row_plain
+                lin = fl
+        self.lin = lin
+        self.version = self._versions()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .fastpath import FastLinear
+
+        if self.split:
+            return torch.cat([f(x) for f in self.fns], dim=-1)
+        if self._versions() != self.version:
+            self._build()
+        lin = self.lin
+        if isinstance(lin, FastLinear):
+            lin.one_row_plain = self.mods[0].one_row_plain    # the fast path's per-machine choice
+        return lin.forward(x)
+
+
+def _linear(m: nn.Module):
+    """The module's forward, without nn.Module's call machinery (hooks are not used here)."""
+    return m.forward
+
+
+class LeanLlama:
+    """The lean forward of one Llama-family model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, layers: list | None = None):
+        cfg = model.config
+        self.model = model
+        base = model.model
+        self.embed = base.embed_tokens
+        self.norm = base.norm
+        self.lm_head = model.lm_head
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.scale = self.head_dim ** -0.5
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        d = self.head_dim
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        self._cos = self._sin = torch.empty(0, d)
+        self.layers = layers if layers is not None else [self._layer(L) for L in base.layers]
+        self.dtype = self.embed.weight.dtype
+
+    @staticmethod
+    def _layer(L: nn.Module) -> tuple:
+        a, m = L.self_attn, L.mlp
+        return (L.input_layernorm, _Fused([a.q_proj, a.k_proj, a.v_proj]), a.o_proj,
+                L.post_attention_layernorm, _Fused([m.gate_proj, m.up_proj]), m.down_proj)
+
+    def truncated(self, model: nn.Module) -> "LeanLlama":
+        """The lean forward of ``model``, a layer-truncated copy sharing this model's first layers
+        (the layers:L draft): its fused layers are this one's, not new copies."""
+        return LeanLlama(model, self.layers[: len(model.model.layers)])
+
+    def __deepcopy__(self, memo):
+        # a deep copy of the model (the int8 draft's) gets no lean forward: attach() builds its own
+        return None
+
+    # ---- pieces
+    def _rope(self, start: int, n: int):
+        """cos, sin [n, D] for positions start..start+n-1 (the table grows in doublings)."""
+        end = start + n
+        if end > self._cos.shape[0]:
+            size = max(256, 1 << (end - 1).bit_length())
+            pos = torch.arange(size, dtype=torch.float)
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return self._cos[start:end], self._sin[start:end]
+
+    @staticmethod
+    def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        return norm.weight * h.to(x.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+    @staticmethod
+    def _mask(past: int, n: int) -> torch.Tensor | None:
+        """[n, past + n] bool: query i sees keys 0..past+i (None for one token: it sees all)."""
+        if n == 1:
+            return None
+        return torch.ones(n, past + n, dtype=torch.bool).tril(past)
+
+    # ---- the forward
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache, keep: int = 0) -> torch.Tensor:
+        """ids [1, n] after what ``cache`` holds; returns logits [1, keep or n, V]."""
+        n = ids.shape[1]
+        past = cache.get_seq_length()
+        x = F.embedding(ids, self.embed.weight)                      # [1, n, H]
+        cos, sin = self._rope(past, n)                               # [n, D]
+        mask = self._mask(past, n)
+        Hq, Hk, D = self.n_heads, self.n_kv, self.head_dim
+        sq, sk = Hq * D, Hk * D
+        for i, (ln1, qkv, o, ln2, gate_up, down) in enumerate(self.layers):
+            h = qkv(self._rms(x, ln1))                               # [1, n, (Hq + 2 Hk) D]
+            q = h[..., :sq].view(1, n, Hq, D).transpose(1, 2)
+            k = h[..., sq:sq + sk].view(1, n, Hk, D).transpose(1, 2)
+            v = h[..., sq + sk:].view(1, n, Hk, D).transpose(1, 2)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            k, v = cache.update(k, v, i)                             # [1, Hk, past + n, D]
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=Hq != Hk)  # [1, Hq, n, D]
+            x = x + _linear(o)(a.transpose(1, 2).reshape(1, n, sq))
+            g, u = gate_up(self._rms(x, ln2)).chunk(2, dim=-1)
+            x = x + _linear(down)(F.silu(g) * u)
+        if keep:
+            x = x[:, -keep:]
+        return _linear(self.lm_head)(self._rms(x, self.norm))       # [1, keep or n, V]
+
+
+def attach(model: nn.Module, on: bool = True) -> str:
+    """Give ``model`` its lean forward (``model._rakv_lean``) when supported and ``on``; returns
+    why not ("" when attached)."""
+    model._rakv_lean = None
+    if not on:
+        return "switched off"
+    why = supported(model)
+    if why is None:
+        model._rakv_lean = LeanLlama(model)
+        return ""
+    return why
