@@ -9,7 +9,8 @@ model's own modules' kernels (the fast path's ``FastLinear`` where it is on), wi
   * q, k, v and gate, up fused into one linear each (one weight read, one kernel call),
   * cos / sin for every position computed once (grown on demand),
   * no mask for one new token (it sees the whole cache) and a bool mask for n > 1,
-  * the KV in the same ``DynamicCache`` as before (crop, prefix-cache store and clone unchanged).
+  * the KV in the same ``DynamicCache`` as before (crop, prefix-cache store and clone unchanged),
+    but grown in place in a buffer instead of concatenated anew every step (``_append``).
 
 HF stays the source of truth: the weights are the model's parameters (fused copies are made from
 them and made again if a parameter changes in place), and ``supported`` refuses any config this
@@ -74,10 +75,11 @@ class _Fused(nn.Module):
             self.fns = [m.forward for m in mods]
             return
         self.sizes = [int(m.weight.shape[0]) for m in mods]
+        self.params = [p for m in mods for p in (m.weight, m.bias) if p is not None]
         self._build()
 
     def _versions(self):
-        return tuple((m.weight._version, -1 if m.bias is None else m.bias._version) for m in self.mods)
+        return tuple(p._version for p in self.params)
 
     def _build(self) -> None:
         from .fastpath import FastLinear
@@ -157,26 +159,32 @@ class LeanLlama:
 
     # ---- pieces
     def _rope(self, start: int, n: int):
-        """cos, sin [n, D] for positions start..start+n-1 (the table grows in doublings)."""
-        end = start + n
+        """cos, sin [n, 1, D] for positions start..start+n-1 (the table grows in doublings)."""
+        end, d = start + n, self.head_dim
         if end > self._cos.shape[0]:
             size = max(256, 1 << (end - 1).bit_length())
             pos = torch.arange(size, dtype=torch.float)
             freqs = pos[:, None] * self.inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
-        return self._cos[start:end], self._sin[start:end]
+            sin = emb.sin()
+            sin[:, : d // 2] *= -1                  # rotate_half's sign (see _rotate)
+            self._cos, self._sin = emb.cos().to(self.dtype), sin.to(self.dtype)
+        return self._cos[start:end, None], self._sin[start:end, None]
 
     @staticmethod
     def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """HF's RMSNorm: x / rms(x) in float32, times the weight (float32: torch's fused op)."""
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
         return norm.weight * h.to(x.dtype)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+        """HF's x cos + rotate_half(x) sin, with rotate_half(x) = roll(x, D/2) times the sign that
+        ``_rope`` folded into sin (-sin for the first half)."""
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
     @staticmethod
     def _mask(past: int, n: int) -> torch.Tensor | None:
@@ -192,17 +200,17 @@ class LeanLlama:
         n = ids.shape[1]
         past = cache.get_seq_length()
         x = F.embedding(ids, self.embed.weight)                      # [1, n, H]
-        cos, sin = self._rope(past, n)                               # [n, D]
+        cos, sin = self._rope(past, n)                               # [n, 1, D] (broadcast over heads)
         mask = self._mask(past, n)
         Hq, Hk, D = self.n_heads, self.n_kv, self.head_dim
         sq, sk = Hq * D, Hk * D
         for i, (ln1, qkv, o, ln2, gate_up, down) in enumerate(self.layers):
             h = qkv(self._rms(x, ln1))                               # [1, n, (Hq + 2 Hk) D]
-            q = h[..., :sq].view(1, n, Hq, D).transpose(1, 2)
-            k = h[..., sq:sq + sk].view(1, n, Hk, D).transpose(1, 2)
+            qk = self._rotate(h[..., :sq + sk].view(1, n, Hq + Hk, D), cos, sin)   # q and k at once
+            q = qk[:, :, :Hq].transpose(1, 2)                        # [1, Hq, n, D]
+            k = qk[:, :, Hq:].transpose(1, 2)
             v = h[..., sq + sk:].view(1, n, Hk, D).transpose(1, 2)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            k, v = cache.update(k, v, i)                             # [1, Hk, past + n, D]
+            k, v = _append(cache, i, k, v)                           # [1, Hk, past + n, D]
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                enable_gqa=Hq != Hk)  # [1, Hq, n, D]
             x = x + _linear(o)(a.transpose(1, 2).reshape(1, n, sq))
@@ -211,6 +219,35 @@ class LeanLlama:
         if keep:
             x = x[:, -keep:]
         return _linear(self.lm_head)(self._rms(x, self.norm))       # [1, keep or n, V]
+
+
+KV_MIN_CAPACITY = 256
+
+
+def _append(cache, i: int, k: torch.Tensor, v: torch.Tensor):
+    """``cache.update(k, v, i)`` without copying the whole layer every step: from the second forward
+    on, a layer's KV lives in a buffer with room to grow (capacity doubling), the layer's ``keys`` /
+    ``values`` are views of its first positions, and new positions are written in place. A crop
+    (a view) keeps the buffer; anything else put in the layer (a fresh tensor) starts a new one.
+    The first forward's KV is HF's own (a contiguous tensor of exactly the prompt), so the prefix
+    cache stores it without a copy; a buffer view it would copy (``decoding.kv_of``)."""
+    if i >= len(cache.layers) or not cache.layers[i].is_initialized or cache.layers[i].keys.numel() == 0:
+        return cache.update(k, v, i)
+    L = cache.layers[i]
+    n0, n = L.keys.shape[-2], k.shape[-2]
+    buf = getattr(L, "_rakv_buf", None)
+    if buf is None or L.keys.data_ptr() != buf[0].data_ptr() or n0 + n > buf[0].shape[-2]:
+        cap = max(KV_MIN_CAPACITY, 1 << (2 * (n0 + n) - 1).bit_length())
+        shape = (*L.keys.shape[:-2], cap, L.keys.shape[-1])
+        bk, bv = L.keys.new_empty(shape), L.values.new_empty(shape)
+        bk[..., :n0, :] = L.keys
+        bv[..., :n0, :] = L.values
+        L._rakv_buf = buf = (bk, bv)
+    bk, bv = buf
+    bk[..., n0:n0 + n, :] = k
+    bv[..., n0:n0 + n, :] = v
+    L.keys, L.values = bk[..., :n0 + n, :], bv[..., :n0 + n, :]
+    return L.keys, L.values
 
 
 def attach(model: nn.Module, on: bool = True) -> str:

@@ -228,15 +228,17 @@ def table(r: dict) -> str:
         hi, lo = th[0], th[-1]
         lines.append(f"| {hi} threads / {lo} thread (tokens/s) | "
                      + " | ".join(f"{a['tok_s'][f'{n}@{hi}'] / a['tok_s'][f'{n}@{lo}']:.2f}" for n in names) + " | | |")
-    pad = " |" * (len(names) - len(model_arms))
-    lines.append("| step t @128 (ms) | " + " | ".join(f"{v[n]['t_ms']:.1f}" for n in model_arms) + pad
-                 + f" {v['lean']['t_ms'] / v['plain']['t_ms']:.2f} | {v['lean']['t_ms'] / v['fast']['t_ms']:.2f} |")
+    def row(label, cells, tail=("", "")):
+        cells = list(cells) + [""] * (len(names) - len(model_arms))
+        lines.append(f"| {label} | " + " | ".join(cells + list(tail)) + " |")
+
+    row("step t @128 (ms)", (f"{v[n]['t_ms']:.1f}" for n in model_arms),
+        (f"{v['lean']['t_ms'] / v['plain']['t_ms']:.2f}", f"{v['lean']['t_ms'] / v['fast']['t_ms']:.2f}"))
     for k in v["plain"]["V_over_t"]:
-        lines.append(f"| V({k})/t | " + " | ".join(f"{v[n]['V_over_t'][k]:.2f}" for n in model_arms) + pad + " | |")
+        row(f"V({k})/t", (f"{v[n]['V_over_t'][k]:.2f}" for n in model_arms))
     for rows in f["plain"]:
-        lines.append(f"| all linear layers, {rows} row{'s' if int(rows) > 1 else ''} (ms) | "
-                     + " | ".join(f"{f[n][rows]:.1f}" for n in model_arms) + pad + " | |")
-    lines.append("| step / 1-row floor | " + " | ".join(f"{v[n]['t_ms'] / f[n][1]:.2f}" for n in model_arms) + pad + " | |")
+        row(f"all linear layers, {rows} row{'s' if int(rows) > 1 else ''} (ms)", (f"{f[n][rows]:.1f}" for n in model_arms))
+    row("step / 1-row floor", (f"{v[n]['t_ms'] / f[n][1]:.2f}" for n in model_arms))
     lines.append("| same `ar` ids as plain | yes | " + " | ".join("yes" if a["same_ids_as_plain"][n] else "NO"
                                                               for n in names[1:]) + " | | |")
     m = r["machine"]

@@ -75,6 +75,8 @@ def test_tiny_bench_prompts_file_and_policies(tmp_path):
     (["--workload", "repetitive", "--buckets", "250"], "exceeds the model's context"),
     (["--workload", "wikitext"], "--prompts PATH"),
     (["--workload", "chat,mixed"], "--prompts PATH"),
+    (["--peer-gguf", "/nonexistent/model.gguf"], "no such file"),
+    (["--policies", "llama.cpp"], "--peer-gguf"),
 ])
 def test_bad_input_one_line(tmp_path, capsys, monkeypatch, argv, msg):
     monkeypatch.delenv("RAKV_WIKITEXT", raising=False)

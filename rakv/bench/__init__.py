@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--k-set", default=None, help=f"K for the policies and the controller (default {FULL['k_set']})")
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                     help="include the transformers peers (hf:assist, hf:confidence, hf:lookup)")
+    ap.add_argument("--peer-gguf", default=None, metavar="FILE",
+                    help="a GGUF of the target's weights: adds the llama.cpp peer (needs llama-cpp-python)")
     ap.add_argument("--lookup-k", type=A.int_range(1, 64), default=None, help="prompt_lookup_num_tokens (default: max K)")
     ap.add_argument("--budget-mib", type=A.finite_float(0), default=512.0)
     ap.add_argument("--recalibrate", action="store_true", help="measure the cost profile again before running")
@@ -113,6 +115,13 @@ def settings(args) -> dict:
     if {"wikitext", "mixed"} & set(s["workloads"]) and not (args.prompts or os.environ.get(WIKITEXT_ENV)):
         raise ValueError(WIKITEXT_HELP)        # before any model is loaded
     s["policies"] = policy_names(args.policies)
+    from .peers import LlamaCppPeer
+
+    if args.peer_gguf is not None and not Path(args.peer_gguf).expanduser().is_file():
+        raise ValueError(f"--peer-gguf {args.peer_gguf}: no such file")
+    LlamaCppPeer.configure(str(Path(args.peer_gguf).expanduser()) if args.peer_gguf else None)
+    if "llama.cpp" in (s["policies"] or []) and LlamaCppPeer.available():
+        raise ValueError(LlamaCppPeer.available())
     check_out(args, s["workloads"])
     return s
 

@@ -7,8 +7,12 @@
                  gate explicit: stop drafting below ``assistant_confidence_threshold`` (0.4; adapted
                  online only when scikit-learn is installed): transformers' counterpart of adaptive:gate.
   hf:lookup      ``model.generate(prompt_lookup_num_tokens=K, do_sample=False)`` (prompt lookup).
+  llama.cpp      llama.cpp (``llama_cpp``, llama-cpp-python: the ``peers`` extra, never required) on a
+                 GGUF of the target's weights given with ``--peer-gguf`` (e.g. an F32 one from llama.cpp's
+                 ``convert_hf_to_gguf.py --outtype f32``): greedy (top_k 1), the same prompt ids, no draft.
 
-TTFT is taken from a streamer: the time of the first ``put`` after the prompt's.
+TTFT is taken from a streamer: the time of the first ``put`` after the prompt's (llama.cpp: the
+first token's arrival).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch
 
 from rakv.device import clock as now, model_device
 
-PEERS = ("hf:assist", "hf:confidence", "hf:lookup")
+PEERS = ("hf:assist", "hf:confidence", "hf:lookup", "llama.cpp")
+DEFAULT_PEERS = ("hf:assist", "hf:confidence", "hf:lookup")   # llama.cpp only when asked for (--peer-gguf)
 CONFIDENCE_THRESHOLD = 0.4      # transformers' default assistant_confidence_threshold
 
 
@@ -55,7 +60,58 @@ def generate_kwargs(target, n: int) -> dict:
     return dict(do_sample=False, max_new_tokens=n, eos_token_id=eos, pad_token_id=pad)
 
 
+class LlamaCppPeer:
+    """llama.cpp on a GGUF, loaded once per thread count (torch's, so both sides get the same cores)."""
+
+    gguf: str | None = None
+    _llm = None
+    _threads = None
+
+    @classmethod
+    def configure(cls, gguf: str | None) -> None:
+        cls.gguf, cls._llm, cls._threads = gguf, None, None
+
+    @classmethod
+    def available(cls) -> str | None:
+        """Why the llama.cpp peer cannot run (None: it can)."""
+        if not cls.gguf:
+            return "the llama.cpp peer needs --peer-gguf FILE (a GGUF of the target's weights)"
+        try:
+            import llama_cpp  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - an import that fails on a missing shared library too
+            return f"the llama.cpp peer needs llama-cpp-python (pip install 'rakv-explorer[peers]'): {e}"
+        return None
+
+    @classmethod
+    def llm(cls):
+        threads = torch.get_num_threads()
+        if cls._llm is None or cls._threads != threads:
+            from llama_cpp import Llama
+
+            cls._llm = Llama(model_path=cls.gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                             n_batch=512, verbose=False)
+            cls._threads = threads
+        return cls._llm
+
+    @classmethod
+    def run(cls, target, ids, n: int) -> PeerResult:
+        llm = cls.llm()
+        eos = set(target.eos_ids)
+        out: list[int] = []
+        t0 = now()
+        ttft = 0.0
+        for tok in llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            if not out:
+                ttft = (now() - t0) * 1e3
+            out.append(int(tok))
+            if tok in eos or len(out) >= n:
+                break
+        return PeerResult(out, (now() - t0) * 1e3, ttft)
+
+
 def run_peer(name: str, target, draft_model, ids, n: int, lookup_k: int) -> PeerResult:
+    if name == "llama.cpp":
+        return LlamaCppPeer.run(target, ids, n)
     x = torch.tensor([list(ids)], device=model_device(target.model))
     kw = generate_kwargs(target, n)
     saved = None
@@ -84,5 +140,7 @@ def run_peer(name: str, target, draft_model, ids, n: int, lookup_k: int) -> Peer
 
 
 def peer_available(name: str, draft) -> bool:
-    """hf:assist and hf:confidence need a draft model (not ngram / none)."""
+    """hf:assist and hf:confidence need a draft model (not ngram / none); llama.cpp its GGUF and module."""
+    if name == "llama.cpp":
+        return LlamaCppPeer.available() is None
     return name not in ("hf:assist", "hf:confidence") or getattr(draft, "has_model", False)

@@ -26,7 +26,7 @@ from rakv.engine import Engine
 from rakv.gate import judged
 from rakv.records import Decision, Round
 
-from .peers import PEERS, peer_available, run_peer
+from .peers import DEFAULT_PEERS, PEERS, LlamaCppPeer, peer_available, run_peer
 from .workloads import Request
 
 now = time.perf_counter
@@ -67,7 +67,9 @@ def default_arm_names(k_set, peers: bool, draft) -> list[str]:
     elif not ks:
         names += ["adaptive:request"]
     if peers:
-        names += [p for p in PEERS if peer_available(p, draft)]
+        names += [p for p in DEFAULT_PEERS if peer_available(p, draft)]
+        if LlamaCppPeer.gguf and peer_available("llama.cpp", draft):
+            names.append("llama.cpp")
     if _no_draft(draft):
         names = [n for n in names if not (n.startswith(("spec:", "joint:", "hf:")))]
     return names
@@ -92,6 +94,8 @@ def parse_arms(names: list[str], draft) -> list[Arm]:
         elif n in GATE_ARMS:      # per request, with / without the gate
             new = [Arm(n, policy=n, granularity="request")]
         elif n in PEERS:
+            if n == "llama.cpp" and LlamaCppPeer.available():
+                raise ValueError(LlamaCppPeer.available())
             if not peer_available(n, draft):
                 raise ValueError(f"peer {n} needs a draft model (--draft is {getattr(draft, 'name', 'none')!r})")
             new = [Arm(n, peer=True)]
