@@ -14,9 +14,9 @@ measured clone/store cost and is infeasible when the prompt's KV (plus logits, p
 KV when k > 0) exceeds the budget. The feasible argmin is chosen, k = 0 included, with two near-tie rules: when the best action
 drafts, among drafting actions within K_TIE (2%) of it the smallest k is taken (a longer draft's
 realised cost varies more and a miss wastes more; the margins by which k = 8 beat k = 4 where it
-then lost were 0.02-1.4%); the rule never moves a choice to k = 0, which would learn nothing about
-alpha (a near-tie with k = 0 is left to the argmin). r = 1 takes a near-tie within REUSE_TIE (1%)
-of the best r = 0.
+then lost were 0.02-1.4%); that rule never moves a choice to k = 0. A drafting action must be
+predicted SPEC_MARGIN (5%) cheaper than the best k = 0 action (``spec_or_plain``); priced probes,
+not near-ties, teach alpha. r = 1 takes a near-tie within REUSE_TIE (1%) of the best r = 0.
 
 Acceptance, two time scales:
   * per round: ``AlphaEWMA`` keeps EWMAs of accepted tokens and of Bernoulli trials per round
@@ -71,6 +71,7 @@ LONG_PRIOR = 32.0    # ... starting from this many pseudo-trials at the prior (a
 LONG_DECAY = 0.05    # per-request ageing of the evidence count behind alpha's optimistic bound
 OUT_DECAY = 0.1      # per-request weight of the output-share EWMA
 K_TIE = 0.02    # among drafting actions predicted within 2% of the best, the smallest k is taken
+SPEC_MARGIN = 0.05   # a drafting action must be predicted this much cheaper than the best k = 0 one
 EXPLORE_SHARE = 0.005  # probes may spend this share of the stream's measured time (issue: <= 1%)
 UCB_Z = 2.0          # alpha's optimistic bound: estimate + UCB_Z standard errors
 MAX_EVIDENCE = 400   # trials counted for that bound at most (and it ages by LONG_DECAY a request)
@@ -79,6 +80,16 @@ MAX_EVIDENCE = 400   # trials counted for that bound at most (and it ages by LON
 def trials(accepted: int, drafted: int) -> int:
     """Bernoulli trials in a round: the accepted drafts, plus the rejected one if any."""
     return accepted + (1 if accepted < drafted else 0)
+
+
+def spec_or_plain(best: Candidate, plain: list[Candidate]) -> Candidate:
+    """Draft only when predicted SPEC_MARGIN cheaper than the best k = 0 action: drafting
+    predictions ran optimistic where the gain is small (docs/results.md, session 8), and a
+    near-tie lost to k = 0 costs little while a wrong draft costs a whole draft prefill."""
+    if not plain:
+        return best
+    b0 = min(plain, key=lambda c: c.predicted_ms)
+    return best if best.predicted_ms < b0.predicted_ms * (1 - SPEC_MARGIN) else b0
 
 
 def E(k: int, alpha: float) -> float:
@@ -240,6 +251,8 @@ class Controller:
             near = [c for c in feas if c.reuse == best.reuse and c.k > 0
                     and c.predicted_ms <= best.predicted_ms * (1 + K_TIE)]
             best = min(near, key=lambda c: (c.k, c.predicted_ms))
+        if best is not None and best.k > 0:
+            best = spec_or_plain(best, [c for c in feas if c.k == 0])
         reason = "argmin"
         if force is not None:
             fr, fk = force

@@ -50,7 +50,8 @@ from .device import clock
 from .records import hardware_info
 
 now = clock          # synchronizes CUDA / MPS before reading the time
-PROFILE_VERSION = 8          # 8: V measured past k_max (lookup_vs) for n-gram lookups
+PROFILE_VERSION = 9          # 9: the lean forward (its steps; the int8 draft's fused layers); D refined online
+                             # 8: V measured past k_max (lookup_vs) for n-gram lookups
                              # 7: the quality section (spread per term, CPU share, contended)
 ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
 ONLINE_FIRST = 4             # this session's first measurements of a term weigh 1/2, 1/3, 1/4, 1/5 (a stale

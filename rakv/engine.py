@@ -402,6 +402,8 @@ class Engine:
         if prop.prefill is not None:
             h = prop.prefill
             self._emit_lookup(rq.rid, "draft", h.hit, len(rq.ids), h.stored, h.lookup_ms, h.ms)
+            if self.profile is not None and h.ms > 0:     # the draft's prompt prefill, as paid in a request
+                self.profile.observe("D", self.profile.D(len(rq.ids) - h.hit.usable), h.ms)
         return prop
 
     def _round(self, rq: "_Request") -> None:

@@ -115,9 +115,27 @@ class _Fused(nn.Module):
         return lin.forward(x)
 
 
-def _linear(m: nn.Module):
-    """The module's forward, without nn.Module's call machinery (hooks are not used here)."""
-    return m.forward
+FUSED_QKV, FUSED_GATE_UP = "rakv_qkv", "rakv_gate_up"
+
+
+def fuse_for_quantization(model: nn.Module) -> None:
+    """Give every decoder layer fused q|k|v and gate|up ``nn.Linear`` submodules (copies of the
+    weights), so that ``quantize_dynamic`` quantizes them too and the lean forward of the int8
+    copy runs one int8 kernel where it would run three (per-channel scales are per output row,
+    so the fused layers quantize exactly as the separate ones). HF's forward does not use them."""
+    for L in model.model.layers:
+        a, m = L.self_attn, L.mlp
+        for parent, name, mods in ((a, FUSED_QKV, [a.q_proj, a.k_proj, a.v_proj]),
+                                   (m, FUSED_GATE_UP, [m.gate_proj, m.up_proj])):
+            w = torch.cat([x.weight.detach() for x in mods], 0)
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=any(x.bias is not None for x in mods),
+                            dtype=w.dtype, device=w.device)
+            with torch.no_grad():
+                lin.weight.copy_(w)
+                if lin.bias is not None:
+                    lin.bias.copy_(torch.cat([x.bias.detach() if x.bias is not None else w.new_zeros(x.weight.shape[0])
+                                              for x in mods]))
+            setattr(parent, name, lin)
 
 
 class LeanLlama:
@@ -144,9 +162,12 @@ class LeanLlama:
 
     @staticmethod
     def _layer(L: nn.Module) -> tuple:
+        """(norm, q|k|v, o, norm, gate|up, down) of one decoder layer, the linears as plain calls."""
         a, m = L.self_attn, L.mlp
-        return (L.input_layernorm, _Fused([a.q_proj, a.k_proj, a.v_proj]), a.o_proj,
-                L.post_attention_layernorm, _Fused([m.gate_proj, m.up_proj]), m.down_proj)
+        qkv = getattr(a, FUSED_QKV, None) or _Fused([a.q_proj, a.k_proj, a.v_proj])
+        gate_up = getattr(m, FUSED_GATE_UP, None) or _Fused([m.gate_proj, m.up_proj])
+        return (L.input_layernorm, qkv.forward, a.o_proj.forward,
+                L.post_attention_layernorm, gate_up.forward, m.down_proj.forward)
 
     def truncated(self, model: nn.Module) -> "LeanLlama":
         """The lean forward of ``model``, a layer-truncated copy sharing this model's first layers
@@ -213,12 +234,12 @@ class LeanLlama:
             k, v = _append(cache, i, k, v)                           # [1, Hk, past + n, D]
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                enable_gqa=Hq != Hk)  # [1, Hq, n, D]
-            x = x + _linear(o)(a.transpose(1, 2).reshape(1, n, sq))
+            x = x + o(a.transpose(1, 2).reshape(1, n, sq))
             g, u = gate_up(self._rms(x, ln2)).chunk(2, dim=-1)
-            x = x + _linear(down)(F.silu(g) * u)
+            x = x + down(F.silu(g) * u)
         if keep:
             x = x[:, -keep:]
-        return _linear(self.lm_head)(self._rms(x, self.norm))       # [1, keep or n, V]
+        return self.lm_head.forward(self._rms(x, self.norm))       # [1, keep or n, V]
 
 
 KV_MIN_CAPACITY = 256

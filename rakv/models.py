@@ -382,6 +382,10 @@ def int8_copy(target: LoadedModel) -> LoadedModel:
     with fastpath.plain_copies():
         m = copy.deepcopy(target.model).float()
     _conv1d_to_linear(m)
+    if target.lean:                       # the lean forward runs fused q|k|v and gate|up (int8 too)
+        from . import lean
+
+        lean.fuse_for_quantization(m)
     import warnings
 
     with warnings.catch_warnings():
