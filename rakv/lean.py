@@ -115,6 +115,54 @@ class _Fused(nn.Module):
         return lin.forward(x)
 
 
+class _Op:
+    """One linear as the lean forward calls it, without the module machinery: the fast path's
+    packed kernel (or, for one row where the fast path chose it, torch's own) called directly on
+    the module's tensors; any other module (a quantized int8 linear) through its own forward.
+    ``refresh`` re-reads the module (after an in-place weight change or a one-row kernel switch)."""
+
+    __slots__ = ("mod", "fn", "packed", "bias", "w", "plain1")
+
+    def __init__(self, mod: nn.Module):
+        self.mod = mod
+        self.refresh()
+
+    def refresh(self) -> None:
+        from .fastpath import FastLinear
+
+        mod = self.mod
+        if isinstance(mod, _Fused) and not mod.split:
+            if mod._versions() != mod.version:
+                mod._build()
+            lin = mod.lin
+            if isinstance(lin, FastLinear):
+                lin.one_row_plain = mod.mods[0].one_row_plain     # the fast path's per-machine choice
+        else:
+            lin = mod
+        if isinstance(lin, FastLinear) and not lin.transposed:
+            if lin._weight_version() != lin._version:
+                lin.repack()
+            self.fn, self.packed, self.bias = None, lin._packed, lin._bias
+            self.w, self.plain1 = lin.weight.detach(), lin.one_row_plain
+        else:
+            self.fn = lin.forward
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fn is not None:
+            return self.fn(x)
+        if self.plain1 and x.shape[-2] == 1:
+            return F.linear(x, self.w, self.bias)
+        return _POINTWISE(x, self.packed, self.bias, "none", [], "")
+
+
+def _pointwise():
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN: no FastLinear either
+        return None
+
+
+_POINTWISE = _pointwise()
 FUSED_QKV, FUSED_GATE_UP = "rakv_qkv", "rakv_gate_up"
 
 
@@ -158,16 +206,35 @@ class LeanLlama:
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
         self._cos = self._sin = torch.empty(0, d)
         self.layers = layers if layers is not None else [self._layer(L) for L in base.layers]
+        self.head = _Op(self.lm_head)
+        self.final_norm = (self.norm.weight, self.norm.variance_epsilon)
+        self.ops = [op for L in self.layers for op in L if isinstance(op, _Op)] + [self.head]
+        # what _sync watches: every weight and bias the linears read, and the one-row kernel choice
+        self.params = [p for p in model.parameters() if p.dim() >= 1]
+        self.probe = next((m for m in model.modules() if hasattr(m, "one_row_plain")), None)
+        self.state = self._state()
         self.dtype = self.embed.weight.dtype
 
     @staticmethod
     def _layer(L: nn.Module) -> tuple:
-        """(norm, q|k|v, o, norm, gate|up, down) of one decoder layer, the linears as plain calls."""
+        """(norm, q|k|v, o, norm, gate|up, down) of one decoder layer, the linears as ``_Op``s."""
         a, m = L.self_attn, L.mlp
         qkv = getattr(a, FUSED_QKV, None) or _Fused([a.q_proj, a.k_proj, a.v_proj])
         gate_up = getattr(m, FUSED_GATE_UP, None) or _Fused([m.gate_proj, m.up_proj])
-        return (L.input_layernorm, qkv.forward, a.o_proj.forward,
-                L.post_attention_layernorm, gate_up.forward, m.down_proj.forward)
+        n1, n2 = L.input_layernorm, L.post_attention_layernorm
+        return ((n1.weight, n1.variance_epsilon), _Op(qkv), _Op(a.o_proj),
+                (n2.weight, n2.variance_epsilon), _Op(gate_up), _Op(m.down_proj))
+
+    def _state(self) -> tuple:
+        return (sum(p._version for p in self.params), getattr(self.probe, "one_row_plain", None))
+
+    def _sync(self) -> None:
+        """Re-read the linears when a weight changed in place or the one-row kernel was switched."""
+        state = self._state()
+        if state != self.state:
+            for op in self.ops:
+                op.refresh()
+            self.state = state
 
     def truncated(self, model: nn.Module) -> "LeanLlama":
         """The lean forward of ``model``, a layer-truncated copy sharing this model's first layers
@@ -193,13 +260,15 @@ class LeanLlama:
         return self._cos[start:end, None], self._sin[start:end, None]
 
     @staticmethod
-    def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        """HF's RMSNorm: x / rms(x) in float32, times the weight (float32: torch's fused op)."""
+    def _rms(x: torch.Tensor, norm: tuple) -> torch.Tensor:
+        """HF's RMSNorm (norm = its weight and eps): x / rms(x) in float32, times the weight
+        (float32: torch's fused op)."""
+        w, eps = norm
         if x.dtype == torch.float32:
-            return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+            return F.rms_norm(x, w.shape, w, eps)
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-        return norm.weight * h.to(x.dtype)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return w * h.to(x.dtype)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -218,6 +287,7 @@ class LeanLlama:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, keep: int = 0) -> torch.Tensor:
         """ids [1, n] after what ``cache`` holds; returns logits [1, keep or n, V]."""
+        self._sync()
         n = ids.shape[1]
         past = cache.get_seq_length()
         x = F.embedding(ids, self.embed.weight)                      # [1, n, H]
@@ -239,7 +309,7 @@ class LeanLlama:
             x = x + down(F.silu(g) * u)
         if keep:
             x = x[:, -keep:]
-        return self.lm_head.forward(self._rms(x, self.norm))       # [1, keep or n, V]
+        return self.head(self._rms(x, self.final_norm))              # [1, keep or n, V]
 
 
 KV_MIN_CAPACITY = 256

@@ -92,3 +92,20 @@ def test_lean_follows_an_in_place_weight_change():
         m.model.layers[1].mlp.up_proj.weight.add_(0.1)
     torch.testing.assert_close(dec.forward(m, ids, dec.DynamicCache()), _hf(m, ids, dec.DynamicCache()),
                                rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
+def test_lean_follows_the_one_row_kernel_switch():
+    m = make_model("llama")
+    fastpath.enable(m)
+    lean.attach(m)
+    ids = list(range(5, 25))
+    c = dec.DynamicCache()
+    dec.prefill(m, ids, c)
+    for kernel in ("packed", "plain", "packed"):
+        fastpath.set_one_row(m, kernel)
+        got = dec.decode_one(m, 7, c)
+        assert all(op.plain1 == (kernel == "plain") for op in m._rakv_lean.ops if op.fn is None)
+        dec.rollback(c, 1)
+        torch.testing.assert_close(got, _hf(m, [7], c, keep=1)[-1], rtol=1e-4, atol=1e-4)
+        dec.rollback(c, 1)
