@@ -75,6 +75,7 @@ SPEC_MARGIN = 0.05   # a drafting action must be predicted this much cheaper tha
 EXPLORE_SHARE = 0.005  # probes may spend this share of the stream's measured time (issue: <= 1%)
 UCB_Z = 2.0          # alpha's optimistic bound: estimate + UCB_Z standard errors
 MAX_EVIDENCE = 400   # trials counted for that bound at most (and it ages by LONG_DECAY a request)
+PROBE_CTX_BUCKET = 16  # probe candidates are recomputed when the context moves by this many tokens
 
 
 def trials(accepted: int, drafted: int) -> int:
@@ -176,6 +177,7 @@ class Controller:
         # trials behind the acceptance estimate (this session's, plus what the profile saw before)
         self.evidence = min(MAX_EVIDENCE, float(profile.alpha_trials or 0.0))
         self._probe: tuple[int, float] | None = None     # (k, predicted excess ms) of a pending probe
+        self._pk_key, self._pk = None, []                 # probe_ks's cache
 
     # ------------------------------------------------------------------ costs
     def hit_tokens(self, s: Situation, r: int) -> tuple[int, int]:
@@ -324,17 +326,26 @@ class Controller:
         n = self.evidence + PRIOR_TRIALS
         return min(1.0, a + UCB_Z * math.sqrt(max(a * (1 - a), 0.01) / n))
 
+    def probe_ks(self, ctx: float, ks) -> list[int]:
+        """The k that could pay at all and whose crossover alpha's optimistic bound reaches: the
+        candidates of a probe. Cached per 16 tokens of context and per acceptance estimate (it is
+        asked every k = 0 round once a probe is due; recomputing it cost ~2% of a step)."""
+        a, a_hi = self.alpha_req, self.alpha_upper()
+        key = (int(ctx) // PROBE_CTX_BUCKET, tuple(ks), a, a_hi)
+        if key != self._pk_key:
+            can = [k for k in ks if k > 0 and self.pays_at_all(k, ctx)]
+            stars = self.round_alpha_star(ctx, can) if can else {}
+            self._pk_key = key
+            self._pk = [k for k in can if stars.get(str(k)) is not None and stars[str(k)] <= a_hi]
+        return self._pk
+
     def probe_plan(self, ctx: float, ks, catch_ms: float) -> tuple[int, float] | None:
         """The probe worth most (expected trials per ms of excess), or None if none is worth it."""
         p = self.profile
         t = p.step(ctx)
-        a, a_hi = self.alpha_req, self.alpha_upper()
-        can = [k for k in ks if k > 0 and self.pays_at_all(k, ctx)]
-        stars = self.round_alpha_star(ctx, can) if can else {}
+        a = self.alpha_req
         best = None
-        for k in can:
-            if stars.get(str(k)) is None or stars[str(k)] > a_hi:
-                continue
+        for k in self.probe_ks(ctx, ks):
             excess = catch_ms + k * p.draft_step(ctx) + p.verify(k, ctx) - E(k, a) * t
             info = E(k, a) - (a ** k)          # expected trials: accepted drafts + a rejection
             score = info / max(excess, 0.05 * t)
@@ -342,11 +353,18 @@ class Controller:
                 best = (score, k, max(0.0, excess))
         return None if best is None else (best[1], best[2])
 
+    def probe_possible(self, ctx: int, remaining: int, k_set=None) -> bool:
+        """Cheap test before pricing a probe (the engine then measures the draft's catch-up)."""
+        if not self.probe_due or remaining <= 2 or self.explore_balance <= 0:
+            return False
+        ks = [kk for kk in sorted(set(k_set if k_set is not None else self.k_set)) if 0 < kk <= remaining - 1]
+        return bool(self.probe_ks(ctx, ks))
+
     def maybe_probe(self, ctx: int, remaining: int, k_set=None, catchup_tokens: int = 0,
                     draft_model: bool = True) -> int:
         """For a round that will not draft although a draft is there: the k of a probe round if
         one is due, worth it and affordable (else 0). ``catchup_tokens`` matters only when due."""
-        if not self.probe_due or remaining <= 2 or self.explore_balance <= 0:
+        if not self.probe_possible(ctx, remaining, k_set):
             return 0
         ks = [kk for kk in sorted(set(k_set if k_set is not None else self.k_set)) if 0 < kk <= remaining - 1]
         plan = self.probe_plan(ctx, ks, self.catchup_ms(catchup_tokens, draft_model))

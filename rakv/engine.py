@@ -352,7 +352,9 @@ class Engine:
             return rq.k
         td = now()
         ctl = self.controller
-        behind = self._draft_behind(seq, rq.reuse, rq.draft_model) if ctl.probe_due else 0
+        if not ctl.probe_possible(len(seq), remaining, rq.k_set):
+            return 0
+        behind = self._draft_behind(seq, rq.reuse, rq.draft_model)
         k = ctl.maybe_probe(len(seq), remaining, rq.k_set, behind, rq.draft_model)
         if k:
             self._emit(Decision(request_id=rq.rid, round=rq.rounds + 1, action={"reuse": int(rq.reuse), "k": k},
