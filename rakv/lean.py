@@ -102,17 +102,21 @@ class _Fused(nn.Module):
         self.lin = lin
         self.version = self._versions()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def current(self) -> nn.Module:
+        """The fused linear as the source layers are now (rebuilt after an in-place change, with
+        their one-row kernel: the fast path's per-machine choice)."""
         from .fastpath import FastLinear
 
-        if self.split:
-            return torch.cat([f(x) for f in self.fns], dim=-1)
         if self._versions() != self.version:
             self._build()
-        lin = self.lin
-        if isinstance(lin, FastLinear):
-            lin.one_row_plain = self.mods[0].one_row_plain    # the fast path's per-machine choice
-        return lin.forward(x)
+        if isinstance(self.lin, FastLinear):
+            self.lin.one_row_plain = self.mods[0].one_row_plain
+        return self.lin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split:
+            return torch.cat([f(x) for f in self.fns], dim=-1)
+        return self.current().forward(x)
 
 
 class _Op:
@@ -131,14 +135,7 @@ class _Op:
         from .fastpath import FastLinear
 
         mod = self.mod
-        if isinstance(mod, _Fused) and not mod.split:
-            if mod._versions() != mod.version:
-                mod._build()
-            lin = mod.lin
-            if isinstance(lin, FastLinear):
-                lin.one_row_plain = mod.mods[0].one_row_plain     # the fast path's per-machine choice
-        else:
-            lin = mod
+        lin = mod.current() if isinstance(mod, _Fused) and not mod.split else mod
         if isinstance(lin, FastLinear) and not lin.transposed:
             if lin._weight_version() != lin._version:
                 lin.repack()

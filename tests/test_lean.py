@@ -12,10 +12,16 @@ from rakv.drafts import ModelDraft
 from rakv.engine import Engine
 from rakv.models import int8_copy, layers_copy, set_fast, wrap
 
+from .test_fastpath import needs_onednn
 from .tiny import make_model, oracle
 
-needs_onednn = pytest.mark.skipif(fastpath.unavailable_reason(torch.nn.Linear(2, 2)) is not None,
-                                  reason="oneDNN (mkldnn) is missing from this torch build")
+
+def _lean_model():
+    """A tiny Llama on the packed linears with its lean forward, and a prompt."""
+    m = make_model("llama")
+    fastpath.enable(m)
+    lean.attach(m)
+    return m, list(range(5, 25))
 
 
 def _hf(model, ids, cache, keep=0):
@@ -27,10 +33,8 @@ def _hf(model, ids, cache, keep=0):
         model._rakv_lean = saved
 
 
-@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("fast", [False, pytest.param(True, marks=needs_onednn)])
 def test_lean_logits_equal_hf_prefill_verify_and_step(fast):
-    if fast and fastpath.unavailable_reason(torch.nn.Linear(2, 2)) is not None:
-        pytest.skip("oneDNN (mkldnn) is missing from this torch build")
     m = make_model("llama", layers=3)
     if fast:
         fastpath.enable(m)
@@ -83,10 +87,7 @@ def test_lean_drafts_int8_and_layers_share_and_stay_exact():
 
 @needs_onednn
 def test_lean_follows_an_in_place_weight_change():
-    m = make_model("llama")
-    fastpath.enable(m)
-    lean.attach(m)
-    ids = list(range(5, 25))
+    m, ids = _lean_model()
     with torch.no_grad():
         m.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
         m.model.layers[1].mlp.up_proj.weight.add_(0.1)
@@ -96,10 +97,7 @@ def test_lean_follows_an_in_place_weight_change():
 
 @needs_onednn
 def test_lean_follows_the_one_row_kernel_switch():
-    m = make_model("llama")
-    fastpath.enable(m)
-    lean.attach(m)
-    ids = list(range(5, 25))
+    m, ids = _lean_model()
     c = dec.DynamicCache()
     dec.prefill(m, ids, c)
     for kernel in ("packed", "plain", "packed"):

@@ -120,8 +120,9 @@ def settings(args) -> dict:
     if args.peer_gguf is not None and not Path(args.peer_gguf).expanduser().is_file():
         raise ValueError(f"--peer-gguf {args.peer_gguf}: no such file")
     LlamaCppPeer.configure(str(Path(args.peer_gguf).expanduser()) if args.peer_gguf else None)
-    if "llama.cpp" in (s["policies"] or []) and LlamaCppPeer.available():
-        raise ValueError(LlamaCppPeer.available())
+    why = LlamaCppPeer.available() if "llama.cpp" in (s["policies"] or []) else None
+    if why:
+        raise ValueError(why)
     check_out(args, s["workloads"])
     return s
 

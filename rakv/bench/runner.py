@@ -67,9 +67,7 @@ def default_arm_names(k_set, peers: bool, draft) -> list[str]:
     elif not ks:
         names += ["adaptive:request"]
     if peers:
-        names += [p for p in DEFAULT_PEERS if peer_available(p, draft)]
-        if LlamaCppPeer.gguf and peer_available("llama.cpp", draft):
-            names.append("llama.cpp")
+        names += [p for p in DEFAULT_PEERS + ("llama.cpp",) if peer_available(p, draft)]
     if _no_draft(draft):
         names = [n for n in names if not (n.startswith(("spec:", "joint:", "hf:")))]
     return names
@@ -94,8 +92,9 @@ def parse_arms(names: list[str], draft) -> list[Arm]:
         elif n in GATE_ARMS:      # per request, with / without the gate
             new = [Arm(n, policy=n, granularity="request")]
         elif n in PEERS:
-            if n == "llama.cpp" and LlamaCppPeer.available():
-                raise ValueError(LlamaCppPeer.available())
+            why = LlamaCppPeer.available() if n == "llama.cpp" else None
+            if why:
+                raise ValueError(why)
             if not peer_available(n, draft):
                 raise ValueError(f"peer {n} needs a draft model (--draft is {getattr(draft, 'name', 'none')!r})")
             new = [Arm(n, peer=True)]
