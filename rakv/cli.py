@@ -324,7 +324,8 @@ def regime_lines(prof) -> list[str]:
     out.append(f"V(k)/t @{ctx}: " + ", ".join(f"k={k}: {prof.verify(int(k), ctx) / t:.2f}"
                                              for k in sorted(prof.V, key=int)))
     d = prof.draft_step(ctx)
-    out.append(f"d/t @{ctx}: {d / t:.3f} (draft step {d:.2f} ms)" if d > 0 else "d/t: - (no draft model)")
+    out.append(f"d/t @{ctx}: {d / t:.3f} (draft step {d:.2f} ms; its 2-token step {prof.d2_ratio:.2f} d)"
+               if d > 0 else "d/t: - (no draft model)")
     out.append("T_pf: " + ", ".join(f"{int(n)}: {ms:.1f} ms" for n, ms in prof.T_pf))
     out.append(f"alpha0 = {prof.alpha0:.3f};  calibration took {prof.calibration_s:.1f} s"
                + ("  (measured while the machine was busy: contended)" if getattr(prof, "contended", False) else ""))

@@ -2,7 +2,11 @@
 
     E_k(alpha) = (1 - alpha^(k+1)) / (1 - alpha)       (k+1 at alpha = 1; E_0 = 1)
     C(0, r)    = T_pf(P - hit_r) + N * t
-    C(k, r)    = T_pf(P - hit_r) + D_pf(P - hitd_r) + (N / E_k(alpha)) * (k * d + V(k))
+    C(k, r)    = T_pf(P - hit_r) + D_pf(P - hitd_r) + (N / E_k(alpha)) * (k * d + alpha^k (d2 - d) + V(k))
+
+(d2: the draft's 2-token forward, which opens every round after one whose k drafts were all
+accepted; a model draft's int8 step costs ~1.4x d for 2 tokens, so k = 1 at high alpha pays it
+nearly every round.)
 
 N counts the tokens produced by decoding rounds (max_new_tokens - 1: the first token comes out
 of the prefill), scaled by ``out_frac``, an EWMA (weight OUT_DECAY, 0.1, per request) of the
@@ -199,7 +203,7 @@ class Controller:
             return c + n * p.step(ctx)
         if s.draft_model:
             c += p.D(s.P - hitd)
-        return c + (n / E(k, alpha)) * (k * p.draft_step(ctx) + p.verify(k, ctx))
+        return c + (n / E(k, alpha)) * (p.draft_round(k, ctx, alpha) + p.verify(k, ctx))
 
     def feasible(self, s: Situation, r: int, k: int) -> tuple[bool, str]:
         if k > 0 and not s.has_draft:
@@ -282,7 +286,7 @@ class Controller:
             if k == 0:
                 costs[0] = p.step(ctx)
             elif has_draft and k <= max(0, remaining - 1):
-                per_round = k * p.draft_step(ctx) + p.verify(k, ctx)
+                per_round = p.draft_round(k, ctx, a) + p.verify(k, ctx)
                 # spread a catch-up over the rounds left, as it is paid once
                 rounds_left = max(1.0, remaining / E(k, a))
                 costs[k] = (per_round + catch / rounds_left) / E(k, a)
@@ -318,7 +322,7 @@ class Controller:
     def pays_at_all(self, k: int, ctx: float) -> bool:
         """Could k beat plain steps at alpha = 1? If not, probing k can teach nothing useful."""
         p = self.profile
-        return k * p.draft_step(ctx) + p.verify(k, ctx) < (k + 1) * p.step(ctx)
+        return p.draft_round(k, ctx, 1.0) + p.verify(k, ctx) < (k + 1) * p.step(ctx)
 
     def alpha_upper(self) -> float:
         """Optimistic acceptance: the estimate plus UCB_Z standard errors over the evidence."""
@@ -378,21 +382,21 @@ class Controller:
         return self._probe[1] if self._probe else 0.0
 
     def round_alpha_star(self, ctx: int, k_set=None) -> dict:
-        """Per-round crossover: smallest alpha with (k d + V(k)) / E_k(alpha) <= t, per k."""
+        """Per-round crossover: smallest alpha with (draft(k) + V(k)) / E_k(alpha) <= t, per k."""
         p = self.profile
         t = p.step(ctx)
         out = {}
         for k in sorted(set(k_set if k_set is not None else self.k_set)):
             if k == 0:
                 continue
-            need = (k * p.draft_step(ctx) + p.verify(k, ctx)) / t if t > 0 else float("inf")
-            if need > k + 1:
+            v = p.verify(k, ctx)
+            if t <= 0 or (p.draft_round(k, ctx, 1.0) + v) / t > k + 1:
                 out[str(k)] = None
                 continue
             lo, hi = 0.0, 1.0
             for _ in range(25):
                 mid = (lo + hi) / 2
-                lo, hi = (lo, mid) if E(k, mid) >= need else (mid, hi)
+                lo, hi = (lo, mid) if E(k, mid) * t >= p.draft_round(k, ctx, mid) + v else (mid, hi)
             out[str(k)] = round(hi, 4)
         return out
 

@@ -50,7 +50,8 @@ from .device import clock
 from .records import hardware_info
 
 now = clock          # synchronizes CUDA / MPS before reading the time
-PROFILE_VERSION = 9          # 9: the lean forward (its steps; the int8 draft's fused layers); D refined online
+PROFILE_VERSION = 10         # 10: the draft's two-token step (d2_ratio)
+                             # 9: the lean forward (its steps; the int8 draft's fused layers); D refined online
                              # 8: V measured past k_max (lookup_vs) for n-gram lookups
                              # 7: the quality section (spread per term, CPU share, contended)
 ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
@@ -123,6 +124,9 @@ class CostProfile:
     d: list[list[float]] = field(default_factory=list)
     V: dict[str, float] = field(default_factory=dict)       # str(k) -> ms at context V_ctx
     V_ctx: int = 128
+    # a model draft's first forward after a fully accepted round feeds 2 tokens (the last draft and
+    # the target's bonus token): its cost over a 1-token draft step, measured at V_ctx
+    d2_ratio: float = 1.0
     clone_ms_per_token: float = 0.0
     lookup_ms: float = 0.0
     alpha0: float = 0.5
@@ -167,6 +171,18 @@ class CostProfile:
 
     def draft_step(self, ctx: float) -> float:
         return (interp(self.d, ctx) if self.d else 0.0) * self.factor("d")
+
+    def draft_step2(self, ctx: float) -> float:
+        """The draft's 2-token forward (it opens the round after one whose drafts were all accepted)."""
+        return (interp(self.d, ctx) * self.d2_ratio if self.d else 0.0) * self.factor("d2")
+
+    def draft_round(self, k: int, ctx: float, alpha: float) -> float:
+        """Expected draft ms of a k-token round: k steps, the first one fed 2 tokens when the round
+        before accepted all its k drafts (chance alpha^k at i.i.d. acceptance alpha)."""
+        if k <= 0:
+            return 0.0
+        d = self.draft_step(ctx)
+        return k * d + min(1.0, max(0.0, alpha)) ** k * max(0.0, self.draft_step2(ctx) - d)
 
     def verify(self, k: int, ctx: float) -> float:
         """V(k) at context ctx: measured at V_ctx, scaled with context like a step."""
@@ -284,6 +300,7 @@ FIELD_CHECKS: dict[str, Callable[[object], str | None]] = {
     "fingerprint": lambda x: None if isinstance(x, dict) else "expected an object",
     "T_pf": _curve, "D_pf": _curve, "t": _curve, "d": _curve,
     "V": _v_table,
+    "d2_ratio": lambda x: None if _num(x) and 0.5 <= x <= 8 else "expected a number in [0.5, 8]",
     "V_ctx": lambda x: None if isinstance(x, int) and not isinstance(x, bool) and x >= 1 else "expected an integer >= 1",
     "clone_ms_per_token": lambda x: None if _num(x) and x >= 0 else "expected a finite number >= 0",
     "lookup_ms": lambda x: None if _num(x) and x >= 0 else "expected a finite number >= 0",
@@ -442,10 +459,11 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     ratios = interleaved_ratios(model, dmodel, ids, V_ctx, k_max, reps=4 if quick else 7, tick=tick, meter=meter,
                                 extra=lookup_vs(k_max))
     t_ref = interp(prof.t, V_ctx)
-    prof.V.update({str(k): r * t_ref for k, r in ratios.items() if k != "d"})
+    prof.V.update({str(k): r * t_ref for k, r in ratios.items() if k not in ("d", "d2")})
     if dmodel is not None:
         d_ref = interp(prof.d, V_ctx)
         prof.d = [[c, ms * ratios["d"] * t_ref / d_ref] for c, ms in prof.d]
+        prof.d2_ratio = round(min(8.0, max(1.0, ratios["d2"] / ratios["d"])), 4) if ratios.get("d") else 1.0
     else:
         prof.d = [[16, 0.02], [1024, 0.05]] if draft.name == "ngram" else []
     # clone/store cost per token (KV copy) and lookup cost
@@ -491,6 +509,7 @@ def regime_figures(target, prof: CostProfile, reps: int = 5) -> dict:
         "floor5_ms": round(floor_v4, 3),
         "V_over_t": {k: round(prof.V[k] / t, 3) for k in sorted(prof.V, key=int)} if t > 0 else {},
         "d_over_t": round(d / t, 3) if t > 0 and d > 0 else None,
+        "d2_over_d": round(prof.d2_ratio, 3) if d > 0 else None,
     }
 
 
@@ -510,7 +529,8 @@ def interleaved_ratios(model, dmodel, ids, ctx: int, k_max: int, reps: int, tick
     them alike. Measured in the loop, not in isolation: a lone draft forward after a target
     forward runs cold and costs ~40% more than the steps of a real drafting run.
     Keys in ``extra`` (past k_max) time the verify alone: n-gram lookups, which draft nothing.
-    Returns {k: V(k)/t} and (with a draft model) "d": median draft ms per drafted token / t.
+    Returns {k: V(k)/t} and (with a draft model) "d": median draft ms per drafted token / t, and
+    "d2": the draft's 2-token forward / t.
     The whole block is measured again (``meter``) when its timings are noisy.
     """
     meter = meter or Meter(check=False)
@@ -529,7 +549,7 @@ def _interleaved_block(model, dmodel, ids, ctx: int, k_max: int, reps: int, extr
         dec.prefill(dmodel, ids[:ctx], dbase)
     keys = list(range(0, k_max + 1)) + [k for k in extra if k > k_max]
     xs: dict = {key: Timing() for key in keys}
-    ds = Timing()
+    ds, d2 = Timing(), Timing()
 
     def once(k):
         if k == 0:
@@ -540,6 +560,11 @@ def _interleaved_block(model, dmodel, ids, ctx: int, k_max: int, reps: int, extr
             return ms, None
         d_ms = None
         if dbase is not None and k <= k_max:
+            if k == 1:      # the 2-token step that opens a round after a fully accepted one (after a verify, as there)
+                t0, c0 = now(), cpu_clock()
+                dec.prefill(dmodel, ids[ctx: ctx + 2], dbase)
+                d2.add(now() - t0, cpu_clock() - c0)
+                dec.rollback(dbase, 2)
             t0, c0 = now(), cpu_clock()
             for i in range(k):      # q_i = draft(x_{<ctx+i})
                 dec.decode_one(dmodel, ids[ctx + i], dbase)
@@ -567,6 +592,9 @@ def _interleaved_block(model, dmodel, ids, ctx: int, k_max: int, reps: int, extr
     if ds.ms:
         out["d"] = ds.value / t1
         timings["d@ratio"] = ds
+    if d2.ms:
+        out["d2"] = d2.value / t1
+        timings["d2@ratio"] = d2
     return out, timings
 
 

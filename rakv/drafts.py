@@ -27,6 +27,7 @@ class Proposal:
     catchup_tokens: int = 0         # tokens fed beyond the usual 1-2 (lazy catch-up / prompt)
     catchup_ms: float = 0.0
     prefill: "PrefillInfo | None" = None   # set on the request's first proposal (draft prompt KV)
+    fed: int = 0                    # tokens the first draft forward read (2 after a fully accepted round)
 
 
 @dataclass
@@ -185,7 +186,7 @@ class ModelDraft(DraftSource):
         catch = max(0, len(new) - 2)   # 1 (pending) or 2 (last accepted + pending) is a normal round
         ms = (now() - t0) * 1e3
         return Proposal(toks, ms=ms, catchup_tokens=catch, catchup_ms=first_ms if catch else 0.0,
-                        prefill=info)
+                        prefill=info, fed=len(new))
 
     def commit(self, ids: list[int]) -> None:
         """Roll the draft cache back to the longest prefix that is still committed."""

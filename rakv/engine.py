@@ -416,7 +416,7 @@ class Engine:
         k = min(self._round_k(rq, seq, remaining), remaining - 1)
         drafts: list[int] = []
         draft_ms = catch_ms = 0.0
-        catch_tok = 0
+        catch_tok = fed = n_fwd = 0
         gate = self._gate(rq, seq, gate_k_max(k, rq, remaining, self._k_top(rq, self.draft))) if k > 0 else None
         lookup = k == 0 and rq.policy.gate
         # (a probe keeps the model draft: it is there to measure the model draft's acceptance)
@@ -428,6 +428,7 @@ class Engine:
         if k > 0 and not lookup:
             prop = self._draft(rq, seq, gate.k_max if gate else k, gate)
             drafts, draft_ms, catch_tok, catch_ms = prop.tokens, prop.ms, prop.catchup_tokens, prop.catchup_ms
+            fed, n_fwd = prop.fed, len(prop.tokens)
         proposed = bool(drafts) and not lookup
         if gate is not None and drafts and not lookup:
             drafts = drafts[: gate.verify_length(len(drafts))]
@@ -462,7 +463,7 @@ class Engine:
             # a lookup's acceptance is not the model draft's alpha: the controller sees a k = 0 round
             explore = self.controller.observe_round(0 if lookup else m, a, round_ms, len(emitted), len(seq))
             self._observe_costs("spec" if drafts else "ar", m, len(seq), verify_ms, draft_ms, catch_tok,
-                                rq.draft_model and not lookup)
+                                rq.draft_model and not lookup, fed, n_fwd)
         else:
             self.alpha.update(a, m)
         rq.explore_ms += explore
@@ -553,14 +554,19 @@ class Engine:
         self._last_k = k_new
         return k_new
 
-    def _observe_costs(self, kind, m, ctx, verify_ms, draft_ms, catch_tok, draft_model) -> None:
+    def _observe_costs(self, kind, m, ctx, verify_ms, draft_ms, catch_tok, draft_model, fed=1, n_fwd=0) -> None:
+        """Refine the profile's terms from one round: t or V(m); the draft's steps when it caught up
+        nothing (``n_fwd`` forwards, the first of them reading ``fed`` = 1 or 2 tokens)."""
         p = self.profile
         if kind == "ar":
             p.observe("t", p.step(ctx), verify_ms)
         else:
             p.observe(f"V{m}", p.verify(m, ctx), verify_ms)
-            if draft_model and catch_tok == 0 and m > 0:
-                p.observe("d", m * p.draft_step(ctx), draft_ms)
+            if draft_model and catch_tok == 0 and n_fwd > 0:
+                if fed == 2:
+                    p.observe("d2", p.draft_step2(ctx) + (n_fwd - 1) * p.draft_step(ctx), draft_ms)
+                else:
+                    p.observe("d", n_fwd * p.draft_step(ctx), draft_ms)
 
 
 def make_draft(spec: str, target: LoadedModel, config: RakvConfig) -> DraftSource:

@@ -75,17 +75,19 @@ def e_k(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def decode_crossover(t: float, d: float, v: float, k: int) -> float | None:
-    """Smallest alpha in [0, 1] with (k*d + v) / E_k(alpha) <= t; None when even alpha = 1 loses."""
-    cost = k * d + v
-    if t <= 0 or cost / (k + 1) > t:
+def decode_crossover(t: float, d: float, v: float, k: int, d2_extra: float = 0.0) -> float | None:
+    """Smallest alpha in [0, 1] with (k*d + alpha^k d2_extra + v) / E_k(alpha) <= t (d2_extra: the
+    2-token draft step over d); None when even alpha = 1 loses."""
+    def cost(a):
+        return k * d + a ** k * d2_extra + v
+    if t <= 0 or cost(1.0) / (k + 1) > t:
         return None
-    if cost <= t:
+    if cost(0.0) <= t:
         return 0.0
     lo, hi = 0.0, 1.0
     for _ in range(30):
         mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if cost / e_k(mid, k) <= t else (mid, hi)
+        lo, hi = (lo, mid) if cost(mid) / e_k(mid, k) <= t else (mid, hi)
     return hi
 
 
@@ -106,16 +108,20 @@ def regime(profile, cpuinfo: str | None = None) -> dict:
     ks = sorted(int(k) for k in getattr(profile, "V", {}) or {})
     v = {k: profile.verify(k, CTX) for k in ks}
     kd = drafting_ks(ks)
-    best = {k: (k * d + v[k]) / ((k + 1) * t) for k in kd} if t > 0 else {}
+    d2x = max(0.0, profile.draft_step2(CTX) - d) if hasattr(profile, "draft_step2") else 0.0
+    dr = getattr(profile, "draft_round", None)
+    draft_k = (lambda k: dr(k, CTX, 1.0)) if dr else (lambda k: k * d)     # at alpha = 1: every round opens with d2
+    best = {k: (draft_k(k) + v[k]) / ((k + 1) * t) for k in kd} if t > 0 else {}
     fp = getattr(profile, "fingerprint", None) or {}
     return dict(
         isa=cpu_flags(cpuinfo), cpu_capability=cpu_capability(), threads=threads(),
         one_row_kernel=fp.get("one_row") or ("plain" if fp.get("fast") else ""),
         ctx=CTX, t_ms=round(t, 3), d_ms=round(d, 3), d_over_t=round(d / t, 3) if t > 0 else None,
+        d2_over_d=round(getattr(profile, "d2_ratio", 1.0), 3) if d > 0 else None,
         V_over_t={str(k): round(v[k] / t, 3) for k in ks} if t > 0 else {},
         alpha1_cost_per_token={str(k): round(x, 3) for k, x in best.items()},
         can_pay=any(x < 1.0 for x in best.values()),
-        alpha_star_decode={str(k): (None if (a := decode_crossover(t, d, v[k], k)) is None else round(a, 3))
+        alpha_star_decode={str(k): (None if (a := decode_crossover(t, d, v[k], k, d2x)) is None else round(a, 3))
                            for k in kd},
         alpha0=round(profile.alpha0, 3) if profile.alpha0 is not None else None,
         alpha_learned=None if getattr(profile, "alpha_learned", None) is None else round(profile.alpha_learned, 3),
@@ -132,7 +138,9 @@ def describe(reg: dict) -> list[str]:
     if reg.get("t_ms") is not None:
         vt = ", ".join(f"{k}: {x:.2f}" for k, x in (reg.get("V_over_t") or {}).items())
         lines.append(f"t = {reg['t_ms']:.2f} ms (target step at context {reg.get('ctx', CTX)}); "
-                     f"d/t = {_f(reg.get('d_over_t'))}; V(k)/t = {vt or '-'}")
+                     f"d/t = {_f(reg.get('d_over_t'))}"
+                     + (f" (2-token draft step {_f(reg['d2_over_d'])} d)" if reg.get("d2_over_d") else "")
+                     + f"; V(k)/t = {vt or '-'}")
         best = reg.get("alpha1_cost_per_token") or {}
         if best:
             kb = min(best, key=lambda k: best[k])

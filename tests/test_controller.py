@@ -315,13 +315,14 @@ def test_output_share_scales_predictions_not_the_argmin():
 
 
 def test_calibration_measures_costs_in_the_loop():
-    """interleaved_ratios times k consecutive draft steps + a verify, as a round does."""
+    """interleaved_ratios times k consecutive draft steps + a verify, as a round does, and the
+    draft's 2-token step that opens a round after a fully accepted one."""
     from tests.tiny import make_pair
 
     target, draft_lm = make_pair("gpt2")
     ids = list(range(5, 60))
     r = costs_mod.interleaved_ratios(target.model, draft_lm.model, ids, ctx=16, k_max=3, reps=2)
-    assert set(r) == {1, 2, 3, "d"} and all(v > 0 for v in r.values())
+    assert set(r) == {1, 2, 3, "d", "d2"} and all(v > 0 for v in r.values())
     r = costs_mod.interleaved_ratios(target.model, None, ids, ctx=16, k_max=2, reps=2)
     assert set(r) == {1, 2}
 
@@ -409,3 +410,44 @@ def test_probe_waits_for_budget_to_pay_a_long_catch_up():
         c2.observe_round(0, 0, round_ms=prof.step(500), emitted=1, ctx=500)
         n2 += 1
     assert n2 < n
+
+
+def test_two_token_draft_step_is_priced_where_all_drafts_are_accepted():
+    """A round after one whose k drafts were all accepted opens with the draft's 2-token forward
+    (d2): expected draft cost k d + alpha^k (d2 - d). At high alpha it falls hardest on k = 1,
+    which then loses to k = 2; with d2 = d nothing changes."""
+    V = {k: 11.0 + 4.0 * (k - 1) for k in range(1, 9)}
+    flat, dear = profile(t=10.0, d=2.0, V=V), profile(t=10.0, d=2.0, V=V)
+    dear.d2_ratio = 3.0
+    assert dear.draft_round(1, 100, 0.9) == pytest.approx(2.0 + 0.9 * 4.0)
+    assert dear.draft_round(4, 100, 0.9) == pytest.approx(8.0 + 0.9 ** 4 * 4.0)
+    assert flat.draft_round(4, 100, 0.9) == pytest.approx(8.0)
+    s = situation(P=100, N=65)
+    c_flat, c_dear = Controller(flat, alpha_prior=0.9), Controller(dear, alpha_prior=0.9)
+    assert c_dear.cost(s, 0, 1, 0.9) - c_flat.cost(s, 0, 1, 0.9) == pytest.approx(64 / E(1, 0.9) * 0.9 * 4.0)
+    ks = (0, 1, 2)
+    assert c_flat.decide(s, k_set=ks).k == 1
+    assert c_dear.decide(s, k_set=ks).k == 2
+    # and the per-round choice and the crossover see it too
+    assert c_dear.decide_round(100, 60, ks)[0] == 2
+    assert c_dear.round_alpha_star(100, (1,))["1"] > c_flat.round_alpha_star(100, (1,))["1"]
+
+
+def test_engine_refines_d_and_d2_from_the_rounds_that_paid_them():
+    """The online refinement charges a round's draft time to d2 when its first forward read 2
+    tokens (the round before accepted everything), else to d: a 2-token step must not inflate d."""
+    from rakv.config import RakvConfig
+    from rakv.engine import Engine
+    from tests.tiny import make_pair
+
+    target, dlm = make_pair("llama", "identical")
+    from rakv.drafts import ModelDraft
+
+    prof = profile(t=1.0, d=0.5)
+    seen = []
+    real = prof.observe
+    prof.observe = lambda term, p, m: (seen.append(term), real(term, p, m))
+    eng = Engine(target, ModelDraft(dlm), RakvConfig(policy="spec:1"), None, prof)
+    eng.generate(list(range(5, 20)), 12)
+    # an identical draft accepts everything: every round after the first opens with 2 tokens
+    assert seen.count("d2") >= 3 and seen.count("d") == 1
