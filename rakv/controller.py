@@ -280,7 +280,8 @@ class Controller:
         p = self.profile
         ks = sorted(set(k_set if k_set is not None else self.k_set))
         a = self.alpha.value
-        catch = self.catchup_ms(catchup_tokens, draft_model)
+        # a catch-up past the 2-token step (which draft_round prices every round) is paid once
+        catch = self.catchup_ms(catchup_tokens, draft_model, ctx) if catchup_tokens > 2 else 0.0
         costs = {}
         for k in ks:
             if k == 0:
@@ -301,9 +302,17 @@ class Controller:
                 return kp, "probe", costs
         return k, "argmin", costs
 
-    def catchup_ms(self, catchup_tokens: int, draft_model: bool = True) -> float:
-        """Predicted cost of a model draft reading the tokens it is behind (1 is a normal round)."""
-        return self.profile.D(catchup_tokens) if draft_model and catchup_tokens > 1 else 0.0
+    def catchup_ms(self, catchup_tokens: int, draft_model: bool = True, ctx: float | None = None) -> float:
+        """Predicted extra cost of a model draft's first forward when it reads the ``catchup_tokens``
+        it is behind, over the one draft step a round already counts: 1 is a normal round, 2 (after
+        a fully accepted round) its 2-token step, more a prefill of what it missed."""
+        if not draft_model or catchup_tokens <= 1:
+            return 0.0
+        p = self.profile
+        ctx = p.V_ctx if ctx is None else ctx
+        d = p.draft_step(ctx)
+        first = p.draft_step2(ctx) if catchup_tokens == 2 else p.D(catchup_tokens)
+        return max(0.0, first - d)
 
     # ------------------------------------------------------------------ exploration
     @property
@@ -371,7 +380,7 @@ class Controller:
         if not self.probe_possible(ctx, remaining, k_set):
             return 0
         ks = [kk for kk in sorted(set(k_set if k_set is not None else self.k_set)) if 0 < kk <= remaining - 1]
-        plan = self.probe_plan(ctx, ks, self.catchup_ms(catchup_tokens, draft_model))
+        plan = self.probe_plan(ctx, ks, self.catchup_ms(catchup_tokens, draft_model, ctx))
         if plan is None or plan[1] > self.explore_balance:
             return 0
         self._probe = plan

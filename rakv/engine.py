@@ -373,7 +373,7 @@ class Engine:
         ctx = len(seq)
         behind = self._draft_behind(seq, rq.reuse, rq.draft_model)
         return RoundGate(self.accept_map, k, p.draft_step(ctx) if rq.draft_model else 0.0, self._V(ctx, k),
-                         sunk=self.controller.catchup_ms(behind, rq.draft_model))
+                         sunk=self.controller.catchup_ms(behind, rq.draft_model, ctx))
 
     def _k_top(self, rq: "_Request", source) -> int:
         """The longest draft a gated round may verify: max(K), or lookup_k for n-gram lookup."""

@@ -451,3 +451,15 @@ def test_engine_refines_d_and_d2_from_the_rounds_that_paid_them():
     eng.generate(list(range(5, 20)), 12)
     # an identical draft accepts everything: every round after the first opens with 2 tokens
     assert seen.count("d2") >= 3 and seen.count("d") == 1
+
+
+def test_catch_up_is_priced_beyond_the_draft_step_a_round_counts():
+    """The draft's first forward reads 1 token (a normal round: nothing extra), 2 after a fully
+    accepted round (its 2-token step, d2 - d extra) or what it missed after k = 0 rounds (a prefill)."""
+    p = profile(t=10.0, d=2.0)
+    p.d2_ratio = 1.5
+    c = Controller(p)
+    assert c.catchup_ms(1, ctx=100) == 0.0
+    assert c.catchup_ms(2, ctx=100) == pytest.approx(1.0)
+    assert c.catchup_ms(400, ctx=100) == pytest.approx(p.D(400) - 2.0)
+    assert c.catchup_ms(400, draft_model=False) == 0.0

@@ -121,6 +121,31 @@ def test_regret_bootstrap_ci_contains_the_true_value():
     assert M.bootstrap_ci([0.1, 0.3], seed=1) == M.bootstrap_ci([0.1, 0.3], seed=1)   # seeded
 
 
+def test_held_out_regret_is_not_faked_by_ties():
+    """Seven actions that cost the same but for noise: a controller that always takes one of them
+    shows a positive plain regret (the minimum of noisy medians is biased low), but a held-out
+    regret near 0; a truly worse choice shows in both. The measurements' own Spearman ceiling is
+    low where nothing separates the actions and high where they differ."""
+    rng = random.Random(3)
+    acts = [(0, 0), (1, 0), (0, 2), (1, 1), (1, 2), (1, 4), (1, 8)]
+    ties, worse = [], []
+    for _ in range(60):
+        base = rng.uniform(100, 300)
+        meas = {a: [base * (1 + rng.gauss(0, 0.03)) for _ in range(3)] for a in acts}
+        ties.append((meas, [(1, 0)] * 3, meas[(1, 0)]))
+        spread = {a: [base * (1 + 0.2 * i) * (1 + rng.gauss(0, 0.03)) for _ in range(3)] for i, a in enumerate(acts)}
+        worse.append((spread, [(0, 2)] * 3, spread[(0, 2)]))          # 40% behind the oracle (0, 0)
+    q = M.controller_quality(*reversed(build(ties)), AD)
+    assert q["regret"] > 0.015                     # biased: the oracle is a minimum over noise
+    lo, hi = q["regret_ho_ci"]
+    assert lo < 0 < hi and abs(q["regret_ho"]) < 0.01
+    assert abs(q["realized_ho"] - q["regret_ho"]) < 1e-9     # own executions = the chosen action's here
+    assert abs(q["spearman_ceiling"]) < 0.3
+    q = M.controller_quality(*reversed(build(worse)), AD)
+    assert q["regret_ho"] == pytest.approx(0.4, abs=0.03) and q["regret"] == pytest.approx(0.4, abs=0.03)
+    assert q["spearman_ceiling"] > 0.9
+
+
 def test_single_repeat_is_labelled_not_denoised(tmp_path):
     rows, cands = build([({(0, 0): [100], (1, 0): [90], (0, 2): [50]}, [(0, 2)], [55])])
     q = M.controller_quality(cands, rows, AD)

@@ -16,6 +16,12 @@ ar = (0,0), kv = (1,0), spec:k = (0,k), joint:k = (1,k) on the same request):
   regret        (measured(chosen) - measured(oracle)) / measured(oracle), mean over requests
   realized      (the adaptive arm's own latency - measured(oracle)) / measured(oracle), mean
                 (per-round control can beat every fixed action: it can be negative)
+  held-out      both regrets again with the oracle picked and judged on separate executions: for
+                each repeat i, the oracle is the argmin of the other repeats' medians, and chosen,
+                own and oracle are all read in repeat i (a minimum over noisy medians is biased
+                low, so the plain regret of even a perfect controller is > 0 where actions tie)
+  Spearman ceiling  the same rank correlation of one repeat's measurements against the other
+                repeats' medians: how well the measurements rank the actions themselves
 """
 
 from __future__ import annotations
@@ -252,6 +258,46 @@ def per_request_quality(cands: list[dict], rows: list[dict], policy: str) -> lis
     return out
 
 
+def by_repeat(rows: list[dict]) -> dict:
+    """request key -> {(r, k): {repeat: latency}} from the fixed engine policies."""
+    out: dict = defaultdict(lambda: defaultdict(dict))
+    for r in rows:
+        a = fixed_action(r["policy"])
+        if a is not None and r["latency_ms"] is not None:
+            out[request_key(r)][a][r["rep"]] = r["latency_ms"]
+    return out
+
+
+def held_out(q: list[dict], rows: list[dict]) -> dict:
+    """Regrets with the oracle chosen on the other repeats and judged on this one (see the module
+    docstring), and the measurements' own Spearman ceiling; per request means, bootstrap CIs."""
+    R = by_repeat(rows)
+    reg: dict = defaultdict(list)
+    own: dict = defaultdict(list)
+    ceil = []
+    for x in q:
+        rep = x["key"][0]
+        L = R.get(x["request"], {})
+        A = [a for a in x["actions"] if rep in L.get(a, {}) and len(L[a]) > 1]
+        if len(A) < 2:
+            continue
+        rest = {a: statistics.median(v for j, v in L[a].items() if j != rep) for a in A}
+        o = min(A, key=rest.get)
+        lo = L[o][rep]
+        if x["chosen"] in A:
+            reg[x["request"]].append((L[x["chosen"]][rep] - lo) / lo)
+        if x["own"] is not None:         # the arm's own execution in this repeat
+            own[x["request"]].append((x["own"] - lo) / lo)
+        s = spearman([L[a][rep] for a in A], [rest[a] for a in A])
+        if s is not None:
+            ceil.append(s)
+    rg = [statistics.fmean(v) for v in reg.values()]
+    ow = [statistics.fmean(v) for v in own.values()]
+    return dict(regret_ho=statistics.fmean(rg) if rg else None, regret_ho_ci=bootstrap_ci(rg),
+                realized_ho=statistics.fmean(ow) if ow else None, realized_ho_ci=bootstrap_ci(ow),
+                spearman_ceiling=statistics.fmean(ceil) if ceil else None)
+
+
 def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0, level: float = 0.95) -> tuple | None:
     """Percentile bootstrap CI of the mean (resampling ``values`` with replacement; seeded)."""
     import numpy as np
@@ -318,7 +364,8 @@ def controller_quality(cands: list[dict], rows: list[dict], policy: str) -> dict
                 realized=statistics.fmean(real) if real else None, realized_ci=bootstrap_ci(real),
                 consistency=statistics.fmean(same) if same else None,
                 oracle_noise=median(noise),
-                chosen_counts=_counts(x["chosen"] for x in q), oracle_counts=_counts(x["oracle"] for x in q))
+                chosen_counts=_counts(x["chosen"] for x in q), oracle_counts=_counts(x["oracle"] for x in q),
+                **held_out(q, rows))
 
 
 def _counts(actions) -> str:
