@@ -37,6 +37,7 @@ EXEC_COLUMNS = [
     "order", "latency_ms", "ttft_ms", "tokens_per_s", "output_tokens", "drafted", "accepted", "rounds",
     "mean_accept_len", "alpha_req", "hit_tokens", "exact_repeat", "reuse", "k", "mean_k", "predicted_ms",
     "match", "first_diff", "stopped", "explore_ms", "cpu_share", "gate_stops", "gate_tokens", "lookup_drafted", "lookup_accepted",
+    "alpha_decided",
 ]
 GATE_ARMS = ("adaptive:gate", "adaptive:nogate")     # per request, with / without the confidence gate
 ADAPTIVE_ARMS = ("adaptive", "adaptive:request", "adaptive:round") + GATE_ARMS
@@ -200,6 +201,7 @@ def run_engine(slot: Slot, req: Request) -> tuple[dict, list[dict]]:
     cands = []
     dec = slot.collector.decision
     if slot.arm.policy.startswith("adaptive") and dec is not None:
+        row["alpha_decided"] = round(dec.alpha, 4)        # the acceptance estimate the decision used
         for c in dec.candidates:
             cands.append(dict(policy=slot.arm.name, reuse=c["reuse"], k=c["k"], predicted_ms=c["predicted_ms"],
                               feasible=int(bool(c["feasible"])),
