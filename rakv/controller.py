@@ -15,12 +15,10 @@ decode terms against the fixed ones (the draft's prompt prefill), so it moves th
 share is bimodal (a request stops after a token or two, or runs to N), and at weight 0.3 two
 one-token outputs halved it and held a stream at k = 0 where joint:4 was 25% faster. t, d and V(k) are taken at the mean context of the request. r = 1 adds the
 measured clone/store cost and is infeasible when the prompt's KV (plus logits, plus the draft's
-KV when k > 0) exceeds the budget. The feasible argmin is chosen, k = 0 included, with two near-tie rules: when the best action
-drafts, among drafting actions within K_TIE (2%) of it the smallest k is taken (a longer draft's
-realised cost varies more and a miss wastes more; the margins by which k = 8 beat k = 4 where it
-then lost were 0.02-1.4%); that rule never moves a choice to k = 0. A drafting action must be
-predicted SPEC_MARGIN (5%) cheaper than the best k = 0 action (``spec_or_plain``); priced probes,
-not near-ties, teach alpha. r = 1 takes a near-tie within REUSE_TIE (1%) of the best r = 0.
+KV when k > 0) exceeds the budget. The feasible argmin is chosen, k = 0 included, with two near-tie
+rules: a drafting action must be predicted SPEC_MARGIN (2%) cheaper than the best k = 0 action
+(``spec_or_plain``; priced probes, not near-ties, teach alpha), and r = 1 takes a near-tie within
+REUSE_TIE (1%) of the best r = 0. Among drafting actions the cheapest k is taken as predicted.
 
 Acceptance, two time scales:
   * per round: ``AlphaEWMA`` keeps EWMAs of accepted tokens and of Bernoulli trials per round
@@ -74,8 +72,7 @@ LONG_WINDOW = 200.0  # the long-run acceptance averages about the last this many
 LONG_PRIOR = 32.0    # ... starting from this many pseudo-trials at the prior (a probe barely moves it)
 LONG_DECAY = 0.05    # per-request ageing of the evidence count behind alpha's optimistic bound
 OUT_DECAY = 0.1      # per-request weight of the output-share EWMA
-K_TIE = 0.02    # among drafting actions predicted within 2% of the best, the smallest k is taken
-SPEC_MARGIN = 0.05   # a drafting action must be predicted this much cheaper than the best k = 0 one
+SPEC_MARGIN = 0.02   # a drafting action must be predicted this much cheaper than the best k = 0 one
 EXPLORE_SHARE = 0.005  # probes may spend this share of the stream's measured time (issue: <= 1%)
 UCB_Z = 2.0          # alpha's optimistic bound: estimate + UCB_Z standard errors
 MAX_EVIDENCE = 400   # trials counted for that bound at most (and it ages by LONG_DECAY a request)
@@ -88,9 +85,8 @@ def trials(accepted: int, drafted: int) -> int:
 
 
 def spec_or_plain(best: Candidate, plain: list[Candidate]) -> Candidate:
-    """Draft only when predicted SPEC_MARGIN cheaper than the best k = 0 action: drafting
-    predictions ran optimistic where the gain is small (docs/results.md, session 8), and a
-    near-tie lost to k = 0 costs little while a wrong draft costs a whole draft prefill."""
+    """Draft only when predicted SPEC_MARGIN cheaper than the best k = 0 action: a near-tie lost
+    to k = 0 costs little, a wrong draft a whole draft prefill (docs/results.md, sessions 8-9)."""
     if not plain:
         return best
     b0 = min(plain, key=lambda c: c.predicted_ms)
@@ -251,13 +247,6 @@ class Controller:
             if alt:
                 best = min(alt, key=lambda c: c.predicted_ms)
         if best is not None and best.k > 0:
-            # k near-tie (within the chosen r): a longer draft's realised cost varies more and a
-            # miss wastes more (k draft steps + a wider verify), and per-request predictions carry
-            # ~10% noise here, so a larger k must win by more than K_TIE; never down to k = 0
-            near = [c for c in feas if c.reuse == best.reuse and c.k > 0
-                    and c.predicted_ms <= best.predicted_ms * (1 + K_TIE)]
-            best = min(near, key=lambda c: (c.k, c.predicted_ms))
-        if best is not None and best.k > 0:
             best = spec_or_plain(best, [c for c in feas if c.k == 0])
         reason = "argmin"
         if force is not None:
@@ -294,8 +283,6 @@ class Controller:
         if not costs:
             return 0, "argmin", costs
         k = min(costs, key=costs.get)
-        if k > 0:   # k near-tie: the smallest drafting k within K_TIE
-            k = min(kk for kk, v in costs.items() if kk > 0 and v <= costs[k] * (1 + K_TIE))
         if k == 0 and has_draft:
             kp = self.maybe_probe(ctx, remaining, ks, catchup_tokens, draft_model)
             if kp:

@@ -327,29 +327,18 @@ def test_calibration_measures_costs_in_the_loop():
     assert set(r) == {1, 2}
 
 
-def test_k_near_tie_takes_the_smaller_k():
-    """A larger k must beat a smaller one by more than K_TIE (2%), per request and per round."""
-    from rakv.controller import K_TIE
-
-    c = Controller(profile(), k_set=(0, 4, 8), alpha_prior=0.9)
+def test_the_cheapest_drafting_k_is_taken_even_by_a_hair():
+    """Among drafting actions the argmin is taken as predicted, per request and per round: a
+    near-tie rule for the smaller k cost 0.2-2.4 points of regret on every recorded run (session 9)."""
     s = situation(N=65)
-    cost = {k: c.cost(s, 1, k, c.alpha_req) for k in (4, 8)}
-    ch = c.decide(s)
-    if cost[8] < cost[4] <= cost[8] * (1 + K_TIE):
-        assert ch.k == 4
-    # make k=8 win by 1% only: choose V so that the per-token costs differ by 1%
     E4, E8 = E(4, 0.95), E(8, 0.95)
     V4 = 10.0
-    V8 = (4 * 2 + V4) / E4 * E8 * 0.99 - 8 * 2
+    V8 = (4 * 2 + V4) / E4 * E8 * 0.99 - 8 * 2          # k = 8 cheaper per token by 1%
     c = Controller(profile(V={1: 12, 2: 13, 4: V4, 6: 30, 8: V8}), k_set=(0, 4, 8), alpha_prior=0.95)
     assert c.cost(s, 1, 8, 0.95) < c.cost(s, 1, 4, 0.95)
-    assert c.decide(s).k == 4
-    k, _, costs = c.decide_round(ctx=128, remaining=60, k_set=(0, 4, 8))
-    assert costs[8] < costs[4] and k == 4
-    # by 5%, k = 8 is taken
-    V8 = (4 * 2 + V4) / E4 * E8 * 0.95 - 8 * 2
-    c = Controller(profile(V={1: 12, 2: 13, 4: V4, 6: 30, 8: V8}), k_set=(0, 4, 8), alpha_prior=0.95)
     assert c.decide(s).k == 8
+    k, _, costs = c.decide_round(ctx=128, remaining=60, k_set=(0, 4, 8))
+    assert costs[8] < costs[4] and k == 8
 
 
 def test_a_drafting_action_must_beat_k0_by_the_spec_margin():
