@@ -188,6 +188,10 @@ class Controller:
         return hit, hitd
 
     def cost(self, s: Situation, r: int, k: int, alpha: float) -> float:
+        return self.cost_of_alpha(s, r, k)(alpha)
+
+    def cost_of_alpha(self, s: Situation, r: int, k: int):
+        """C(k, r) as a function of alpha, its alpha-free terms read once (alpha* bisects over it)."""
         p = self.profile
         hit, hitd = self.hit_tokens(s, r)
         n = max(0, s.N - 1) * self.out_frac
@@ -196,10 +200,13 @@ class Controller:
         if r == 1 and not s.exact:
             c += p.clone_ms_per_token * s.P
         if k == 0:
-            return c + n * p.step(ctx)
+            c += n * p.step(ctx)
+            return lambda alpha: c
         if s.draft_model:
             c += p.D(s.P - hitd)
-        return c + (n / E(k, alpha)) * (p.draft_round(k, ctx, alpha) + p.verify(k, ctx))
+        d = p.draft_step(ctx)
+        d2x, v = max(0.0, p.draft_step2(ctx) - d), p.verify(k, ctx)     # draft_round's terms
+        return lambda alpha: c + (n / E(k, alpha)) * (k * d + min(1.0, max(0.0, alpha)) ** k * d2x + v)
 
     def feasible(self, s: Situation, r: int, k: int) -> tuple[bool, str]:
         if k > 0 and not s.has_draft:
@@ -213,14 +220,15 @@ class Controller:
     def alpha_star(self, s: Situation, r: int, k: int) -> float | None:
         """Smallest alpha with C(k, r) <= C(0, r) (bisection: C(k) falls as alpha rises)."""
         c0 = self.cost(s, r, 0, 0.0)
-        if self.cost(s, r, k, 1.0) > c0:
+        ck = self.cost_of_alpha(s, r, k)
+        if ck(1.0) > c0:
             return None
-        if self.cost(s, r, k, 0.0) <= c0:
+        if ck(0.0) <= c0:
             return 0.0
         lo, hi = 0.0, 1.0
         for _ in range(16):     # to 1.5e-5: alpha* is shown and recorded, not optimised over
             mid = (lo + hi) / 2
-            if self.cost(s, r, k, mid) <= c0:
+            if ck(mid) <= c0:
                 hi = mid
             else:
                 lo = mid
@@ -385,14 +393,15 @@ class Controller:
         for k in sorted(set(k_set if k_set is not None else self.k_set)):
             if k == 0:
                 continue
-            v = p.verify(k, ctx)
-            if t <= 0 or (p.draft_round(k, ctx, 1.0) + v) / t > k + 1:
+            v, d = p.verify(k, ctx), p.draft_step(ctx)
+            d2x = max(0.0, p.draft_step2(ctx) - d)          # draft_round = k d + alpha^k d2x
+            if t <= 0 or (k * d + d2x + v) / t > k + 1:
                 out[str(k)] = None
                 continue
             lo, hi = 0.0, 1.0
             for _ in range(25):
                 mid = (lo + hi) / 2
-                lo, hi = (lo, mid) if E(k, mid) * t >= p.draft_round(k, ctx, mid) + v else (mid, hi)
+                lo, hi = (lo, mid) if E(k, mid) * t >= k * d + mid ** k * d2x + v else (mid, hi)
             out[str(k)] = round(hi, 4)
         return out
 

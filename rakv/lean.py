@@ -1,5 +1,5 @@
-"""A lean decoder forward for Llama-family models: the same weights and maths as the HF model,
-without the framework around it.
+"""A lean decoder forward for Llama-family and GPT-2 models: the same weights and maths as the HF
+model, without the framework around it.
 
 A decode step of the demo model (30 layers, 135M parameters) spends about a third of its time
 outside the linear layers: HF's per-module dispatch, decorators, mask construction and rotary
@@ -30,18 +30,31 @@ from torch import nn
 from torch.nn import functional as F
 
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+GPT2_ARCHS = ("GPT2LMHeadModel",)
+GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "gelu_fast", "quick_gelu")
 
 
 def env_enabled() -> bool:
     return os.environ.get("RAKV_LEAN", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+def kind(model: nn.Module) -> str:
+    """"llama" or "gpt2": which lean forward fits ``model``'s architecture ("" for none)."""
+    name = type(model).__name__
+    return "llama" if name in ARCHS else "gpt2" if name in GPT2_ARCHS else ""
+
+
 def supported(model: nn.Module) -> str | None:
     """Why the lean forward cannot run ``model`` (None: it can)."""
     cfg = getattr(model, "config", None)
     name = type(model).__name__
-    if cfg is None or name not in ARCHS:
-        return f"{name} (lean forward: {', '.join(ARCHS)})"
+    if cfg is None or not kind(model):
+        return f"{name} (lean forward: {', '.join(ARCHS + GPT2_ARCHS)})"
+    p = next(model.parameters())
+    if p.device.type != "cpu":
+        return f"device {p.device.type}"
+    if kind(model) == "gpt2":
+        return _gpt2_unsupported(cfg)
     for rope in (getattr(cfg, "rope_parameters", None), getattr(cfg, "rope_scaling", None)):
         if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type") or "default") != "default":
             return f"rope type {rope.get('rope_type') or rope.get('type')}"
@@ -54,9 +67,16 @@ def supported(model: nn.Module) -> str | None:
         return "MLP bias"
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp"
-    p = next(model.parameters())
-    if p.device.type != "cpu":
-        return f"device {p.device.type}"
+    return None
+
+
+def _gpt2_unsupported(cfg) -> str | None:
+    act = getattr(cfg, "activation_function", "gelu_new")
+    if act not in GPT2_ACTS:
+        return f"activation {act}"
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+        if getattr(cfg, flag, False):
+            return flag
     return None
 
 
@@ -136,11 +156,12 @@ class _Op:
 
         mod = self.mod
         lin = mod.current() if isinstance(mod, _Fused) and not mod.split else mod
-        if isinstance(lin, FastLinear) and not lin.transposed:
+        if isinstance(lin, FastLinear):
             if lin._weight_version() != lin._version:
                 lin.repack()
             self.fn, self.packed, self.bias = None, lin._packed, lin._bias
-            self.w, self.plain1 = lin.weight.detach(), lin.one_row_plain
+            w = lin.weight.detach()
+            self.w, self.plain1 = (w.t() if lin.transposed else w), lin.one_row_plain      # Conv1D: W [in, out]
         else:
             self.fn = lin.forward
 
@@ -168,6 +189,8 @@ def fuse_for_quantization(model: nn.Module) -> None:
     weights), so that ``quantize_dynamic`` quantizes them too and the lean forward of the int8
     copy runs one int8 kernel where it would run three (per-channel scales are per output row,
     so the fused layers quantize exactly as the separate ones). HF's forward does not use them."""
+    if kind(model) != "llama":        # GPT-2's c_attn is q|k|v already, and its MLP has no gate
+        return
     for L in model.model.layers:
         a, m = L.self_attn, L.mlp
         for parent, name, mods in ((a, FUSED_QKV, [a.q_proj, a.k_proj, a.v_proj]),
@@ -338,6 +361,70 @@ def _append(cache, i: int, k: torch.Tensor, v: torch.Tensor):
     return L.keys, L.values
 
 
+class LeanGPT2(LeanLlama):
+    """The lean forward of a GPT-2 model: learned positions, LayerNorm with bias, the fused c_attn
+    (q|k|v) and c_fc / c_proj through the fast path's kernels, the model's own activation."""
+
+    def __init__(self, model: nn.Module, layers: list | None = None):
+        cfg = model.config
+        self.model = model
+        base = model.transformer
+        self.embed, self.wpe = base.wte, base.wpe
+        self.lm_head = model.lm_head
+        self.n_heads = self.n_kv = int(cfg.n_head)
+        self.head_dim = int(cfg.n_embd) // self.n_heads
+        self.scale = self.head_dim ** -0.5 if getattr(cfg, "scale_attn_weights", True) else 1.0
+        self.layers = layers if layers is not None else [self._layer(B) for B in base.h]
+        self.head = _Op(self.lm_head)
+        self.final_norm = (base.ln_f.weight, base.ln_f.bias, base.ln_f.eps)
+        self.ops = [op for L in self.layers for op in L if isinstance(op, _Op)] + [self.head]
+        self.params = [p for p in model.parameters() if p.dim() >= 1]
+        self.probe = next((m for m in model.modules() if hasattr(m, "one_row_plain")), None)
+        self.state = self._state()
+        self.dtype = self.embed.weight.dtype
+
+    @staticmethod
+    def _layer(B: nn.Module) -> tuple:
+        """(ln_1, c_attn, attn c_proj, ln_2, c_fc, activation, mlp c_proj) of one block."""
+        ln1, ln2 = B.ln_1, B.ln_2
+        return ((ln1.weight, ln1.bias, ln1.eps), _Op(B.attn.c_attn), _Op(B.attn.c_proj),
+                (ln2.weight, ln2.bias, ln2.eps), _Op(B.mlp.c_fc), B.mlp.act, _Op(B.mlp.c_proj))
+
+    def truncated(self, model: nn.Module) -> "LeanGPT2":
+        return LeanGPT2(model, self.layers[: len(model.transformer.h)])
+
+    @staticmethod
+    def _ln(x: torch.Tensor, norm: tuple) -> torch.Tensor:
+        w, b, eps = norm
+        return F.layer_norm(x, w.shape, w, b, eps)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache, keep: int = 0) -> torch.Tensor:
+        """ids [1, n] after what ``cache`` holds; returns logits [1, keep or n, V]."""
+        self._sync()
+        n = ids.shape[1]
+        past = cache.get_seq_length()
+        pos = torch.arange(past, past + n)
+        x = F.embedding(ids, self.embed.weight) + F.embedding(pos, self.wpe.weight)    # [1, n, H]
+        mask = self._mask(past, n)
+        Hh, D = self.n_heads, self.head_dim
+        E = Hh * D
+        for i, (ln1, c_attn, proj, ln2, fc, act, proj2) in enumerate(self.layers):
+            h = c_attn(self._ln(x, ln1))                             # [1, n, 3E]
+            q, k, v = (t.view(1, n, Hh, D).transpose(1, 2) for t in h.split(E, dim=-1))   # [1, H, n, D]
+            k, v = _append(cache, i, k, v)                           # [1, H, past + n, D]
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            x = x + proj(a.transpose(1, 2).reshape(1, n, E))
+            x = x + proj2(act(fc(self._ln(x, ln2))))
+        if keep:
+            x = x[:, -keep:]
+        return self.head(self._ln(x, self.final_norm))               # [1, keep or n, V]
+
+
+def lean_of(model: nn.Module, layers: list | None = None) -> LeanLlama:
+    return (LeanGPT2 if kind(model) == "gpt2" else LeanLlama)(model, layers)
+
+
 def attach(model: nn.Module, on: bool = True) -> str:
     """Give ``model`` its lean forward (``model._rakv_lean``) when supported and ``on``; returns
     why not ("" when attached)."""
@@ -346,6 +433,6 @@ def attach(model: nn.Module, on: bool = True) -> str:
         return "switched off"
     why = supported(model)
     if why is None:
-        model._rakv_lean = LeanLlama(model)
+        model._rakv_lean = lean_of(model)
         return ""
     return why

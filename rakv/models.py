@@ -165,9 +165,9 @@ def attach_lean(lm: LoadedModel, on: bool = True, like: LoadedModel | None = Non
     base = getattr(like.model, "_rakv_lean", None) if like is not None else None
     if on and base is not None and lean.supported(lm.model) is None:
         lm.model._rakv_lean = base.truncated(lm.model)
-        lm.lean = "llama"
+        lm.lean = lean.kind(lm.model)
         return
-    lm.lean = "llama" if lean.attach(lm.model, on) == "" else ""
+    lm.lean = lean.kind(lm.model) if lean.attach(lm.model, on) == "" else ""
 
 
 # ----------------------------------------------------------------------------- demo model

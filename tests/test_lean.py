@@ -1,4 +1,5 @@
-"""The lean Llama forward (rakv.lean): HF's logits and greedy ids, the caches it shares, its switch."""
+"""The lean forward (rakv.lean), Llama and GPT-2: HF's logits and greedy ids, the caches it shares,
+its switch."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from .test_fastpath import needs_onednn
 from .tiny import make_model, oracle
 
 
-def _lean_model():
-    """A tiny Llama on the packed linears with its lean forward, and a prompt."""
-    m = make_model("llama")
+ARCHS = ["llama", "gpt2"]
+
+
+def _lean_model(arch="llama"):
+    """A tiny model on the packed linears with its lean forward, and a prompt."""
+    m = make_model(arch)
     fastpath.enable(m)
     lean.attach(m)
     return m, list(range(5, 25))
@@ -33,9 +37,10 @@ def _hf(model, ids, cache, keep=0):
         model._rakv_lean = saved
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("fast", [False, pytest.param(True, marks=needs_onednn)])
-def test_lean_logits_equal_hf_prefill_verify_and_step(fast):
-    m = make_model("llama", layers=3)
+def test_lean_logits_equal_hf_prefill_verify_and_step(fast, arch):
+    m = make_model(arch, layers=3)
     if fast:
         fastpath.enable(m)
     assert lean.attach(m) == ""
@@ -66,13 +71,16 @@ def test_lean_is_attached_with_the_fast_path_and_switched_off(monkeypatch):
     lm = wrap(make_model("llama"), name="t", fast=True)
     assert lm.fast and not lm.lean
     monkeypatch.delenv("RAKV_LEAN")
-    g = wrap(make_model("gpt2"), name="g", fast=True)      # not a Llama: HF's forward
-    assert g.fast and not g.lean and "GPT2" in (lean.supported(g.model) or "")
+    g = wrap(make_model("gpt2"), name="g", fast=True)      # GPT-2 has its own
+    assert g.fast and g.lean == "gpt2" and isinstance(g.model._rakv_lean, lean.LeanGPT2)
+    g.model.config.reorder_and_upcast_attn = True          # maths it does not reproduce: HF's forward
+    assert "reorder_and_upcast_attn" in (lean.supported(g.model) or "")
 
 
 @needs_onednn
-def test_lean_drafts_int8_and_layers_share_and_stay_exact():
-    target = wrap(make_model("llama", layers=4), name="t", fast=True)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lean_drafts_int8_and_layers_share_and_stay_exact(arch):
+    target = wrap(make_model(arch, layers=4), name="t", fast=True)
     q = int8_copy(target)
     assert q.lean and q.model._rakv_lean is not None and target.model._rakv_lean is not q.model._rakv_lean
     lay = layers_copy(target, 2)
@@ -86,18 +94,24 @@ def test_lean_drafts_int8_and_layers_share_and_stay_exact():
 
 
 @needs_onednn
-def test_lean_follows_an_in_place_weight_change():
-    m, ids = _lean_model()
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lean_follows_an_in_place_weight_change(arch):
+    m, ids = _lean_model(arch)
     with torch.no_grad():
-        m.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
-        m.model.layers[1].mlp.up_proj.weight.add_(0.1)
+        if arch == "llama":
+            m.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+            m.model.layers[1].mlp.up_proj.weight.add_(0.1)
+        else:
+            m.transformer.h[0].attn.c_attn.weight.mul_(1.5)
+            m.transformer.h[1].mlp.c_fc.weight.add_(0.1)
     torch.testing.assert_close(dec.forward(m, ids, dec.DynamicCache()), _hf(m, ids, dec.DynamicCache()),
                                rtol=1e-4, atol=1e-4)
 
 
 @needs_onednn
-def test_lean_follows_the_one_row_kernel_switch():
-    m, ids = _lean_model()
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lean_follows_the_one_row_kernel_switch(arch):
+    m, ids = _lean_model(arch)
     c = dec.DynamicCache()
     dec.prefill(m, ids, c)
     for kernel in ("packed", "plain", "packed"):
