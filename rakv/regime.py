@@ -117,7 +117,7 @@ def regime(profile, cpuinfo: str | None = None) -> dict:
         isa=cpu_flags(cpuinfo), cpu_capability=cpu_capability(), threads=threads(),
         one_row_kernel=fp.get("one_row") or ("plain" if fp.get("fast") else ""),
         ctx=CTX, t_ms=round(t, 3), d_ms=round(d, 3), d_over_t=round(d / t, 3) if t > 0 else None,
-        d2_over_d=round(getattr(profile, "d2_ratio", 1.0), 3) if d > 0 else None,
+        d2_over_d=round(getattr(profile, "d2_ratio", 1.0), 3) if d > 0 and getattr(profile, "D_pf", None) else None,
         V_over_t={str(k): round(v[k] / t, 3) for k in ks} if t > 0 else {},
         alpha1_cost_per_token={str(k): round(x, 3) for k, x in best.items()},
         can_pay=any(x < 1.0 for x in best.values()),

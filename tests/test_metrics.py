@@ -141,9 +141,11 @@ def test_held_out_regret_is_not_faked_by_ties():
     assert lo < 0 < hi and abs(q["regret_ho"]) < 0.01
     assert abs(q["realized_ho"] - q["regret_ho"]) < 1e-9     # own executions = the chosen action's here
     assert abs(q["spearman_ceiling"]) < 0.3
+    assert abs(q["best_fixed_regret_ho"]) < 0.01
     q = M.controller_quality(*reversed(build(worse)), AD)
     assert q["regret_ho"] == pytest.approx(0.4, abs=0.03) and q["regret"] == pytest.approx(0.4, abs=0.03)
     assert q["spearman_ceiling"] > 0.9
+    assert q["best_fixed_action"] == (0, 0) and abs(q["best_fixed_regret_ho"]) < 0.01
 
 
 def test_single_repeat_is_labelled_not_denoised(tmp_path):

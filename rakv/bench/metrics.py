@@ -22,6 +22,9 @@ ar = (0,0), kv = (1,0), spec:k = (0,k), joint:k = (1,k) on the same request):
                 low, so the plain regret of even a perfect controller is > 0 where actions tie)
   Spearman ceiling  the same rank correlation of one repeat's measurements against the other
                 repeats' medians: how well the measurements rank the actions themselves
+  best fixed    the held-out action regret of the single action that does best when taken on
+                every request: the mark for a per-request choice made before seeing the request's
+                acceptance
 """
 
 from __future__ import annotations
@@ -274,6 +277,7 @@ def held_out(q: list[dict], rows: list[dict]) -> dict:
     R = by_repeat(rows)
     reg: dict = defaultdict(list)
     own: dict = defaultdict(list)
+    fixed: dict = defaultdict(lambda: defaultdict(list))     # action -> request -> its held-out regrets
     ceil = []
     for x in q:
         rep = x["key"][0]
@@ -286,6 +290,8 @@ def held_out(q: list[dict], rows: list[dict]) -> dict:
         lo = L[o][rep]
         if x["chosen"] in A:
             reg[x["request"]].append((L[x["chosen"]][rep] - lo) / lo)
+        for a in A:
+            fixed[a][x["request"]].append((L[a][rep] - lo) / lo)
         if x["own"] is not None:         # the arm's own execution in this repeat
             own[x["request"]].append((x["own"] - lo) / lo)
         s = spearman([L[a][rep] for a in A], [rest[a] for a in A])
@@ -293,7 +299,13 @@ def held_out(q: list[dict], rows: list[dict]) -> dict:
             ceil.append(s)
     rg = [statistics.fmean(v) for v in reg.values()]
     ow = [statistics.fmean(v) for v in own.values()]
+    # the one action taken on every request that the regret was measured on, at its best: what a
+    # per-request controller that cannot foresee a request's acceptance has to beat
+    per_a = {a: [statistics.fmean(v[rq]) for rq in reg if rq in v] for a, v in fixed.items()}
+    per_a = {a: statistics.fmean(v) for a, v in per_a.items() if v and len(v) == len(reg)}
+    best_a = min(per_a, key=per_a.get) if per_a else None
     return dict(regret_ho=statistics.fmean(rg) if rg else None, regret_ho_ci=bootstrap_ci(rg),
+                best_fixed_action=best_a, best_fixed_regret_ho=per_a.get(best_a),
                 realized_ho=statistics.fmean(ow) if ow else None, realized_ho_ci=bootstrap_ci(ow),
                 spearman_ceiling=statistics.fmean(ceil) if ceil else None)
 

@@ -169,6 +169,9 @@ def controller_md(qs: list[dict]) -> str:
         text += (f"\n- {q['policy']}: chosen (r,k) counts {q['chosen_counts']}; oracle {q['oracle_counts']}; "
                  f"the oracle action's own spread (max - min) / median: {fmt(q['oracle_noise'], 1, pct=True)} (median "
                  f"over decisions)")
+        if q.get("best_fixed_action") is not None:
+            text += (f"; the best single action on every request, {q['best_fixed_action']}, has a held-out action "
+                     f"regret of {fmt(q['best_fixed_regret_ho'], 1, pct=True)}")
     return text + "\n"
 
 
