@@ -5,7 +5,7 @@
     C(k, r)    = T_pf(P - hit_r) + D_pf(P - hitd_r) + (N / E_k(alpha)) * (k * d + alpha^k (d2 - d) + V(k))
 
 (d2: the draft's 2-token forward, which opens every round after one whose k drafts were all
-accepted; a model draft's int8 step costs ~1.4x d for 2 tokens, so k = 1 at high alpha pays it
+accepted; the int8 draft's 2-token step costs 1.2-1.5 d here, so k = 1 at high alpha pays it
 nearly every round.)
 
 N counts the tokens produced by decoding rounds (max_new_tokens - 1: the first token comes out
