@@ -63,6 +63,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .costs import CostProfile
+from .regime import round_draft_ms
 from .records import Candidate
 
 now = time.perf_counter
@@ -204,9 +205,8 @@ class Controller:
             return lambda alpha: c
         if s.draft_model:
             c += p.D(s.P - hitd)
-        d = p.draft_step(ctx)
-        d2x, v = max(0.0, p.draft_step2(ctx) - d), p.verify(k, ctx)     # draft_round's terms
-        return lambda alpha: c + (n / E(k, alpha)) * (k * d + min(1.0, max(0.0, alpha)) ** k * d2x + v)
+        (d, d2x), v = p.draft_terms(ctx), p.verify(k, ctx)
+        return lambda alpha: c + (n / E(k, alpha)) * (round_draft_ms(k, alpha, d, d2x) + v)
 
     def feasible(self, s: Situation, r: int, k: int) -> tuple[bool, str]:
         if k > 0 and not s.has_draft:
@@ -304,10 +304,8 @@ class Controller:
         if not draft_model or catchup_tokens <= 1:
             return 0.0
         p = self.profile
-        ctx = p.V_ctx if ctx is None else ctx
-        d = p.draft_step(ctx)
-        first = p.draft_step2(ctx) if catchup_tokens == 2 else p.D(catchup_tokens)
-        return max(0.0, first - d)
+        d, d2x = p.draft_terms(p.V_ctx if ctx is None else ctx)
+        return d2x if catchup_tokens == 2 else max(0.0, p.D(catchup_tokens) - d)
 
     # ------------------------------------------------------------------ exploration
     @property
@@ -393,15 +391,14 @@ class Controller:
         for k in sorted(set(k_set if k_set is not None else self.k_set)):
             if k == 0:
                 continue
-            v, d = p.verify(k, ctx), p.draft_step(ctx)
-            d2x = max(0.0, p.draft_step2(ctx) - d)          # draft_round = k d + alpha^k d2x
-            if t <= 0 or (k * d + d2x + v) / t > k + 1:
+            (d, d2x), v = p.draft_terms(ctx), p.verify(k, ctx)
+            if t <= 0 or (round_draft_ms(k, 1.0, d, d2x) + v) / t > k + 1:
                 out[str(k)] = None
                 continue
             lo, hi = 0.0, 1.0
             for _ in range(25):
                 mid = (lo + hi) / 2
-                lo, hi = (lo, mid) if E(k, mid) * t >= k * d + mid ** k * d2x + v else (mid, hi)
+                lo, hi = (lo, mid) if E(k, mid) * t >= round_draft_ms(k, mid, d, d2x) + v else (mid, hi)
             out[str(k)] = round(hi, 4)
         return out
 

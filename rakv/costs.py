@@ -48,6 +48,7 @@ from .config import LOOKUP_K
 from .meter import SHARE_QUIET, Meter, Timing, check_enabled, cpu_clock, is_quiet, time_reps
 from .device import clock
 from .records import hardware_info
+from .regime import round_draft_ms
 
 now = clock          # synchronizes CUDA / MPS before reading the time
 PROFILE_VERSION = 10         # 10: the draft's two-token step (d2_ratio)
@@ -176,13 +177,13 @@ class CostProfile:
         """The draft's 2-token forward (it opens the round after one whose drafts were all accepted)."""
         return (interp(self.d, ctx) * self.d2_ratio if self.d else 0.0) * self.factor("d2")
 
-    def draft_round(self, k: int, ctx: float, alpha: float) -> float:
-        """Expected draft ms of a k-token round: k steps, the first one fed 2 tokens when the round
-        before accepted all its k drafts (chance alpha^k at i.i.d. acceptance alpha)."""
-        if k <= 0:
-            return 0.0
+    def draft_terms(self, ctx: float) -> tuple[float, float]:
+        """(d, d2 - d) at ctx: a draft step and what its 2-token step costs beyond it."""
         d = self.draft_step(ctx)
-        return k * d + min(1.0, max(0.0, alpha)) ** k * max(0.0, self.draft_step2(ctx) - d)
+        return d, max(0.0, self.draft_step2(ctx) - d)
+
+    def draft_round(self, k: int, ctx: float, alpha: float) -> float:
+        return round_draft_ms(k, alpha, *self.draft_terms(ctx))
 
     def verify(self, k: int, ctx: float) -> float:
         """V(k) at context ctx: measured at V_ctx, scaled with context like a step."""

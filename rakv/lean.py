@@ -228,8 +228,12 @@ class LeanLlama:
         self.layers = layers if layers is not None else [self._layer(L) for L in base.layers]
         self.head = _Op(self.lm_head)
         self.final_norm = (self.norm.weight, self.norm.variance_epsilon)
+        self._watch(model)
+
+    def _watch(self, model: nn.Module) -> None:
+        """The linears' ``_Op``s and what _sync watches: every weight and bias they read, and the
+        one-row kernel choice (called last by a constructor, once layers and head are set)."""
         self.ops = [op for L in self.layers for op in L if isinstance(op, _Op)] + [self.head]
-        # what _sync watches: every weight and bias the linears read, and the one-row kernel choice
         self.params = [p for p in model.parameters() if p.dim() >= 1]
         self.probe = next((m for m in model.modules() if hasattr(m, "one_row_plain")), None)
         self.state = self._state()
@@ -377,11 +381,7 @@ class LeanGPT2(LeanLlama):
         self.layers = layers if layers is not None else [self._layer(B) for B in base.h]
         self.head = _Op(self.lm_head)
         self.final_norm = (base.ln_f.weight, base.ln_f.bias, base.ln_f.eps)
-        self.ops = [op for L in self.layers for op in L if isinstance(op, _Op)] + [self.head]
-        self.params = [p for p in model.parameters() if p.dim() >= 1]
-        self.probe = next((m for m in model.modules() if hasattr(m, "one_row_plain")), None)
-        self.state = self._state()
-        self.dtype = self.embed.weight.dtype
+        self._watch(model)
 
     @staticmethod
     def _layer(B: nn.Module) -> tuple:

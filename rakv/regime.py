@@ -75,11 +75,17 @@ def e_k(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def round_draft_ms(k: int, alpha: float, d: float, d2x: float) -> float:
+    """Expected draft ms of a k-token round: k steps of d, the first one d2x dearer when the round
+    before accepted all its k drafts (chance alpha^k at i.i.d. acceptance alpha)."""
+    return 0.0 if k <= 0 else k * d + min(1.0, max(0.0, alpha)) ** k * d2x
+
+
 def decode_crossover(t: float, d: float, v: float, k: int, d2_extra: float = 0.0) -> float | None:
     """Smallest alpha in [0, 1] with (k*d + alpha^k d2_extra + v) / E_k(alpha) <= t (d2_extra: the
     2-token draft step over d); None when even alpha = 1 loses."""
     def cost(a):
-        return k * d + a ** k * d2_extra + v
+        return round_draft_ms(k, a, d, d2_extra) + v
     if t <= 0 or cost(1.0) / (k + 1) > t:
         return None
     if cost(0.0) <= t:
@@ -108,10 +114,9 @@ def regime(profile, cpuinfo: str | None = None) -> dict:
     ks = sorted(int(k) for k in getattr(profile, "V", {}) or {})
     v = {k: profile.verify(k, CTX) for k in ks}
     kd = drafting_ks(ks)
-    d2x = max(0.0, profile.draft_step2(CTX) - d) if hasattr(profile, "draft_step2") else 0.0
-    dr = getattr(profile, "draft_round", None)
-    draft_k = (lambda k: dr(k, CTX, 1.0)) if dr else (lambda k: k * d)     # at alpha = 1: every round opens with d2
-    best = {k: (draft_k(k) + v[k]) / ((k + 1) * t) for k in kd} if t > 0 else {}
+    d2x = profile.draft_terms(CTX)[1] if hasattr(profile, "draft_terms") else 0.0
+    # at alpha = 1 every round opens with the 2-token step
+    best = {k: (round_draft_ms(k, 1.0, d, d2x) + v[k]) / ((k + 1) * t) for k in kd} if t > 0 else {}
     fp = getattr(profile, "fingerprint", None) or {}
     return dict(
         isa=cpu_flags(cpuinfo), cpu_capability=cpu_capability(), threads=threads(),

@@ -9,7 +9,6 @@ tokens per round against E_k(alpha) at the request's own measured alpha.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys

@@ -181,14 +181,19 @@ def indistinguishable(a: Spread | None, oracle: Spread) -> bool:
     return a is not None and a.median <= oracle.hi
 
 
-def measured_samples(rows: list[dict]) -> dict:
-    """request key -> {(r, k): [latency of every repeat]} from the fixed engine policies."""
-    out: dict = defaultdict(lambda: defaultdict(list))
+def by_repeat(rows: list[dict]) -> dict:
+    """request key -> {(r, k): {repeat: latency}} from the fixed engine policies."""
+    out: dict = defaultdict(lambda: defaultdict(dict))
     for r in rows:
         a = fixed_action(r["policy"])
         if a is not None and r["latency_ms"] is not None:
-            out[request_key(r)][a].append(r["latency_ms"])
+            out[request_key(r)][a][r["rep"]] = r["latency_ms"]
     return out
+
+
+def measured_samples(rows: list[dict]) -> dict:
+    """request key -> {(r, k): [latency of every repeat]} from the fixed engine policies."""
+    return {rk: {a: list(by_rep.values()) for a, by_rep in acts.items()} for rk, acts in by_repeat(rows).items()}
 
 
 def action_spreads(rows: list[dict]) -> dict:
@@ -258,16 +263,6 @@ def per_request_quality(cands: list[dict], rows: list[dict], policy: str) -> lis
             action_ok=ch == oracle, action_ok_spread=indistinguishable(sc, so),
             k_ok=ch[1] == oracle[1], k_ok_spread=indistinguishable(same_k, so),
             spec_ok=(ch[1] > 0) == (oracle[1] > 0), spec_ok_spread=indistinguishable(same_spec, so)))
-    return out
-
-
-def by_repeat(rows: list[dict]) -> dict:
-    """request key -> {(r, k): {repeat: latency}} from the fixed engine policies."""
-    out: dict = defaultdict(lambda: defaultdict(dict))
-    for r in rows:
-        a = fixed_action(r["policy"])
-        if a is not None and r["latency_ms"] is not None:
-            out[request_key(r)][a][r["rep"]] = r["latency_ms"]
     return out
 
 
