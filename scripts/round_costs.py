@@ -31,7 +31,7 @@ def main() -> int:
     from rakv.bench.workloads import chat_prompts, chat_stream
     from rakv.cli import get_profile, load_pair
     from rakv.config import RakvConfig
-    from rakv.controller import E
+    from rakv.controller import E, overshoot
     from rakv.engine import Engine
     from rakv.records import Round
 
@@ -83,6 +83,10 @@ def main() -> int:
                 P["full"].append(r.accepted == r.drafted)
             P["E_pred"].append(E(k, alpha) * len(rs))
             P["E_meas"].append(sum(len(r.emitted) for r in rs))
+            n_r = sum(len(r.emitted) for r in rs)
+            P["rounds_req"].append(len(rs))
+            P["rounds_iid"].append(n_r / E(k, alpha))
+            P["rounds_over"].append(n_r / E(k, alpha) + overshoot(k, alpha))
     t = prof.step(140)
     out = {"t_ms": t, "ks": {}}
     print(f"t(ctx 140) = {t:.2f} ms; per drafting round, means (ms):")
@@ -98,6 +102,11 @@ def main() -> int:
         print(f"{k:2d} | {m['draft']:5.2f} {m['draft_pred']:5.2f} | {m['catch']:5.2f} ({m['catch_tok']:.2f}) | "
               f"{m['verify']:6.2f} {m['verify_pred']:6.2f} | {m['rest']:4.2f} | {m['round']:6.2f} {pred_round:6.2f} | "
               f"{row['tokens_per_round']:.2f} {ek:.2f} | {m['full']:.2f}   lat med {row['latency_median']:.0f}")
+    print("rounds per request: measured | n / E_k(alpha) | + overshoot(k, alpha)")
+    for k in ks:
+        P = per[k]
+        print(f"{k:2d} | {statistics.fmean(P['rounds_req']):.2f} | {statistics.fmean(P['rounds_iid']):.2f} | "
+              f"{statistics.fmean(P['rounds_over']):.2f}")
     print("acceptance of draft token j given tokens 1..j-1 accepted (h_j), per k run:")
     for k in ks:
         h = {j: hold[k][j] / reach[k][j] for j in sorted(reach[k]) if reach[k][j]}
