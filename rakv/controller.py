@@ -108,6 +108,17 @@ def spec_or_plain(best: Candidate, plain: list[Candidate]) -> Candidate:
     return best if best.predicted_ms < b0.predicted_ms * (1 - SPEC_MARGIN) else b0
 
 
+def prefer_reuse(best: Candidate, feas: list[Candidate]) -> Candidate:
+    """r = 1 wins a near-tie (within REUSE_TIE) with an r = 0 action of the same kind (drafting
+    or not): it costs only the measured clone/store and seeds the cache for later requests (a
+    plain r = 0 chosen by the spec margin once left a shared prefix unstored: session 10)."""
+    if best.reuse == 1:
+        return best
+    alt = [c for c in feas if c.reuse == 1 and (c.k > 0) == (best.k > 0)
+           and c.predicted_ms <= best.predicted_ms * (1 + REUSE_TIE)]
+    return min(alt, key=lambda c: c.predicted_ms) if alt else best
+
+
 def E(k: int, alpha: float) -> float:
     """Expected tokens per round with k drafts at per-token acceptance alpha."""
     if k == 0:
@@ -274,16 +285,13 @@ class Controller:
                 ok, why = self.feasible(s, r, k)
                 c = self.cost(s, r, k, a)
                 cands.append(Candidate(reuse=r, k=k, predicted_ms=round(c, 3), feasible=ok, reason=why))
-        # argmin over feasible actions; r = 1 wins a near-tie (within REUSE_TIE of the best r = 0
-        # cost): it costs only the measured clone/store and seeds the cache for later requests.
+        # argmin over feasible actions; r = 1 wins a near-tie, before and after the spec margin
         feas = [c for c in cands if c.feasible]
         best = min(feas, key=lambda c: c.predicted_ms) if feas else None
-        if best is not None and best.reuse == 0:
-            alt = [c for c in feas if c.reuse == 1 and c.predicted_ms <= best.predicted_ms * (1 + REUSE_TIE)]
-            if alt:
-                best = min(alt, key=lambda c: c.predicted_ms)
-        if best is not None and best.k > 0:
-            best = spec_or_plain(best, [c for c in feas if c.k == 0])
+        if best is not None:
+            best = prefer_reuse(best, feas)
+            if best.k > 0:
+                best = prefer_reuse(spec_or_plain(best, [c for c in feas if c.k == 0]), feas)
         reason = "argmin"
         if force is not None:
             fr, fk = force

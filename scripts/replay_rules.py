@@ -43,6 +43,9 @@ def decide(cands: list[dict], k_tie: float, margin: float) -> tuple[int, int]:
     if best["k"] > 0 and plain:
         b0 = min(plain, key=cost)
         best = best if cost(best) < cost(b0) * (1 - margin) else b0
+        if best["reuse"] == 0:        # the reuse near-tie holds after the margin too (session 10)
+            alt = [c for c in plain if c["reuse"] == 1 and cost(c) <= cost(best) * (1 + REUSE_TIE)]
+            best = min(alt, key=cost) if alt else best
     return best["reuse"], best["k"]
 
 

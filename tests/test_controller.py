@@ -507,3 +507,22 @@ def test_persistence_of_request_acceptance_is_measured():
     steady = Controller(profile(), alpha_prior=0.8)
     stream(steady, [0.6] * 10 + [0.95] * 10)               # two regimes, each persistent
     assert steady.persistence > 0.8 and steady.alpha_req > 0.9
+
+
+def test_the_spec_margin_keeps_the_reuse_near_tie():
+    """A prompt with no hit: r = 0 and r = 1 cost the same. When drafting is predicted better by
+    less than the spec margin, the plain action taken must still be r = 1 (it stores the prompt
+    for later requests); session 10 found it taking r = 0 and a later exact repeat missing."""
+    from rakv.controller import SPEC_MARGIN
+    prof = profile()
+    prof.clone_ms_per_token = 0.001
+    s = situation(q=0)
+    c = Controller(prof, k_set=(0, 2))
+    lo, hi = 0.0, 1.0
+    for _ in range(40):                       # alpha at which k = 2 is 1% cheaper than k = 0
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if c.cost(s, 1, 2, mid) > 0.99 * c.cost(s, 1, 0, mid) else (lo, mid)
+    c._lS, c._lT = hi * 1e4, 1e4
+    assert c.cost(s, 0, 2, c.alpha_req) < c.cost(s, 1, 0, c.alpha_req) * (1 - SPEC_MARGIN / 4)
+    ch = c.decide(s)
+    assert (ch.reuse, ch.k) == (1, 0)
