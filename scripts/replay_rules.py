@@ -16,6 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from rakv.bench import metrics as M
+from rakv.controller import REUSE_TIE
 
 VARIANTS = {                        # name -> (near-tie share for the smaller k, spec margin)
     "session 8: k tie 2%, margin 5%": (0.02, 0.05),
@@ -25,17 +26,21 @@ VARIANTS = {                        # name -> (near-tie share for the smaller k,
     "k tie 2%, margin 2%": (0.02, 0.02),
     "session 9: no k tie, margin 2%": (0.0, 0.02),
 }
-REUSE_TIE = 0.01
+
+
+def reuse_tie(best: dict, pool: list[dict]) -> dict:
+    """r = 1 takes a REUSE_TIE near-tie with an r = 0 choice, among ``pool``."""
+    if best["reuse"] == 1:
+        return best
+    alt = [c for c in pool if c["reuse"] == 1 and c["predicted_ms"] <= best["predicted_ms"] * (1 + REUSE_TIE)]
+    return min(alt, key=lambda c: c["predicted_ms"]) if alt else best
 
 
 def decide(cands: list[dict], k_tie: float, margin: float) -> tuple[int, int]:
     """The controller's per-request rule (rakv.controller.Controller.decide) on recorded predictions."""
     feas = [c for c in cands if c["feasible"]]
     cost = lambda c: c["predicted_ms"]  # noqa: E731
-    best = min(feas, key=cost)
-    if best["reuse"] == 0:
-        alt = [c for c in feas if c["reuse"] == 1 and cost(c) <= cost(best) * (1 + REUSE_TIE)]
-        best = min(alt, key=cost) if alt else best
+    best = reuse_tie(min(feas, key=cost), feas)
     if best["k"] > 0 and k_tie > 0:
         near = [c for c in feas if c["reuse"] == best["reuse"] and c["k"] > 0 and cost(c) <= cost(best) * (1 + k_tie)]
         best = min(near, key=lambda c: (c["k"], cost(c)))
@@ -43,9 +48,7 @@ def decide(cands: list[dict], k_tie: float, margin: float) -> tuple[int, int]:
     if best["k"] > 0 and plain:
         b0 = min(plain, key=cost)
         best = best if cost(best) < cost(b0) * (1 - margin) else b0
-        if best["reuse"] == 0:        # the reuse near-tie holds after the margin too (session 10)
-            alt = [c for c in plain if c["reuse"] == 1 and cost(c) <= cost(best) * (1 + REUSE_TIE)]
-            best = min(alt, key=cost) if alt else best
+        best = reuse_tie(best, plain)      # the reuse near-tie holds after the margin too (session 10)
     return best["reuse"], best["k"]
 
 
