@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 DEFAULT_K_SET: tuple[int, ...] = (0, 1, 2, 4, 6, 8)
 POLICIES_HELP = "adaptive | adaptive:gate | adaptive:nogate | ar | kv | spec:K | joint:K"
 LOOKUP_K = 16             # an n-gram lookup may verify up to this many tokens: drafting it is free, a verify of 17 costs ~1.7 steps
+HISTORY_TOKENS = 32768    # token ids of earlier requests an n-gram lookup may copy from (256 KiB; 0: off)
 GATE_BY_DEFAULT = True    # plain "adaptive" = adaptive:gate: it measured at least as fast as the paper's controller (docs/results.md, session 6)
 
 
@@ -38,6 +39,7 @@ class RakvConfig:
     # prefix cache
     budget_mib: float = 512.0
     bucket_tokens: int = 16          # paper: BLAKE2b over the first 16 token ids
+    history_tokens: int = HISTORY_TOKENS  # with r = 1, n-gram lookups also copy earlier requests' outputs
     # n-gram prompt lookup draft
     ngram_sizes: tuple[int, ...] = (3, 2)
     lookup_k: int = LOOKUP_K         # longest gated n-gram lookup verify (past max(k_set); the gate picks the length)

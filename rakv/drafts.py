@@ -15,7 +15,7 @@ import numpy as np
 
 from . import decoding as dec
 from .models import LoadedModel
-from .prefix_cache import Hit, PrefixCache
+from .prefix_cache import Hit, PrefixCache, TokenHistory
 
 now = dec.now
 
@@ -72,10 +72,18 @@ class NgramDraft(DraftSource):
 
     def __init__(self, sizes: tuple[int, ...] = (3, 2)):
         self.sizes = tuple(sizes)
+        self.history: TokenHistory | None = None     # earlier requests' tokens, while a request with r = 1 runs
+
+    def begin(self, prompt_ids, store, reuse):
+        """Reuse (r = 1) also looks up what earlier requests of this store generated."""
+        self.history = store.history if (store is not None and reuse and len(store.history)) else None
+
+    def end(self) -> None:
+        self.history = None
 
     def propose(self, ids: list[int], k: int, gate=None) -> Proposal:
         t0 = now()
-        toks, m = ngram_match(ids, k, self.sizes)
+        toks, m = ngram_match(ids, k, self.sizes, self.history)
         if gate is not None and toks:
             # token n is judged after n-1 accepted copies: its match is then m + n - 1 tokens long
             n = 1
@@ -107,11 +115,52 @@ def periodic(follow: list[int], k: int) -> list[int]:
     return [follow[j % len(follow)] for j in range(k)]
 
 
-def ngram_match(ids, k: int, sizes=(3, 2)) -> tuple[list[int], int]:
+def ngram_match(ids, k: int, sizes=(3, 2), history: TokenHistory | None = None) -> tuple[list[int], int]:
     """(up to k tokens that followed the latest earlier occurrence of the last n tokens, and the
-    length of the match, extended backwards up to MAX_MATCH tokens)."""
+    length of the match, extended backwards up to MAX_MATCH tokens). With a ``history``, an
+    earlier request's continuation is taken instead where it matches a longer context."""
     if k <= 0:
         return [], 0
+    toks, m = context_match(ids, k, sizes)
+    if history is not None and len(history):
+        h_toks, h_m = history_match(ids, k, sizes, history.tokens)
+        if h_m > m:
+            return h_toks, h_m
+    return toks, m
+
+
+HISTORY_CANDIDATES = 256    # the latest occurrences of an n-gram in the history whose context is compared
+
+
+def history_match(ids, k: int, sizes, h: np.ndarray) -> tuple[list[int], int]:
+    """Up to k tokens that followed, in earlier requests (``h``: sequences separated by -1), the
+    occurrence of the last n tokens with the longest matching context (the latest among equals)."""
+    a = np.asarray(ids[-MAX_MATCH:], dtype=np.int64)
+    L, H = len(a), len(h)
+    for n in sizes:
+        if L < n or H <= n:
+            continue
+        pat = a[L - n:]
+        ends = np.flatnonzero(h[: H - n] == pat[0])          # ends: the first token after the n-gram
+        for j in range(1, n):
+            ends = ends[h[ends + j] == pat[j]]
+        ends = ends + n
+        ends = ends[h[ends] != -1][-HISTORY_CANDIDATES:]       # something follows in the same sequence
+        if not ends.size:
+            continue
+        back = np.arange(L)                                   # compare a[L-1-j] with h[end-1-j]
+        idx = ends[:, None] - 1 - back[None, :]
+        ok = (idx >= 0) & (h[np.maximum(idx, 0)] == a[L - 1 - back][None, :])
+        m = np.cumprod(ok, axis=1).sum(axis=1)
+        best = len(m) - 1 - int(np.argmax(m[::-1]))
+        follow = h[ends[best]: ends[best] + k]
+        sep = np.flatnonzero(follow == -1)
+        return (follow[: sep[0]] if sep.size else follow).tolist(), int(m[best])
+    return [], 0
+
+
+def context_match(ids, k: int, sizes=(3, 2)) -> tuple[list[int], int]:
+    """ngram_match within ``ids`` alone (prompt lookup)."""
     a = np.asarray(ids, dtype=np.int64)
     L = len(a)
     for n in sizes:

@@ -117,7 +117,7 @@ class Engine:
         self.draft = draft or NoDraft()
         self.config = config
         self.callback = callback or (lambda rec: None)
-        self.store = PrefixCache(config.budget_bytes, config.bucket_tokens)
+        self.store = PrefixCache(config.budget_bytes, config.bucket_tokens, config.history_tokens)
         self.policy = Policy.parse(config.policy)
         self.k_set = tuple(config.k_set)
         self.granularity = config.granularity
@@ -262,6 +262,9 @@ class Engine:
                 self._round(rq)
         finally:
             self.draft.end()
+            self.lookup.end()
+        if rq.reuse:       # what this request generated, for later requests' n-gram lookups
+            self.store.history.add(rq.ids + rq.out)
         return self._finish(rq, choice)
 
     # ---- phases of one request (each reports its own records)
@@ -335,6 +338,8 @@ class Engine:
                          provenance=["stored" if pf.hit.exact else "target"], verify_ms=round(pf.forward_ms, 3),
                          round_ms=round(rq.ttft, 3), context=P, alpha=self.alpha.value))
         self.draft.begin(rq.ids, self.store, bool(rq.reuse))
+        if self.lookup is not self.draft:
+            self.lookup.begin(rq.ids, self.store, bool(rq.reuse))
         rq.stopped = "eos" if t1 in self.target.eos_ids else ""
         self._check_end(rq)
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from .config import HISTORY_TOKENS
+
 BUCKET_TOKENS = 16
 DIGEST_BYTES = 12
 
@@ -95,13 +97,44 @@ class CacheSnapshot:
     mats: dict
     hits: dict
     stats: CacheStats
+    history: np.ndarray | None = None
+
+
+class TokenHistory:
+    """Earlier requests' tokens (prompt + output), oldest first, for n-gram lookup across requests
+    (a repeated or related request copies what an earlier one generated): one flat array with -1
+    between sequences (never a token id), the oldest sequences dropped past ``max_tokens``.
+    The array is replaced, never written in place, so a snapshot can share it."""
+
+    def __init__(self, max_tokens: int = HISTORY_TOKENS):
+        self.max_tokens = max(0, int(max_tokens))
+        self.tokens = np.empty(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, ids) -> None:
+        a = np.asarray(ids, dtype=np.int64)
+        if self.max_tokens <= 0 or len(a) == 0:
+            return
+        a = a[-(self.max_tokens - 1):]
+        t = np.concatenate([self.tokens, np.array([-1], dtype=np.int64), a])
+        if len(t) > self.max_tokens:
+            t = t[len(t) - self.max_tokens:]
+            seps = np.flatnonzero(t == -1)
+            t = t[seps[0]:] if seps.size else t      # drop the cut sequence's remains
+        self.tokens = t
+
+    def clear(self) -> None:
+        self.tokens = np.empty(0, dtype=np.int64)
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, bucket_tokens: int = BUCKET_TOKENS):
+    def __init__(self, budget_bytes: int, bucket_tokens: int = BUCKET_TOKENS, history_tokens: int = HISTORY_TOKENS):
         if budget_bytes < 0:
             raise ValueError("budget must be >= 0")
         self.budget = int(budget_bytes)
+        self.history = TokenHistory(history_tokens)     # token ids only: not counted against the KV budget
         self.bucket_tokens = bucket_tokens
         self._buckets: dict[tuple[str, bytes], list[Entry]] = {}
         self._lru: OrderedDict[int, Entry] = OrderedDict()   # id(entry) -> entry, oldest first
@@ -216,7 +249,7 @@ class PrefixCache:
                              buckets={b: list(es) for b, es in self._buckets.items()},
                              lru=OrderedDict(self._lru), mats=dict(self._mats),
                              hits={id(e): e.hits for e in self._lru.values()},
-                             stats=replace(self.stats))
+                             stats=replace(self.stats), history=self.history.tokens)
 
     def restore(self, snap: "CacheSnapshot") -> None:
         """Put the store back exactly as it was at ``snapshot`` (entries stored since are dropped)."""
@@ -227,10 +260,13 @@ class PrefixCache:
         for e in self._lru.values():
             e.hits = snap.hits.get(id(e), e.hits)
         self.stats = replace(snap.stats)
+        if snap.history is not None:
+            self.history.tokens = snap.history
 
     def clear(self) -> None:
         for e in list(self._lru.values()):
             self._remove(e)
+        self.history.clear()
 
     def _evict_until(self, limit: int) -> None:
         while self._lru and self.stats.bytes_used > limit:

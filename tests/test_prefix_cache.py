@@ -185,3 +185,66 @@ def test_vectorised_bucket_lcp_matches_scalar():
         assert h.q == want
         if h.exact:
             assert list(h.entry.ids) == q
+
+
+# ----------------------------------------------------------------------------- token history
+def test_history_keeps_whole_recent_sequences_within_its_cap():
+    from rakv.prefix_cache import TokenHistory
+
+    h = TokenHistory(max_tokens=20)
+    h.add([1, 2, 3, 4, 5])
+    h.add([6, 7, 8])
+    assert h.tokens.tolist() == [-1, 1, 2, 3, 4, 5, -1, 6, 7, 8]
+    h.add(list(range(10, 18)))            # 19 tokens: still fits
+    assert len(h) == 19
+    h.add([30, 31, 32])                   # over the cap: the oldest sequence goes, whole
+    assert len(h) <= 20 and h.tokens[0] == -1
+    assert h.tokens.tolist() == [-1, 6, 7, 8, -1] + list(range(10, 18)) + [-1, 30, 31, 32]
+    h.add(list(range(100, 150)))          # longer than the cap: its tail
+    assert len(h) == 20 and h.tokens[0] == -1 and h.tokens[-1] == 149
+    off = TokenHistory(max_tokens=0)
+    off.add([1, 2, 3])
+    assert len(off) == 0
+
+
+def test_history_snapshot_restore_and_clear():
+    c = PrefixCache(1 << 20)
+    c.history.add([1, 2, 3])
+    snap = c.snapshot()
+    c.history.add([4, 5, 6])
+    c.restore(snap)
+    assert c.history.tokens.tolist() == [-1, 1, 2, 3]
+    c.clear()
+    assert len(c.history) == 0
+
+
+def test_history_match_takes_the_longest_context_and_never_crosses_sequences():
+    from rakv.drafts import ngram_match
+    from rakv.prefix_cache import TokenHistory
+
+    h = TokenHistory()
+    h.add([50, 51, 1, 2, 3, 60, 61, 62])      # "1 2 3" after 51: then 60 61 62
+    h.add([52, 1, 2, 3, 70, 71])              # later, after 52: then 70 71 (end of that request)
+    # the current context ends "51 1 2 3": the older occurrence matches 4 tokens, the newer 3
+    assert ngram_match([9, 51, 1, 2, 3], 8, history=h) == ([60, 61, 62], 4)
+    # equal context: the latest occurrence; its continuation stops at the end of its request
+    assert ngram_match([9, 1, 2, 3], 8, history=h) == ([70, 71], 3)
+    # an in-context match as long as the history's wins (prompt lookup, as without a history)
+    assert ngram_match([1, 2, 3, 80, 9, 1, 2, 3], 4, history=h)[0] == [80, 9, 1, 2]
+    assert ngram_match([9, 1, 2, 3], 8) == ([], 0)               # no history: no match
+
+
+def test_an_exact_repeat_copies_the_earlier_output_only_with_reuse():
+    from rakv.drafts import NgramDraft
+
+    target, _ = make_pair("llama", "mostly")
+    p = list(range(5, 45))
+    for policy, copies in (("joint:8", True), ("spec:8", False)):
+        eng = Engine(target, NgramDraft(), RakvConfig(policy=policy))
+        first = eng.generate(p, 24)
+        again = eng.generate(p, 24)
+        assert first.output_ids == again.output_ids == oracle(target.model, p, 24)
+        if copies:       # 23 tokens after the first, 9 a round: 3 rounds, every draft accepted
+            assert again.rounds == 3 and again.accepted == again.drafted == 20
+        else:            # r = 0: neither the KV nor the history of earlier requests
+            assert (again.rounds, again.drafted) == (first.rounds, first.drafted) and len(eng.store.history) == 0
