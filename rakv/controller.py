@@ -92,6 +92,7 @@ PERSIST_PRIOR = 4.0   # the persistence of request acceptance starts as this man
 PERSIST_SD = 0.05     # ... each with this deviation from the long run (its weight against evidence)
 PERSIST_DECAY = 0.05  # per-request ageing of the persistence evidence (~20 requests)
 PERSIST_MIN_TRIALS = 4  # a request counts toward persistence with at least this many trials
+COPY_ALPHA = 0.99     # acceptance of an exact repeat whose earlier output the n-gram lookup copies
 
 
 def trials(accepted: int, drafted: int) -> int:
@@ -106,6 +107,12 @@ def spec_or_plain(best: Candidate, plain: list[Candidate]) -> Candidate:
         return best
     b0 = min(plain, key=lambda c: c.predicted_ms)
     return best if best.predicted_ms < b0.predicted_ms * (1 - SPEC_MARGIN) else b0
+
+
+def copy_alpha(s: "Situation", alpha: float) -> float:
+    """An exact repeat whose earlier output the n-gram lookup will copy accepts nearly every draft:
+    greedy decoding of the same prompt gives the same output (out/s11-ngram: k = 4 cost 1.4-1.55x k = 8)."""
+    return COPY_ALPHA if s.copy else alpha
 
 
 def prefer_reuse(best: Candidate, feas: list[Candidate]) -> Candidate:
@@ -177,6 +184,7 @@ class Situation:
     budget: int = 0
     has_draft: bool = True
     draft_model: bool = True    # False for ngram (D_pf = 0)
+    copy: bool = False          # an exact repeat whose whole earlier output the n-gram lookup will copy
 
 
 @dataclass
@@ -189,6 +197,7 @@ class Choice:
     alpha_star: dict
     reason: str = "argmin"
     decide_ms: float = 0.0
+    copy: bool = False
 
 
 class Controller:
@@ -207,6 +216,7 @@ class Controller:
         self._pxy = self._pxx = 0.0              # persistence evidence: sums of x y and x x
         self._req_S = 0.0                        # this request's successes / trials so far
         self._req_T = 0.0
+        self._copy = False                       # this request copies an earlier output (not alpha evidence)
         self.out_frac = profile.out_frac if profile.out_frac is not None else 1.0
         self.probe_every = probe_every
         self.rounds_since_draft = 0
@@ -277,7 +287,8 @@ class Controller:
     def decide(self, s: Situation, k_set=None, force: tuple[int, int] | None = None) -> Choice:
         t0 = now()
         ks = tuple(sorted(set(k_set if k_set is not None else self.k_set)))
-        a = self.alpha_req
+        a = copy_alpha(s, self.alpha_req)
+        self._copy = s.copy
         cands: list[Candidate] = []
         best = None
         for r in (0, 1):
@@ -305,7 +316,7 @@ class Controller:
             best = Candidate(0, 0, self.cost(s, 0, 0, a))
         r = best.reuse
         stars = {str(k): self.alpha_star(s, r, k) for k in ks if k > 0}
-        return Choice(best.reuse, best.k, best.predicted_ms, cands, a, stars, reason, (now() - t0) * 1e3)
+        return Choice(best.reuse, best.k, best.predicted_ms, cands, a, stars, reason, (now() - t0) * 1e3, s.copy)
 
     def decide_round(self, ctx: int, remaining: int, k_set=None, catchup_tokens: int = 0,
                      has_draft: bool = True, draft_model: bool = True) -> tuple[int, str, dict]:
@@ -481,6 +492,9 @@ class Controller:
 
     def end_request(self, produced: int, max_new: int, stopped: str) -> None:
         """Fold a finished request into the request-level estimates and the profile."""
+        if self._copy:        # its acceptance was known in advance: it says nothing about the next request
+            self._req_S = self._req_T = 0.0
+            self._copy = False
         if self._req_T >= PERSIST_MIN_TRIALS:      # did the recent deviation carry into this request?
             a = self.alpha_long
             x, y = self.alpha_recent - a, self._req_S / self._req_T - a

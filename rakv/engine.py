@@ -20,7 +20,7 @@ from .device import clock
 from .config import Policy, RakvConfig
 from .controller import AlphaEWMA, Choice, Controller, Situation
 from .costs import CostProfile
-from .drafts import DraftSource, ModelDraft, NgramDraft, NoDraft, prefill_with_reuse
+from .drafts import MAX_MATCH, DraftSource, ModelDraft, NgramDraft, NoDraft, history_match, prefill_with_reuse
 from .gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, judged, request_trust
 from .models import LoadedModel, model_info
 from .prefix_cache import PrefixCache
@@ -310,7 +310,7 @@ class Engine:
             self._emit(Decision(request_id=rq.rid, candidates=[asdict(c) for c in choice.candidates],
                                 action={"reuse": rq.reuse, "k": rq.k}, alpha=choice.alpha,
                                 alpha_star=choice.alpha_star, reason=choice.reason, decide_ms=choice.decide_ms,
-                                explore_balance_ms=round(ctl.explore_balance, 3)))
+                                explore_balance_ms=round(ctl.explore_balance, 3), copy=choice.copy))
         else:
             rq.reuse, rq.k = int(policy.reuse), policy.k
             self._emit(Decision(request_id=rq.rid, candidates=[asdict(Candidate(rq.reuse, rq.k, 0.0))],
@@ -525,10 +525,21 @@ class Engine:
                 hd = self.store.peek(self.draft.key, ids)
                 qd, exact_d = hd.q, hd.q == P
         V = int(self.target.model.config.vocab_size)
+        copy = peek and exact and isinstance(self.draft, NgramDraft) and self._copies_whole(ids, N)
         entry = P * self.target.kv_bytes_per_token() + 4 * V
         dentry = P * self.draft.lm.kv_bytes_per_token() if draft_model else 0
         return Situation(P=P, N=N, q=q, exact=exact, qd=qd, exact_d=exact_d, entry_bytes=entry,
-                         draft_entry_bytes=dentry, budget=budget, has_draft=has_draft, draft_model=draft_model)
+                         draft_entry_bytes=dentry, budget=budget, has_draft=has_draft, draft_model=draft_model,
+                         copy=copy)
+
+    def _copies_whole(self, ids, N: int) -> bool:
+        """Does the history hold an earlier output of exactly this prompt, N tokens or up to EOS?"""
+        h = self.store.history
+        if not len(h):
+            return False
+        follow, m = history_match(ids, N, self.draft.sizes, h.tokens)
+        return m >= min(len(ids), MAX_MATCH) and bool(follow) and (
+            len(follow) >= N or follow[-1] in self.target.eos_ids)
 
     def _draft_behind(self, seq, reuse, draft_model) -> int:
         """Tokens a model draft must read before it can draft after ``seq`` (its catch-up)."""

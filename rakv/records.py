@@ -93,6 +93,7 @@ class Decision:
     decide_ms: float = 0.0
     explore_cost_ms: float = 0.0   # a probe's predicted cost beyond the plain steps it replaces
     explore_balance_ms: float = 0.0  # exploration budget left before this decision
+    copy: bool = False             # an exact repeat whose earlier output the n-gram lookup copies (alpha ~1)
 
 
 @dataclass

@@ -526,3 +526,16 @@ def test_the_spec_margin_keeps_the_reuse_near_tie():
     assert c.cost(s, 0, 2, c.alpha_req) < c.cost(s, 1, 0, c.alpha_req) * (1 - SPEC_MARGIN / 4)
     ch = c.decide(s)
     assert (ch.reuse, ch.k) == (1, 0)
+
+
+def test_an_exact_repeat_copied_from_the_history_drafts_the_most_and_teaches_nothing():
+    c = Controller(profile(d=0.0, D=None), alpha_prior=0.3)     # n-gram-like: free drafts, low acceptance
+    s = situation(exact=True, q=100, draft_model=False)
+    assert c.decide(s).k < 8
+    ch = c.decide(situation(exact=True, q=100, draft_model=False, copy=True))
+    assert (ch.k, ch.alpha, ch.copy) == (8, 0.99, True)
+    before = (c.alpha_long, c.alpha_recent)
+    c.observe_round(8, 8)                     # the copied request accepts everything ...
+    c.end_request(48, 48, "max_new_tokens")
+    assert (c.alpha_long, c.alpha_recent) == before     # ... which says nothing about the next one
+    assert c.decide(s).k < 8

@@ -248,3 +248,22 @@ def test_an_exact_repeat_copies_the_earlier_output_only_with_reuse():
             assert again.rounds == 3 and again.accepted == again.drafted == 20
         else:            # r = 0: neither the KV nor the history of earlier requests
             assert (again.rounds, again.drafted) == (first.rounds, first.drafted) and len(eng.store.history) == 0
+
+
+def test_the_controller_knows_an_exact_repeat_will_copy_its_earlier_output():
+    from rakv.drafts import NgramDraft
+    from rakv.records import Decision
+    from tests.test_gate import profile
+
+    target, _ = make_pair("llama", "mostly")
+    decisions = []
+    eng = Engine(target, NgramDraft(), RakvConfig(policy="adaptive:nogate"),
+                 lambda r: decisions.append(r) if isinstance(r, Decision) else None, profile(d=0.0, alpha0=0.1))
+    p = list(range(5, 45))
+    first = eng.generate(p, 24)
+    again = eng.generate(p, 24)
+    shorter = eng.generate(p[:30] + [7, 8], 24)        # no exact repeat: no copy
+    assert first.output_ids == again.output_ids == oracle(target.model, p, 24)
+    assert [d.copy for d in decisions] == [False, True, False]
+    assert decisions[1].alpha == 0.99 and decisions[1].action["k"] == max(eng.k_set)
+    assert shorter.output_ids == Engine(target, None, RakvConfig(policy="ar")).generate(p[:30] + [7, 8], 24).output_ids
