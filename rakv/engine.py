@@ -377,7 +377,10 @@ class Engine:
             return None
         ctx = len(seq)
         behind = self._draft_behind(seq, rq.reuse, rq.draft_model)
-        return RoundGate(self.accept_map, k, p.draft_step(ctx) if rq.draft_model else 0.0, self._V(ctx, k),
+        amap = self.accept_map
+        if self.lookup is self.draft:      # an n-gram draft: this request's judged copies scale the map
+            amap = Trusted(amap, request_trust(rq.lk_hits, rq.lk_pred))
+        return RoundGate(amap, k, p.draft_step(ctx) if rq.draft_model else 0.0, self._V(ctx, k),
                          sunk=self.controller.catchup_ms(behind, rq.draft_model, ctx))
 
     def _k_top(self, rq: "_Request", source) -> int:
@@ -453,7 +456,7 @@ class Engine:
             self.draft.commit(rq.ids + rq.out)
         m = len(drafts)
         if gate is not None and m:
-            if lookup:
+            if lookup or self.lookup is self.draft:      # n-gram copies: the request's trust in them
                 for c, ok in judged(gate.confs, m, a):
                     rq.lk_pred += self.lookup_map.p(c)
                     rq.lk_hits += ok

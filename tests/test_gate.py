@@ -230,3 +230,21 @@ def test_a_requests_failed_lookups_lower_its_trust():
     assert request_trust(5, 5.0) == 1.0 and request_trust(4, 2.0) > 1.0
     m = AcceptMap(alpha=0.8)
     assert Trusted(m, 0.25).p(0.9) == pytest.approx(m.p(0.9) * 0.25) and Trusted(m, 9.0).p(0.9) == 1.0
+
+
+def test_an_ngram_drafts_failed_copies_lower_its_trust_in_later_rounds():
+    """With the n-gram draft itself under the gate, its judged copies scale the pooled map for the
+    rest of the request as the side lookup's do (a replay of session 11's streams: +4-11% on repetitive)."""
+    from rakv.gate import Trusted
+
+    target, draft = make_pair("llama", "mostly")
+    p = list(range(5, 25)) * 2
+    for source, scaled in ((NgramDraft(), True), (ModelDraft(draft), False)):
+        eng = Engine(target, source, RakvConfig(policy="adaptive:gate"), profile=profile(d=0.0, alpha0=0.95))
+        rq = eng._start(p, 24, None)
+        eng._decide(rq)
+        rq.lk_hits, rq.lk_pred = 0.0, 6.0                  # six copies predicted, none accepted
+        g = eng._gate(rq, p, 4)
+        assert isinstance(g.amap, Trusted) == scaled
+        if scaled:
+            assert g.amap.p(0.9) == pytest.approx(eng.accept_map.p(0.9) * 0.25)

@@ -1,0 +1,132 @@
+"""The confidence gate with the n-gram draft, replayed offline: variants of its stopping rule on the
+same proposals. An n-gram proposal is a function of the tokens so far and of the earlier requests'
+history, so one kv run per request (its greedy output) fixes every round's proposal and how much of
+it the target accepts; each variant's rounds are then priced with the profile's measured V(j) and t
+(rounds only: prefill is the same in every arm). Arms:
+
+  joint:8           every round verifies min(8, proposal)
+  oracle            each round verifies exactly the tokens that will be accepted (greedy foresight)
+  gate              the engine's rule: per-token confidence from the match length, the pooled
+                    per-bin map learned online, the best expected tokens per ms (best_verify_length)
+  gate, no trust    the same without the request's own trust in its copies (before session 11)
+
+Ratios are joint:8's time over the arm's (above 1: faster than joint:8). Seed 0 is the bench's
+stream; seed 7 is held out.
+
+    RAKV_WIKITEXT=../shared/data/wikitext-2-raw/wiki.test.raw \\
+        python scripts/gate_replay.py --seeds 0,7 --out out/gate_replay.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+
+def outputs(seeds, n_prompts, gen, workloads):
+    """{seed:stream: [(prompt ids, greedy output, max new tokens)]} from one kv run per stream."""
+    import torch
+
+    from rakv.bench import build_streams
+    from rakv.cli import load_pair
+    from rakv.config import RakvConfig
+    from rakv.engine import Engine
+
+    torch.set_num_threads(2)
+    cfg = RakvConfig(target="demo", draft="ngram")
+    target = None
+    out = {}
+    for seed in seeds:
+        args = SimpleNamespace(threads=2, target="demo", dtype="float32", revision=None, draft="ngram", seed=seed,
+                               prompts=os.environ.get("RAKV_WIKITEXT"), raw=False)
+        if target is None:
+            target, _ = load_pair(args, cfg)
+        s = {"workloads": workloads, "gens": [gen], "n_prompts": n_prompts, "buckets": [32, 128]}
+        for name, reqs in build_streams(s, args, target.tokenizer, target.max_positions).items():
+            eng = Engine(target, None, cfg.with_(policy="kv"))
+            out[f"s{seed}:{name}"] = [(list(r.ids), eng.generate(list(r.ids), r.gen).output_ids, r.gen) for r in reqs]
+    return out, target
+
+
+def replay(reqs, arm: str, prof, prior, lookup_k: int) -> float:
+    """Rounds' ms of one stream under ``arm`` (see the module docstring)."""
+    from rakv.drafts import ngram_confidence, ngram_match
+    from rakv.gate import AcceptMap, best_verify_length, judged, request_trust
+    from rakv.prefix_cache import TokenHistory
+
+    def V(j, ctx):
+        return prof.step(ctx) if j == 0 else prof.verify(j, ctx)
+
+    hist, amap, total = TokenHistory(), AcceptMap(1.0, prior), 0.0
+    for ids, out, N in reqs:
+        h = hist if len(hist) else None
+        n, i, hits, pred = len(out), 0, 0.0, 0.0
+        while i < n - 1:
+            seq = ids + out[: i + 1]
+            cap = min(8 if arm == "joint:8" else lookup_k, N - (i + 1) - 1)
+            toks, m = ngram_match(seq, cap, (3, 2), h)
+            a = 0
+            while a < len(toks) and i + 1 + a < n and toks[a] == out[i + 1 + a]:
+                a += 1
+            a = min(a, n - i - 2)
+            ctx = len(seq)
+            if not toks or arm == "joint:8":
+                j = len(toks)
+            elif arm == "oracle":
+                j = a
+            else:
+                confs = [ngram_confidence(m + t) for t in range(len(toks))]
+                trust = request_trust(hits, pred) if arm == "gate" else 1.0
+                ps = [min(1.0, amap.p(c) * trust) for c in confs]
+                S, s = [], 1.0
+                for p in ps:
+                    s *= p
+                    S.append(s)
+                j = best_verify_length(S, [V(x, ctx) for x in range(len(toks) + 1)], 0.0)
+                if j:
+                    for c, ok in judged(confs[:j], j, min(a, j)):
+                        pred += amap.p(c)
+                        hits += ok
+                    amap.observe(confs[:j], ps[:j], min(a, j))
+            total += V(j, ctx)
+            i += min(j, a) + 1
+        hist.add(ids + out)
+    return total
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", default="0,7")
+    ap.add_argument("--n-prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--workload", default="mixed,repetitive,chat,chat-heldout")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from rakv.cli import get_profile
+    from rakv.config import LOOKUP_K
+    from rakv.drafts import NgramDraft
+
+    data, target = outputs([int(x) for x in a.seeds.split(",")], a.n_prompts, a.max_new_tokens, a.workload.split(","))
+    prof = get_profile(target, NgramDraft(), 8)
+    arms = ("joint:8", "oracle", "gate", "gate, no trust")
+    groups: dict[str, list[str]] = {}
+    for key in data:
+        seed, stream = key.split(":", 1)
+        groups.setdefault(f"{stream.split('/')[0]} {seed}", []).append(key)
+    res = {}
+    for g, keys in sorted(groups.items()):
+        ms = {arm: sum(replay(data[k], arm, prof, prof.accept_map, LOOKUP_K) for k in keys) for arm in arms}
+        res[g] = {"ms": {k: round(v, 1) for k, v in ms.items()},
+                  "vs_joint8": {k: round(ms["joint:8"] / v, 4) for k, v in ms.items()}}
+        print(f"{g:18s} " + "  ".join(f"{k} {v:.3f}" for k, v in res[g]["vs_joint8"].items()))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
