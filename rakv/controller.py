@@ -2,7 +2,13 @@
 
     E_k(alpha) = (1 - alpha^(k+1)) / (1 - alpha)       (k+1 at alpha = 1; E_0 = 1)
     C(0, r)    = T_pf(P - hit_r) + N * t
-    C(k, r)    = T_pf(P - hit_r) + D_pf(P - hitd_r) + (N / E_k(alpha) + eps_k(alpha)) * (k * d + alpha^k (d2 - d) + V(k))
+    C(k, r)    = T_pf(P - hit_r) + D_pf(P - hitd_r) + (N / E'_k(alpha) + eps_k(alpha)) * (k * d + alpha^k (d2 - d) + V(k))
+
+(E'_k: ``E_shaped``, E_k with acceptance by draft position: draft j is accepted, given the ones
+before it were, at alpha * s_j, where s_j = (acceptance measured at position j) / (pooled
+acceptance), learned from every drafting round (``shape``; s_j = 1 is the i.i.d. model). Copies
+are all or nothing: with the n-gram draft h_j ran 0.59 at j = 1 and 0.93-1.0 from j = 3 on
+(repetitive), so the i.i.d. model overrated k = 4 against k = 8.)
 
 (eps_k: ``overshoot``, the expected extra round a request pays because its last round is cut by
 EOS or the token budget: ~0.25 at k = 1, ~0.5 at k = 8; measured on chat it closes the rounds
@@ -72,6 +78,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 
+from .config import LOOKUP_K
 from .costs import CostProfile
 from .regime import round_draft_ms
 from .records import Candidate
@@ -92,6 +99,8 @@ PERSIST_PRIOR = 4.0   # the persistence of request acceptance starts as this man
 PERSIST_SD = 0.05     # ... each with this deviation from the long run (its weight against evidence)
 PERSIST_DECAY = 0.05  # per-request ageing of the persistence evidence (~20 requests)
 PERSIST_MIN_TRIALS = 4  # a request counts toward persistence with at least this many trials
+SHAPE_PRIOR = 16.0    # pseudo-trials per draft position at the pooled rate (the i.i.d. model) before any round
+SHAPE_DECAY = 0.005   # per-round ageing of the position counts (about the last 200 rounds)
 COPY_ALPHA = 0.99     # acceptance of an exact repeat whose earlier output the n-gram lookup copies
 
 
@@ -134,6 +143,17 @@ def E(k: int, alpha: float) -> float:
     if alpha >= 1.0 - 1e-12:
         return float(k + 1)
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def E_shaped(k: int, alpha: float, shape: list[float]) -> float:
+    """Expected tokens per round with k drafts when draft j survives (given j - 1 did) at
+    alpha * shape[j - 1] (capped below 1); shape all ones is E(k, alpha)."""
+    e = p = 1.0
+    a = min(max(alpha, 0.0), 1.0)
+    for j in range(k):
+        p *= min(1.0, a * (shape[j] if j < len(shape) else 1.0))
+        e += p
+    return e
 
 
 def overshoot(k: int, alpha: float) -> float:
@@ -217,6 +237,9 @@ class Controller:
         self._req_S = 0.0                        # this request's successes / trials so far
         self._req_T = 0.0
         self._copy = False                       # this request copies an earlier output (not alpha evidence)
+        k_top = max(self.k_set + (LOOKUP_K,))     # (a gated n-gram round may verify up to lookup_k)
+        self._pos_reach = [0.0] * k_top           # drafting rounds that judged draft j (j = 1..k_top) ...
+        self._pos_hold = [0.0] * k_top           # ... and accepted it
         self.out_frac = profile.out_frac if profile.out_frac is not None else 1.0
         self.probe_every = probe_every
         self.rounds_since_draft = 0
@@ -255,7 +278,8 @@ class Controller:
             c += p.D(s.P - hitd)
         (d, d2x), v = p.draft_terms(ctx), p.verify(k, ctx)
         last = min(1.0, n)            # a request with decode rounds pays its last round's cut once
-        return lambda alpha: c + (n / E(k, alpha) + last * overshoot(k, alpha)) * (round_draft_ms(k, alpha, d, d2x) + v)
+        sh = self.shape
+        return lambda alpha: c + (n / E_shaped(k, alpha, sh) + last * overshoot(k, alpha)) * (round_draft_ms(k, alpha, d, d2x) + v)
 
     def feasible(self, s: Situation, r: int, k: int) -> tuple[bool, str]:
         if k > 0 and not s.has_draft:
@@ -454,6 +478,7 @@ class Controller:
         """Fold one round in; returns the exploration it spent (ms; 0 unless it was a probe)."""
         spent = 0.0
         if drafted > 0:
+            self._observe_positions(drafted, accepted)
             self.alpha.update(accepted, drafted)
             self._req_S += accepted
             self._req_T += trials(accepted, drafted)
@@ -467,6 +492,25 @@ class Controller:
         self.earn(round_ms)
         self._probe = None
         return spent
+
+    def _observe_positions(self, drafted: int, accepted: int) -> None:
+        """Count the drafts a verify judged by position: 1..accepted accepted, the next one rejected."""
+        g = 1.0 - SHAPE_DECAY
+        self._pos_reach = [g * x for x in self._pos_reach]
+        self._pos_hold = [g * x for x in self._pos_hold]
+        for j in range(min(drafted, accepted + 1, len(self._pos_reach))):
+            self._pos_reach[j] += 1.0
+            self._pos_hold[j] += j < accepted
+
+    @property
+    def shape(self) -> list[float]:
+        """s_j: acceptance at draft position j over the pooled acceptance of all positions, each
+        position shrunk toward the pooled rate by SHAPE_PRIOR pseudo-trials (no rounds: all 1)."""
+        reach, hold = sum(self._pos_reach), sum(self._pos_hold)
+        if reach <= 0 or hold <= 0:
+            return [1.0] * len(self._pos_reach)
+        a = hold / reach
+        return [((h + SHAPE_PRIOR * a) / (r + SHAPE_PRIOR)) / a for r, h in zip(self._pos_reach, self._pos_hold)]
 
     @property
     def alpha_long(self) -> float:

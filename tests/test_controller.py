@@ -539,3 +539,24 @@ def test_an_exact_repeat_copied_from_the_history_drafts_the_most_and_teaches_not
     c.end_request(48, 48, "max_new_tokens")
     assert (c.alpha_long, c.alpha_recent) == before     # ... which says nothing about the next one
     assert c.decide(s).k < 8
+
+
+def test_acceptance_by_draft_position_is_measured_and_priced():
+    """All-or-nothing copies (the n-gram draft): the i.i.d. model at the pooled alpha overrates
+    E_4 and underrates what k = 8 gains over k = 4; the measured position shape corrects both."""
+    from rakv.controller import E_shaped
+
+    c = Controller(profile(d=0.0, D=None), alpha_prior=0.5)
+    assert c.shape == [1.0] * len(c.shape)                 # no rounds yet: the i.i.d. model
+    s = situation(draft_model=False)
+    iid = {k: c.cost(s, 1, k, 0.889) for k in (4, 8)}
+    for i in range(60):
+        c.observe_round(8, 8 if i % 2 else 0)              # every copy held, or failed at once
+    sh = c.shape
+    assert sh[0] < 0.7 and min(sh[1:8]) > 1.05
+    a = 0.889                                              # the pooled rate of these rounds
+    assert E_shaped(4, a, sh) == pytest.approx(3.0, abs=0.35) and E(4, a) > 3.9     # truth: 3
+    assert E_shaped(8, a, sh) / E_shaped(4, a, sh) > E(8, a) / E(4, a) + 0.1
+    shaped = {k: c.cost(s, 1, k, a) for k in (4, 8)}
+    assert shaped[8] / shaped[4] < iid[8] / iid[4]         # k = 8 gains on k = 4
+    assert E_shaped(6, 0.7, [1.0] * 16) == pytest.approx(E(6, 0.7))
