@@ -12,7 +12,7 @@ first time a pair is used) and is refined online from every measured round:
   clone     prefix-cache clone/store cost per token; lookup cost
   alpha0    acceptance measured during calibration (the controller's prior)
 
-Online refinement: every prediction is base x machine x term (x the verify family for V(k)). ``machine`` (scale["machine"]) is
+Online refinement: every prediction is base x machine x term. ``machine`` (scale["machine"]) is
 one factor all terms share, moved by every measurement: when the machine slows down (another
 process, a frequency change) all terms move together, so the ratios that decide k (V(k)/t, d/t,
 measured interleaved at calibration) stay. A term's own scale corrects its ratio to the others
@@ -60,15 +60,7 @@ ONLINE_FIRST = 4             # this session's first measurements of a term weigh
                              # profile is corrected within a few requests), later ones ONLINE_WEIGHT
 ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
 MACHINE = "machine"          # the shared factor's key in ``scale``
-VERIFY = "V"                 # the verify family's key: every V(k) shares it, under each k's own scale
 TERM_DRIFT = 1.10            # a term's own scale stays within [1/this, this] (ratios are calibrated)
-
-
-def family(term: str) -> bool:
-    """V(k) terms share a family scale: a verify measured slower than calibrated at the k a
-    controller keeps choosing says the same of the k it does not (per-k scales alone made the k
-    not chosen look cheaper and cheaper: out/s11g-int8, k1/k2 predicted 1.056 -> 0.960)."""
-    return term.startswith("V") and term[1:].isdigit()
 
 
 def _bounded(own: float) -> float:
@@ -167,8 +159,7 @@ class CostProfile:
     # --------------------------------------------------------------- the model's terms
     def factor(self, term: str) -> float:
         """The online scale of a term: the shared machine factor times its own (bounded) one."""
-        fam = _bounded(self.scale.get(VERIFY, 1.0)) if family(term) else 1.0
-        return self.scale.get(MACHINE, 1.0) * fam * _bounded(self.scale.get(term, 1.0))
+        return self.scale.get(MACHINE, 1.0) * _bounded(self.scale.get(term, 1.0))
 
     def T(self, n: float) -> float:
         return 0.0 if n <= 0 else interp(self.T_pf, n) * self.factor("T")
@@ -219,11 +210,6 @@ class CostProfile:
         m_new = m * r ** self._weight(MACHINE)
         self.scale[MACHINE] = m_new
         left = r * m / m_new                    # the part of this measurement the machine did not explain
-        if family(term):                        # a verify: the V family next (the k not chosen move with it)
-            f = _bounded(self.scale.get(VERIFY, 1.0))
-            f_new = _bounded(f * left ** self._weight(VERIFY))
-            self.scale[VERIFY] = f_new
-            left *= f / f_new
         self.scale[term] = _bounded(_bounded(self.scale.get(term, 1.0)) * left ** self._weight(term))
         self.samples[term] = self.samples.get(term, 0) + 1
 
