@@ -4,7 +4,7 @@
     C(0, r)    = T_pf(P - hit_r) + N * t
     C(k, r)    = T_pf(P - hit_r) + D_pf(P - hitd_r) + (N / E'_k(alpha) + eps_k(alpha)) * (k * d + alpha^k (d2 - d) + V(k))
 
-(E'_k: ``E_shaped``, for a draft without a model (n-gram copies; ``position_shape``), E_k with acceptance by draft position: draft j is accepted, given the ones
+(E'_k: ``E_shaped``, E_k with acceptance by draft position: draft j is accepted, given the ones
 before it were, at alpha * s_j, where s_j = (acceptance measured at position j) / (pooled
 acceptance), learned from every drafting round (``shape``; s_j = 1 is the i.i.d. model). Copies
 are all or nothing: with the n-gram draft h_j ran 0.59 at j = 1 and 0.93-1.0 from j = 3 on
@@ -145,13 +145,6 @@ def E(k: int, alpha: float) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def position_shape(shape: list[float], draft_model: bool) -> list[float]:
-    """Acceptance by position prices copies (an n-gram draft: all or nothing); a model draft keeps
-    the i.i.d. model (with the shape, int8's nogate took k = 1 on 35 of 126 decisions, joint:1 was
-    best nowhere, and its total went from 1.003-1.018x to 1.026x the best fixed: out/s11e-int8)."""
-    return [1.0] * len(shape) if draft_model else shape
-
-
 def E_shaped(k: int, alpha: float, shape: list[float]) -> float:
     """Expected tokens per round with k drafts when draft j survives (given j - 1 did) at
     alpha * shape[j - 1] (capped below 1); shape all ones is E(k, alpha)."""
@@ -285,7 +278,7 @@ class Controller:
             c += p.D(s.P - hitd)
         (d, d2x), v = p.draft_terms(ctx), p.verify(k, ctx)
         last = min(1.0, n)            # a request with decode rounds pays its last round's cut once
-        sh = position_shape(self.shape, s.draft_model)
+        sh = self.shape
         return lambda alpha: c + (n / E_shaped(k, alpha, sh) + last * overshoot(k, alpha)) * (round_draft_ms(k, alpha, d, d2x) + v)
 
     def feasible(self, s: Situation, r: int, k: int) -> tuple[bool, str]:

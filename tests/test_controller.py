@@ -560,5 +560,3 @@ def test_acceptance_by_draft_position_is_measured_and_priced():
     shaped = {k: c.cost(s, 1, k, a) for k in (4, 8)}
     assert shaped[8] / shaped[4] < iid[8] / iid[4]         # k = 8 gains on k = 4
     assert E_shaped(6, 0.7, [1.0] * 16) == pytest.approx(E(6, 0.7))
-    model = situation(draft_model=True)                   # a model draft keeps the i.i.d. model
-    assert c.cost(model, 1, 8, a) == pytest.approx(Controller(profile(d=0.0, D=None), alpha_prior=0.5).cost(model, 1, 8, a))
