@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from .config import LOOKUP_K
 from .costs import CostProfile
