@@ -23,21 +23,27 @@ import sys
 from types import SimpleNamespace
 
 
-def rounds_cost(seq0: list[int], out: list[int], N: int, V, cap: int, sizes, history, oracle: bool) -> tuple[float, int]:
-    """(ms, rounds) of the decoding rounds after the first token (out[0] comes from the prefill)."""
+def proposal_at(seq0: list[int], out: list[int], i: int, N: int, cap: int, sizes, history) -> tuple[list[int], int, int]:
+    """The n-gram proposal after out[:i+1] (at most cap tokens, within the budget N), its match
+    length, and how many of its tokens the target accepts (the greedy output continues with them)."""
     from rakv.drafts import ngram_match
 
+    n = len(out)
+    prop, m = ngram_match(seq0 + out[: i + 1], min(cap, N - (i + 1) - 1), sizes, history)
+    a = 0
+    while a < len(prop) and i + 1 + a < n and prop[a] == out[i + 1 + a]:
+        a += 1
+    return prop, m, min(a, n - i - 2)
+
+
+def rounds_cost(seq0: list[int], out: list[int], N: int, V, cap: int, sizes, history, oracle: bool) -> tuple[float, int]:
+    """(ms, rounds) of the decoding rounds after the first token (out[0] comes from the prefill)."""
     n = len(out)
     # per position i (out[:i+1] emitted): the proposal's accepted length and the verify-length range
     acc, prop_len = [0] * n, [0] * n
     for i in range(n - 1):
-        seq = seq0 + out[: i + 1]
-        remaining = N - (i + 1)
-        prop, _ = ngram_match(seq, min(cap, remaining - 1), sizes, history)
-        a = 0
-        while a < len(prop) and i + 1 + a < n and prop[a] == out[i + 1 + a]:
-            a += 1
-        acc[i], prop_len[i] = min(a, n - i - 2), len(prop)
+        prop, _, acc[i] = proposal_at(seq0, out, i, N, cap, sizes, history)
+        prop_len[i] = len(prop)
     ctx = len(seq0)
     if not oracle:
         i, ms, r = 0, 0.0, 0

@@ -53,7 +53,9 @@ def outputs(seeds, n_prompts, gen, workloads):
 
 def replay(reqs, arm: str, prof, prior, lookup_k: int) -> float:
     """Rounds' ms of one stream under ``arm`` (see the module docstring)."""
-    from rakv.drafts import ngram_confidence, ngram_match
+    from gate_ceiling import proposal_at
+
+    from rakv.drafts import ngram_confidence
     from rakv.gate import AcceptMap, best_verify_length, judged, request_trust
     from rakv.prefix_cache import TokenHistory
 
@@ -65,14 +67,8 @@ def replay(reqs, arm: str, prof, prior, lookup_k: int) -> float:
         h = hist if len(hist) else None
         n, i, hits, pred = len(out), 0, 0.0, 0.0
         while i < n - 1:
-            seq = ids + out[: i + 1]
-            cap = min(8 if arm == "joint:8" else lookup_k, N - (i + 1) - 1)
-            toks, m = ngram_match(seq, cap, (3, 2), h)
-            a = 0
-            while a < len(toks) and i + 1 + a < n and toks[a] == out[i + 1 + a]:
-                a += 1
-            a = min(a, n - i - 2)
-            ctx = len(seq)
+            toks, m, a = proposal_at(ids, out, i, N, 8 if arm == "joint:8" else lookup_k, (3, 2), h)
+            ctx = len(ids) + i + 1
             if not toks or arm == "joint:8":
                 j = len(toks)
             elif arm == "oracle":
