@@ -58,6 +58,8 @@ PROFILE_VERSION = 10         # 10: the draft's two-token step (d2_ratio)
 ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
 ONLINE_FIRST = 4             # this session's first measurements of a term weigh 1/2, 1/3, 1/4, 1/5 (a stale
                              # profile is corrected within a few requests), later ones ONLINE_WEIGHT
+ONLINE_TERM_WEIGHT = 0.02    # weight of one measurement in a term's own scale (about its last 50): the
+                             # k-deciding ratios stay the calibrated ones unless a residual persists
 ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
 MACHINE = "machine"          # the shared factor's key in ``scale``
 TERM_DRIFT = 1.10            # a term's own scale stays within [1/this, this] (ratios are calibrated)
@@ -210,12 +212,12 @@ class CostProfile:
         m_new = m * r ** self._weight(MACHINE)
         self.scale[MACHINE] = m_new
         left = r * m / m_new                    # the part of this measurement the machine did not explain
-        self.scale[term] = _bounded(_bounded(self.scale.get(term, 1.0)) * left ** self._weight(term))
+        self.scale[term] = _bounded(_bounded(self.scale.get(term, 1.0)) * left ** ONLINE_TERM_WEIGHT)
         self.samples[term] = self.samples.get(term, 0) + 1
 
     def _weight(self, key: str) -> float:
-        """This session's first measurements weigh 1/2, 1/3, ... (a stale profile is corrected within
-        a few requests), later ones ONLINE_WEIGHT."""
+        """The machine factor: this session's first measurements weigh 1/2, 1/3, ... (a stale profile
+        is corrected within a few requests), later ones ONLINE_WEIGHT."""
         n = self._seen.get(key, 0)
         self._seen[key] = n + 1
         return 1.0 / (n + 2) if n < ONLINE_FIRST else ONLINE_WEIGHT
