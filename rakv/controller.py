@@ -504,13 +504,18 @@ class Controller:
 
     @property
     def shape(self) -> list[float]:
-        """s_j: acceptance at draft position j over the pooled acceptance of all positions, each
-        position shrunk toward the pooled rate by SHAPE_PRIOR pseudo-trials (no rounds: all 1)."""
+        """s_j: acceptance at draft position j over the pooled acceptance of all positions, shrunk
+        by SHAPE_PRIOR pseudo-trials: position 1 toward the pooled rate, later ones toward the pooled
+        rate of positions 2 and on (no rounds: all 1). A draft that survived one token is in an
+        easier stretch, so a position seldom drafted takes the later positions' rate, not the pooled one."""
         reach, hold = sum(self._pos_reach), sum(self._pos_hold)
         if reach <= 0 or hold <= 0:
             return [1.0] * len(self._pos_reach)
         a = hold / reach
-        return [((h + SHAPE_PRIOR * a) / (r + SHAPE_PRIOR)) / a for r, h in zip(self._pos_reach, self._pos_hold)]
+        r2, h2 = reach - self._pos_reach[0], hold - self._pos_hold[0]
+        a2 = (h2 + SHAPE_PRIOR * a) / (r2 + SHAPE_PRIOR)      # positions 2+, pooled (toward a)
+        return [((h + SHAPE_PRIOR * (a if j == 0 else a2)) / (r + SHAPE_PRIOR)) / a
+                for j, (r, h) in enumerate(zip(self._pos_reach, self._pos_hold))]
 
     @property
     def alpha_long(self) -> float:

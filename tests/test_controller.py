@@ -550,7 +550,7 @@ def test_acceptance_by_draft_position_is_measured_and_priced():
     assert c.shape == [1.0] * len(c.shape)                 # no rounds yet: the i.i.d. model
     s = situation(draft_model=False)
     iid = {k: c.cost(s, 1, k, 0.889) for k in (4, 8)}
-    for i in range(60):
+    for i in range(100):
         c.observe_round(8, 8 if i % 2 else 0)              # every copy held, or failed at once
     sh = c.shape
     assert sh[0] < 0.7 and min(sh[1:8]) > 1.05
@@ -560,3 +560,21 @@ def test_acceptance_by_draft_position_is_measured_and_priced():
     shaped = {k: c.cost(s, 1, k, a) for k in (4, 8)}
     assert shaped[8] / shaped[4] < iid[8] / iid[4]         # k = 8 gains on k = 4
     assert E_shaped(6, 0.7, [1.0] * 16) == pytest.approx(E(6, 0.7))
+
+
+def test_a_position_never_drafted_takes_the_rate_of_the_one_before():
+    """Rounds of k = 2 only, where the second draft holds more often than the first: positions 3+
+    have no rounds, and the shape carries position 2's rate on (not the pooled one), so k = 4 is
+    priced with the acceptance a draft that got that far showed."""
+    from rakv.controller import E_shaped
+
+    c = Controller(profile(), alpha_prior=0.8)
+    for i in range(200):
+        c.observe_round(2, (2, 2, 2, 1, 0)[i % 5])        # position 1 holds 0.8, position 2 0.75 -> no
+    for i in range(200):
+        c.observe_round(2, (2, 2, 2, 2, 2, 2, 2, 0, 0, 1)[i % 10])   # p1 0.8, p2 7/8 = 0.875
+    sh = c.shape
+    assert sh[1] > sh[0]
+    assert all(x == pytest.approx(sh[1], rel=0.02) for x in sh[2:8])
+    a = 0.82
+    assert E_shaped(4, a, sh) > E_shaped(4, a, sh[:2] + [1.0] * 6)
