@@ -15,8 +15,8 @@ first time a pair is used) and is refined online from every measured round:
 Online refinement: every prediction is base x machine x term. ``machine`` (scale["machine"]) is
 one factor all terms share, moved by every measurement: when the machine slows down (another
 process, a frequency change) all terms move together, so the ratios that decide k (V(k)/t, d/t,
-measured interleaved at calibration) stay. A term's own scale corrects its ratio to the others
-and is bounded by TERM_DRIFT: measured independently, a step observed during a burst of load
+measured interleaved at calibration) stay. A term's own scale corrects its ratio to the others,
+learns slowly (ONLINE_TERM_WEIGHT) and is bounded by TERM_DRIFT: measured independently, a step observed during a burst of load
 and a verify observed before it made k = 1 look 30% cheaper than k = 0 at zero acceptance, and
 then no plain step was taken again to correct it (docs/results.md, session 5).
 
