@@ -62,7 +62,7 @@ ONLINE_TERM_WEIGHT = 0.02    # weight of one measurement in a term's own scale (
                              # k-deciding ratios stay the calibrated ones unless a residual persists
 ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
 MACHINE = "machine"          # the shared factor's key in ``scale``
-TERM_DRIFT = 1.10            # a term's own scale stays within [1/this, this] (ratios are calibrated)
+TERM_DRIFT = 1.03            # a term's own scale stays within [1/this, this]: the interleaved calibration ranks k
 
 
 def _bounded(own: float) -> float:
