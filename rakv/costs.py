@@ -58,11 +58,11 @@ PROFILE_VERSION = 10         # 10: the draft's two-token step (d2_ratio)
 ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
 ONLINE_FIRST = 4             # this session's first measurements of a term weigh 1/2, 1/3, 1/4, 1/5 (a stale
                              # profile is corrected within a few requests), later ones ONLINE_WEIGHT
-ONLINE_TERM_WEIGHT = 0.02    # weight of one measurement in a term's own scale (about its last 50): the
-                             # k-deciding ratios stay the calibrated ones unless a residual persists
+ONLINE_TERM_WEIGHT = 0.02    # a term's own scale is the mean of its residuals, 1/(n + 2) for the n-th of
+                             # this session, down to this (about its last 50): steady, yet a persistent one is learned
 ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
 MACHINE = "machine"          # the shared factor's key in ``scale``
-TERM_DRIFT = 1.03            # a term's own scale stays within [1/this, this]: the interleaved calibration ranks k
+TERM_DRIFT = 1.10            # a term's own scale stays within [1/this, this] (ratios are calibrated)
 
 
 def _bounded(own: float) -> float:
@@ -155,6 +155,7 @@ class CostProfile:
 
     def __post_init__(self):
         self._seen: dict[str, int] = {}      # measurements per term in this session (not saved)
+        self._seen_own: dict[str, int] = {}  # ... and for the terms' own scales
     # regime figures of this machine (measured at calibration; see regime_figures)
     regime: dict = field(default_factory=dict)
 
@@ -212,7 +213,9 @@ class CostProfile:
         m_new = m * r ** self._weight(MACHINE)
         self.scale[MACHINE] = m_new
         left = r * m / m_new                    # the part of this measurement the machine did not explain
-        self.scale[term] = _bounded(_bounded(self.scale.get(term, 1.0)) * left ** ONLINE_TERM_WEIGHT)
+        n = self._seen_own.get(term, 0)
+        self._seen_own[term] = n + 1
+        self.scale[term] = _bounded(_bounded(self.scale.get(term, 1.0)) * left ** max(ONLINE_TERM_WEIGHT, 1.0 / (n + 2)))
         self.samples[term] = self.samples.get(term, 0) + 1
 
     def _weight(self, key: str) -> float:
