@@ -15,8 +15,8 @@ first time a pair is used) and is refined online from every measured round:
 Online refinement: every prediction is base x machine x term. ``machine`` (scale["machine"]) is
 one factor all terms share, moved by every measurement: when the machine slows down (another
 process, a frequency change) all terms move together, so the ratios that decide k (V(k)/t, d/t,
-measured interleaved at calibration) stay. A term's own scale corrects its ratio to the others,
-learns slowly (ONLINE_TERM_WEIGHT) and is bounded by TERM_DRIFT: measured independently, a step observed during a burst of load
+measured interleaved at calibration) stay. A term's own scale corrects its ratio to the others
+and is bounded by TERM_DRIFT: measured independently, a step observed during a burst of load
 and a verify observed before it made k = 1 look 30% cheaper than k = 0 at zero acceptance, and
 then no plain step was taken again to correct it (docs/results.md, session 5).
 
@@ -58,8 +58,6 @@ PROFILE_VERSION = 10         # 10: the draft's two-token step (d2_ratio)
 ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
 ONLINE_FIRST = 4             # this session's first measurements of a term weigh 1/2, 1/3, 1/4, 1/5 (a stale
                              # profile is corrected within a few requests), later ones ONLINE_WEIGHT
-ONLINE_TERM_WEIGHT = 0.02    # a term's own scale is the mean of its residuals, 1/(n + 2) for the n-th of
-                             # this session, down to this (about its last 50): steady, yet a persistent one is learned
 ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
 MACHINE = "machine"          # the shared factor's key in ``scale``
 TERM_DRIFT = 1.10            # a term's own scale stays within [1/this, this] (ratios are calibrated)
@@ -155,7 +153,6 @@ class CostProfile:
 
     def __post_init__(self):
         self._seen: dict[str, int] = {}      # measurements per term in this session (not saved)
-        self._seen_own: dict[str, int] = {}  # ... and for the terms' own scales
     # regime figures of this machine (measured at calibration; see regime_figures)
     regime: dict = field(default_factory=dict)
 
@@ -213,14 +210,12 @@ class CostProfile:
         m_new = m * r ** self._weight(MACHINE)
         self.scale[MACHINE] = m_new
         left = r * m / m_new                    # the part of this measurement the machine did not explain
-        n = self._seen_own.get(term, 0)
-        self._seen_own[term] = n + 1
-        self.scale[term] = _bounded(_bounded(self.scale.get(term, 1.0)) * left ** max(ONLINE_TERM_WEIGHT, 1.0 / (n + 2)))
+        self.scale[term] = _bounded(_bounded(self.scale.get(term, 1.0)) * left ** self._weight(term))
         self.samples[term] = self.samples.get(term, 0) + 1
 
     def _weight(self, key: str) -> float:
-        """The machine factor: this session's first measurements weigh 1/2, 1/3, ... (a stale profile
-        is corrected within a few requests), later ones ONLINE_WEIGHT."""
+        """This session's first measurements weigh 1/2, 1/3, ... (a stale profile is corrected within
+        a few requests), later ones ONLINE_WEIGHT."""
         n = self._seen.get(key, 0)
         self._seen[key] = n + 1
         return 1.0 / (n + 2) if n < ONLINE_FIRST else ONLINE_WEIGHT
