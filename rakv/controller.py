@@ -19,8 +19,9 @@ accepted; the int8 draft's 2-token step costs 1.2-1.5 d here, so k = 1 at high a
 nearly every round.)
 
 N counts the tokens produced by decoding rounds (max_new_tokens - 1: the first token comes out
-of the prefill), scaled by ``out_frac``, an EWMA (weight OUT_DECAY, 0.1, per request) of the
-share of max_new_tokens that requests actually produced (EOS ends many early). It weighs the
+of the prefill), scaled by ``out_frac``, an EWMA (weight OUT_DECAY, 0.1, per request, from 1 in
+every engine: OUT_FRAC_START) of the share of max_new_tokens that this engine's requests
+actually produced (EOS ends many early). It weighs the
 decode terms against the fixed ones (the draft's prompt prefill), so it moves the argmin; the
 share is bimodal (a request stops after a token or two, or runs to N), and at weight 0.3 two
 one-token outputs halved it and held a stream at k = 0 where joint:4 was 25% faster. t, d and V(k) are taken at the mean context of the request. r = 1 adds the
@@ -90,6 +91,7 @@ LONG_WINDOW = 200.0  # the long-run acceptance averages about the last this many
 LONG_PRIOR = 32.0    # ... starting from this many pseudo-trials at the prior (a probe barely moves it)
 LONG_DECAY = 0.05    # per-request ageing of the evidence count behind alpha's optimistic bound
 OUT_DECAY = 0.1      # per-request weight of the output-share EWMA
+OUT_FRAC_START = 1.0  # ... which every engine starts here: requests run to max_new_tokens
 SPEC_MARGIN = 0.02   # a drafting action must be predicted this much cheaper than the best k = 0 one
 EXPLORE_SHARE = 0.005  # probes may spend this share of the stream's measured time (issue: <= 1%)
 UCB_Z = 2.0          # alpha's optimistic bound: estimate + UCB_Z standard errors
@@ -240,7 +242,9 @@ class Controller:
         k_top = max(self.k_set + (LOOKUP_K,))     # (a gated n-gram round may verify up to lookup_k)
         self._pos_reach = [0.0] * k_top           # drafting rounds that judged draft j (j = 1..k_top) ...
         self._pos_hold = [0.0] * k_top           # ... and accepted it
-        self.out_frac = profile.out_frac if profile.out_frac is not None else 1.0
+        # an engine's output share starts at OUT_FRAC_START, not at the profile's (kept for display):
+        # one stream's 1-token outputs halved the next stream's n and sent its k to 1 (results, session 12)
+        self.out_frac = OUT_FRAC_START
         self.probe_every = probe_every
         self.rounds_since_draft = 0
         self.explore_share = explore_share

@@ -589,3 +589,14 @@ def test_a_terms_own_scale_learns_a_persistent_offset_quickly():
     for _ in range(6):
         p.observe("V8", p.verify(8, 100), 1.08 * p.V["8"] * p.scale.get("machine", 1.0))
     assert p.scale["V8"] > 1.04                       # most of the 8% within six measurements
+
+
+def test_an_engine_starts_its_output_share_fresh():
+    """The output share one stream learned (early EOS) is not the next stream's: a new controller on
+    a profile that saved 0.25 predicts full-length outputs until its own requests say otherwise."""
+    prof = profile()
+    prof.out_frac = 0.25
+    c = Controller(prof, alpha_prior=0.8)
+    assert c.out_frac == 1.0
+    c.end_request(produced=17, max_new=65, stopped="eos")
+    assert c.out_frac < 1.0 and prof.out_frac == pytest.approx(c.out_frac, abs=1e-4)
