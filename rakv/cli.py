@@ -211,8 +211,8 @@ def cmd_generate(args) -> int:
         L = h.learned
         moved = ", ".join(f"{k} x{v:.2f}" for k, v in L["scale"].items() if abs(v - 1) > 0.05) or "none"
         print(f"[rakv] profile: alpha {L['alpha_learned'] if L['alpha_learned'] is not None else L['alpha0']:.2f}"
-              f" (calibrated {L['alpha0']:.2f}, {L['alpha_trials'] or 0:.0f} trials since), output share "
-              f"{L['out_frac'] if L['out_frac'] is not None else 1.0:.2f}, cost scales moved: {moved}", file=sys.stderr)
+              f" (calibrated {L['alpha0']:.2f}, {L['alpha_trials'] or 0:.0f} trials since), last output share "
+              f"{L['out_frac'] if L['out_frac'] is not None else 1.0:.2f} (each run learns its own), cost scales moved: {moved}", file=sys.stderr)
     try:
         for prompt in prompts:
             end: RequestEnd = engine.generate(prompt)
@@ -252,7 +252,7 @@ def cmd_generate(args) -> int:
 
 
 def save_learned(profile) -> None:
-    """Keep what this session learned (cost scales, acceptance, output share) for the next one."""
+    """Keep what this session learned (cost scales, acceptance) for the next one; the output share for display."""
     from .costs import save_learned as save
     from .models import cache_dir
 
