@@ -280,7 +280,7 @@ class Controller:
             return lambda alpha: c
         if s.draft_model:
             c += p.D(s.P - hitd)
-        (d, d2x), v = p.draft_terms(ctx), p.verify(k, ctx)
+        d, d2x, v = p.round_terms(k, ctx)
         last = min(1.0, n)            # a request with decode rounds pays its last round's cut once
         sh = self.shape
         return lambda alpha: c + (n / E_shaped(k, alpha, sh) + last * overshoot(k, alpha)) * (round_draft_ms(k, alpha, d, d2x) + v)
@@ -427,7 +427,7 @@ class Controller:
         a = self.alpha_req
         best = None
         for k in self.probe_ks(ctx, ks):
-            excess = catch_ms + k * p.draft_step(ctx) + p.verify(k, ctx) - E(k, a) * t
+            excess = catch_ms + p.draft_round(k, ctx, 0.0) + p.verify(k, ctx) - E(k, a) * t
             info = E(k, a) - (a ** k)          # expected trials: accepted drafts + a rejection
             score = info / max(excess, 0.05 * t)
             if best is None or score > best[0]:
@@ -466,7 +466,7 @@ class Controller:
         for k in sorted(set(k_set if k_set is not None else self.k_set)):
             if k == 0:
                 continue
-            (d, d2x), v = p.draft_terms(ctx), p.verify(k, ctx)
+            d, d2x, v = p.round_terms(k, ctx)
             if t <= 0 or (round_draft_ms(k, 1.0, d, d2x) + v) / t > k + 1:
                 out[str(k)] = None
                 continue

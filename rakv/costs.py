@@ -19,6 +19,10 @@ measured interleaved at calibration) stay. A term's own scale corrects its ratio
 and is bounded by TERM_DRIFT: measured independently, a step observed during a burst of load
 and a verify observed before it made k = 1 look 30% cheaper than k = 0 at zero acceptance, and
 then no plain step was taken again to correct it (docs/results.md, session 5).
+A speculative round of k is one term, ``R{k}``: its draft forwards and its verify are measured
+together and share one own scale. Split per forward, the draft's per-round excess (a slow first
+step after each verify) became a per-step scale that overpriced long drafts and underpriced
+k = 1, while the whole round ran a uniform ~1.08x calibration at every k (session 12).
 
 Profiles are JSON files in the cache dir, keyed by a machine fingerprint (CPU model, threads,
 torch version, device (and GPU name), fast path on/off), the model pair and dtype. A changed
@@ -171,19 +175,37 @@ class CostProfile:
         return interp(self.t, ctx) * self.factor("t")
 
     def draft_step(self, ctx: float) -> float:
-        return (interp(self.d, ctx) if self.d else 0.0) * self.factor("d")
+        """One draft forward (the machine factor only: a round's own scale is ``R{k}``'s)."""
+        return (interp(self.d, ctx) if self.d else 0.0) * self.scale.get(MACHINE, 1.0)
 
     def draft_step2(self, ctx: float) -> float:
         """The draft's 2-token forward (it opens the round after one whose drafts were all accepted)."""
-        return (interp(self.d, ctx) * self.d2_ratio if self.d else 0.0) * self.factor("d2")
+        return self.draft_step(ctx) * self.d2_ratio
 
     def draft_terms(self, ctx: float) -> tuple[float, float]:
         """(d, d2 - d) at ctx: a draft step and what its 2-token step costs beyond it."""
         d = self.draft_step(ctx)
         return d, max(0.0, self.draft_step2(ctx) - d)
 
+    def round_own(self, k: int) -> float:
+        """The own online scale of a speculative round of k (its drafts and verify together)."""
+        return _bounded(self.scale.get(f"R{k}", 1.0)) if k > 0 else 1.0
+
+    def round_terms(self, k: int, ctx: float) -> tuple[float, float, float]:
+        """(d, d2 - d, V(k)) of a round of k at ctx, each with the round's own scale."""
+        own = self.round_own(k)
+        d, d2x = self.draft_terms(ctx)
+        return d * own, d2x * own, self.verify(k, ctx)
+
     def draft_round(self, k: int, ctx: float, alpha: float) -> float:
-        return round_draft_ms(k, alpha, *self.draft_terms(ctx))
+        d, d2x, _ = self.round_terms(k, ctx)
+        return round_draft_ms(k, alpha, d, d2x)
+
+    def round_forwards(self, m: int, ctx: float, n_fwd: int, fed: int) -> float:
+        """Predicted ms of one measured round: ``n_fwd`` draft forwards (the first reading ``fed``
+        = 1 or 2 tokens) and the verify of m drafts."""
+        d, d2x, v = self.round_terms(m, ctx)
+        return n_fwd * d + (d2x if fed == 2 and n_fwd > 0 else 0.0) + v
 
     def verify(self, k: int, ctx: float) -> float:
         """V(k) at context ctx: measured at V_ctx, scaled with context like a step."""
@@ -196,7 +218,7 @@ class CostProfile:
             pts.insert(0, [0, interp(self.t, self.V_ctx)])
             base = interp(pts, k)
         ctx_factor = interp(self.t, ctx) / max(1e-9, interp(self.t, self.V_ctx))
-        return base * ctx_factor * self.factor(f"V{k}")
+        return base * ctx_factor * self.factor(f"R{k}")
 
     # --------------------------------------------------------------- online refinement
     def observe(self, term: str, predicted: float, measured: float) -> None:
@@ -241,7 +263,13 @@ class CostProfile:
         problem = profile_problem(d)
         if problem:
             raise ProfileError(f"cost profile {path} is malformed: {problem}")
+        d["scale"] = {k: v for k, v in d.get("scale", {}).items() if not _legacy_scale(k)}
         return CostProfile(**d)
+
+
+def _legacy_scale(key: str) -> bool:
+    """Own scales of terms the model no longer has (per-forward d, d2 and V{k}, now rounds R{k})."""
+    return key in ("d", "d2") or (key[:1] == "V" and key[1:].isdigit())
 
 
 class ProfileError(ValueError):

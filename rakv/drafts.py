@@ -28,6 +28,7 @@ class Proposal:
     catchup_ms: float = 0.0
     prefill: "PrefillInfo | None" = None   # set on the request's first proposal (draft prompt KV)
     fed: int = 0                    # tokens the first draft forward read (2 after a fully accepted round)
+    forward_ms: float = 0.0         # this round's draft forwards alone (the prompt's prefill left out)
 
 
 @dataclass
@@ -235,7 +236,7 @@ class ModelDraft(DraftSource):
         catch = max(0, len(new) - 2)   # 1 (pending) or 2 (last accepted + pending) is a normal round
         ms = (now() - t0) * 1e3
         return Proposal(toks, ms=ms, catchup_tokens=catch, catchup_ms=first_ms if catch else 0.0,
-                        prefill=info, fed=len(new))
+                        prefill=info, fed=len(new), forward_ms=(now() - ta) * 1e3)
 
     def commit(self, ids: list[int]) -> None:
         """Roll the draft cache back to the longest prefix that is still committed."""

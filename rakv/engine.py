@@ -425,6 +425,7 @@ class Engine:
         drafts: list[int] = []
         draft_ms = catch_ms = 0.0
         catch_tok = fed = n_fwd = 0
+        fwd_ms = 0.0                # the draft's forwards of this round alone (no prompt prefill)
         gate = self._gate(rq, seq, gate_k_max(k, rq, remaining, self._k_top(rq, self.draft))) if k > 0 else None
         lookup = k == 0 and rq.policy.gate
         # (a probe keeps the model draft: it is there to measure the model draft's acceptance)
@@ -436,7 +437,7 @@ class Engine:
         if k > 0 and not lookup:
             prop = self._draft(rq, seq, gate.k_max if gate else k, gate)
             drafts, draft_ms, catch_tok, catch_ms = prop.tokens, prop.ms, prop.catchup_tokens, prop.catchup_ms
-            fed, n_fwd = prop.fed, len(prop.tokens)
+            fed, n_fwd, fwd_ms = prop.fed, len(prop.tokens), prop.forward_ms
         proposed = bool(drafts) and not lookup
         if gate is not None and drafts and not lookup:
             drafts = drafts[: gate.verify_length(len(drafts))]
@@ -470,7 +471,7 @@ class Engine:
         if self.controller is not None:
             # a lookup's acceptance is not the model draft's alpha: the controller sees a k = 0 round
             explore = self.controller.observe_round(0 if lookup else m, a, round_ms, len(emitted), len(seq))
-            self._observe_costs("spec" if drafts else "ar", m, len(seq), verify_ms, draft_ms, catch_tok,
+            self._observe_costs("spec" if drafts else "ar", m, len(seq), verify_ms, fwd_ms, catch_tok,
                                 rq.draft_model and not lookup, fed, n_fwd)
         else:
             self.alpha.update(a, m)
@@ -574,18 +575,17 @@ class Engine:
         return k_new
 
     def _observe_costs(self, kind, m, ctx, verify_ms, draft_ms, catch_tok, draft_model, fed=1, n_fwd=0) -> None:
-        """Refine the profile's terms from one round: t or V(m); the draft's steps when it caught up
-        nothing (``n_fwd`` forwards, the first of them reading ``fed`` = 1 or 2 tokens)."""
+        """Refine the profile from one round: t from a plain step; a speculative round of m as one
+        term R{m}, its draft forwards (``draft_ms``: ``n_fwd`` of them, the first reading ``fed`` =
+        1 or 2 tokens, the prompt's prefill left out) and verify together. A model draft's round
+        that caught up first is not a round of m: skipped."""
         p = self.profile
         if kind == "ar":
             p.observe("t", p.step(ctx), verify_ms)
-        else:
-            p.observe(f"V{m}", p.verify(m, ctx), verify_ms)
-            if draft_model and catch_tok == 0 and n_fwd > 0:
-                if fed == 2:
-                    p.observe("d2", p.draft_step2(ctx) + (n_fwd - 1) * p.draft_step(ctx), draft_ms)
-                else:
-                    p.observe("d", n_fwd * p.draft_step(ctx), draft_ms)
+        elif not draft_model:
+            p.observe(f"R{m}", p.verify(m, ctx), verify_ms)
+        elif catch_tok == 0 and n_fwd > 0:
+            p.observe(f"R{m}", p.round_forwards(m, ctx, n_fwd, fed), draft_ms + verify_ms)
 
 
 def make_draft(spec: str, target: LoadedModel, config: RakvConfig) -> DraftSource:

@@ -223,7 +223,7 @@ def test_a_burst_of_load_moves_every_term_together():
     assert c.decide(s).k == 0
     # old profiles with far-apart per-term scales are read within the bound
     q = profile(t=10.0)
-    q.scale = {"t": 1.5, "V1": 0.5}
+    q.scale = {"t": 1.5, "R1": 0.5}
     assert q.step(60) == pytest.approx(10.0 * costs_mod.TERM_DRIFT)
     assert q.verify(1, 60) == pytest.approx(q.V["1"] / costs_mod.TERM_DRIFT)
 
@@ -430,24 +430,46 @@ def test_two_token_draft_step_is_priced_where_all_drafts_are_accepted():
     assert c_dear.round_alpha_star(100, (1,))["1"] > c_flat.round_alpha_star(100, (1,))["1"]
 
 
-def test_engine_refines_d_and_d2_from_the_rounds_that_paid_them():
-    """The online refinement charges a round's draft time to d2 when its first forward read 2
-    tokens (the round before accepted everything), else to d: a 2-token step must not inflate d."""
+def test_engine_refines_whole_rounds_with_their_two_token_step_and_never_the_prompt_prefill(monkeypatch):
+    """The online refinement sees a speculative round as one term R{m}, draft forwards and verify
+    together; a round whose first forward read 2 tokens is predicted with the 2-token step; the
+    draft's prompt prefill (paid in the first round) is never charged to the round."""
     from rakv.config import RakvConfig
+    from rakv.drafts import ModelDraft
     from rakv.engine import Engine
     from tests.tiny import make_pair
 
     target, dlm = make_pair("llama", "identical")
-    from rakv.drafts import ModelDraft
-
     prof = profile(t=1.0, d=0.5)
+    prof.d2_ratio = 1.5
     seen = []
     real = prof.observe
-    prof.observe = lambda term, p, m: (seen.append(term), real(term, p, m))
+    prof.observe = lambda term, p, m: (seen.append((term, p, m)), real(term, p, m))
+    import time
+
+    import rakv.drafts as drafts_mod
+
+    slow = drafts_mod.prefill_with_reuse
+
+    def slow_prefill(*a, **kw):                  # the draft's prompt prefill costs 60 ms more
+        time.sleep(0.06)
+        return slow(*a, **kw)
+    monkeypatch.setattr(drafts_mod, "prefill_with_reuse", slow_prefill)
+    fwd = []
+    real_fwd = prof.round_forwards
+    prof.round_forwards = lambda m, ctx, n, fed: (fwd.append((m, n, fed)), real_fwd(m, ctx, n, fed))[1]
     eng = Engine(target, ModelDraft(dlm), RakvConfig(policy="spec:1"), None, prof)
-    eng.generate(list(range(5, 20)), 12)
-    # an identical draft accepts everything: every round after the first opens with 2 tokens
-    assert seen.count("d2") >= 3 and seen.count("d") == 1
+    eng.generate(list(range(5, 40)), 12)
+    rs = [x for x in seen if x[0].startswith("R")]
+    assert rs and all(t == "R1" for t, _, _ in rs)
+    assert not [t for t, _, _ in seen if t in ("d", "d2") or t.startswith("V")]
+    # an identical draft accepts everything: every round after the first opens with 2 tokens,
+    # and is predicted with the 2-token step (0.5 x 0.5 more, times the scales)
+    assert fwd[0] == (1, 1, 1) and len(fwd) == len(rs) and all(f == (1, 1, 2) for f in fwd[1:])
+    assert prof.round_forwards(1, 50, 1, 2) - prof.round_forwards(1, 50, 1, 1) == pytest.approx(
+        0.25 * prof.scale["machine"] * prof.round_own(1))
+    # the first round's measurement is its forwards, not the prompt prefill before them
+    assert rs[0][2] < 60.0
 
 
 def test_catch_up_is_priced_beyond_the_draft_step_a_round_counts():
@@ -585,8 +607,8 @@ def test_a_terms_own_scale_learns_a_persistent_offset_quickly():
     for _ in range(40):
         p.observe("t", p.step(100), 10.0)              # as calibrated: the machine factor settles at 1
     for _ in range(6):
-        p.observe("V8", p.verify(8, 100), 1.08 * p.V["8"] * p.scale.get("machine", 1.0))
-    assert p.scale["V8"] > 1.04                       # most of the 8% within six measurements
+        p.observe("R8", p.verify(8, 100), 1.08 * p.V["8"] * p.scale.get("machine", 1.0))
+    assert p.scale["R8"] > 1.04                       # most of the 8% within six measurements
 
 
 def test_an_engine_starts_its_output_share_fresh():
