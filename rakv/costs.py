@@ -65,11 +65,18 @@ ONLINE_FIRST = 4             # this session's first measurements of a term weigh
 ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
 MACHINE = "machine"          # the shared factor's key in ``scale``
 TERM_DRIFT = 1.10            # a term's own scale stays within [1/this, this] (ratios are calibrated)
+PREFILL_TERMS = ("T", "D")   # one-off per request: refined on their own, never moving the machine factor
+PREFILL_DRIFT = 2.0          # their own scale's bound (a prefill after a cached prefix runs dearer than
+                             # calibration's from scratch: the draft's 1.2-1.5x, session 13)
 
 
-def _bounded(own: float) -> float:
-    """A term's own online scale, kept within TERM_DRIFT of 1."""
-    return min(TERM_DRIFT, max(1.0 / TERM_DRIFT, own))
+def _bounded(own: float, drift: float = TERM_DRIFT) -> float:
+    """A term's own online scale, kept within ``drift`` of 1."""
+    return min(drift, max(1.0 / drift, own))
+
+
+def _drift(term: str) -> float:
+    return PREFILL_DRIFT if term in PREFILL_TERMS else TERM_DRIFT
 
 
 def fingerprint(target_key: str, draft_key: str, dtype: str, device: str = "cpu", fast: bool = False) -> dict:
@@ -163,7 +170,7 @@ class CostProfile:
     # --------------------------------------------------------------- the model's terms
     def factor(self, term: str) -> float:
         """The online scale of a term: the shared machine factor times its own (bounded) one."""
-        return self.scale.get(MACHINE, 1.0) * _bounded(self.scale.get(term, 1.0))
+        return self.scale.get(MACHINE, 1.0) * _bounded(self.scale.get(term, 1.0), _drift(term))
 
     def T(self, n: float) -> float:
         return 0.0 if n <= 0 else interp(self.T_pf, n) * self.factor("T")
@@ -224,15 +231,19 @@ class CostProfile:
     def observe(self, term: str, predicted: float, measured: float) -> None:
         """Refine the scales from one measurement of ``term`` (``predicted`` with the current
         scales): the machine factor takes it first, the term's own scale what is left (bounded).
+        A prefill term (T, D) moves its own scale only: bounded decode terms would otherwise pass
+        its persistent offset to the machine factor and from there into their own ratios (D at
+        1.3x pushed it from 1.07 to 1.25 over 36 requests and R1 and R4 to their bounds, s13b).
         Robust: a clipped ratio, log-space EWMAs."""
         if predicted <= 0 or measured <= 0 or not math.isfinite(measured):
             return
         r = min(ONLINE_CLIP, max(1.0 / ONLINE_CLIP, measured / predicted))
         m = self.scale.get(MACHINE, 1.0)
-        m_new = m * r ** self._weight(MACHINE)
+        m_new = m if term in PREFILL_TERMS else m * r ** self._weight(MACHINE)
         self.scale[MACHINE] = m_new
         left = r * m / m_new                    # the part of this measurement the machine did not explain
-        self.scale[term] = _bounded(_bounded(self.scale.get(term, 1.0)) * left ** self._weight(term))
+        drift = _drift(term)
+        self.scale[term] = _bounded(_bounded(self.scale.get(term, 1.0), drift) * left ** self._weight(term), drift)
         self.samples[term] = self.samples.get(term, 0) + 1
 
     def _weight(self, key: str) -> float:

@@ -8,7 +8,7 @@ import pytest
 
 from rakv import costs as costs_mod
 from rakv.controller import E, AlphaEWMA, Controller, Situation
-from rakv.costs import CostProfile, load_or_calibrate
+from rakv.costs import CostProfile, interp, load_or_calibrate
 
 
 def profile(t=10.0, d=2.0, V=None, T=(1.0, 0.5), D=(0.5, 0.1), alpha0=0.5, clone=0.0):
@@ -609,6 +609,18 @@ def test_a_terms_own_scale_learns_a_persistent_offset_quickly():
     for _ in range(6):
         p.observe("R8", p.verify(8, 100), 1.08 * p.V["8"] * p.scale.get("machine", 1.0))
     assert p.scale["R8"] > 1.04                       # most of the 8% within six measurements
+
+
+def test_a_prefill_terms_offset_stays_its_own():
+    """The draft's prefill after a cached prefix runs 1.3x its calibration (s13b): its own scale
+    learns that, and neither the machine factor nor the decode terms' ratios move with it."""
+    p = profile()
+    for i in range(60):
+        p.observe("D", p.D(20), 1.3 * interp(p.D_pf, 20))
+        p.observe("R4", p.verify(4, 100), p.V["4"])      # decode rounds as calibrated
+    assert p.D(20) == pytest.approx(1.3 * interp(p.D_pf, 20), rel=0.02)
+    assert p.scale["machine"] == pytest.approx(1.0, abs=0.01)
+    assert p.verify(1, 100) == pytest.approx(p.V["1"], rel=0.01)
 
 
 def test_an_engine_starts_its_output_share_fresh():
