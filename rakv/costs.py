@@ -20,7 +20,7 @@ and is bounded by TERM_DRIFT: measured independently, a step observed during a b
 and a verify observed before it made k = 1 look 30% cheaper than k = 0 at zero acceptance, and
 then no plain step was taken again to correct it (docs/results.md, session 5).
 A speculative round of k is one term, ``R{k}``: its draft forwards and its verify are measured
-together and share one own scale. Split per forward, the draft's per-round excess (a slow first
+together and share one own scale, a running mean shrunk toward calibration (``observe``). Split per forward, the draft's per-round excess (a slow first
 step after each verify) became a per-step scale that overpriced long drafts and underpriced
 k = 1, while the whole round ran a uniform ~1.08x calibration at every k (session 12).
 
@@ -55,7 +55,8 @@ from .records import hardware_info
 from .regime import round_draft_ms
 
 now = clock          # synchronizes CUDA / MPS before reading the time
-PROFILE_VERSION = 10         # 10: the draft's two-token step (d2_ratio)
+PROFILE_VERSION = 11         # 11: rounds R{k} as one term; own scales of decode terms a shrunk mean
+                             # 10: the draft's two-token step (d2_ratio)
                              # 9: the lean forward (its steps; the int8 draft's fused layers); D refined online
                              # 8: V measured past k_max (lookup_vs) for n-gram lookups
                              # 7: the quality section (spread per term, CPU share, contended)
@@ -65,6 +66,9 @@ ONLINE_FIRST = 4             # this session's first measurements of a term weigh
 ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
 MACHINE = "machine"          # the shared factor's key in ``scale``
 TERM_DRIFT = 1.10            # a term's own scale stays within [1/this, this] (ratios are calibrated)
+OWN_PRIOR = 20              # a decode term's own scale is its running mean ratio, shrunk toward the
+                             # calibration by this many measurements' worth (rounds, steps) ...
+OWN_CAP = 400                # ... over at most this many (it keeps adapting, slowly); see observe()
 PREFILL_TERMS = ("T", "D")   # one-off per request: refined on their own, never moving the machine factor
 PREFILL_DRIFT = 2.0          # their own scale's bound (a prefill after a cached prefix runs dearer than
                              # calibration's from scratch: the draft's 1.2-1.5x, session 13)
@@ -230,20 +234,31 @@ class CostProfile:
     # --------------------------------------------------------------- online refinement
     def observe(self, term: str, predicted: float, measured: float) -> None:
         """Refine the scales from one measurement of ``term`` (``predicted`` with the current
-        scales): the machine factor takes it first, the term's own scale what is left (bounded).
-        A prefill term (T, D) moves its own scale only: bounded decode terms would otherwise pass
-        its persistent offset to the machine factor and from there into their own ratios (D at
-        1.3x pushed it from 1.07 to 1.25 over 36 requests and R1 and R4 to their bounds, s13b).
-        Robust: a clipped ratio, log-space EWMAs."""
+        scales). Robust: a clipped ratio, log-space averages.
+
+        The machine factor takes every decode measurement first (a fast EWMA: the machine's
+        speed drifts within minutes). A decode term's own scale (t, R{k}) is then its running
+        mean ratio over the machine, shrunk toward calibration (OWN_PRIOR): calibrated ratios
+        were right to 0.6% (session 12), and an EWMA of the last ~10 noisy rounds made them
+        wander by +-10% (in replay, calibration alone chose better in 7 of 7 int8 runs, s13).
+        A prefill term (T, D) moves its own scale only (an EWMA, bound PREFILL_DRIFT): its
+        persistent offset, passed through the machine factor, pushed R1 and R4 to their bounds
+        (D at 1.3x moved the machine factor from 1.07 to 1.25 over 36 requests, s13b)."""
         if predicted <= 0 or measured <= 0 or not math.isfinite(measured):
             return
         r = min(ONLINE_CLIP, max(1.0 / ONLINE_CLIP, measured / predicted))
-        m = self.scale.get(MACHINE, 1.0)
-        m_new = m if term in PREFILL_TERMS else m * r ** self._weight(MACHINE)
-        self.scale[MACHINE] = m_new
-        left = r * m / m_new                    # the part of this measurement the machine did not explain
         drift = _drift(term)
-        self.scale[term] = _bounded(_bounded(self.scale.get(term, 1.0), drift) * left ** self._weight(term), drift)
+        own = _bounded(self.scale.get(term, 1.0), drift)       # what the prediction used
+        if term in PREFILL_TERMS:
+            self.scale[term] = _bounded(own * r ** self._weight(term), drift)
+        else:
+            m = self.scale.get(MACHINE, 1.0)
+            m_new = m * r ** self._weight(MACHINE)
+            self.scale[MACHINE] = m_new
+            x = math.log(r * m / m_new * own)                  # this measurement's ratio over the machine
+            n = min(self.samples.get(term, 0), OWN_CAP)
+            raw = math.log(min(ONLINE_CLIP, max(1.0 / ONLINE_CLIP, self.scale.get(term, 1.0))))
+            self.scale[term] = math.exp(raw + (x - raw) / (n + 1 + OWN_PRIOR))
         self.samples[term] = self.samples.get(term, 0) + 1
 
     def _weight(self, key: str) -> float:
