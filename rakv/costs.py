@@ -12,17 +12,19 @@ first time a pair is used) and is refined online from every measured round:
   clone     prefix-cache clone/store cost per token; lookup cost
   alpha0    acceptance measured during calibration (the controller's prior)
 
-Online refinement: every prediction is base x machine x term. ``machine`` (scale["machine"]) is
-one factor all terms share, moved by every measurement: when the machine slows down (another
-process, a frequency change) all terms move together, so the ratios that decide k (V(k)/t, d/t,
-measured interleaved at calibration) stay. A term's own scale corrects its ratio to the others
-and is bounded by TERM_DRIFT: measured independently, a step observed during a burst of load
-and a verify observed before it made k = 1 look 30% cheaper than k = 0 at zero acceptance, and
-then no plain step was taken again to correct it (docs/results.md, session 5).
-A speculative round of k is one term, ``R{k}``: its draft forwards and its verify are measured
-together and share one own scale, a running mean shrunk toward calibration (``observe``). Split per forward, the draft's per-round excess (a slow first
-step after each verify) became a per-step scale that overpriced long drafts and underpriced
-k = 1, while the whole round ran a uniform ~1.08x calibration at every k (session 12).
+Online refinement: every prediction is base x machine (x own, for some terms). ``machine``
+(scale["machine"]) is one factor moved by every measurement of a term calibration timed in its
+interleaved rounds loop (t and the rounds R{k} up to k_max): when the machine slows down (another
+process, a frequency change) all terms move together, and the ratios that decide k (V(k)/t, d/t,
+measured interleaved at calibration) stay as calibrated. They were right to 0.6% (session 12);
+own scales learned from noisy rounds only moved them (session 5: a step measured during a burst
+of load made k = 1 look 30% cheaper than k = 0; session 13: in replay, calibration's ratios alone
+chose better than the learned ones in 8 of 8 int8 runs). A speculative round of k is one term,
+``R{k}``: its draft forwards and its verify are measured together.
+The terms calibration did not time as the engine pays them learn an own scale relative to the
+machine factor (``OWN_TERMS``), and never move it: the prefills (a prefill after a cached prefix
+runs dearer than calibration's from scratch: the draft's 1.2-1.5x) and verify lengths past k_max,
+an n-gram lookup's (V(16): 2.2 t live against 1.84 t calibrated).
 
 Profiles are JSON files in the cache dir, keyed by a machine fingerprint (CPU model, threads,
 torch version, device (and GPU name), fast path on/off), the model pair and dtype. A changed
@@ -55,7 +57,7 @@ from .records import hardware_info
 from .regime import round_draft_ms
 
 now = clock          # synchronizes CUDA / MPS before reading the time
-PROFILE_VERSION = 11         # 11: rounds R{k} as one term; own scales of decode terms a shrunk mean
+PROFILE_VERSION = 11         # 11: rounds R{k} as one term; own scales only past k_max (a shrunk mean)
                              # 10: the draft's two-token step (d2_ratio)
                              # 9: the lean forward (its steps; the int8 draft's fused layers); D refined online
                              # 8: V measured past k_max (lookup_vs) for n-gram lookups
@@ -65,22 +67,13 @@ ONLINE_FIRST = 4             # this session's first measurements of a term weigh
                              # profile is corrected within a few requests), later ones ONLINE_WEIGHT
 ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
 MACHINE = "machine"          # the shared factor's key in ``scale``
-TERM_DRIFT = 1.10            # a term's own scale stays within [1/this, this] (ratios are calibrated)
-OWN_PRIOR = 20              # a decode term's own scale is its running mean ratio, shrunk toward the
-                             # calibration by this many measurements' worth (rounds, steps) ...
-OWN_CAP = 400                # ... over at most this many (it keeps adapting, slowly); see observe()
-PREFILL_TERMS = ("T", "D")   # one-off per request: refined on their own, never moving the machine factor
-PREFILL_DRIFT = 2.0          # their own scale's bound (a prefill after a cached prefix runs dearer than
-                             # calibration's from scratch: the draft's 1.2-1.5x, session 13)
+PREFILL_TERMS = ("T", "D")   # with the lookup lengths past k_max: the terms with an own scale (own_term)
+OWN_DRIFT = 2.0              # an own scale's bound
 
 
-def _bounded(own: float, drift: float = TERM_DRIFT) -> float:
-    """A term's own online scale, kept within ``drift`` of 1."""
+def _bounded(own: float, drift: float = OWN_DRIFT) -> float:
+    """An own online scale, kept within ``drift`` of 1."""
     return min(drift, max(1.0 / drift, own))
-
-
-def _drift(term: str) -> float:
-    return PREFILL_DRIFT if term in PREFILL_TERMS else TERM_DRIFT
 
 
 def fingerprint(target_key: str, draft_key: str, dtype: str, device: str = "cpu", fast: bool = False) -> dict:
@@ -173,8 +166,9 @@ class CostProfile:
 
     # --------------------------------------------------------------- the model's terms
     def factor(self, term: str) -> float:
-        """The online scale of a term: the shared machine factor times its own (bounded) one."""
-        return self.scale.get(MACHINE, 1.0) * _bounded(self.scale.get(term, 1.0), _drift(term))
+        """The online scale of a term: the shared machine factor, times its own for an own term."""
+        m = self.scale.get(MACHINE, 1.0)
+        return m * _bounded(self.scale.get(term, 1.0)) if self.own_term(term) else m
 
     def T(self, n: float) -> float:
         return 0.0 if n <= 0 else interp(self.T_pf, n) * self.factor("T")
@@ -200,7 +194,7 @@ class CostProfile:
 
     def round_own(self, k: int) -> float:
         """The own online scale of a speculative round of k (its drafts and verify together)."""
-        return _bounded(self.scale.get(f"R{k}", 1.0)) if k > 0 else 1.0
+        return _bounded(self.scale.get(f"R{k}", 1.0)) if k > 0 and self.own_term(f"R{k}") else 1.0
 
     def round_terms(self, k: int, ctx: float) -> tuple[float, float, float]:
         """(d, d2 - d, V(k)) of a round of k at ctx, each with the round's own scale."""
@@ -234,32 +228,34 @@ class CostProfile:
     # --------------------------------------------------------------- online refinement
     def observe(self, term: str, predicted: float, measured: float) -> None:
         """Refine the scales from one measurement of ``term`` (``predicted`` with the current
-        scales). Robust: a clipped ratio, log-space averages.
-
-        The machine factor takes every decode measurement first (a fast EWMA: the machine's
-        speed drifts within minutes). A decode term's own scale (t, R{k}) is then its running
-        mean ratio over the machine, shrunk toward calibration (OWN_PRIOR): calibrated ratios
-        were right to 0.6% (session 12), and an EWMA of the last ~10 noisy rounds made them
-        wander by +-10% (in replay, calibration alone chose better in 7 of 7 int8 runs, s13).
-        A prefill term (T, D) moves its own scale only (an EWMA, bound PREFILL_DRIFT): its
-        persistent offset, passed through the machine factor, pushed R1 and R4 to their bounds
-        (D at 1.3x moved the machine factor from 1.07 to 1.25 over 36 requests, s13b)."""
+        scales): a term calibrated in the rounds loop moves the machine factor (all terms
+        together); an own term (``own_term``) moves its own scale only. Robust: a clipped
+        ratio, log-space EWMAs. Before session 13 every term moved both, and a persistent offset
+        of one (D at 1.3x) pushed the machine factor from 1.07 to 1.25 over 36 requests and the
+        others' own scales to their bounds (s13b)."""
         if predicted <= 0 or measured <= 0 or not math.isfinite(measured):
             return
         r = min(ONLINE_CLIP, max(1.0 / ONLINE_CLIP, measured / predicted))
-        drift = _drift(term)
-        own = _bounded(self.scale.get(term, 1.0), drift)       # what the prediction used
-        if term in PREFILL_TERMS:
-            self.scale[term] = _bounded(own * r ** self._weight(term), drift)
+        if self.own_term(term):
+            self.scale[term] = _bounded(_bounded(self.scale.get(term, 1.0)) * r ** self._weight(term))
         else:
-            m = self.scale.get(MACHINE, 1.0)
-            m_new = m * r ** self._weight(MACHINE)
-            self.scale[MACHINE] = m_new
-            x = math.log(r * m / m_new * own)                  # this measurement's ratio over the machine
-            n = min(self.samples.get(term, 0), OWN_CAP)
-            raw = math.log(min(ONLINE_CLIP, max(1.0 / ONLINE_CLIP, self.scale.get(term, 1.0))))
-            self.scale[term] = math.exp(raw + (x - raw) / (n + 1 + OWN_PRIOR))
+            self.scale[MACHINE] = self.scale.get(MACHINE, 1.0) * r ** self._weight(MACHINE)
         self.samples[term] = self.samples.get(term, 0) + 1
+
+    def own_term(self, term: str) -> bool:
+        """A term calibration did not time as the engine pays it: a prefill, or a verify length
+        past the drafting k_max (``lookup_vs``: an n-gram lookup's, timed without a draft)."""
+        if term in PREFILL_TERMS:
+            return True
+        if not term.startswith("R") or not term[1:].isdigit():
+            return False
+        key = tuple(self.V)
+        if getattr(self, "_own_key", None) != key:
+            from .regime import drafting_ks
+
+            ks = sorted(int(k) for k in self.V)
+            self._own_key, self._own_ks = key, {f"R{k}" for k in ks if k not in drafting_ks(ks)}
+        return term in self._own_ks
 
     def _weight(self, key: str) -> float:
         """This session's first measurements weigh 1/2, 1/3, ... (a stale profile is corrected within
