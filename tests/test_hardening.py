@@ -561,6 +561,8 @@ def test_calibrated_curves_rise_and_quality_is_recorded(pair):
     for curve in (prof.T_pf, prof.D_pf, prof.t, prof.d):
         ys = [y for _, y in curve]
         assert all(b >= a for a, b in zip(ys, ys[1:])), curve
+    t_ref = C.interp(prof.t, prof.V_ctx)
+    assert all(v >= t_ref - 1e-9 for v in prof.V.values())     # a verify is never priced below a step
     q = prof.quality
     assert {"spread", "cpu_share", "retries", "contended", "monotone_forced"} <= set(q)
     assert {"T_pf@8", "t@16", "V1", "V2"} <= set(q["spread"])
