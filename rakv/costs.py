@@ -23,9 +23,9 @@ chose k at 0.998 of the best fixed policy on average over 10 int8 runs, the lear
 1.016). A speculative round of k is one term, ``R{k}``: its draft forwards and its verify are
 measured together.
 The terms calibration did not time as the engine pays them learn an own scale relative to the
-machine factor (``CostProfile.own_term``), and never move it: the prefills (a prefill after a cached prefix
-runs dearer than calibration's from scratch: the draft's 1.2-1.5x) and verify lengths past k_max,
-an n-gram lookup's (V(16): 2.2 t live against 1.84 t calibrated).
+machine factor (``CostProfile.own_term``) and never move it: the prefills (a prefill after a
+cached prefix runs dearer than calibration's from scratch: the draft's 1.2-1.5x) and verify
+lengths past k_max, an n-gram lookup's (V(16): 2.2 t live against 1.84 t calibrated).
 
 Profiles are JSON files in the cache dir, keyed by a machine fingerprint (CPU model, threads,
 torch version, device (and GPU name), fast path on/off), the model pair and dtype. A changed
