@@ -182,8 +182,8 @@ class CostProfile:
         return interp(self.t, ctx) * self.factor("t")
 
     def draft_step(self, ctx: float) -> float:
-        """One draft forward (the machine factor only: a round's own scale is ``R{k}``'s)."""
-        return (interp(self.d, ctx) if self.d else 0.0) * self.scale.get(MACHINE, 1.0)
+        """One draft forward (calibrated in the rounds loop: the machine factor only)."""
+        return (interp(self.d, ctx) if self.d else 0.0) * self.factor("d")
 
     def draft_step2(self, ctx: float) -> float:
         """The draft's 2-token forward (it opens the round after one whose drafts were all accepted)."""
