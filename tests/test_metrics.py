@@ -222,3 +222,19 @@ def test_regime_states_whether_speculation_can_pay():
     lk = CostProfile(t=[[128, 10.0]], d=[[128, 2.0]], V={str(k): 10.0 + k for k in list(range(1, 9)) + [12, 16]})
     r = regime(lk, cpuinfo="")
     assert set(r["V_over_t"]) >= {"12", "16"} and set(r["alpha_star_decode"]) == {str(k) for k in range(1, 9)}
+
+
+def test_a_one_token_request_is_left_out_of_the_accuracies():
+    """A request whose output is one token runs no decoding round: every action is the same work, so
+    the oracle there is whichever measured fastest by chance and no choice counts as right or wrong."""
+    rows, cands = build([REQ0, REQ1])
+    one = ({(0, 0): [50, 52, 51], (1, 0): [51, 50, 53], (0, 2): [49, 50, 48], (1, 2): [52, 51, 50]},
+           [(1, 0), (1, 0), (1, 0)], [51, 51, 51])
+    r1, c1 = build([one])
+    for r in r1:
+        r["index"], r["output_tokens"] = 2, 1
+    for c in c1:
+        c["index"] = 2
+    q = M.controller_quality(cands + c1, rows + r1, AD)
+    assert q["decisions"] == 9 and q["k_free"] == 3
+    assert q["action_acc_spread"] == pytest.approx(5 / 6) and q["spec_acc"] == pytest.approx(5 / 6)

@@ -327,10 +327,21 @@ def _by_request(q: list[dict]) -> dict:
     return g
 
 
+def k_free_requests(rows: list[dict]) -> set:
+    """Requests whose output is one token: no decoding round runs, so every action does the same
+    work (prefill and the first token) and no choice of k can be right or wrong there."""
+    outs: dict = defaultdict(set)
+    for r in rows:
+        if fixed_action(r["policy"]) is not None and r.get("output_tokens") is not None:
+            outs[request_key(r)].add(int(r["output_tokens"]))
+    return {rk for rk, n in outs.items() if max(n) <= 1}
+
+
 def controller_quality(cands: list[dict], rows: list[dict], policy: str) -> dict | None:
     """Decision metrics of one adaptive arm against the repeated-measurement oracle.
 
-    Accuracies are shares of decisions (one per request and repeat). Regrets are means over
+    Accuracies are shares of decisions (one per request and repeat), leaving out the requests with
+    a one-token output (``k_free_requests``: every action runs the same computation). Regrets are means over
     requests, with bootstrap 95% CIs over requests: ``realized`` takes the arm's own latency
     (median of its executions of the request), ``regret`` (action regret) the fixed policy's
     median for the chosen action; both relative to the oracle's median."""
@@ -356,9 +367,12 @@ def controller_quality(cands: list[dict], rows: list[dict], policy: str) -> dict
         same.append(len({x["chosen"] for x in xs}) == 1)
     noise = [(x["oracle_spread"].hi - x["oracle_spread"].lo) / x["oracle_spread"].median for x in q
              if x["oracle_spread"].median]
-    acc = lambda f: statistics.fmean(bool(x[f]) for x in q)   # noqa: E731
+    free = k_free_requests(rows)
+    judged = [x for x in q if x["request"] not in free] or q
+    acc = lambda f: statistics.fmean(bool(x[f]) for x in judged)   # noqa: E731
     reps = min(x["oracle_spread"].n for x in q)
-    return dict(policy=policy, requests=len(reqs), decisions=len(q), actions=len(q[0]["actions"]),
+    return dict(policy=policy, requests=len(reqs), decisions=len(q), k_free=len(q) - len(judged),
+                actions=len(q[0]["actions"]),
                 repeats=reps, denoised=reps >= MIN_REPEATS,
                 action_acc=acc("action_ok"), action_acc_spread=acc("action_ok_spread"),
                 k_acc=acc("k_ok"), k_acc_spread=acc("k_ok_spread"),

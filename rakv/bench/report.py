@@ -153,7 +153,8 @@ def controller_md(qs: list[dict]) -> str:
     head = ["policy", "requests", "decisions", "|A|", "oracle", "action acc. strict / spread", "k acc. strict / spread",
             "speculate? strict / spread", "MAPE", "MAPE full N", "Spearman (ceiling)", "regret (own) [95% CI]",
             "action regret [95% CI]", "held-out: own / action regret [95% CI]", "regret ms", "same choice every repeat"]
-    body = [[q["policy"], str(q["requests"]), str(q["decisions"]), str(q["actions"]),
+    body = [[q["policy"], str(q["requests"]),
+             str(q["decisions"]) + (f" ({q['k_free']} one-token)" if q.get("k_free") else ""), str(q["actions"]),
              f"median of {q['repeats']}" if q["denoised"] else f"not de-noised ({q['repeats']})",
              f"{fmt(q['action_acc'], 0, pct=True)} / {fmt(q['action_acc_spread'], 0, pct=True)}",
              f"{fmt(q['k_acc'], 0, pct=True)} / {fmt(q['k_acc_spread'], 0, pct=True)}",
@@ -251,7 +252,8 @@ def paper_rows(rows: list[dict], cands: list[dict], policy: str, pred_star: dict
     cross = "; ".join(f"k={k}: {fmt(pred_star.get(k), 2)} / {fmt(M.empirical_crossover(xy), 2)}"
                       for k, xy in pts.items()) or "-"
     n_bad = sum(1 for r in rows if not r["match"])
-    sp = lambda a, b: f"{fmt(q.get(a), 1, pct=True)} / {fmt(q.get(b), 1, pct=True)}{tag}" if q else "-"  # noqa: E731
+    free = f" ({q['k_free']} one-token decisions left out)" if q and q.get("k_free") else ""
+    sp = lambda a, b: f"{fmt(q.get(a), 1, pct=True)} / {fmt(q.get(b), 1, pct=True)}{tag}{free}" if q else "-"  # noqa: E731
     return {
         "latency vs kv (total)": signed(kv and kv["latency"], 2),
         "latency vs joint:4 (total)": signed(j4 and j4["latency"], 1),
