@@ -4,7 +4,7 @@
 
 A stream is the first part of ``cell`` (chat, wikitext, humaneval, repetitive, mixed, ...): the
 mixed streams get their own row here, where the bench summary files mixed requests under their
-source workloads. Fixed policies are ar, kv, spec:K and joint:K. Prints two markdown tables.
+source workloads. Fixed policies are ar, kv, spec:K and joint:K. Prints three markdown tables.
 
 The first takes the best fixed policy as the one with the least total over all repeats: the
 issue's definition, but the minimum of several noisy totals is biased low (it is picked on the
@@ -25,9 +25,13 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rakv.bench.metrics import fixed_action  # noqa: E402
+
 
 def is_fixed(policy: str) -> bool:
-    return policy in ("ar", "kv") or policy.startswith(("spec:", "joint:"))
+    return fixed_action(policy) is not None
 
 
 def held_out_best(per_rep: dict) -> tuple[float, list[str]]:
@@ -48,7 +52,7 @@ WORK = ("hit_tokens", "drafted", "accepted", "rounds", "output_tokens")
 
 
 def fixed_policy(reuse: int, k: int) -> str:
-    """The fixed policy whose every request takes the action (r, k)."""
+    """The fixed policy named for the action (r, k) (``fixed_action``'s inverse; kv, not joint:0)."""
     return ("kv" if reuse else "ar") if k == 0 else (f"joint:{k}" if reuse else f"spec:{k}")
 
 

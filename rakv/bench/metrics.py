@@ -341,8 +341,8 @@ def controller_quality(cands: list[dict], rows: list[dict], policy: str) -> dict
     """Decision metrics of one adaptive arm against the repeated-measurement oracle.
 
     Accuracies are shares of decisions (one per request and repeat), leaving out the requests with
-    a one-token output (``k_free_requests``: every action runs the same computation). Regrets are means over
-    requests, with bootstrap 95% CIs over requests: ``realized`` takes the arm's own latency
+    a one-token output (``k_free_requests``: every action runs the same computation). Regrets are
+    means over requests, with bootstrap 95% CIs over requests: ``realized`` takes the arm's own latency
     (median of its executions of the request), ``regret`` (action regret) the fixed policy's
     median for the chosen action; both relative to the oracle's median."""
     q = per_request_quality(cands, rows, policy)
