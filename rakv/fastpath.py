@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+_BLOCK_ROWS = 17                  # = rakv.blockq.MAX_ROWS (kept here: fastpath does not import blockq)
 
 
 def default_enabled() -> bool:
@@ -115,6 +116,7 @@ class FastLinear(nn.Module):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             self._bias = None if self.bias is None else self.bias.detach()
             self._version = self._weight_version()
+        self.block = None                 # codes belong to the weight as it was (blockq.attach sets them)
 
     def _weight_version(self) -> tuple[int, int]:
         return (self.weight._version, -1 if self.bias is None else self.bias._version)
@@ -122,8 +124,16 @@ class FastLinear(nn.Module):
     # One row (a decode step, a draft step): torch's own kernel (MKL's gemv) unless choose_one_row
     # measured the packed one faster on this machine; 2+ rows (a verify, a prefill): packed.
     one_row_plain = True
+    # The weight's exact block codes (rakv.blockq; set by blockq.attach, None when it has none): up to
+    # blockq.MAX_ROWS rows run from them, the same fp32 weights at a fraction of the bytes.
+    block = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.block is not None and x.dtype == torch.float32 and not x.requires_grad \
+                and x.device.type == "cpu" and x.numel() <= _BLOCK_ROWS * self.in_features:
+            if self._weight_version() == self._version:
+                return self.block(x, self._bias)
+            self.repack()                              # changed in place: the codes no longer hold
         if (x.dtype != self.weight.dtype or x.requires_grad or x.device.type != "cpu"
                 or (self.one_row_plain and x.numel() == self.in_features)):
             w = self.weight.t() if self.transposed else self.weight
@@ -165,6 +175,7 @@ class FastLinear(nn.Module):
         new.training = self.training
         new.one_row_plain = self.one_row_plain
         new.repack()
+        new.block = self.block            # the same values: the same codes (read-only, shared)
         return new
 
     def extra_repr(self) -> str:

@@ -116,8 +116,11 @@ class _Fused(nn.Module):
             if b is not None:
                 lin.bias = nn.Parameter(b, requires_grad=False)
             if all(isinstance(m, FastLinear) for m in self.mods):
+                from .blockq import concat
+
                 fl = FastLinear(lin)
                 fl.one_row_plain = self.mods[0].one_row_plain
+                fl.block = concat([m.block for m in self.mods])     # stacked rows: stacked codes
                 lin = fl
         self.lin = lin
         self.version = self._versions()
@@ -145,7 +148,7 @@ class _Op:
     the module's tensors; any other module (a quantized int8 linear) through its own forward.
     ``refresh`` re-reads the module (after an in-place weight change or a one-row kernel switch)."""
 
-    __slots__ = ("mod", "fn", "packed", "bias", "w", "plain1")
+    __slots__ = ("mod", "fn", "packed", "bias", "w", "plain1", "block")
 
     def __init__(self, mod: nn.Module):
         self.mod = mod
@@ -159,7 +162,7 @@ class _Op:
         if isinstance(lin, FastLinear):
             if lin._weight_version() != lin._version:
                 lin.repack()
-            self.fn, self.packed, self.bias = None, lin._packed, lin._bias
+            self.fn, self.packed, self.bias, self.block = None, lin._packed, lin._bias, lin.block
             w = lin.weight.detach()
             self.w, self.plain1 = (w.t() if lin.transposed else w), lin.one_row_plain      # Conv1D: W [in, out]
         else:
@@ -168,6 +171,8 @@ class _Op:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fn is not None:
             return self.fn(x)
+        if self.block is not None and x.shape[-2] <= BLOCK_ROWS:
+            return self.block(x, self.bias)
         if self.plain1 and x.shape[-2] == 1:
             return F.linear(x, self.w, self.bias)
         return _POINTWISE(x, self.packed, self.bias, "none", [], "")
@@ -181,6 +186,7 @@ def _pointwise():
 
 
 _POINTWISE = _pointwise()
+BLOCK_ROWS = 17             # rakv.blockq.MAX_ROWS
 FUSED_QKV, FUSED_GATE_UP = "rakv_qkv", "rakv_gate_up"
 
 

@@ -63,6 +63,7 @@ class LoadedModel:
     lean: str = ""                    # the lean forward (rakv.lean) runs it: "" when not, else its kind
     fast_reason: str = ""             # why not, when it was asked for and could not apply
     one_row: dict = field(default_factory=dict)   # the one-row kernel chosen on the fast path, and how
+    blockq: dict = field(default_factory=dict)    # exact block-coded weights in use (rakv.blockq.attach)
 
     @property
     def config(self):
@@ -145,13 +146,15 @@ def wrap(model: torch.nn.Module, tokenizer=None, name: str = "model", revision: 
 def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
     """Switch ``lm`` to (or off) the fast forward path, in place; returns ``lm``. The fast path is
     the packed linears (``rakv.fastpath``) and, where the architecture allows, the lean forward
-    (``rakv.lean``; ``RAKV_LEAN=0`` keeps HF's forward over the packed linears)."""
-    from . import fastpath, lean
+    (``rakv.lean``; ``RAKV_LEAN=0`` keeps HF's forward over the packed linears), with every linear
+    whose weights are exactly block-coded running from its codes (``rakv.blockq``; ``RAKV_BLOCKQ=0``)."""
+    from . import blockq, fastpath, lean
 
     on = fastpath.default_enabled() if fast is None else bool(fast)
     info = fastpath.set_fast(lm.model, on)
     lm.fast = bool(info["fast"])
     lm.fast_reason = "" if lm.fast or not on else info["reason"]
+    lm.blockq = blockq.attach(lm.model, lm.key) if lm.fast else {}
     attach_lean(lm, lm.fast and lean.env_enabled())
     if lm.fast:
         lm.one_row = fastpath.choose_one_row(lm.model, lm.key, cache_dir())
@@ -494,4 +497,6 @@ def model_info(lm: LoadedModel) -> dict:
             "layers": getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None),
             "max_positions": lm.max_positions, "device": str(dev), "fast": lm.fast, "lean": bool(lm.lean),
             **({"fast_reason": lm.fast_reason} if lm.fast_reason else {}),
-            **({"one_row_kernel": lm.one_row.get("kernel", "")} if lm.one_row else {})}
+            **({"one_row_kernel": lm.one_row.get("kernel", "")} if lm.one_row else {}),
+            **({"block_layers": lm.blockq["layers"], "block_kinds": lm.blockq["kinds"],
+                "block_mib": round(lm.blockq["bytes"] / 2**20, 1)} if lm.blockq.get("layers") else {})}

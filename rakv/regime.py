@@ -121,6 +121,7 @@ def regime(profile, cpuinfo: str | None = None) -> dict:
     return dict(
         isa=cpu_flags(cpuinfo), cpu_capability=cpu_capability(), threads=threads(),
         one_row_kernel=fp.get("one_row") or ("plain" if fp.get("fast") else ""),
+        block_layers=int(fp.get("blockq") or 0),
         ctx=CTX, t_ms=round(t, 3), d_ms=round(d, 3), d_over_t=round(d / t, 3) if t > 0 else None,
         d2_over_d=round(getattr(profile, "d2_ratio", 1.0), 3) if d > 0 and getattr(profile, "D_pf", None) else None,
         V_over_t={str(k): round(v[k] / t, 3) for k in ks} if t > 0 else {},
@@ -139,6 +140,8 @@ def describe(reg: dict) -> list[str]:
     isa = " ".join(reg.get("isa") or []) or "not recorded"
     cap = f" (torch kernels: {reg['cpu_capability']})" if reg.get("cpu_capability") else ""
     row = f"; one-row kernel {reg['one_row_kernel']}" if reg.get("one_row_kernel") else ""
+    if reg.get("block_layers"):
+        row += f"; {reg['block_layers']} linear layers from exact block codes (up to 17 rows)"
     lines = [f"ISA: {isa}{cap}; {reg.get('threads', '?')} threads{row}"]
     if reg.get("t_ms") is not None:
         vt = ", ".join(f"{k}: {x:.2f}" for k, x in (reg.get("V_over_t") or {}).items())

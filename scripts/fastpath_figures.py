@@ -7,7 +7,8 @@ demo model; llama.cpp on the same weights as a fourth arm when it is there.
 
 Arms, copies of the same weights in one process: ``plain`` (the model as transformers builds it),
 ``fast`` (``rakv.fastpath``: packed oneDNN linears, the one-row kernel chosen per machine, HF's
-forward), ``lean`` (the default: the fast path's linears under ``rakv.lean``'s forward) and, with
+forward), ``lean-fp32`` (those fp32 linears under ``rakv.lean``'s forward), ``lean`` (the default:
+the lean forward with every block-coded weight run from its codes, ``rakv.blockq``) and, with
 ``--gguf`` and ``llama_cpp`` (llama-cpp-python) importable, ``llama.cpp`` (greedy, same prompt ids).
   * ``ar`` tokens/s (``rakv generate --policy ar``'s engine, no draft) over the prompts, at 2 threads
     and at 1 thread, arms and thread counts alternating prompt by prompt, the output ids compared;
@@ -35,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from rakv import decoding as dec  # noqa: E402
 from rakv import fastpath  # noqa: E402
+from rakv import lean as leanmod  # noqa: E402
 from rakv.config import RakvConfig  # noqa: E402
 from rakv.device import isa_flags, threads_info  # noqa: E402
 from rakv.engine import Engine  # noqa: E402
@@ -48,14 +50,25 @@ PROMPTS = [
 ]
 
 
+def _fp32(model):
+    """``model`` without block codes (rakv.blockq): every linear on the fp32 kernels."""
+    for m in model.modules():
+        if isinstance(m, fastpath.FastLinear):
+            m.block = None
+    return model
+
+
 def arms() -> dict[str, LoadedModel]:
-    lean = load_model("demo", fast=True)
-    fast = LoadedModel(**{**lean.__dict__, "model": copy.deepcopy(lean.model), "lean": ""})   # no lean forward
+    lean = load_model("demo", fast=True)          # the default: lean forward, block codes where exact
+    fast = LoadedModel(**{**lean.__dict__, "model": _fp32(copy.deepcopy(lean.model)), "lean": ""})   # HF forward
+    lean32 = LoadedModel(**{**lean.__dict__, "model": _fp32(copy.deepcopy(lean.model))})
     plain = LoadedModel(**{**lean.__dict__, "model": copy.deepcopy(lean.model), "fast": False, "lean": ""})
     fastpath.disable(plain.model)
+    leanmod.attach(lean32.model)
     assert lean.lean and lean.model._rakv_lean is not None and fast.model._rakv_lean is None
     assert fastpath.is_enabled(fast.model) and not fastpath.is_enabled(plain.model)
-    return {"plain": plain, "fast": fast, "lean": lean}
+    assert lean32.model._rakv_lean is not None and all(op.block is None for op in lean32.model._rakv_lean.ops)
+    return {"plain": plain, "fast": fast, "lean-fp32": lean32, "lean": lean}
 
 
 class LlamaCpp:
@@ -85,10 +98,11 @@ class LlamaCpp:
 
 
 def ar_tokens_per_s(models: dict, prompts: list[str], n: int, reps: int, threads: list[int],
-                    peer: "LlamaCpp | None" = None) -> dict:
+                    peers: "dict[str, LlamaCpp] | None" = None) -> dict:
     """tokens/s of the ar policy per (arm, threads); arms and thread counts alternate per prompt."""
     engines = {a: Engine(lm, None, RakvConfig(policy="ar", max_new_tokens=n)) for a, lm in models.items()}
-    names = list(models) + (["llama.cpp"] if peer is not None else [])
+    peers = peers or {}
+    names = list(models) + list(peers)
     keys = [(a, th) for th in threads for a in names]
     toks = {k: 0 for k in keys}
     secs = {k: 0.0 for k in keys}
@@ -97,7 +111,7 @@ def ar_tokens_per_s(models: dict, prompts: list[str], n: int, reps: int, threads
     for a, eng in engines.items():          # warm-up, excluded
         eng.generate(prompts[0], 4)
     any_eng = next(iter(engines.values()))
-    if peer is not None:
+    for peer in peers.values():
         for th in threads:
             peer.generate(any_eng.encode(prompts[0]), 4, th)
     i = 0
@@ -107,8 +121,8 @@ def ar_tokens_per_s(models: dict, prompts: list[str], n: int, reps: int, threads
             i += 1
             for a, th in order:
                 torch.set_num_threads(th)
-                if a == "llama.cpp":
-                    ids, s = peer.generate(any_eng.encode(p), n, th)
+                if a in peers:
+                    ids, s = peers[a].generate(any_eng.encode(p), n, th)
                     ms, tps = s * 1e3, len(ids) / s
                 else:
                     end = engines[a].generate(p, n)
@@ -171,6 +185,8 @@ def main() -> int:
     ap.add_argument("--vreps", type=int, default=9, help="repetitions of the V(k) rotation")
     ap.add_argument("--threads", default="2,1", help="thread counts for tokens/s (first: the V(k) and floor runs)")
     ap.add_argument("--gguf", help="a GGUF of the same weights (F32): adds the llama.cpp arm (needs llama_cpp)")
+    ap.add_argument("--gguf-native", help="the model's own quantized GGUF (the demo's Q4_1): llama.cpp on its "
+                    "native kernels, which quantize activations too (its ids may differ)")
     ap.add_argument("--out", default=str(ROOT / "docs/engine/fastpath.json"))
     args = ap.parse_args()
     threads = [int(x) for x in args.threads.split(",")]
@@ -183,8 +199,12 @@ def main() -> int:
     torch.set_num_threads(threads[0])
     floors = linear_floors(models)
     ratios = verify_ratios(models, ids, 128, 8, args.vreps)
-    peer = LlamaCpp(args.gguf, models["lean"].eos_ids) if args.gguf else None
-    tps = ar_tokens_per_s(models, PROMPTS[: args.prompts], args.tokens, args.reps, threads, peer)
+    peers = {}
+    if args.gguf:
+        peers["llama.cpp"] = LlamaCpp(args.gguf, models["lean"].eos_ids)
+    if args.gguf_native:
+        peers["llama.cpp-native"] = LlamaCpp(args.gguf_native, models["lean"].eos_ids)
+    tps = ar_tokens_per_s(models, PROMPTS[: args.prompts], args.tokens, args.reps, threads, peers)
     torch.set_num_threads(threads[0])
     res = {
         "command": "python scripts/fastpath_figures.py " + " ".join(sys.argv[1:]),

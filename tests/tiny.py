@@ -103,3 +103,35 @@ def save_tiny(path, arch: str = "llama", seed: int = 0, tokenizer_variant: int =
     m.save_pretrained(path)
     tiny_tokenizer(tokenizer_variant, chat=chat).save_pretrained(path)
     return m
+
+
+def snap_to_blocks(model, kind: str = "q4", head: str = "q8"):
+    """Round every linear weight of ``model`` in place as llama.cpp's quantizers do, blocks of 32
+    inputs: ``q4`` like Q4_1 (d = (max - min) / 15 and m = min as float16, q = round((w - m) / d)),
+    ``q8`` like Q8_0 (d = max |w| / 127 as float16); the LM head by ``head``. The model then holds
+    exactly what a GGUF of that type dequantizes to (what rakv.blockq runs from its codes)."""
+    from transformers.pytorch_utils import Conv1D
+
+    def q4(w):
+        b = w.reshape(-1, 32)
+        lo, hi = b.min(1, keepdim=True).values, b.max(1, keepdim=True).values
+        d = ((hi - lo) / 15).half().float()
+        m = lo.half().float()
+        q = torch.round((b - m) / torch.where(d > 0, d, torch.ones_like(d))).clamp(0, 15)
+        return (d * q + m).reshape(w.shape)
+
+    def q8(w):
+        b = w.reshape(-1, 32)
+        d = (b.abs().max(1, keepdim=True).values / 127).half().float()
+        q = torch.round(b / torch.where(d > 0, d, torch.ones_like(d))).clamp(-128, 127)
+        return (d * q).reshape(w.shape)
+
+    head_mod = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, (torch.nn.Linear, Conv1D)) or type(mod).__name__ == "FastLinear":
+                w = mod.weight
+                mat = w.t() if isinstance(mod, Conv1D) or getattr(mod, "transposed", False) else w
+                snapped = (q8 if (mod is head_mod and head == "q8") or kind == "q8" else q4)(mat.contiguous())
+                w.copy_(snapped.t() if mat is not w else snapped)
+    return model

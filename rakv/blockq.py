@@ -1,0 +1,422 @@
+"""Exact block-coded weights: a linear layer whose fp32 weights are exactly GGUF blocks runs from
+the blocks.
+
+The demo model comes from a Q4_1 GGUF (its LM head / embedding from Q8_0): every weight of its
+linear layers is exactly ``d * q + m`` for a 4-bit code q and a scale d and minimum m shared by 32
+inputs (the head's ``d * q`` for an 8-bit q). Stored as fp32 those weights cost 32 bits each, and a
+decode step, which streams every weight once, pays for 32. Kept as the codes they cost 4.5 (8.5),
+and ``kernels/blockq.c`` rebuilds each weight in fp32 exactly as it was, then multiplies in fp32:
+the same weights and the same fp32 maths, about a seventh of the bytes.
+
+Nothing is assumed: ``encode`` finds codes for a weight block by block and keeps them only when
+every element is rebuilt bit for bit; a
+layer where one block fails stays on the fp32 kernels. The kernel's order of additions does not
+depend on the number of rows, so a row of a (k + 1)-token verify equals the same row computed as
+a decode step, bit for bit.
+
+The kernel is C, compiled once per machine with the system's C compiler (``cc``, ``-O3
+-march=native -fopenmp``; ~2 s) into the cache dir and loaded with ctypes; it runs on torch's own
+OpenMP runtime and thread count. Where it cannot be built (no compiler, not x86-64 / ARM Linux or
+macOS), or ``RAKV_BLOCKQ=0``, or the weights are not block-coded, the fp32 kernels run as before.
+Up to ``MAX_ROWS`` rows (decode, draft, verify) use it; longer prefills keep oneDNN's packed fp32
+(a compute-bound shape where its blocking wins).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+BLK = 32                 # inputs per block (GGUF's Q4_0/Q4_1/Q8_0)
+MAX_ROWS = 17            # rows up to which a forward uses the block kernel: every verify (k <= 16)
+MIN_PARAMS = 1024        # smaller weights are not worth a kernel call's overhead
+SOURCE = Path(__file__).with_name("kernels") / "blockq.c"
+
+
+def env_enabled() -> bool:
+    return os.environ.get("RAKV_BLOCKQ", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+# ----------------------------------------------------------------------------- the compiled kernel
+class _Lib:
+    handle = None          # ctypes.CDLL once built and loaded
+    reason = ""            # why not, when it could not be
+    tried = False
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def _build_dir() -> Path:
+    from .models import cache_dir
+
+    return cache_dir() / "kernels"
+
+
+def _ident(cc: str) -> str:
+    """What the built library depends on: the source, the compiler, the CPU it was tuned for."""
+    try:
+        ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        ver = ""
+    from .records import hardware_info
+
+    flags = ""
+    try:
+        from .device import isa_flags
+
+        flags = " ".join(isa_flags())
+    except Exception:  # noqa: BLE001 - the flags only name the build
+        pass
+    h = hashlib.sha1()
+    for part in (SOURCE.read_bytes(), ver.encode(), hardware_info()["cpu"].encode(), flags.encode(),
+                 platform.machine().encode(), sys.platform.encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _build(cc: str, out: Path) -> str:
+    """Compile the kernel into ``out`` (atomically); returns "" or why it failed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    cmd = [cc, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
+           "-o", str(tmp), str(SOURCE)]
+    if sys.platform == "darwin":           # Apple clang: OpenMP through torch's libomp is not assumed
+        cmd = [c for c in cmd if c != "-fopenmp"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{cc} failed: {e}"
+    if r.returncode != 0 or not tmp.exists():
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        tmp.unlink(missing_ok=True)
+        return f"{cc} failed: {last}"
+    os.replace(tmp, out)
+    return ""
+
+
+def library():
+    """The loaded kernel library, building it on first use; None when it cannot be (``reason()``)."""
+    if _Lib.tried:
+        return _Lib.handle
+    _Lib.tried = True
+    if not SOURCE.exists():
+        _Lib.reason = f"kernel source missing ({SOURCE})"
+        return None
+    if sys.platform.startswith("win"):
+        _Lib.reason = "no C kernel build on Windows"
+        return None
+    cc = _compiler()
+    if cc is None:
+        _Lib.reason = "no C compiler (cc, gcc, clang) on PATH"
+        return None
+    from .filelock import file_lock
+
+    out = _build_dir() / f"blockq-{_ident(cc)}.so"
+    if not out.exists():
+        try:
+            with file_lock(out.with_suffix(".lock")):
+                if not out.exists():
+                    print("[rakv] building the block-weight kernel (once per machine) ...", file=sys.stderr)
+                    why = _build(cc, out)
+                    if why:
+                        _Lib.reason = why
+                        return None
+        except OSError as e:
+            _Lib.reason = f"cannot write {out.parent}: {e}"
+            return None
+    try:
+        lib = ctypes.CDLL(str(out))
+    except OSError as e:
+        _Lib.reason = f"cannot load {out.name}: {e}"
+        return None
+    vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.rakv_q4_linear.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, vp, i32]
+    lib.rakv_q4_linear.restype = None
+    lib.rakv_q8_linear.argtypes = [vp, i64, i64, vp, vp, i64, vp, vp, i32]
+    lib.rakv_q8_linear.restype = None
+    lib.rakv_blockq_avx512.restype = i32
+    _Lib.handle = lib
+    return lib
+
+
+def reason() -> str:
+    """Why the kernel is not available ("" when it is, or was not tried yet)."""
+    return _Lib.reason
+
+
+def isa() -> str:
+    lib = library()
+    return "" if lib is None else ("avx512" if lib.rakv_blockq_avx512() else "portable")
+
+
+# ----------------------------------------------------------------------------- finding the codes
+def _fp16_near(x: torch.Tensor, step: int) -> torch.Tensor:
+    """The float16 value ``step`` ulps from float16(x) in magnitude (as float32)."""
+    h = x.to(torch.float16)
+    if step:
+        bits = h.view(torch.int16).to(torch.int32) + step
+        h = bits.clamp(-32768, 32767).to(torch.int16).view(torch.float16)
+    return h.to(torch.float32)
+
+
+# Why an fp32 check is exact: every candidate scale d is a float16 value (11 significant bits), so
+# d * q (q of 4 or 8 bits) is exact in fp32, and torch's separate mul and add round d q + m once,
+# as the kernel's fma does. A block is kept only when that rebuild equals the weight bit for bit.
+def _q4_try(w: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+    """Codes for blocks w [B, 32] under scale d and minimum m [B, 1]: (q [B, 32], ok [B])."""
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round((w - m) / safe).clamp_(0, 15)
+    q = torch.where(d > 0, q, torch.zeros_like(q))
+    ok = ((d * q + m) == w).all(1) & torch.isfinite(d).squeeze(1)
+    return q, ok
+
+
+def _q8_try(w: torch.Tensor, d: torch.Tensor):
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round(w / safe).clamp_(-128, 127)
+    q = torch.where(d > 0, q, torch.zeros_like(q))
+    ok = ((d * q) == w).all(1) & torch.isfinite(d).squeeze(1)
+    return q, ok
+
+
+CANDIDATES = {"q4": [(top, step) for top in (15, 14, 13) for step in (0, -1, 1)],
+              "q8": [(top, step) for top in (127, 128, 126) for step in (0, -1, 1)]}
+
+
+def _solve(w: torch.Tensor, kind: str, chunk: int = 1 << 16):
+    """Codes (q, d, m) for every block of w [B, 32] fp32, or None when a block has none. GGUF's
+    quantizers put q = 0 at a Q4_1 block's minimum and |q| = 127 at a Q8_0 block's largest weight,
+    so the scale is (max - min) / 15 or max |w| / 127 as a float16, give or take an ulp."""
+    qs, ds, ms = [], [], []
+    for s in range(0, w.shape[0], chunk):
+        wb = w[s: s + chunk]
+        n = wb.shape[0]
+        done = torch.zeros(n, dtype=torch.bool)
+        q = torch.zeros(n, BLK)
+        d = torch.zeros(n, 1)
+        lo, hi = wb.min(1, keepdim=True).values, wb.max(1, keepdim=True).values
+        amax = wb.abs().max(1, keepdim=True).values
+        for top, step in CANDIDATES[kind]:
+            todo = ~done
+            idx = todo.nonzero().squeeze(1)
+            if kind == "q4":
+                dc = _fp16_near((hi[idx] - lo[idx]) / top, step)
+                qc, ok = _q4_try(wb[idx], dc, lo[idx])
+            else:
+                dc = _fp16_near(amax[idx] / top, step)
+                qc, ok = _q8_try(wb[idx], dc)
+            got = idx[ok]
+            if s == 0 and top == CANDIDATES[kind][0][0] and step == 0 and got.numel() < n // 2:
+                return None               # not this code: a coded weight fits its first guess almost everywhere
+            q[got], d[got] = qc[ok], dc[ok]
+            done[got] = True
+            if bool(done.all()):
+                break
+        if not bool(done.all()):
+            return None
+        qs.append(q)
+        ds.append(d)
+        ms.append(lo)
+    return torch.cat(qs), torch.cat(ds), torch.cat(ms)
+
+
+@dataclass
+class BlockWeight:
+    """One linear layer's weight W [N, K] as block codes (see the module docstring)."""
+
+    kind: str                      # "q4" | "q8"
+    N: int
+    K: int
+    qs: torch.Tensor               # q4: uint8 [N, K/32, 16] (input j low nibble, j + 16 high); q8: int8 [N, K/32, 32]
+    d: torch.Tensor                # float32 [N, K/32]
+    m: torch.Tensor | None         # float32 [N, K/32] (q4 only)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] float32 -> [..., N]: the fp32 linear of the rebuilt weights (+ bias)."""
+        lib = library()
+        x2 = x.reshape(-1, self.K)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        M = x2.shape[0]
+        y = torch.empty(M, self.N, dtype=torch.float32)
+        b = 0 if bias is None else bias.data_ptr()
+        th = torch.get_num_threads()
+        if self.kind == "q4":
+            lib.rakv_q4_linear(x2.data_ptr(), M, self.K, self.qs.data_ptr(), self.d.data_ptr(),
+                               self.m.data_ptr(), self.N, y.data_ptr(), b, th)
+        else:
+            lib.rakv_q8_linear(x2.data_ptr(), M, self.K, self.qs.data_ptr(), self.d.data_ptr(),
+                               self.N, y.data_ptr(), b, th)
+        return y.view(*x.shape[:-1], self.N)
+
+    def dequantize(self) -> torch.Tensor:
+        """W [N, K] float32 rebuilt from the codes (what the kernel multiplies by)."""
+        d = self.d.unsqueeze(-1)
+        if self.kind == "q4":
+            q = torch.cat([self.qs & 15, self.qs >> 4], -1).float()
+            w = d * q + self.m.unsqueeze(-1)          # d q is exact: one rounding, as the fma's
+        else:
+            w = d * self.qs.float()
+        return w.reshape(self.N, self.K)
+
+
+@torch.no_grad()
+def encode(weight: torch.Tensor) -> BlockWeight | None:
+    """Block codes that rebuild ``weight`` [N, K] (float32, CPU) bit for bit, Q4 tried before Q8;
+    None when it has none (or is not a float32 CPU matrix with K a multiple of 32)."""
+    w = weight.detach()
+    if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu" or w.shape[1] % BLK \
+            or w.numel() < MIN_PARAMS or not bool(torch.isfinite(w).all()):
+        return None
+    N, K = (int(s) for s in w.shape)
+    blocks = w.reshape(-1, BLK)
+    for kind in ("q4", "q8"):
+        got = _solve(blocks, kind)
+        if got is None:
+            continue
+        q, d, m = got
+        if kind == "q4":
+            q = q.to(torch.uint8).view(N, K // BLK, BLK)
+            qs = (q[..., :16] | (q[..., 16:] << 4)).contiguous()
+        else:
+            qs = q.to(torch.int8).view(N, K // BLK, BLK).contiguous()
+        return BlockWeight(kind, N, K, qs, d.to(torch.float32).view(N, K // BLK).contiguous(),
+                           m.to(torch.float32).view(N, K // BLK).contiguous() if kind == "q4" else None)
+    return None
+
+
+# ----------------------------------------------------------------------------- a model's layers
+def _cache_path(key: str) -> Path:
+    from .models import cache_dir
+
+    return cache_dir() / "blockq" / (hashlib.sha1(key.encode()).hexdigest()[:20] + ".safetensors")
+
+
+def _load_cached(path: Path) -> dict[str, BlockWeight | None]:
+    try:
+        from safetensors.torch import load_file
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path))
+    except Exception:  # noqa: BLE001 - a missing or damaged cache is made again
+        return {}
+    out: dict[str, BlockWeight | None] = {}
+    for name, spec in meta.items():
+        if spec == "none":
+            out[name] = None
+            continue
+        kind, N, K = spec.split(":")
+        out[name] = BlockWeight(kind, int(N), int(K), tensors[f"{name}.qs"], tensors[f"{name}.d"],
+                                tensors.get(f"{name}.m"))
+    return out
+
+
+def _save_cached(path: Path, codes: dict[str, BlockWeight | None]) -> None:
+    from safetensors.torch import save_file
+
+    tensors, meta = {}, {}
+    for name, b in codes.items():
+        if b is None:
+            meta[name] = "none"
+            continue
+        meta[name] = f"{b.kind}:{b.N}:{b.K}"
+        tensors[f"{name}.qs"], tensors[f"{name}.d"] = b.qs, b.d
+        if b.m is not None:
+            tensors[f"{name}.m"] = b.m
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def _matrix(fl) -> torch.Tensor:
+    w = fl.weight.detach()
+    return w.t() if fl.transposed else w                     # [N, K] (GPT-2's Conv1D stores [K, N])
+
+
+_MISSING = object()
+
+
+def attach(model: torch.nn.Module, key: str = "") -> dict:
+    """Give every fast-path linear of ``model`` whose weight is block-coded its codes (``.block``),
+    taken from the cache dir when a saved copy still rebuilds the weight exactly, else found and
+    saved. Returns what it did: ``{"layers": coded, "of": linears, "bytes": codes' size,
+    "fp32_bytes": those weights in fp32, "kinds": {...}, "reason": why none}``."""
+    from .fastpath import FastLinear
+
+    fls = [(n, m) for n, m in model.named_modules() if isinstance(m, FastLinear)]
+    for _, m in fls:
+        if m._weight_version() != m._version:      # changed in place since packed: pack it as it is now
+            m.repack()
+        m.block = None
+    info = {"layers": 0, "of": len(fls), "bytes": 0, "fp32_bytes": 0, "kinds": {}, "reason": ""}
+    if not fls:
+        info["reason"] = "not on the fast path"
+        return info
+    if not env_enabled():
+        info["reason"] = "RAKV_BLOCKQ=0"
+        return info
+    if library() is None:
+        info["reason"] = f"kernel unavailable: {reason()}"
+        return info
+    path = _cache_path(key) if key else None
+    saved = _load_cached(path) if path is not None and path.exists() else {}
+    codes: dict[str, BlockWeight | None] = {}
+    fresh = False
+    seen: dict[int, BlockWeight | None] = {}                 # a weight shared by two modules (tied)
+    for name, m in fls:
+        w = _matrix(m)
+        if id(m.weight) in seen:
+            b = seen[id(m.weight)]
+        else:
+            b = saved.get(name, _MISSING)
+            if b is _MISSING or (b is not None and ((b.N, b.K) != tuple(w.shape)
+                                                    or not torch.equal(b.dequantize(), w))):
+                b, fresh = encode(w), True                   # none saved, or not this weight's
+        seen[id(m.weight)] = b
+        codes[name] = b
+        m.block = b
+        if b is not None:
+            info["layers"] += 1
+            info["bytes"] += b.nbytes
+            info["fp32_bytes"] += w.numel() * 4
+            info["kinds"][b.kind] = info["kinds"].get(b.kind, 0) + 1
+    if not info["layers"]:
+        info["reason"] = "no layer's weights are block-coded"
+    if path is not None and fresh and info["layers"]:
+        _save_cached(path, codes)
+    return info
+
+
+def concat(blocks: list) -> BlockWeight | None:
+    """The codes of layers stacked along their outputs (a fused q|k|v), when all have codes of one kind."""
+    if not blocks or any(b is None for b in blocks) or len({(b.kind, b.K) for b in blocks}) != 1:
+        return None
+    b0 = blocks[0]
+    return BlockWeight(b0.kind, sum(b.N for b in blocks), b0.K, torch.cat([b.qs for b in blocks]),
+                       torch.cat([b.d for b in blocks]),
+                       torch.cat([b.m for b in blocks]) if b0.kind == "q4" else None)

@@ -1,0 +1,217 @@
+/* Exact fp32 linear layers over block-coded weights (rakv/blockq.py builds and loads this file).
+
+   A weight W [N, K] whose every block of 32 consecutive inputs of one output row is exactly
+     Q4:  w = fma(d, q, m),  q in 0..15   (GGUF's Q4_1: a scale and a minimum per block), or
+     Q8:  w = d * q,         q in -128..127 (GGUF's Q8_0)
+   (checked element by element before this kernel is used) is stored as those codes: 4.5 or 8.5
+   bits a weight instead of 32. Each weight is rebuilt in fp32 exactly as it was (the products are
+   exact in fp32) and multiplied in fp32, so y = x W^T (+ b) is the fp32 linear of the same weights;
+   only the order of the additions is this kernel's own. That order does not depend on how many
+   rows x has, nor on the thread count: row r of y is bit-identical whether it is computed alone
+   (a decode step) or among the k + 1 rows of a verify.
+
+   Order of one output y[r][n]: 16 lanes, lane l accumulates, block after block, the products of
+   inputs 32b + l and then 32b + 16 + l (fma); then the 16 lanes are added as a tree
+   (l + 8, then + 4, + 2, + 1); then the bias.
+
+   Shapes: x [M, K] row-major, y [M, N]; Q4 codes [N, K/32, 16] bytes (byte j of a block: input j in
+   the low nibble, input j + 16 in the high one, as GGUF lays them out); Q8 codes [N, K/32, 32];
+   d, m [N, K/32] fp32. K is a multiple of 32. */
+
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define RAKV_AVX512 1
+#endif
+
+#define LANES 16
+#define BLK 32
+#define MR_MAX 12         /* rows per pass over the weights */
+#ifndef PREFETCH
+#define PREFETCH 0        /* tiles ahead to prefetch: 0, as 2-16 measured slower on a 2-core Xeon VM */
+#endif
+
+static inline float tree16(const float *a) {
+    float s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; i++) s8[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
+    return s2[0] + s2[1];
+}
+
+#ifdef RAKV_AVX512
+static inline void store_out(__m512 acc, float *dst, const float *bias, int64_t n) {
+    float a[LANES];
+    _mm512_storeu_ps(a, acc);
+    float s = tree16(a);
+    if (bias) s += bias[n];
+    *dst = s;
+}
+
+/* NT outputs x MR rows, one pass over the NT weight rows; NT * MR accumulators in registers, each
+   weight rebuilt once, each x vector loaded once per block */
+#define Q_TILE(NAME, NT, MR, DEQ)                                                              \
+static inline void NAME(const float *x, int64_t K, int64_t nb, const uint8_t *qs, int64_t qstride, \
+                        const float *d, const float *m, float *y, int64_t N, const float *bias,  \
+                        int64_t n0) {                                                          \
+    __m512 acc[NT][MR];                                                                        \
+    for (int t = 0; t < NT; t++) for (int r = 0; r < MR; r++) acc[t][r] = _mm512_setzero_ps(); \
+    for (int64_t b = 0; b < nb; b++) {                                                         \
+        __m512 w0[NT], w1[NT];                                                                 \
+        for (int t = 0; t < NT; t++) {                                                         \
+            const int64_t row = n0 + t;                                                        \
+            const uint8_t *blk = qs + row * qstride + b * (qstride / nb);                      \
+            const __m512 vd = _mm512_set1_ps(d[row * nb + b]);                                 \
+            DEQ                                                                                \
+        }                                                                                      \
+        for (int r = 0; r < MR; r++) {                                                         \
+            const float *xr = x + r * K + b * BLK;                                             \
+            const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + LANES);           \
+            for (int t = 0; t < NT; t++) {                                                     \
+                acc[t][r] = _mm512_fmadd_ps(w0[t], x0, acc[t][r]);                             \
+                acc[t][r] = _mm512_fmadd_ps(w1[t], x1, acc[t][r]);                             \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    for (int t = 0; t < NT; t++)                                                               \
+        for (int r = 0; r < MR; r++) store_out(acc[t][r], y + r * N + n0 + t, bias, n0 + t);  \
+}
+
+#define DEQ4                                                                                   \
+    {   const __m512 vm = _mm512_set1_ps(m[row * nb + b]);                                     \
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk));         \
+        const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15));                         \
+        const __m512i hi = _mm512_srli_epi32(v, 4);                                            \
+        w0[t] = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(lo), vm);                               \
+        w1[t] = _mm512_fmadd_ps(vd, _mm512_cvtepi32_ps(hi), vm); }
+
+#define DEQ8                                                                                   \
+    {   const __m512i a = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)blk));         \
+        const __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16)));  \
+        w0[t] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(a));                                      \
+        w1[t] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(c)); }
+
+#else  /* portable: the same order, lane arrays the compiler may vectorize */
+static inline void store_out(const float *acc, float *dst, const float *bias, int64_t n) {
+    float s = tree16(acc);
+    if (bias) s += bias[n];
+    *dst = s;
+}
+
+#define Q_TILE(NAME, NT, MR, DEQ)                                                              \
+static inline void NAME(const float *x, int64_t K, int64_t nb, const uint8_t *qs, int64_t qstride, \
+                        const float *d, const float *m, float *y, int64_t N, const float *bias,  \
+                        int64_t n0) {                                                          \
+    float acc[NT][MR][LANES];                                                                  \
+    memset(acc, 0, sizeof acc);                                                                \
+    for (int64_t b = 0; b < nb; b++) {                                                         \
+        for (int t = 0; t < NT; t++) {                                                         \
+            const int64_t row = n0 + t;                                                        \
+            const uint8_t *blk = qs + row * qstride + b * (qstride / nb);                      \
+            const float vd = d[row * nb + b];                                                  \
+            float w0[LANES], w1[LANES];                                                        \
+            DEQ                                                                                \
+            for (int r = 0; r < MR; r++) {                                                     \
+                const float *xr = x + r * K + b * BLK;                                         \
+                for (int l = 0; l < LANES; l++) acc[t][r][l] = fmaf(w0[l], xr[l], acc[t][r][l]); \
+                for (int l = 0; l < LANES; l++)                                                \
+                    acc[t][r][l] = fmaf(w1[l], xr[LANES + l], acc[t][r][l]);                   \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    for (int t = 0; t < NT; t++)                                                               \
+        for (int r = 0; r < MR; r++) store_out(acc[t][r], y + r * N + n0 + t, bias, n0 + t);  \
+}
+
+#define DEQ4                                                                                   \
+    {   const float vm = m[row * nb + b];                                                      \
+        for (int l = 0; l < LANES; l++) {                                                      \
+            w0[l] = fmaf(vd, (float)(blk[l] & 15), vm);                                        \
+            w1[l] = fmaf(vd, (float)(blk[l] >> 4), vm); } }
+
+#define DEQ8                                                                                   \
+    {   for (int l = 0; l < LANES; l++) {                                                      \
+            w0[l] = vd * (float)(int8_t)blk[l];                                                \
+            w1[l] = vd * (float)(int8_t)blk[LANES + l]; } }
+#endif
+
+#define TILES(P, DEQ)                                                                          \
+    Q_TILE(P##_4x1, 4, 1, DEQ) Q_TILE(P##_4x2, 4, 2, DEQ) Q_TILE(P##_4x3, 4, 3, DEQ)           \
+    Q_TILE(P##_4x4, 4, 4, DEQ) Q_TILE(P##_2x5, 2, 5, DEQ) Q_TILE(P##_2x6, 2, 6, DEQ)           \
+    Q_TILE(P##_2x7, 2, 7, DEQ) Q_TILE(P##_2x8, 2, 8, DEQ) Q_TILE(P##_2x9, 2, 9, DEQ)           \
+    Q_TILE(P##_2x10, 2, 10, DEQ) Q_TILE(P##_2x11, 2, 11, DEQ) Q_TILE(P##_2x12, 2, 12, DEQ)     \
+    Q_TILE(P##_1x1, 1, 1, DEQ) Q_TILE(P##_1x2, 1, 2, DEQ) Q_TILE(P##_1x3, 1, 3, DEQ)           \
+    Q_TILE(P##_1x4, 1, 4, DEQ) Q_TILE(P##_1x5, 1, 5, DEQ) Q_TILE(P##_1x6, 1, 6, DEQ)           \
+    Q_TILE(P##_1x7, 1, 7, DEQ) Q_TILE(P##_1x8, 1, 8, DEQ) Q_TILE(P##_1x9, 1, 9, DEQ)           \
+    Q_TILE(P##_1x10, 1, 10, DEQ) Q_TILE(P##_1x11, 1, 11, DEQ) Q_TILE(P##_1x12, 1, 12, DEQ)
+
+TILES(q4, DEQ4)
+TILES(q8, DEQ8)
+
+typedef void (*tile_fn)(const float *, int64_t, int64_t, const uint8_t *, int64_t, const float *,
+                        const float *, float *, int64_t, const float *, int64_t);
+
+/* by rows in a pass: NT outputs at a time, 4 up to 4 rows, then 2 (NT * MR <= 24 accumulators) */
+#define ONES(P) P##_1x1, P##_1x2, P##_1x3, P##_1x4, P##_1x5, P##_1x6, P##_1x7, P##_1x8, P##_1x9,     \
+                P##_1x10, P##_1x11, P##_1x12
+#define WIDE(P) P##_4x1, P##_4x2, P##_4x3, P##_4x4, P##_2x5, P##_2x6, P##_2x7, P##_2x8, P##_2x9,     \
+                P##_2x10, P##_2x11, P##_2x12
+static const tile_fn Q4_WIDE[MR_MAX + 1] = {0, WIDE(q4)};
+static const tile_fn Q4_ONE[MR_MAX + 1] = {0, ONES(q4)};
+static const tile_fn Q8_WIDE[MR_MAX + 1] = {0, WIDE(q8)};
+static const tile_fn Q8_ONE[MR_MAX + 1] = {0, ONES(q8)};
+
+static void run(const tile_fn *wide, const tile_fn *one, const float *x, int64_t M, int64_t K,
+                const uint8_t *qs, int64_t qstride, const float *d, const float *m, int64_t N,
+                float *y, const float *bias, int threads) {
+    const int64_t nb = K / BLK;
+    for (int64_t r0 = 0; r0 < M; r0 += MR_MAX) {
+        const int mr = (int)(M - r0 < MR_MAX ? M - r0 : MR_MAX);
+        const int nt = mr <= 4 ? 4 : 2;
+        const int64_t tiles = N / nt;
+        const float *xr = x + r0 * K;
+        float *yr = y + r0 * N;
+        const int64_t span = nt * qstride, dspan = nt * nb * (int64_t)sizeof(float);
+        #pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t i = 0; i < tiles; i++) {
+            if (PREFETCH > 0 && i + PREFETCH < tiles) {     /* the tile PREFETCH ahead: codes, d, m */
+                const char *p = (const char *)(qs + (i + PREFETCH) * span);
+                for (int64_t o = 0; o < span; o += 64) __builtin_prefetch(p + o, 0, 0);
+                const char *pd = (const char *)(d + (i + PREFETCH) * nt * nb);
+                const char *pm = (const char *)(m + (i + PREFETCH) * nt * nb);
+                for (int64_t o = 0; o < dspan; o += 64) {
+                    __builtin_prefetch(pd + o, 0, 0);
+                    if (m != d) __builtin_prefetch(pm + o, 0, 0);
+                }
+            }
+            wide[mr](xr, K, nb, qs, qstride, d, m, yr, N, bias, i * nt);
+        }
+        for (int64_t n0 = tiles * nt; n0 < N; n0++)
+            one[mr](xr, K, nb, qs, qstride, d, m, yr, N, bias, n0);
+    }
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias), W in Q4 codes (see above) */
+void rakv_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
+                    const float *m, int64_t N, float *y, const float *bias, int threads) {
+    run(Q4_WIDE, Q4_ONE, x, M, K, qs, K / 2, d, m, N, y, bias, threads);
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias), W in Q8 codes (see above) */
+void rakv_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
+                    int64_t N, float *y, const float *bias, int threads) {
+    run(Q8_WIDE, Q8_ONE, x, M, K, (const uint8_t *)qs, K, d, d, N, y, bias, threads);
+}
+
+int rakv_blockq_version(void) { return 1; }
+
+int rakv_blockq_avx512(void) {
+#ifdef RAKV_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
