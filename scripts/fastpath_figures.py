@@ -185,8 +185,6 @@ def main() -> int:
     ap.add_argument("--vreps", type=int, default=9, help="repetitions of the V(k) rotation")
     ap.add_argument("--threads", default="2,1", help="thread counts for tokens/s (first: the V(k) and floor runs)")
     ap.add_argument("--gguf", help="a GGUF of the same weights (F32): adds the llama.cpp arm (needs llama_cpp)")
-    ap.add_argument("--gguf-native", help="the model's own quantized GGUF (the demo's Q4_1): llama.cpp on its "
-                    "native kernels, which quantize activations too (its ids may differ)")
     ap.add_argument("--out", default=str(ROOT / "docs/engine/fastpath.json"))
     args = ap.parse_args()
     threads = [int(x) for x in args.threads.split(",")]
@@ -202,8 +200,6 @@ def main() -> int:
     peers = {}
     if args.gguf:
         peers["llama.cpp"] = LlamaCpp(args.gguf, models["lean"].eos_ids)
-    if args.gguf_native:
-        peers["llama.cpp-native"] = LlamaCpp(args.gguf_native, models["lean"].eos_ids)
     tps = ar_tokens_per_s(models, PROMPTS[: args.prompts], args.tokens, args.reps, threads, peers)
     torch.set_num_threads(threads[0])
     res = {
