@@ -149,6 +149,8 @@ def library():
     lib.rakv_q4_linear.restype = None
     lib.rakv_q8_linear.argtypes = [vp, i64, i64, vp, vp, i64, vp, vp, i32]
     lib.rakv_q8_linear.restype = None
+    lib.rakv_attend.argtypes = [vp, i64, i64, i64, i64, vp, i64, vp, i64, i64, i64, ctypes.c_float, vp, i32]
+    lib.rakv_attend.restype = None
     lib.rakv_blockq_avx512.restype = i32
     _Lib.handle = lib
     return lib
@@ -302,6 +304,28 @@ def encode(weight: torch.Tensor) -> BlockWeight | None:
         return BlockWeight(kind, N, K, qs, d.to(torch.float32).view(N, K // BLK).contiguous(),
                            m.to(torch.float32).view(N, K // BLK).contiguous() if kind == "q4" else None)
     return None
+
+
+# ----------------------------------------------------------------------------- attention
+def attend_ok(k: torch.Tensor, v: torch.Tensor, n: int, Hq: int, Hk: int, D: int) -> bool:
+    """Whether ``attend`` takes this step: a float32 cache of batch 1 with rows of D contiguous
+    values (the lean forward's growing buffer, or a prefill's own KV), at most MAX_ROWS new rows."""
+    return (n <= MAX_ROWS and D % 16 == 0 and Hq % Hk == 0 and k.dtype == torch.float32
+            and k.device.type == "cpu" and k.shape[0] == 1 and v.shape[0] == 1
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and k.stride(-2) == D and v.stride(-2) == D
+            and library() is not None and env_enabled())
+
+
+def attend(q: torch.Tensor, q_row: int, k: torch.Tensor, v: torch.Tensor, n: int, Hq: int, Hk: int,
+           D: int, scale: float) -> torch.Tensor:
+    """Causal attention of the n newest positions, their queries at ``q`` (row i, head h at element
+    i * q_row + h * D; contiguous rows), over k, v [1, Hk, past + n, D]: out [1, n, Hq * D], each
+    (row, head) computed alone in an order that does not depend on n (``kernels/blockq.c``)."""
+    past = k.shape[-2] - n
+    out = torch.empty(1, n, Hq * D)
+    _Lib.handle.rakv_attend(q.data_ptr(), n, Hq, D, q_row, k.data_ptr(), k.stride(1), v.data_ptr(),
+                            v.stride(1), Hk, past, scale, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 # ----------------------------------------------------------------------------- a model's layers

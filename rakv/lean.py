@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from . import blockq
+
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 GPT2_ARCHS = ("GPT2LMHeadModel",)
 GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "gelu_fast", "quick_gelu")
@@ -244,6 +246,7 @@ class LeanLlama:
         self.probe = next((m for m in model.modules() if hasattr(m, "one_row_plain")), None)
         self.state = self._state()
         self.dtype = self.embed.weight.dtype
+        self.attend_on = next(self.embed.parameters()).device.type == "cpu"
 
     @staticmethod
     def _layer(L: nn.Module) -> tuple:
@@ -313,6 +316,19 @@ class LeanLlama:
             return None
         return torch.ones(n, past + n, dtype=torch.bool).tril(past)
 
+    def own_attention(self, cache, n: int) -> bool:
+        """Whether this forward's attention runs ``blockq.attend`` (a decode or verify step on a
+        cache it can read: one whose first layer is the lean forward's buffer or a contiguous
+        prefill, as every layer's is) instead of torch's SDPA: each row then comes out the same
+        whether it is computed alone or among the k + 1 rows of a verify."""
+        if not self.attend_on or n > blockq.MAX_ROWS or self.dtype != torch.float32:
+            return False
+        if not cache.layers or not cache.layers[0].is_initialized or cache.layers[0].keys.numel() == 0:
+            return False                                             # a first forward: SDPA (a prefill)
+        L = cache.layers[0]
+        D = self.head_dim
+        return blockq.attend_ok(L.keys, L.values, n, self.n_heads, self.n_kv, D)
+
     # ---- the forward
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, keep: int = 0) -> torch.Tensor:
@@ -325,6 +341,7 @@ class LeanLlama:
         mask = self._mask(past, n)
         Hq, Hk, D = self.n_heads, self.n_kv, self.head_dim
         sq, sk = Hq * D, Hk * D
+        own_attention = self.own_attention(cache, n)
         for i, (ln1, qkv, o, ln2, gate_up, down) in enumerate(self.layers):
             h = qkv(self._rms(x, ln1))                               # [1, n, (Hq + 2 Hk) D]
             qk = self._rotate(h[..., :sq + sk].view(1, n, Hq + Hk, D), cos, sin)   # q and k at once
@@ -332,9 +349,12 @@ class LeanLlama:
             k = qk[:, :, Hq:].transpose(1, 2)
             v = h[..., sq + sk:].view(1, n, Hk, D).transpose(1, 2)
             k, v = _append(cache, i, k, v)                           # [1, Hk, past + n, D]
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=Hq != Hk)  # [1, Hq, n, D]
-            x = x + o(a.transpose(1, 2).reshape(1, n, sq))
+            if own_attention:                                        # [1, n, Hq D], rows independent
+                a = blockq.attend(qk, (Hq + Hk) * D, k, v, n, Hq, Hk, D, self.scale)
+            else:
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                                   enable_gqa=Hq != Hk).transpose(1, 2).reshape(1, n, sq)
+            x = x + o(a)
             g, u = gate_up(self._rms(x, ln2)).chunk(2, dim=-1)
             x = x + down(F.silu(g) * u)
         if keep:
@@ -415,12 +435,17 @@ class LeanGPT2(LeanLlama):
         mask = self._mask(past, n)
         Hh, D = self.n_heads, self.head_dim
         E = Hh * D
+        own_attention = self.own_attention(cache, n)
         for i, (ln1, c_attn, proj, ln2, fc, act, proj2) in enumerate(self.layers):
             h = c_attn(self._ln(x, ln1))                             # [1, n, 3E]
             q, k, v = (t.view(1, n, Hh, D).transpose(1, 2) for t in h.split(E, dim=-1))   # [1, H, n, D]
             k, v = _append(cache, i, k, v)                           # [1, H, past + n, D]
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-            x = x + proj(a.transpose(1, 2).reshape(1, n, E))
+            if own_attention:                                        # [1, n, E], rows independent
+                a = blockq.attend(h, 3 * E, k, v, n, Hh, Hh, D, self.scale)
+            else:
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                   scale=self.scale).transpose(1, 2).reshape(1, n, E)
+            x = x + proj(a)
             x = x + proj2(act(fc(self._ln(x, ln2))))
         if keep:
             x = x[:, -keep:]

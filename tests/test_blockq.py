@@ -146,3 +146,45 @@ def test_without_a_compiler_or_switched_off_the_fp32_kernels_run(monkeypatch):
     monkeypatch.setenv("RAKV_BLOCKQ", "0")
     lm2 = wrap(copy.deepcopy(plain), tok, name="tiny-off")
     assert lm2.blockq["layers"] == 0 and lm2.blockq["reason"] == "RAKV_BLOCKQ=0"
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_verify_row_equals_the_decode_step_bit_for_bit(kernel, arch):
+    """On block-coded weights every row-dependent piece of a step is the project's own (the block
+    kernel, blockq.attend): a (k + 1)-token verify gives each row exactly the logits and KV that
+    k + 1 one-token steps give, so accepting drafts cannot change a single bit of the output."""
+    from rakv import decoding as dec
+
+    target, _, _ = _block_pair(arch)
+    m = target.model
+    ids = [(7 * i + 3) % 300 for i in range(60)]
+    for k in (1, 4, 8, 16):
+        c1, c2 = dec.DynamicCache(), dec.DynamicCache()
+        dec.prefill(m, ids[:30], c1)
+        dec.prefill(m, ids[:30], c2)
+        with torch.inference_mode():
+            v = dec.forward(m, ids[30: 31 + k], c1).reshape(k + 1, -1)
+            steps = torch.cat([dec.forward(m, ids[30 + j: 31 + j], c2).reshape(1, -1) for j in range(k + 1)])
+        assert torch.equal(v, steps), k
+        for a, b in zip(c1.layers, c2.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_own_attention_is_causal_attention(kernel):
+    """blockq.attend against torch's SDPA: GQA, a growing cache, rows that see 0..past + i."""
+    torch.manual_seed(0)
+    Hq, Hk, D, past, n = 6, 2, 32, 21, 5
+    qk = torch.randn(1, n, Hq + Hk, D)
+    k = torch.randn(1, Hk, 64, D)[:, :, : past + n]          # a buffer view, as the lean forward's
+    v = torch.randn(1, Hk, 64, D)[:, :, : past + n]
+    assert blockq.attend_ok(k, v, n, Hq, Hk, D)
+    got = blockq.attend(qk, (Hq + Hk) * D, k, v, n, Hq, Hk, D, 0.2)
+    mask = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+    q = qk[:, :, :Hq].transpose(1, 2)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.2,
+                                                             enable_gqa=True).transpose(1, 2).reshape(1, n, Hq * D)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    one = blockq.attend(qk[:, 2:3].contiguous(), (Hq + Hk) * D, k[:, :, : past + 3], v[:, :, : past + 3],
+                        1, Hq, Hk, D, 0.2)
+    assert torch.equal(one, got[:, 2:3])

@@ -19,6 +19,7 @@
    d, m [N, K/32] fp32. K is a multiple of 32. */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <math.h>
 
@@ -210,7 +211,59 @@ void rakv_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *qs, cons
     run(Q8_WIDE, Q8_ONE, x, M, K, (const uint8_t *)qs, K, d, d, N, y, bias, threads);
 }
 
-int rakv_blockq_version(void) { return 1; }
+/* ---- causal attention of n new query rows over a KV cache (decode and verify steps), fp32.
+
+   q: row i, head h at q + i * q_rs + h * D; k, v: kv head g, position j at k + g * kv_hs + j * D
+   (v likewise with its own head stride); query row i sees positions 0 .. past + i; query head h
+   reads kv head h / (Hq / Hk). out [n, Hq, D] contiguous. Each (row, head) is computed alone and in
+   the same order whatever n is, so a row of a verify equals the same row as a decode step, bit for
+   bit: scores s_j = (q . k_j) scale (16 lanes, then the lane tree), p_j = exp(s_j - max s), then
+   o = sum_j p_j v_j in order of j, divided by sum_j p_j (added in order of j). D % 16 == 0. */
+#define ATT_STACK 8192
+
+static void attend_one(const float *qi, const float *kg, const float *vg, int64_t T, int64_t D,
+                       float scale, float *o, float *s) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < T; j++) {
+        const float *kj = kg + j * D;
+        float acc[LANES] = {0};
+        for (int64_t c = 0; c < D; c += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] = fmaf(qi[c + l], kj[c + l], acc[l]);
+        s[j] = tree16(acc) * scale;
+        if (s[j] > mx) mx = s[j];
+    }
+    float sum = 0.0f;
+    for (int64_t c = 0; c < D; c++) o[c] = 0.0f;
+    for (int64_t j = 0; j < T; j++) {
+        const float p = expf(s[j] - mx);
+        sum += p;
+        const float *vj = vg + j * D;
+        for (int64_t c = 0; c < D; c++) o[c] = fmaf(p, vj[c], o[c]);
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t c = 0; c < D; c++) o[c] *= inv;
+}
+
+void rakv_attend(const float *q, int64_t n, int64_t Hq, int64_t D, int64_t q_rs, const float *k,
+                 int64_t k_hs, const float *v, int64_t v_hs, int64_t Hk, int64_t past, float scale,
+                 float *out, int threads) {
+    const int64_t group = Hq / Hk, tasks = n * Hq;
+    #pragma omp parallel num_threads(threads)
+    {
+        float stack[ATT_STACK];
+        const int64_t T_max = past + n;
+        float *s = T_max <= ATT_STACK ? stack : (float *)malloc(sizeof(float) * T_max);
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t i = t / Hq, h = t % Hq, g = h / group;
+            attend_one(q + i * q_rs + h * D, k + g * k_hs, v + g * v_hs, past + i + 1, D, scale,
+                       out + (i * Hq + h) * D, s);
+        }
+        if (s != stack) free(s);
+    }
+}
+
+int rakv_blockq_version(void) { return 2; }
 
 int rakv_blockq_avx512(void) {
 #ifdef RAKV_AVX512
