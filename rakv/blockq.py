@@ -149,6 +149,8 @@ def library():
     lib.rakv_q4_linear.restype = None
     lib.rakv_q8_linear.argtypes = [vp, i64, i64, vp, vp, i64, vp, vp, i32]
     lib.rakv_q8_linear.restype = None
+    lib.rakv_linear.argtypes = [vp, vp, i64, vp, vp, i32]
+    lib.rakv_linear.restype = None
     lib.rakv_attend.argtypes = [vp, i64, i64, i64, i64, vp, i64, vp, i64, i64, i64, ctypes.c_float, vp, i32]
     lib.rakv_attend.restype = None
     lib.rakv_blockq_avx512.restype = i32
@@ -237,6 +239,12 @@ def _solve(w: torch.Tensor, kind: str, chunk: int = 1 << 16):
     return torch.cat(qs), torch.cat(ds), torch.cat(ms)
 
 
+class _LayerDesc(ctypes.Structure):
+    """``rakv_layer`` in kernels/blockq.c."""
+    _fields_ = [("kind", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
+                ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p)]
+
+
 @dataclass
 class BlockWeight:
     """One linear layer's weight W [N, K] as block codes (see the module docstring)."""
@@ -254,21 +262,28 @@ class BlockWeight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] float32 -> [..., N]: the fp32 linear of the rebuilt weights (+ bias)."""
-        lib = library()
-        x2 = x.reshape(-1, self.K)
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        M = x2.shape[0]
-        y = torch.empty(M, self.N, dtype=torch.float32)
-        b = 0 if bias is None else bias.data_ptr()
-        th = torch.get_num_threads()
-        if self.kind == "q4":
-            lib.rakv_q4_linear(x2.data_ptr(), M, self.K, self.qs.data_ptr(), self.d.data_ptr(),
-                               self.m.data_ptr(), self.N, y.data_ptr(), b, th)
-        else:
-            lib.rakv_q8_linear(x2.data_ptr(), M, self.K, self.qs.data_ptr(), self.d.data_ptr(),
-                               self.N, y.data_ptr(), b, th)
-        return y.view(*x.shape[:-1], self.N)
+        fn = self._fn or self._bind()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = x.new_empty((*x.shape[:-1], self.N))
+        fn(self._ref, x.data_ptr(), x.numel() // self.K, y.data_ptr(),
+           None if bias is None else bias.data_ptr(), torch.get_num_threads())
+        return y
+
+    _fn = None
+    _ref = None
+
+    def __deepcopy__(self, memo):
+        return self          # read-only codes, shared (a copy would keep a description of these tensors)
+
+    def _bind(self):
+        """The kernel's entry and this layer's description for it (made once: a call then passes
+        six plain arguments)."""
+        self._desc = _LayerDesc(4 if self.kind == "q4" else 8, self.N, self.K, self.qs.data_ptr(),
+                                self.d.data_ptr(), self.m.data_ptr() if self.m is not None else self.d.data_ptr())
+        self._ref = ctypes.byref(self._desc)
+        self._fn = library().rakv_linear
+        return self._fn
 
     def dequantize(self) -> torch.Tensor:
         """W [N, K] float32 rebuilt from the codes (what the kernel multiplies by)."""

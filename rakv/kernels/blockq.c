@@ -263,7 +263,22 @@ void rakv_attend(const float *q, int64_t n, int64_t Hq, int64_t D, int64_t q_rs,
     }
 }
 
-int rakv_blockq_version(void) { return 2; }
+/* one call per linear: the layer's codes described once (rakv/blockq.py keeps it), so a call passes
+   six arguments instead of ten */
+typedef struct {
+    int64_t kind, N, K;    /* kind 4: Q4 codes, 8: Q8 codes */
+    const uint8_t *qs;
+    const float *d, *m;
+} rakv_layer;
+
+void rakv_linear(const rakv_layer *L, const float *x, int64_t M, float *y, const float *bias, int threads) {
+    if (L->kind == 4)
+        rakv_q4_linear(x, M, L->K, L->qs, L->d, L->m, L->N, y, bias, threads);
+    else
+        rakv_q8_linear(x, M, L->K, (const int8_t *)L->qs, L->d, L->N, y, bias, threads);
+}
+
+int rakv_blockq_version(void) { return 3; }
 
 int rakv_blockq_avx512(void) {
 #ifdef RAKV_AVX512
