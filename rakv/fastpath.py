@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-_BLOCK_ROWS = 17                  # = rakv.blockq.MAX_ROWS (kept here: fastpath does not import blockq)
+_BLOCK_ROWS = 64                  # = rakv.blockq.MAX_ROWS (kept here: fastpath does not import blockq)
 
 
 def default_enabled() -> bool:

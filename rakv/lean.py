@@ -188,7 +188,7 @@ def _pointwise():
 
 
 _POINTWISE = _pointwise()
-BLOCK_ROWS = 17             # rakv.blockq.MAX_ROWS
+BLOCK_ROWS = 64             # rakv.blockq.MAX_ROWS
 FUSED_QKV, FUSED_GATE_UP = "rakv_qkv", "rakv_gate_up"
 
 
@@ -321,7 +321,7 @@ class LeanLlama:
         cache it can read: one whose first layer is the lean forward's buffer or a contiguous
         prefill, as every layer's is) instead of torch's SDPA: each row then comes out the same
         whether it is computed alone or among the k + 1 rows of a verify."""
-        if not self.attend_on or n > blockq.MAX_ROWS or self.dtype != torch.float32:
+        if not self.attend_on or n > blockq.ATTEND_ROWS or self.dtype != torch.float32:
             return False
         if not cache.layers or not cache.layers[0].is_initialized or cache.layers[0].keys.numel() == 0:
             return False                                             # a first forward: SDPA (a prefill)

@@ -141,7 +141,7 @@ def describe(reg: dict) -> list[str]:
     cap = f" (torch kernels: {reg['cpu_capability']})" if reg.get("cpu_capability") else ""
     row = f"; one-row kernel {reg['one_row_kernel']}" if reg.get("one_row_kernel") else ""
     if reg.get("block_layers"):
-        row += f"; {reg['block_layers']} linear layers from exact block codes (up to 17 rows)"
+        row += f"; {reg['block_layers']} linear layers from exact block codes (up to 64 rows)"
     lines = [f"ISA: {isa}{cap}; {reg.get('threads', '?')} threads{row}"]
     if reg.get("t_ms") is not None:
         vt = ", ".join(f"{k}: {x:.2f}" for k, x in (reg.get("V_over_t") or {}).items())

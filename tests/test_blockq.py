@@ -188,3 +188,11 @@ def test_own_attention_is_causal_attention(kernel):
     one = blockq.attend(qk[:, 2:3].contiguous(), (Hq + Hk) * D, k[:, :, : past + 3], v[:, :, : past + 3],
                         1, Hq, Hk, D, 0.2)
     assert torch.equal(one, got[:, 2:3])
+
+
+def test_the_row_limits_agree():
+    """fastpath and lean keep their own copy of the block kernel's row limit (no import of blockq)."""
+    from rakv import lean
+
+    assert fastpath._BLOCK_ROWS == lean.BLOCK_ROWS == blockq.MAX_ROWS
+    assert blockq.ATTEND_ROWS >= 17                      # every verify (k <= 16) attends on its own
