@@ -91,11 +91,12 @@ def _ident(cc: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _build(cc: str, out: Path) -> str:
-    """Compile the kernel into ``out`` (atomically); returns "" or why it failed."""
+def _build(cc: str, out: Path, extra: tuple = ()) -> str:
+    """Compile the kernel into ``out`` (atomically); returns "" or why it failed. ``extra``: more
+    compiler flags (the tests build the portable variant with ``-mno-avx512f``)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    cmd = [cc, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
+    cmd = [cc, "-O3", "-march=native", *extra, "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
            "-o", str(tmp), str(SOURCE)]
     if sys.platform == "darwin":           # Apple clang: OpenMP through torch's libomp is not assumed
         cmd = [c for c in cmd if c != "-fopenmp"]
@@ -142,10 +143,17 @@ def library():
             _Lib.reason = f"cannot write {out.parent}: {e}"
             return None
     try:
-        lib = ctypes.CDLL(str(out))
+        lib = _load(out)
     except OSError as e:
         _Lib.reason = f"cannot load {out.name}: {e}"
         return None
+    _Lib.handle = lib
+    return lib
+
+
+def _load(path: Path):
+    """The built library at ``path`` with its entry points typed."""
+    lib = ctypes.CDLL(str(path))
     vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.rakv_q4_linear.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, vp, i32]
     lib.rakv_q4_linear.restype = None
@@ -156,7 +164,6 @@ def library():
     lib.rakv_attend.argtypes = [vp, i64, i64, i64, i64, vp, i64, vp, i64, i64, i64, ctypes.c_float, vp, i32]
     lib.rakv_attend.restype = None
     lib.rakv_blockq_avx512.restype = i32
-    _Lib.handle = lib
     return lib
 
 

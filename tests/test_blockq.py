@@ -196,3 +196,36 @@ def test_the_row_limits_agree():
 
     assert fastpath._BLOCK_ROWS == lean.BLOCK_ROWS == blockq.MAX_ROWS
     assert blockq.ATTEND_ROWS >= 17                      # every verify (k <= 16) attends on its own
+
+
+def test_the_portable_kernel_gives_the_same_bits(kernel, tmp_path, monkeypatch):
+    """A CPU without AVX-512 runs the portable C (the same order of operations): built here with
+    -mno-avx512f, it must give exactly what the AVX-512 build gives."""
+    import platform
+
+    native = blockq.library()
+    if platform.machine().lower() not in ("x86_64", "amd64") or not native.rakv_blockq_avx512():
+        pytest.skip("the native build is the portable one here")
+    out = tmp_path / "portable.so"
+    assert blockq._build(blockq._compiler(), out, ("-mno-avx512f",)) == ""
+    portable = blockq._load(out)
+    assert portable.rakv_blockq_avx512() == 0
+
+    def outputs():
+        res = []
+        for kind in ("q4", "q8"):
+            w = _coded(kind, N=70, K=160, seed=4)
+            b = blockq.encode(w)                          # fresh codes: bound to the library now in use
+            torch.manual_seed(5)
+            x, bias = torch.randn(1, 30, 160), torch.randn(70)
+            res += [b(x, bias), b(x[:, :1], bias)]
+        torch.manual_seed(6)
+        qk = torch.randn(1, 5, 8, 32)
+        k, v = torch.randn(1, 2, 64, 32)[:, :, :26], torch.randn(1, 2, 64, 32)[:, :, :26]
+        res.append(blockq.attend(qk, 8 * 32, k, v, 5, 6, 2, 32, 0.2))
+        return res
+
+    a = outputs()
+    monkeypatch.setattr(blockq._Lib, "handle", portable)
+    b = outputs()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
