@@ -392,13 +392,16 @@ def _save_cached(path: Path, codes: dict[str, BlockWeight | None]) -> None:
         tensors[f"{name}.qs"], tensors[f"{name}.d"] = b.qs, b.d
         if b.m is not None:
             tensors[f"{name}.m"] = b.m
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    except OSError:                  # a read-only cache dir: the codes are found again next time
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _matrix(fl) -> torch.Tensor:
