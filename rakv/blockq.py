@@ -155,10 +155,6 @@ def _load(path: Path):
     """The built library at ``path`` with its entry points typed."""
     lib = ctypes.CDLL(str(path))
     vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.rakv_q4_linear.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, vp, i32]
-    lib.rakv_q4_linear.restype = None
-    lib.rakv_q8_linear.argtypes = [vp, i64, i64, vp, vp, i64, vp, vp, i32]
-    lib.rakv_q8_linear.restype = None
     lib.rakv_linear.argtypes = [vp, vp, i64, vp, vp, i32]
     lib.rakv_linear.restype = None
     lib.rakv_attend.argtypes = [vp, i64, i64, i64, i64, vp, i64, vp, i64, i64, i64, ctypes.c_float, vp, i32]
@@ -170,11 +166,6 @@ def _load(path: Path):
 def reason() -> str:
     """Why the kernel is not available ("" when it is, or was not tried yet)."""
     return _Lib.reason
-
-
-def isa() -> str:
-    lib = library()
-    return "" if lib is None else ("avx512" if lib.rakv_blockq_avx512() else "portable")
 
 
 # ----------------------------------------------------------------------------- finding the codes
@@ -224,7 +215,7 @@ def _solve(w: torch.Tensor, kind: str, chunk: int = 1 << 16):
         d = torch.zeros(n, 1)
         lo, hi = wb.min(1, keepdim=True).values, wb.max(1, keepdim=True).values
         amax = wb.abs().max(1, keepdim=True).values
-        for top, step in CANDIDATES[kind]:
+        for j, (top, step) in enumerate(CANDIDATES[kind]):
             todo = ~done
             idx = todo.nonzero().squeeze(1)
             if kind == "q4":
@@ -234,7 +225,7 @@ def _solve(w: torch.Tensor, kind: str, chunk: int = 1 << 16):
                 dc = _fp16_near(amax[idx] / top, step)
                 qc, ok = _q8_try(wb[idx], dc)
             got = idx[ok]
-            if s == 0 and top == CANDIDATES[kind][0][0] and step == 0 and got.numel() < n // 2:
+            if s == 0 and j == 0 and got.numel() < n // 2:
                 return None               # not this code: a coded weight fits its first guess almost everywhere
             q[got], d[got] = qc[ok], dc[ok]
             done[got] = True

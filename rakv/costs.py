@@ -99,7 +99,7 @@ def pair_fingerprint(target, draft) -> dict:
         fp["one_row"] = "packed"
     if getattr(target.model, "_rakv_lean", None) is not None:    # so is a step on the lean forward
         fp["lean"] = True
-    if (getattr(target, "blockq", None) or {}).get("layers"):     # and one from exact block codes
+    if target.blockq.get("layers"):                               # and one from exact block codes
         fp["blockq"] = int(target.blockq["layers"])
     return fp
 
@@ -553,7 +553,7 @@ def regime_figures(target, prof: CostProfile, reps: int = 5) -> dict:
     return {
         "device": str(model_device(model)), "fast": is_enabled(model), "one_row_kernel": one_row_kernel(model),
         "lean": getattr(model, "_rakv_lean", None) is not None,
-        "block_layers": (getattr(target, "blockq", None) or {}).get("layers", 0),
+        "block_layers": target.blockq.get("layers", 0),
         **threads_info(), "isa": isa_flags(),
         "ctx": ctx, "step_ms": round(t, 3),
         "floor_ms": round(floor, 3), "floor_method": "one pass over all linear layers, 1 row (measured)",

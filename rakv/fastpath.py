@@ -31,8 +31,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .blockq import MAX_ROWS
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-_BLOCK_ROWS = 64                  # = rakv.blockq.MAX_ROWS (kept here: fastpath does not import blockq)
+_BLOCK_ROWS = MAX_ROWS            # rows up to which a linear with block codes runs from them
 
 
 def default_enabled() -> bool:

@@ -118,11 +118,9 @@ class _Fused(nn.Module):
             if b is not None:
                 lin.bias = nn.Parameter(b, requires_grad=False)
             if all(isinstance(m, FastLinear) for m in self.mods):
-                from .blockq import concat
-
                 fl = FastLinear(lin)
                 fl.one_row_plain = self.mods[0].one_row_plain
-                fl.block = concat([m.block for m in self.mods])     # stacked rows: stacked codes
+                fl.block = blockq.concat([m.block for m in self.mods])     # stacked rows: stacked codes
                 lin = fl
         self.lin = lin
         self.version = self._versions()
@@ -188,7 +186,7 @@ def _pointwise():
 
 
 _POINTWISE = _pointwise()
-BLOCK_ROWS = 64             # rakv.blockq.MAX_ROWS
+BLOCK_ROWS = blockq.MAX_ROWS   # read once: _Op.__call__ is the hot path
 FUSED_QKV, FUSED_GATE_UP = "rakv_qkv", "rakv_gate_up"
 
 
@@ -246,7 +244,6 @@ class LeanLlama:
         self.probe = next((m for m in model.modules() if hasattr(m, "one_row_plain")), None)
         self.state = self._state()
         self.dtype = self.embed.weight.dtype
-        self.attend_on = next(self.embed.parameters()).device.type == "cpu"
 
     @staticmethod
     def _layer(L: nn.Module) -> tuple:
@@ -321,13 +318,12 @@ class LeanLlama:
         cache it can read: one whose first layer is the lean forward's buffer or a contiguous
         prefill, as every layer's is) instead of torch's SDPA: each row then comes out the same
         whether it is computed alone or among the k + 1 rows of a verify."""
-        if not self.attend_on or n > blockq.ATTEND_ROWS or self.dtype != torch.float32:
+        if n > blockq.ATTEND_ROWS or self.dtype != torch.float32:     # (the lean forward is CPU-only)
             return False
         if not cache.layers or not cache.layers[0].is_initialized or cache.layers[0].keys.numel() == 0:
             return False                                             # a first forward: SDPA (a prefill)
         L = cache.layers[0]
-        D = self.head_dim
-        return blockq.attend_ok(L.keys, L.values, n, self.n_heads, self.n_kv, D)
+        return blockq.attend_ok(L.keys, L.values, n, self.n_heads, self.n_kv, self.head_dim)
 
     # ---- the forward
     @torch.inference_mode()

@@ -200,13 +200,13 @@ static void run(const tile_fn *wide, const tile_fn *one, const float *x, int64_t
 }
 
 /* y [M, N] = x [M, K] W^T (+ bias), W in Q4 codes (see above) */
-void rakv_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
+static void rakv_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
                     const float *m, int64_t N, float *y, const float *bias, int threads) {
     run(Q4_WIDE, Q4_ONE, x, M, K, qs, K / 2, d, m, N, y, bias, threads);
 }
 
 /* y [M, N] = x [M, K] W^T (+ bias), W in Q8 codes (see above) */
-void rakv_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
+static void rakv_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
                     int64_t N, float *y, const float *bias, int threads) {
     run(Q8_WIDE, Q8_ONE, x, M, K, (const uint8_t *)qs, K, d, d, N, y, bias, threads);
 }
@@ -277,8 +277,6 @@ void rakv_linear(const rakv_layer *L, const float *x, int64_t M, float *y, const
     else
         rakv_q8_linear(x, M, L->K, (const int8_t *)L->qs, L->d, L->N, y, bias, threads);
 }
-
-int rakv_blockq_version(void) { return 3; }
 
 int rakv_blockq_avx512(void) {
 #ifdef RAKV_AVX512
