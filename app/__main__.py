@@ -1,3 +1,5 @@
+"""``python -m app``: the explorer (``rakv-explorer``)."""
+
 import sys
 
 from app.main import main

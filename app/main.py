@@ -13,7 +13,7 @@ import os
 import sys
 
 from rakv import argtypes as A
-from rakv.cli import add_device_args, quiet_libs
+from rakv.common import add_device_args, quiet_libs
 from rakv.config import POLICIES_HELP
 
 

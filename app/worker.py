@@ -72,7 +72,8 @@ class Worker(QObject):
     def load_models(self, target: str, draft: str, k_max: int = 8) -> None:
         from rakv.costs import load_or_calibrate
         from rakv.engine import make_draft
-        from rakv.models import cache_dir, load_model
+        from rakv.models import load_model
+        from rakv.paths import cache_dir
 
         try:
             self.busy.emit(f"loading {target} + {draft} ...")
@@ -154,7 +155,7 @@ class Worker(QObject):
             self._write_pieces(prompt, end)
             if self._persist and self.profile is not None:
                 from rakv.costs import save_learned
-                from rakv.models import cache_dir
+                from rakv.paths import cache_dir
                 save_learned(self.profile, cache_dir())   # best effort: a failure loses only learning
         except Exception as e:  # noqa: BLE001
             self._fail(str(e) or type(e).__name__, e)

@@ -1,3 +1,5 @@
+"""``python -m rakv``: the ``rakv`` command."""
+
 import sys
 
 from .cli import main

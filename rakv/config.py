@@ -28,7 +28,7 @@ class RakvConfig:
     revision: str | None = None     # hub revision for hub ids
     dtype: str = "float32"
     device: str = "auto"            # auto (cuda, else mps, else cpu) | cpu | cuda | mps; the CLI stores the resolved one
-    fast: bool = field(default_factory=env_fast)  # packed oneDNN linears on CPU (rakv.fastpath); --no-fast / RAKV_FAST=0
+    fast: bool = field(default_factory=env_fast)  # packed oneDNN linears on CPU (rakv.kernels.fastpath); --no-fast / RAKV_FAST=0
     threads: int | None = None      # torch.set_num_threads; None = torch default
     # prompts
     chat_template: bool = True      # apply the tokenizer's chat template (if it has one); False = raw text

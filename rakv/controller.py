@@ -79,9 +79,9 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
+from .acceptance import trials
 from .config import LOOKUP_K
-from .costs import CostProfile
-from .regime import round_draft_ms
+from .costs.model import CostProfile, round_draft_ms
 from .records import Candidate
 
 now = time.perf_counter
@@ -104,11 +104,6 @@ PERSIST_MIN_TRIALS = 4  # a request counts toward persistence with at least this
 SHAPE_PRIOR = 16.0    # pseudo-trials per draft position at the pooled rate (the i.i.d. model) before any round
 SHAPE_DECAY = 0.005   # per-round ageing of the position counts (about the last 200 rounds)
 COPY_ALPHA = 0.99     # acceptance of an exact repeat whose earlier output the n-gram lookup copies
-
-
-def trials(accepted: int, drafted: int) -> int:
-    """Bernoulli trials in a round: the accepted drafts, plus the rejected one if any."""
-    return accepted + (1 if accepted < drafted else 0)
 
 
 def spec_or_plain(best: Candidate, plain: list[Candidate]) -> Candidate:

@@ -41,7 +41,7 @@ def _ids(tokens, device=None) -> torch.Tensor:
 def forward(model, tokens, cache: DynamicCache, keep: int = 0) -> torch.Tensor:
     """Feed ``tokens`` ([n]) after what ``cache`` holds; returns logits [keep or n, V] (float32).
 
-    A model with a lean forward (``rakv.lean``, attached with the fast path) runs that; else HF's."""
+    A model with a lean forward (``rakv.kernels.lean``, attached with the fast path) runs that; else HF's."""
     lean = getattr(model, "_rakv_lean", None)
     if lean is not None:
         return lean.forward(_ids(tokens), cache, keep)[0].float()

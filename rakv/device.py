@@ -8,6 +8,8 @@ work, so a timer never stops before the kernels it times have run.
 from __future__ import annotations
 
 import os
+import platform
+import sys
 import time
 
 import torch
@@ -108,3 +110,26 @@ def threads_info() -> dict:
     return {"torch_threads": torch.get_num_threads(), "cores": os.cpu_count(),
             "torch_capability": torch.backends.cpu.get_cpu_capability()
             if hasattr(torch.backends, "cpu") and hasattr(torch.backends.cpu, "get_cpu_capability") else ""}
+
+
+def hardware_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
+
+
+def versions_info() -> dict:
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return {"rakv": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
+            "transformers": transformers.__version__}

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import decoding as dec
-from .device import clock
+from .device import clock, hardware_info, versions_info
 from .config import Policy, RakvConfig
 from .controller import AlphaEWMA, Choice, Controller, Situation
 from .costs import CostProfile
@@ -25,8 +25,7 @@ from .gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, judged, request_t
 from .models import LoadedModel, model_info
 from .prefix_cache import PrefixCache
 from .prompts import EncodedPrompt, encode_prompt
-from .records import (CacheLookup, Candidate, Decision, RequestEnd, RequestStart, Round, RunHeader,
-                      hardware_info, versions_info)
+from .records import CacheLookup, Candidate, Decision, RequestEnd, RequestStart, Round, RunHeader
 
 now = clock          # synchronizes CUDA / MPS before reading the time
 

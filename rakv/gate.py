@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .acceptance import judged  # noqa: F401 - the gate judges rounds this way (and re-exports it)
+
 BINS = 10             # confidence bins of width 0.1
 PRIOR_WEIGHT = 2.0    # pseudo-trials per bin behind the prior (calibration or the confidence itself)
 LOOKUP_ALPHA = 0.3    # the n-gram side draft's prior acceptance before any verify (learned online)
@@ -31,12 +33,6 @@ TRUST_WEIGHT = 2.0    # pseudo-tokens behind a request's own lookup trust (1 unt
 
 def conf_bin(c: float) -> int:
     return min(BINS - 1, max(0, int(c * BINS)))
-
-
-def judged(xs: list, drafted: int, accepted: int) -> list[tuple]:
-    """(x, accepted?) for the drafted tokens a verify judged: the accepted ones and the first
-    rejected one (tokens after it were never judged on their own prefix)."""
-    return [(x, i < accepted) for i, x in enumerate(xs[: min(drafted, accepted + 1)])]
 
 
 class AcceptMap:

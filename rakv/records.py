@@ -7,14 +7,11 @@ Every record has ``type`` and ``t`` (seconds since the recorder/engine started).
 from __future__ import annotations
 
 import csv
-import io
 import json
 import os
-import platform
-import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Union, get_args, get_origin, get_type_hints
+from typing import Callable, Iterable, Union, get_args, get_origin, get_type_hints
 
 SCHEMA_VERSION = 1
 
@@ -277,29 +274,6 @@ def _type_name(t) -> str:
         t, str(t).replace("typing.", ""))
 
 
-def hardware_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
-
-
-def versions_info() -> dict:
-    import torch
-    import transformers
-
-    from . import __version__
-
-    return {"rakv": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
-            "transformers": transformers.__version__}
-
-
 class Recorder:
     """Writes records as JSON Lines, one line per record, flushed per line (nothing is lost)."""
 
@@ -455,7 +429,7 @@ def _gate_row(row: dict, r: "Round") -> None:
     row["gate_rounds"] = row.get("gate_rounds", 0) + 1
     stops = row.setdefault("_stops", {})
     stops[r.draft_stop] = stops.get(r.draft_stop, 0) + 1
-    from .gate import judged
+    from .acceptance import judged
 
     n, p, h = row.get("_judged", (0, 0.0, 0))
     js = judged(r.draft_pred, r.drafted, r.accepted)

@@ -18,6 +18,8 @@ import os
 import shutil
 import subprocess
 
+from .costs.model import drafting_ks, round_draft_ms
+
 CTX = 128            # context at which the regime's ratios are stated (the profile's V_ctx default)
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
              "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16",
@@ -75,12 +77,6 @@ def e_k(alpha: float, k: int) -> float:
     return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def round_draft_ms(k: int, alpha: float, d: float, d2x: float) -> float:
-    """Expected draft ms of a k-token round: k steps of d, the first one d2x dearer when the round
-    before accepted all its k drafts (chance alpha^k at i.i.d. acceptance alpha)."""
-    return 0.0 if k <= 0 else k * d + min(1.0, max(0.0, alpha)) ** k * d2x
-
-
 def decode_crossover(t: float, d: float, v: float, k: int, d2_extra: float = 0.0) -> float | None:
     """Smallest alpha in [0, 1] with (k*d + alpha^k d2_extra + v) / E_k(alpha) <= t (d2_extra: the
     2-token draft step over d); None when even alpha = 1 loses."""
@@ -95,16 +91,6 @@ def decode_crossover(t: float, d: float, v: float, k: int, d2_extra: float = 0.0
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if cost(mid) / e_k(mid, k) <= t else (mid, hi)
     return hi
-
-
-def drafting_ks(ks: list[int]) -> list[int]:
-    """The k a drafting policy may use: the measured ones up to k_max, without the lengths past
-    it that calibration adds for n-gram lookups only (``costs.lookup_vs``)."""
-    from .costs import lookup_vs
-    for m in ks:
-        if [k for k in ks if k > m] == lookup_vs(m) and lookup_vs(m):
-            return [k for k in ks if k <= m]
-    return ks
 
 
 def regime(profile, cpuinfo: str | None = None) -> dict:

@@ -6,9 +6,9 @@ demo model; llama.cpp on the same weights as a fourth arm when it is there.
                                        [--gguf F32.gguf] [--out docs/engine/fastpath.json]
 
 Arms, copies of the same weights in one process: ``plain`` (the model as transformers builds it),
-``fast`` (``rakv.fastpath``: packed oneDNN linears, the one-row kernel chosen per machine, HF's
-forward), ``lean-fp32`` (those fp32 linears under ``rakv.lean``'s forward), ``lean`` (the default:
-the lean forward with every block-coded weight run from its codes, ``rakv.blockq``) and, with
+``fast`` (``rakv.kernels.fastpath``: packed oneDNN linears, the one-row kernel chosen per machine, HF's
+forward), ``lean-fp32`` (those fp32 linears under ``rakv.kernels.lean``'s forward), ``lean`` (the default:
+the lean forward with every block-coded weight run from its codes, ``rakv.kernels.blockq``) and, with
 ``--gguf`` and ``llama_cpp`` (llama-cpp-python) importable, ``llama.cpp`` (greedy, same prompt ids).
   * ``ar`` tokens/s (``rakv generate --policy ar``'s engine, no draft) over the prompts, at 2 threads
     and at 1 thread, arms and thread counts alternating prompt by prompt, the output ids compared;
@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rakv import decoding as dec  # noqa: E402
-from rakv import fastpath  # noqa: E402
-from rakv import lean as leanmod  # noqa: E402
+from rakv.kernels import fastpath  # noqa: E402
+from rakv.kernels import lean as leanmod  # noqa: E402
 from rakv.config import RakvConfig  # noqa: E402
 from rakv.device import isa_flags, threads_info  # noqa: E402
 from rakv.engine import Engine  # noqa: E402
@@ -51,7 +51,7 @@ PROMPTS = [
 
 
 def _fp32(model):
-    """``model`` without block codes (rakv.blockq): every linear on the fp32 kernels."""
+    """``model`` without block codes (rakv.kernels.blockq): every linear on the fp32 kernels."""
     for m in model.modules():
         if isinstance(m, fastpath.FastLinear):
             m.block = None
@@ -216,7 +216,7 @@ def main() -> int:
 
 
 def _cpu() -> str:
-    from rakv.records import hardware_info
+    from rakv.device import hardware_info
 
     return hardware_info()["cpu"]
 

@@ -6,7 +6,7 @@ rounds in one process, and whether the ids agree (issue 11; docs/results.md, ses
 import json, statistics, sys, time
 import torch
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-from rakv import fastpath
+from rakv.kernels import fastpath
 from rakv.config import RakvConfig
 from rakv.engine import Engine
 from rakv.models import load_model

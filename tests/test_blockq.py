@@ -1,4 +1,4 @@
-"""Exact block-coded weights (rakv.blockq): codes found only where they rebuild every weight bit for
+"""Exact block-coded weights (rakv.kernels.blockq): codes found only where they rebuild every weight bit for
 bit, a kernel whose rows do not depend on how many there are, every policy still exact, the codes'
 cache, and the fallbacks."""
 
@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from rakv import blockq, fastpath
+from rakv.kernels import blockq, fastpath
 from rakv.config import RakvConfig
 from rakv.costs import CostProfile
 from rakv.drafts import ModelDraft, NgramDraft
@@ -111,17 +111,17 @@ def test_every_policy_is_exact_on_block_coded_weights(kernel, arch):
 def test_codes_are_saved_once_and_checked_against_the_weights(kernel, monkeypatch):
     t = snap_to_blocks(make_model("llama", seed=3))
     fastpath.enable(t)
-    info = blockq.attach(t, "tiny-cache-test")
+    info = fastpath.attach_codes(t, "tiny-cache-test")
     assert info["layers"] > 0 and blockq._cache_path("tiny-cache-test").exists()
     calls = []
     real = blockq.encode
     monkeypatch.setattr(blockq, "encode", lambda w: calls.append(w.shape) or real(w))
     again = copy.deepcopy(t)
-    assert blockq.attach(again, "tiny-cache-test")["layers"] == info["layers"]
+    assert fastpath.attach_codes(again, "tiny-cache-test")["layers"] == info["layers"]
     assert calls == []                                   # all from the saved codes
     with torch.no_grad():                                # a weight that is not the saved one
         again.model.layers[0].mlp.down_proj.weight.mul_(2)
-    assert blockq.attach(again, "tiny-cache-test")["layers"] == info["layers"]
+    assert fastpath.attach_codes(again, "tiny-cache-test")["layers"] == info["layers"]
     assert len(calls) == 1
     y = again.model.layers[0].mlp.down_proj(torch.randn(1, 1, 128))
     w = again.model.layers[0].mlp.down_proj.weight
@@ -192,7 +192,7 @@ def test_own_attention_is_causal_attention(kernel):
 
 def test_the_row_limits_agree():
     """fastpath and lean keep their own copy of the block kernel's row limit (no import of blockq)."""
-    from rakv import lean
+    from rakv.kernels import lean
 
     assert fastpath._BLOCK_ROWS == lean.BLOCK_ROWS == blockq.MAX_ROWS
     assert blockq.ATTEND_ROWS >= 17                      # every verify (k <= 16) attends on its own

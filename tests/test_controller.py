@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from rakv import costs as costs_mod
+from rakv.costs import model as costs_mod
+from rakv.costs import calibration as calibrate_mod
+from rakv.costs import profile as profile_mod
 from rakv.controller import E, AlphaEWMA, Controller, Situation
 from rakv.costs import CostProfile, interp, load_or_calibrate
 
@@ -237,8 +239,8 @@ def test_recalibrates_when_fingerprint_changes(tmp_path, monkeypatch):
     p1, fresh1 = load_or_calibrate(target, src, tmp_path, k_max=2, quick=True)
     p2, fresh2 = load_or_calibrate(target, src, tmp_path, k_max=2, quick=True)
     assert fresh1 and not fresh2 and p2.fingerprint == p1.fingerprint
-    real = costs_mod.hardware_info
-    monkeypatch.setattr(costs_mod, "hardware_info", lambda: {**real(), "cpu": "another CPU"})
+    real = profile_mod.hardware_info
+    monkeypatch.setattr(profile_mod, "hardware_info", lambda: {**real(), "cpu": "another CPU"})
     p3, fresh3 = load_or_calibrate(target, src, tmp_path, k_max=2, quick=True)
     assert fresh3 and p3.fingerprint["cpu"] == "another CPU"
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 2
@@ -323,9 +325,9 @@ def test_calibration_measures_costs_in_the_loop():
 
     target, draft_lm = make_pair("gpt2")
     ids = list(range(5, 60))
-    r = costs_mod.interleaved_ratios(target.model, draft_lm.model, ids, ctx=16, k_max=3, reps=2)
+    r = calibrate_mod.interleaved_ratios(target.model, draft_lm.model, ids, ctx=16, k_max=3, reps=2)
     assert set(r) == {1, 2, 3, "d", "d2"} and all(v > 0 for v in r.values())
-    r = costs_mod.interleaved_ratios(target.model, None, ids, ctx=16, k_max=2, reps=2)
+    r = calibrate_mod.interleaved_ratios(target.model, None, ids, ctx=16, k_max=2, reps=2)
     assert set(r) == {1, 2}
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from rakv import fastpath
+from rakv.kernels import fastpath
 from rakv.cli import main
 from rakv.config import RakvConfig
 from rakv.costs import lookup_vs

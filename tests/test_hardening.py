@@ -74,11 +74,11 @@ def test_malformed_profile_is_reported_and_measured_again(pair, tmp_path, capsys
     path.write_text(json.dumps(d))
     capsys.readouterr()
     with pytest.raises(C.ProfileError, match=str(path.name)):
-        C.CostProfile.load(path)
+        C.load_profile(path)
     prof2, fresh2 = C.load_or_calibrate(target, draft, tmp_path, k_max=2, quick=True)
     err = capsys.readouterr().err
     assert fresh2 and err.count("is malformed") == 1 and str(path) in err
-    assert C.CostProfile.load(path) is not None          # the measured one replaced it
+    assert C.load_profile(path) is not None          # the measured one replaced it
     prof2.step(100), prof2.verify(2, 100)
 
 
@@ -94,7 +94,7 @@ def test_malformed_profile_never_breaks_generate(models, tmp_path, capsys, monke
     path.write_text(json.dumps(d))
     code, _, err = run(capsys, *args)
     assert code == 0 and "malformed" in err and "Traceback" not in err
-    assert C.CostProfile.load(path) is not None
+    assert C.load_profile(path) is not None
     assert run(capsys, *args)[0] == 0
 
 
@@ -103,13 +103,13 @@ def test_profile_rejects_unknown_and_missing_fields(good_profile, tmp_path):
     for d in ({**good_profile, "bogus": 1}, {k: v for k, v in good_profile.items() if k != "T_pf"}, [], "x"):
         p.write_text(json.dumps(d))
         with pytest.raises(C.ProfileError):
-            C.CostProfile.load(p)
+            C.load_profile(p)
     p.write_text("{not json")
     with pytest.raises(C.ProfileError, match="not valid JSON"):
-        C.CostProfile.load(p)
-    assert C.CostProfile.load(tmp_path / "none.json") is None
+        C.load_profile(p)
+    assert C.load_profile(tmp_path / "none.json") is None
     p.write_text(json.dumps(good_profile))
-    assert C.CostProfile.load(p) is not None
+    assert C.load_profile(p) is not None
 
 
 # ------------------------------------------------------------------------------- 2. read-only cache
@@ -244,7 +244,7 @@ def test_concurrent_profile_saves_never_collide(good_profile, tmp_path):
     def saver():
         for _ in range(150):
             try:
-                prof.save(path)
+                C.save_profile(prof, path)
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
 
@@ -252,7 +252,7 @@ def test_concurrent_profile_saves_never_collide(good_profile, tmp_path):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert not errors, errors[:3]
-    assert C.CostProfile.load(path) is not None
+    assert C.load_profile(path) is not None
     assert [p.name for p in path.parent.iterdir()] == ["p.json"]       # no temp files left behind
 
 
@@ -521,14 +521,14 @@ def test_retries_stop_at_the_deadline():
 def test_busy_start_gives_a_quick_calibration_marked_contended(pair, tmp_path, capsys, monkeypatch):
     target, draft = pair
     monkeypatch.setenv("RAKV_CONTENTION_CHECK", "1")
-    monkeypatch.setattr("rakv.costs.quiet_probe", lambda target: M.Timing([10, 10, 10], [5, 5, 5]))   # 50% share
+    monkeypatch.setattr("rakv.costs.calibration.quiet_probe", lambda target: M.Timing([10, 10, 10], [5, 5, 5]))   # 50% share
     prof, fresh = C.load_or_calibrate(target, draft, tmp_path, k_max=2)
     err = capsys.readouterr().err
     assert fresh and prof.contended and "a quick calibration" in err
     assert any("busy when calibration started" in r for r in prof.quality["reasons"])
     assert [x for x, _ in prof.t] == [16, 128]            # the quick grid, not the full one
     # a quiet machine whose probe only varies (full CPU share, high spread) is not called busy
-    monkeypatch.setattr("rakv.costs.quiet_probe", lambda target: M.Timing([10, 20, 14], [10, 20, 14]))
+    monkeypatch.setattr("rakv.costs.calibration.quiet_probe", lambda target: M.Timing([10, 20, 14], [10, 20, 14]))
     assert C.busy_now(target) is None
 
 
@@ -539,18 +539,18 @@ def test_busy_machine_flags_the_profile(pair, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RAKV_CONTENTION_CHECK", "1")
     real = M.cpu_clock
     monkeypatch.setattr(M, "cpu_clock", lambda: real() * 0.5)      # we run half the time we measure
-    monkeypatch.setattr("rakv.costs.cpu_clock", M.cpu_clock)
+    monkeypatch.setattr("rakv.costs.calibration.cpu_clock", M.cpu_clock)
     prof, fresh = C.load_or_calibrate(target, draft, tmp_path, k_max=2, quick=True)
     err = capsys.readouterr().err
     q = prof.quality
     assert fresh and q["contended"] and q["cpu_share"] < 0.8 and q["retries"] > 0 and "busy machine" in err
-    assert C.CostProfile.load(C.profile_path(tmp_path, prof.fingerprint)).contended
-    monkeypatch.setattr("rakv.costs.is_quiet", lambda t: False)
+    assert C.load_profile(C.profile_path(tmp_path, prof.fingerprint)).contended
+    monkeypatch.setattr("rakv.costs.calibration.is_quiet", lambda t: False)
     assert C.load_or_calibrate(target, draft, tmp_path, k_max=2, quick=True)[1] is False
     assert "still busy" in capsys.readouterr().err
     monkeypatch.setattr(M, "cpu_clock", real)
-    monkeypatch.setattr("rakv.costs.cpu_clock", real)
-    monkeypatch.setattr("rakv.costs.is_quiet", lambda t: True)
+    monkeypatch.setattr("rakv.costs.calibration.cpu_clock", real)
+    monkeypatch.setattr("rakv.costs.calibration.is_quiet", lambda t: True)
     prof3, fresh3 = C.load_or_calibrate(target, draft, tmp_path, k_max=2, quick=True)
     assert fresh3 and "quiet now" in capsys.readouterr().err
 
@@ -619,7 +619,7 @@ def test_old_profile_version_is_not_accepted(good_profile, tmp_path):
     p = tmp_path / "p.json"
     p.write_text(json.dumps({**good_profile, "fingerprint": {"version": C.PROFILE_VERSION - 1}}))
     with pytest.raises(C.ProfileError, match="version"):
-        C.CostProfile.load(p)
+        C.load_profile(p)
 
 
 # ------------------------------------------------------------------------------- 5. two processes at once
@@ -637,7 +637,7 @@ def test_two_processes_on_a_fresh_cache(models, tmp_path):
         assert json.loads(out)["output_ids"]
     assert json.loads(outs[0][0])["output_ids"] == json.loads(outs[1][0])["output_ids"]
     profiles = list((tmp_path / "cache" / "profiles").glob("*.json"))
-    assert len(profiles) == 1 and C.CostProfile.load(profiles[0]).T_pf
+    assert len(profiles) == 1 and C.load_profile(profiles[0]).T_pf
     assert sum("calibrating costs" in err for _, err in outs) == 1      # the second waited for the first
     assert not list((tmp_path / "cache" / "profiles").glob("*.tmp"))
 

@@ -1,4 +1,4 @@
-"""The lean forward (rakv.lean), Llama and GPT-2: HF's logits and greedy ids, the caches it shares,
+"""The lean forward (rakv.kernels.lean), Llama and GPT-2: HF's logits and greedy ids, the caches it shares,
 its switch."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rakv import decoding as dec
-from rakv import fastpath, lean
+from rakv.kernels import fastpath, lean
 from rakv.config import RakvConfig
 from rakv.drafts import ModelDraft
 from rakv.engine import Engine

@@ -109,7 +109,7 @@ def snap_to_blocks(model, kind: str = "q4", head: str = "q8"):
     """Round every linear weight of ``model`` in place as llama.cpp's quantizers do, blocks of 32
     inputs: ``q4`` like Q4_1 (d = (max - min) / 15 and m = min as float16, q = round((w - m) / d)),
     ``q8`` like Q8_0 (d = max |w| / 127 as float16); the LM head by ``head``. The model then holds
-    exactly what a GGUF of that type dequantizes to (what rakv.blockq runs from its codes)."""
+    exactly what a GGUF of that type dequantizes to (what rakv.kernels.blockq runs from its codes)."""
     from transformers.pytorch_utils import Conv1D
 
     def q4(w):

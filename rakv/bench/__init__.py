@@ -16,7 +16,6 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from rakv import argtypes as A
@@ -37,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rakv.cli import add_model_args
+    from rakv.common import add_model_args
 
     ap = _Parser(prog="rakv bench", description=__doc__.split("\n\n")[0])
     add_model_args(ap)
@@ -169,7 +168,7 @@ def parse_workloads(text: str) -> list[str]:
 
 
 def load_models(args, draft_spec: str):
-    from rakv.cli import device_kw, load_pair
+    from rakv.common import device_kw, load_pair
     from rakv.config import RakvConfig
 
     kw = device_kw(args)
@@ -228,9 +227,11 @@ def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
 
 
 def run(args, argv: list[str]) -> int:
-    from rakv.cli import device_kw, get_profile, quiet_libs
+    from rakv.common import device_kw, get_profile, quiet_libs
     from rakv.config import RakvConfig
-    from rakv.models import log
+    from rakv.paths import log
+
+    from rakv.costs import save_profile
 
     from .report import write_summary
     from .runner import BenchContext, default_arm_names, parse_arms, run_streams
@@ -255,7 +256,7 @@ def run(args, argv: list[str]) -> int:
         return print_plan(streams, arms, s["repeats"])
     profile = get_profile(target, draft, k_max, force=args.recalibrate, quick=args.quick or args.tiny)
     out.mkdir(parents=True, exist_ok=True)
-    profile.save(out / "profile.json")
+    save_profile(profile, out / "profile.json")
     config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, k_set=tuple(s["k_set"]),
                         budget_mib=args.budget_mib, **device_kw(args))
     meta = run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile)
@@ -288,7 +289,7 @@ def run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile=None
     import torch
 
     from rakv.prompts import has_chat_template
-    from rakv.records import hardware_info, versions_info
+    from rakv.device import hardware_info, versions_info
     from rakv.regime import regime
 
     return dict(command=shlex.join(["rakv", "bench", *argv]), target=target.name, draft=getattr(draft, "name", "none"),

@@ -321,10 +321,10 @@ def predicted_alpha_star(rows: list[dict], meta: dict, out: Path) -> dict:
     prof_path = out / "profile.json"
     if not prof_path.exists():
         return {}
-    from rakv.costs import CostProfile, ProfileError
+    from rakv.costs.profile import ProfileError, load_profile
 
     try:
-        prof = CostProfile.load(prof_path)
+        prof = load_profile(prof_path)
     except ProfileError:
         return {}
     ks = sorted(M.speedup_points(rows))
@@ -413,10 +413,10 @@ def run_regime(meta: dict, out: Path) -> dict | None:
     prof_path = out / "profile.json"
     if not prof_path.exists():
         return None
-    from rakv.costs import CostProfile
+    from rakv.costs.profile import load_profile
     from rakv.regime import regime
 
-    prof = CostProfile.load(prof_path)
+    prof = load_profile(prof_path)
     if prof is None:
         return None
     reg = regime(prof, cpuinfo="")

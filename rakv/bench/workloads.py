@@ -202,7 +202,7 @@ FOLLOW_UPS = [
 
 
 def file_source(path: str) -> list[str]:
-    from rakv.cli import read_prompts
+    from rakv.common import read_prompts
 
     return read_prompts(path)
 

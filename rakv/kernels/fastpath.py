@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import blockq
 from .blockq import MAX_ROWS
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -39,7 +40,7 @@ _BLOCK_ROWS = MAX_ROWS            # rows up to which a linear with block codes r
 
 def default_enabled() -> bool:
     """The process default: on unless ``RAKV_FAST`` is 0 / false / off / no."""
-    from .config import env_fast
+    from ..config import env_fast
 
     return env_fast()
 
@@ -126,7 +127,7 @@ class FastLinear(nn.Module):
     # One row (a decode step, a draft step): torch's own kernel (MKL's gemv) unless choose_one_row
     # measured the packed one faster on this machine; 2+ rows (a verify, a prefill): packed.
     one_row_plain = True
-    # The weight's exact block codes (rakv.blockq; set by blockq.attach, None when it has none): up to
+    # The weight's exact block codes (rakv.kernels.blockq; set by blockq.attach, None when it has none): up to
     # blockq.MAX_ROWS rows run from them, the same fp32 weights at a fraction of the bytes.
     block = None
 
@@ -228,7 +229,7 @@ def disable(model: nn.Module) -> int:
             setattr(parent, name, child.plain())
             n += 1
     model._rakv_fast = False
-    model._rakv_lean = None          # the lean forward (rakv.lean) belongs to the fast path
+    model._rakv_lean = None          # the lean forward (rakv.kernels.lean) belongs to the fast path
     return n
 
 
@@ -268,7 +269,7 @@ def linear_floor_ms(model: nn.Module, rows: int = 1, reps: int = 5) -> float:
     row this is the weight-streaming floor of a decode step (a step cannot be cheaper than reading
     its weights once). The attention, norms and framework overhead are what a step pays above it.
     """
-    from .device import clock, model_device
+    from ..device import clock, model_device
 
     layers = linear_layers(model)
     if not layers:
@@ -299,8 +300,8 @@ def _decode_steps(model: nn.Module, ctx: int = 64, steps: int = 4):
     """Timing (rakv.meter) of real decode steps, one token after a ``ctx``-token prefill: what the
     one-row kernel is chosen for. (A bare pass over the linear layers ranked the kernels the other
     way on the session-6 machine, where whole steps and `ar` tokens/s favoured the packed one.)"""
-    from . import decoding as dec
-    from .meter import time_reps
+    from .. import decoding as dec
+    from ..meter import time_reps
 
     vocab = int(getattr(model.config, "vocab_size", 1000))
     ids = iter([(i * 7919) % vocab for i in range(1, ctx + steps + 2)])
@@ -330,8 +331,8 @@ def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, roun
     Forced by ``RAKV_ONE_ROW`` (plain | packed); else remembered in ``cache/kernels.json`` per model,
     thread count, torch build and CPU; else measured: real decode steps with each kernel,
     interleaved ``rounds`` times (~3 s on the demo model), medians compared."""
-    from .meter import Timing
-    from .records import hardware_info
+    from ..meter import Timing
+    from ..device import hardware_info
 
     if not is_enabled(model):
         return {"kernel": "", "how": "not on the fast path"}
@@ -367,7 +368,7 @@ def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, roun
         return dict(out, kernel="plain", how=f"busy machine (CPU share {share:.0%}): default kept, not remembered")
     set_one_row(model, out["kernel"])
     if path is not None:
-        from .costs import write_atomic
+        from ..paths import write_atomic
 
         known[ident] = out
         try:
@@ -375,3 +376,9 @@ def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, roun
         except OSError:
             pass
     return dict(out, how="measured")
+
+
+def attach_codes(model: nn.Module, key: str = "") -> dict:
+    """Run every fast-path linear of ``model`` whose weights are exact GGUF blocks from its codes
+    (``blockq.attach``); what it did, as ``blockq.attach`` says."""
+    return blockq.attach([(n, m) for n, m in model.named_modules() if isinstance(m, FastLinear)], key)

@@ -41,7 +41,7 @@ MAX_ROWS = 64            # rows up to which the block kernel runs: every decode 
                          # short prefills (below ~64 rows it beat oneDNN's packed fp32 here: 32 rows 54 vs 69 ms)
 ATTEND_ROWS = 17         # new rows up to which a step's attention is blockq.attend (decode and verify)
 MIN_PARAMS = 1024        # smaller weights are not worth a kernel call's overhead
-SOURCE = Path(__file__).with_name("kernels") / "blockq.c"
+SOURCE = Path(__file__).with_name("blockq.c")
 
 
 def env_enabled() -> bool:
@@ -63,7 +63,7 @@ def _compiler() -> str | None:
 
 
 def _build_dir() -> Path:
-    from .models import cache_dir
+    from ..paths import cache_dir
 
     return cache_dir() / "kernels"
 
@@ -74,11 +74,11 @@ def _ident(cc: str) -> str:
         ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.SubprocessError):
         ver = ""
-    from .records import hardware_info
+    from ..device import hardware_info
 
     flags = ""
     try:
-        from .device import isa_flags
+        from ..device import isa_flags
 
         flags = " ".join(isa_flags())
     except Exception:  # noqa: BLE001 - the flags only name the build
@@ -127,7 +127,7 @@ def library():
     if cc is None:
         _Lib.reason = "no C compiler (cc, gcc, clang) on PATH"
         return None
-    from .filelock import file_lock
+    from ..filelock import file_lock
 
     out = _build_dir() / f"blockq-{_ident(cc)}.so"
     if not out.exists():
@@ -345,7 +345,7 @@ def attend(q: torch.Tensor, q_row: int, k: torch.Tensor, v: torch.Tensor, n: int
 
 # ----------------------------------------------------------------------------- a model's layers
 def _cache_path(key: str) -> Path:
-    from .models import cache_dir
+    from ..paths import cache_dir
 
     return cache_dir() / "blockq" / (hashlib.sha1(key.encode()).hexdigest()[:20] + ".safetensors")
 
@@ -403,14 +403,12 @@ def _matrix(fl) -> torch.Tensor:
 _MISSING = object()
 
 
-def attach(model: torch.nn.Module, key: str = "") -> dict:
-    """Give every fast-path linear of ``model`` whose weight is block-coded its codes (``.block``),
-    taken from the cache dir when a saved copy still rebuilds the weight exactly, else found and
-    saved. Returns what it did: ``{"layers": coded, "of": linears, "bytes": codes' size,
-    "fp32_bytes": those weights in fp32, "kinds": {...}, "reason": why none}``."""
-    from .fastpath import FastLinear
-
-    fls = [(n, m) for n, m in model.named_modules() if isinstance(m, FastLinear)]
+def attach(fls: list, key: str = "") -> dict:
+    """Give every fast-path linear in ``fls`` ([(name, FastLinear)], ``fastpath.attach_codes``)
+    whose weight is block-coded its codes (``.block``), taken from the cache dir when a saved copy
+    still rebuilds the weight exactly, else found and saved. Returns what it did: ``{"layers":
+    coded, "of": linears, "bytes": codes' size, "fp32_bytes": those weights in fp32, "kinds":
+    {...}, "reason": why none}``."""
     for _, m in fls:
         if m._weight_version() != m._version:      # changed in place since packed: pack it as it is now
             m.repack()

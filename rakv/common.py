@@ -1,0 +1,124 @@
+"""What the CLI's commands and the benchmark share: model arguments, prompt files, the profile.
+
+Below both ``rakv.cli`` and ``rakv.bench`` (neither imports the other's internals): the flags that
+load a model pair, reading a prompts file, loading the pair, and the cost profile for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from . import argtypes as A
+from .config import RakvConfig, env_fast
+
+
+class CliError(Exception):
+    pass
+
+
+def quiet_libs() -> None:
+    """Silence library warnings and progress bars (our own progress goes to stderr)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    try:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def read_prompts(path: str) -> list[str]:
+    """A .jsonl file: one {"prompt": ...} per line; any other file: one prompt per line."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8-sig")     # a BOM is stripped, .txt and .jsonl alike
+    except FileNotFoundError:
+        raise CliError(f"prompts file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"cannot read prompts file {path}: {e}") from None
+    prompts = []
+    if p.suffix.lower() == ".jsonl":
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CliError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise CliError(f'{path}:{n}: expected an object like {{"prompt": "..."}}')
+            prompts.append(obj["prompt"])
+    else:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise CliError(f"no prompts in {path}")
+    return prompts
+
+
+def add_model_args(ap) -> None:
+    ap.add_argument("--target", default="demo", help="hub id, local dir, .gguf file, or 'demo' (default)")
+    ap.add_argument("--draft", default="int8", help="model (same forms), 'int8' (default), 'ngram' or 'none'")
+    ap.add_argument("--revision", default=None, help="hub revision of the target")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=A.threads, default=None,
+                    help=f"torch threads, 1 to this machine's {A.max_threads()} cores (default: torch's choice)")
+    add_device_args(ap)
+
+
+def add_device_args(ap) -> None:
+    """--device and --fast/--no-fast (shared by generate, calibrate, bench)."""
+    ap.add_argument("--device", default="auto",
+                    help="auto (default: cuda, else mps, else cpu) | cpu | cuda | mps")
+    ap.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
+                    help="packed oneDNN linear layers on CPU (default on; --no-fast or RAKV_FAST=0: "
+                         "torch's plain kernels, for comparison)")
+
+
+def device_kw(args) -> dict:
+    """{"device": the resolved device, "fast": bool} from --device / --fast (DeviceError: exit 2)."""
+    from .device import resolve
+
+    return {"device": resolve(args.device), "fast": env_fast() if args.fast is None else bool(args.fast)}
+
+
+def load_pair(args, config: RakvConfig):
+    import torch
+
+    from .engine import make_draft
+    from .models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)      # range checked by argparse
+    target = load_model(args.target, args.dtype, args.revision, config.device, fast=config.fast)
+    draft = make_draft(args.draft, target, config)
+    return target, draft
+
+
+def get_profile(target, draft, k_max: int, force: bool = False, quick: bool = False, progress=None):
+    """The cost profile for this machine + pair (calibrates once; progress(frac, what) if given)."""
+    from .costs import load_or_calibrate, text_progress
+    from .paths import cache_dir, log
+
+    prof, fresh = load_or_calibrate(target, draft, cache_dir(), k_max=k_max, force=force, quick=quick,
+                                    progress=progress or text_progress(), log=log)
+    if fresh:
+        log(f"calibrated in {prof.calibration_s:.1f} s (alpha0={prof.alpha0:.2f})")
+    return prof
+
+
+def save_learned(profile) -> None:
+    """Keep what this session learned (cost scales, acceptance) for the next one; the output share for display."""
+    from .costs import save_learned as save
+    from .paths import cache_dir
+
+    err = save(profile, cache_dir())
+    if err:   # a read-only cache dir loses the learning, not the run
+        print(f"[rakv] could not save the learned profile: {err}", file=sys.stderr)

@@ -1,0 +1,44 @@
+"""Where the engine keeps things, and how it writes them: the cache dir, atomic writes, the log line.
+
+The bottom of the import graph: every layer that stores a converted model, a kernel build, a cost
+profile or a kernel choice uses these, and none of them imports anything of the project.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def log(msg: str) -> None:
+    print(f"[rakv] {msg}", file=sys.stderr, flush=True)
+
+
+def cache_dir() -> Path:
+    """Where converted models and cost profiles live (``RAKV_CACHE`` overrides)."""
+    env = os.environ.get("RAKV_CACHE")
+    if env:
+        p = Path(env)
+    else:
+        from platformdirs import user_cache_dir
+
+        p = Path(user_cache_dir("rakv"))
+    p.mkdir(parents=True, exist_ok=True)
+    return p
