@@ -12,6 +12,7 @@ from . import argtypes as A
 from .common import (CliError, add_model_args, device_kw, get_profile, load_pair, quiet_libs,  # noqa: F401
                      read_prompts, save_learned)
 from .config import DEFAULT_K_SET, POLICIES_HELP, Policy, RakvConfig, parse_k_set
+from .textstream import TextStream
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,24 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate for one or more prompts (one engine, one cache)")
-    add_model_args(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     src.add_argument("--prompts-file", help=".jsonl with {\"prompt\": ...} per line, or one prompt per line")
-    g.add_argument("--max-new-tokens", type=A.int_range(1), default=64)
-    g.add_argument("--raw", action="store_true",
-                   help="send the prompt text as it is (default: through the tokenizer's chat template, "
-                        "if it has one)")
-    g.add_argument("--policy", default="adaptive", type=A.policy, help=POLICIES_HELP)
-    g.add_argument("--k-set", default=",".join(map(str, DEFAULT_K_SET)))
-    g.add_argument("--budget-mib", type=A.finite_float(0), default=512.0, help="prefix-cache budget (MiB, >= 0)")
-    g.add_argument("--granularity", choices=["request", "round"], default=None,
-                   help="adaptive: decide k per request (paper, default) or per round")
-    g.add_argument("--explore-share", type=float, default=None,
-                   help="adaptive: share of the stream's time probes may spend (default 0.005)")
-    g.add_argument("--record", help="write a JSONL recording")
-    g.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
-    g.add_argument("--recalibrate", action="store_true", help="measure costs again before running")
+    add_run_args(g)
+
+    add_chat_parser(sub)
 
     c = sub.add_parser("calibrate", help="measure this machine's costs for a model pair")
     add_model_args(c)
@@ -58,24 +47,47 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def cmd_generate(args) -> int:
-    from .engine import Engine
-    from .records import Decision, Recorder, RequestEnd, RequestStart, Round
+def add_run_args(g) -> None:
+    """The flags of a run (model pair, policy, cache, recording, output): generate's and chat's."""
+    add_model_args(g)
+    g.add_argument("--max-new-tokens", type=A.int_range(1), default=64)
+    g.add_argument("--raw", action="store_true",
+                   help="send the prompt text as it is (default: through the tokenizer's chat template, "
+                        "if it has one)")
+    g.add_argument("--policy", default="adaptive", type=A.policy, help=POLICIES_HELP)
+    g.add_argument("--k-set", default=",".join(map(str, DEFAULT_K_SET)))
+    g.add_argument("--budget-mib", type=A.finite_float(0), default=512.0, help="prefix-cache budget (MiB, >= 0)")
+    g.add_argument("--granularity", choices=["request", "round"], default=None,
+                   help="adaptive: decide k per request (paper, default) or per round")
+    g.add_argument("--explore-share", type=float, default=None,
+                   help="adaptive: share of the stream's time probes may spend (default 0.005)")
+    g.add_argument("--record", help="write a JSONL recording")
+    g.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
+    g.add_argument("--recalibrate", action="store_true", help="measure costs again before running")
 
+
+def cmd_generate(args) -> int:
+    prompts = read_prompts(args.prompts_file) if args.prompts_file else list(args.prompt)
+    for i, p in enumerate(prompts):
+        if not p.strip():
+            raise CliError(f"prompt {i + 1} is empty")
+    with Session(args, {"--prompts-file": args.prompts_file}) as run:
+        for prompt in prompts:
+            end = run.engine.generate(prompt)
+            run.report(end)
+    return 0
+
+
+# ----------------------------------------------------------------------------- a run (generate, chat)
+def run_config(args) -> tuple[RakvConfig, Policy]:
+    """The engine's config from the run flags (checked before any model loads)."""
     try:
         k_set = parse_k_set(args.k_set)
         policy = Policy.parse(args.policy)
     except ValueError as e:
         raise CliError(str(e)) from None
-    prompts = read_prompts(args.prompts_file) if args.prompts_file else list(args.prompt)
-    for i, p in enumerate(prompts):
-        if not p.strip():
-            raise CliError(f"prompt {i + 1} is empty")
     if policy.k > 0 and args.draft == "none":
         raise CliError(f"policy {policy.name} needs a draft; --draft is 'none'")
-    if args.record:      # checked before any model loads
-        A.refuse_overwrite(args.record, "--record", {"--prompts-file": args.prompts_file})
-        A.check_writable_file(args.record, "--record")
     kw = dict(target=args.target, draft=args.draft, revision=args.revision, dtype=args.dtype,
               threads=args.threads, policy=policy.name, max_new_tokens=args.max_new_tokens,
               k_set=k_set, budget_mib=args.budget_mib, chat_template=not args.raw, **device_kw(args))
@@ -85,72 +97,276 @@ def cmd_generate(args) -> int:
         if not 0.0 <= args.explore_share <= 1.0:
             raise CliError("--explore-share must be between 0 and 1")
         kw["explore_share"] = args.explore_share
-    config = RakvConfig(**kw)
-    target, draft = load_pair(args, config)
-    k_max = max(max(k_set), policy.k, 1)
-    profile = get_profile(target, draft, k_max, force=args.recalibrate) if (
-        policy.adaptive or args.recalibrate) else None
-    recorder = Recorder(args.record) if args.record else None
-    last_decision: dict[int, Decision] = {}
-    starts: dict[int, RequestStart] = {}
-    gated: dict[int, list[dict]] = {}
+    return RakvConfig(**kw), policy
 
-    def callback(rec):
-        if recorder:
-            recorder(rec)
+
+class Session:
+    """What generate and chat share: the engine built from the run flags, its callback (the
+    recording, each request's decision and gate rounds, the text streamed to stdout without
+    --json), and each request's report (a JSON object on stdout, or the summary on stderr)."""
+
+    def __init__(self, args, inputs: dict | None = None):
+        self.args = args
+        self.config, self.policy = run_config(args)
+        if args.record:      # checked before any model loads
+            A.refuse_overwrite(args.record, "--record", inputs or {})
+            A.check_writable_file(args.record, "--record")
+        self.stream_text = not args.json
+        self.last_decision: dict = {}
+        self.starts: dict = {}
+        self.gated: dict[int, list[dict]] = {}
+        self.stream = None
+        self.recorder = None
+        self.profile = None
+        target, draft = load_pair(args, self.config)
+        k_max = max(max(self.config.k_set), self.policy.k, 1)
+        if self.policy.adaptive or args.recalibrate:
+            self.profile = get_profile(target, draft, k_max, force=args.recalibrate)
+        from .engine import Engine
+        from .records import Recorder
+
+        self.recorder = Recorder(args.record) if args.record else None
+        self.engine = Engine(target, draft, self.config, self.callback, self.profile)
+        h = self.engine.header()
+        if h.learned and self.policy.adaptive:
+            L = h.learned
+            moved = ", ".join(f"{k} x{v:.2f}" for k, v in L["scale"].items() if abs(v - 1) > 0.05) or "none"
+            print(f"[rakv] profile: alpha {L['alpha_learned'] if L['alpha_learned'] is not None else L['alpha0']:.2f}"
+                  f" (calibrated {L['alpha0']:.2f}, {L['alpha_trials'] or 0:.0f} trials since), last output share "
+                  f"{L['out_frac'] if L['out_frac'] is not None else 1.0:.2f} (each run learns its own), cost scales moved: {moved}", file=sys.stderr)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.recorder:
+            self.recorder.close()
+            self.recorder = None
+        if self.profile is not None and self.policy.adaptive:
+            save_learned(self.profile)
+            self.profile = None
+
+    def callback(self, rec) -> None:
+        from .records import Decision, RequestStart, Round
+
+        if self.recorder:
+            self.recorder(rec)
         if isinstance(rec, Decision) and rec.round == -1:
-            last_decision[rec.request_id] = rec
+            self.last_decision[rec.request_id] = rec
         elif isinstance(rec, RequestStart):
-            starts[rec.request_id] = rec
-        elif isinstance(rec, Round) and rec.draft_stop:
-            gated.setdefault(rec.request_id, []).append(
-                {"round": rec.index, "k_max": rec.k, "drafted": rec.drafted, "accepted": rec.accepted,
-                 "pred": rec.draft_pred, "stop": rec.draft_stop, "source": rec.draft_source or "draft"})
+            self.starts[rec.request_id] = rec
+            if self.stream_text:
+                self.stream = TextStream(self.engine.target.tokenizer)
+        elif isinstance(rec, Round):
+            if self.stream is not None:
+                write_out(self.stream.push(rec.emitted))
+            if rec.draft_stop:
+                self.gated.setdefault(rec.request_id, []).append(
+                    {"round": rec.index, "k_max": rec.k, "drafted": rec.drafted, "accepted": rec.accepted,
+                     "pred": rec.draft_pred, "stop": rec.draft_stop, "source": rec.draft_source or "draft"})
 
-    engine = Engine(target, draft, config, callback, profile)
-    h = engine.header()
-    if h.learned and policy.adaptive:
-        L = h.learned
-        moved = ", ".join(f"{k} x{v:.2f}" for k, v in L["scale"].items() if abs(v - 1) > 0.05) or "none"
-        print(f"[rakv] profile: alpha {L['alpha_learned'] if L['alpha_learned'] is not None else L['alpha0']:.2f}"
-              f" (calibrated {L['alpha0']:.2f}, {L['alpha_trials'] or 0:.0f} trials since), last output share "
-              f"{L['out_frac'] if L['out_frac'] is not None else 1.0:.2f} (each run learns its own), cost scales moved: {moved}", file=sys.stderr)
-    try:
-        for prompt in prompts:
-            end: RequestEnd = engine.generate(prompt)
-            dec = last_decision.get(end.request_id)
-            start = starts.get(end.request_id)
-            if args.json:
-                obj = {
-                    "request_id": end.request_id, "prompt_tokens": end.prompt_tokens,
-                    "output_ids": end.output_ids, "text": end.text, "hit_tokens": end.hit_tokens,
-                    "exact_repeat": end.exact_repeat, "action": end.action,
-                    "candidates": [{"reuse": c["reuse"], "k": c["k"], "predicted_ms": c["predicted_ms"],
-                                    "feasible": c["feasible"], **({"reason": c["reason"]} if c.get("reason") else {})}
-                                   for c in (dec.candidates if dec else [])],
-                    "latency_ms": end.latency_ms, "ttft_ms": end.ttft_ms, "tokens_per_s": end.tokens_per_s,
-                    "drafted": end.drafted, "accepted": end.accepted, "rounds": end.rounds,
-                    "alpha_ewma": end.alpha_ewma, "alpha_star": dec.alpha_star if dec else {},
-                    "predicted_ms": end.predicted_ms, "stopped": end.stopped, "policy": policy.name,
-                    "templated": bool(start and start.templated),
-                    "template_prefix": start.template_prefix if start else 0,
-                    "explore_ms": end.explore_ms,
-                    **({"gate": gated.pop(end.request_id)} if end.request_id in gated else {}),
-                }
-                sys.stdout.write(json.dumps(obj) + "\n")
-            else:
-                sys.stdout.write(end.text + "\n")
-                print(f"[rakv] request {end.request_id}: {len(end.output_ids)} tokens in {end.latency_ms:.0f} ms "
-                      f"({end.tokens_per_s:.1f} tok/s, TTFT {end.ttft_ms:.0f} ms), action r={end.action['reuse']} "
-                      f"k={end.action['k']}, hit {end.hit_tokens}/{end.prompt_tokens}, "
-                      f"accepted {end.accepted}/{end.drafted}", file=sys.stderr)
-            sys.stdout.flush()
-    finally:
-        if recorder:
-            recorder.close()
-        if profile is not None and policy.adaptive:
-            save_learned(profile)
+    def request_json(self, end) -> dict:
+        """generate's --json object of one request."""
+        dec = self.last_decision.get(end.request_id)
+        start = self.starts.get(end.request_id)
+        return {
+            "request_id": end.request_id, "prompt_tokens": end.prompt_tokens,
+            "output_ids": end.output_ids, "text": end.text, "hit_tokens": end.hit_tokens,
+            "exact_repeat": end.exact_repeat, "action": end.action,
+            "candidates": [{"reuse": c["reuse"], "k": c["k"], "predicted_ms": c["predicted_ms"],
+                            "feasible": c["feasible"], **({"reason": c["reason"]} if c.get("reason") else {})}
+                           for c in (dec.candidates if dec else [])],
+            "latency_ms": end.latency_ms, "ttft_ms": end.ttft_ms, "tokens_per_s": end.tokens_per_s,
+            "drafted": end.drafted, "accepted": end.accepted, "rounds": end.rounds,
+            "alpha_ewma": end.alpha_ewma, "alpha_star": dec.alpha_star if dec else {},
+            "predicted_ms": end.predicted_ms, "stopped": end.stopped, "policy": self.policy.name,
+            "templated": bool(start and start.templated),
+            "template_prefix": start.template_prefix if start else 0,
+            "explore_ms": end.explore_ms,
+            **({"gate": self.gated.pop(end.request_id)} if end.request_id in self.gated else {}),
+        }
+
+    def report(self, end, extra: dict | None = None, what: str = "", note: str = "") -> None:
+        """After a request: its JSON object (--json), else the rest of its streamed text and a
+        newline on stdout and the summary on stderr."""
+        if self.args.json:
+            write_out(json.dumps({**self.request_json(end), **(extra or {})}) + "\n")
+            return
+        rest = self.stream.finish() if self.stream is not None else end.text
+        self.stream = None
+        write_out(rest + "\n")
+        print(f"[rakv] {what or f'request {end.request_id}'}: {len(end.output_ids)} tokens in "
+              f"{end.latency_ms:.0f} ms ({end.tokens_per_s:.1f} tok/s, TTFT {end.ttft_ms:.0f} ms), action "
+              f"r={end.action['reuse']} k={end.action['k']}, hit {end.hit_tokens}/{end.prompt_tokens}, "
+              f"accepted {end.accepted}/{end.drafted}" + (", stopped" if end.stopped == "stop" else "") + note,
+              file=sys.stderr)
+
+
+def write_out(text: str) -> None:
+    """Text to stdout at once (streamed pieces must not wait in a buffer)."""
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+# ----------------------------------------------------------------------------- chat
+CHAT_HELP = "/reset starts a new conversation, /stats shows each turn's reuse and timing, /exit (or Ctrl-D) ends"
+
+
+def add_chat_parser(sub) -> None:
+    ch = sub.add_parser("chat", help="a conversation: each turn reuses the whole conversation before it",
+                        description="A multi-turn chat. On a terminal: a prompt with history; " + CHAT_HELP +
+                                    "; Ctrl-C stops the answer. Otherwise one user turn per stdin line.")
+    add_run_args(ch)
+
+
+class ChatSession:
+    """``rakv chat``: one conversation at a time over a Session's engine; each turn's report adds
+    the turn's conversation info to generate's output."""
+
+    def __init__(self, run: Session):
+        from .chat import Conversation
+
+        self.run = run
+        self.conv = Conversation.for_engine(run.engine)
+        self.rows: list[dict] = []          # this conversation's turns, for /stats
+
+    def turn(self, text: str):
+        from .chat import run_turn
+
+        end = run_turn(self.run.engine, self.conv, text)
+        info = (self.run.starts.get(end.request_id).conversation or {}) if end.request_id in self.run.starts else {}
+        self.rows.append({"turn": info.get("turn", len(self.rows) + 1), "P": end.prompt_tokens, "hit": end.hit_tokens,
+                          "before": info.get("previous_tokens", 0), "ids_from": info.get("ids_from", ""),
+                          "ttft": end.ttft_ms, "latency": end.latency_ms, "out": len(end.output_ids)})
+        note = ""
+        if info.get("turn", 1) > 1:
+            note = (f"; the conversation before: {info['previous_tokens']} tokens, "
+                    + ("ids appended" if info["ids_from"] == "append" else f"re-templated ({info['reason']})"))
+        self.run.report(end, {"turn": info.get("turn"), "conversation": info},
+                        what=f"turn {info.get('turn')}" + (f" of conversation {info.get('conversation')}"
+                                                            if info.get("conversation", 1) > 1 else ""), note=note)
+        return end
+
+    def reset(self) -> None:
+        self.conv.reset()
+        self.rows = []
+        print(f"[rakv] new conversation ({self.conv.number})", file=sys.stderr)
+
+    def stats(self) -> str:
+        st = self.run.engine.store.stats
+        lines = [f"conversation {self.conv.number}: {len(self.conv.turns)} turns, {len(self.conv.ids)} tokens; "
+                 f"prefix cache {st.entries} entries, {st.bytes_used / 2**20:.1f} of {st.budget / 2**20:.0f} MiB"]
+        for r in self.rows:
+            lines.append(f"  turn {r['turn']}: P {r['P']}, hit {r['hit']} (conversation before: {r['before']}, "
+                         f"{r['ids_from']}), TTFT {r['ttft']:.0f} ms, {r['out']} tokens in {r['latency']:.0f} ms")
+        return "\n".join(lines)
+
+
+def cmd_chat(args) -> int:
+    from .engine import EngineError
+
+    tty = sys.stdin.isatty()
+    with Session(args) as run:
+        chat = ChatSession(run)
+        for line in (tty_lines(run) if tty else pipe_lines()):
+            cmd = line.strip()
+            if not cmd:
+                continue
+            if cmd in ("/exit", "/quit", "/bye"):
+                break
+            if cmd in ("/reset", "/new", "/clear"):
+                chat.reset()
+                continue
+            if cmd == "/stats":
+                print(chat.stats(), file=sys.stderr)
+                continue
+            if cmd in ("/help", "/?"):
+                print(f"[rakv] {CHAT_HELP}; Ctrl-C stops an answer", file=sys.stderr)
+                continue
+            if not tty:
+                chat.turn(line)
+                continue
+            try:
+                with stop_on_interrupt(run.engine):
+                    chat.turn(line)
+            except EngineError as e:        # e.g. the conversation outgrew the context: say so, go on
+                print(f"rakv: error: {e} (/reset starts a new conversation)", file=sys.stderr)
     return 0
+
+
+def pipe_lines():
+    """stdin not a terminal: one user turn per line."""
+    for line in sys.stdin:
+        yield line.rstrip("\r\n")
+
+
+def tty_lines(run: Session):
+    """A prompt with line editing and history (kept in the cache dir); Ctrl-D ends, Ctrl-C at the
+    prompt clears the line."""
+    hist = None
+    try:
+        import readline
+
+        from .paths import cache_dir
+
+        hist = cache_dir() / "chat_history"
+        try:
+            readline.read_history_file(hist)
+        except OSError:
+            pass
+        readline.set_history_length(1000)
+    except ImportError:       # no readline on this platform: plain input()
+        readline = None
+    print(f"[rakv] chat with {run.engine.target.name} (policy {run.policy.name}); {CHAT_HELP}; "
+          "Ctrl-C stops an answer", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input(">>> ")
+            except KeyboardInterrupt:
+                print("\n[rakv] (Ctrl-D or /exit ends the chat)", file=sys.stderr)
+                continue
+            except EOFError:
+                print(file=sys.stderr)
+                return
+            yield line
+    finally:
+        if readline is not None and hist is not None:
+            try:
+                readline.write_history_file(hist)
+            except OSError:
+                pass
+
+
+class stop_on_interrupt:
+    """While an answer runs, Ctrl-C asks the engine to stop it (within one round); a second Ctrl-C
+    interrupts at once."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.pressed = False
+
+    def _handler(self, signum, frame):
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+        self.engine.stop()
+
+    def __enter__(self):
+        import signal
+
+        self.old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        signal.signal(signal.SIGINT, self.old)
+        return False
 
 
 def cmd_calibrate(args) -> int:
@@ -262,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:     # --help (0) or a bad flag (2, one line already printed)
         return e.code if isinstance(e.code, int) else 2
     quiet_libs()
-    return _guard(lambda: {"generate": cmd_generate, "calibrate": cmd_calibrate, "replay": cmd_replay}[args.cmd](args))
+    return _guard(lambda: {"generate": cmd_generate, "chat": cmd_chat, "calibrate": cmd_calibrate,
+                                "replay": cmd_replay}[args.cmd](args))
 
 
 def _guard(fn) -> int:

@@ -210,7 +210,9 @@ class Engine:
 
     def encode_prompt(self, prompt) -> EncodedPrompt:
         """Text -> ids through ``rakv.prompts`` (chat template unless raw); ids pass through."""
-        if isinstance(prompt, str):
+        if isinstance(prompt, EncodedPrompt):        # built by the caller (a conversation's turn)
+            enc = prompt
+        elif isinstance(prompt, str):
             if not prompt.strip():
                 raise EngineError("empty prompt")
             tok = self.target.tokenizer
@@ -264,6 +266,8 @@ class Engine:
             self.lookup.end()
         if rq.reuse:       # what this request generated, for later requests' n-gram lookups
             self.store.history.add(rq.ids + rq.out)
+        if rq.reuse and getattr(prompt, "keep_answer", False):
+            self._store_answer(rq)
         return self._finish(rq, choice)
 
     # ---- phases of one request (each reports its own records)
@@ -287,7 +291,7 @@ class Engine:
         text = prompt if isinstance(prompt, str) else (prompt_text or "")
         self._emit(RequestStart(request_id=rq.rid, prompt=text, prompt_ids=ids, prompt_tokens=P,
                                 max_new_tokens=N, policy=policy.name, templated=enc.templated,
-                                template_prefix=enc.template_prefix))
+                                template_prefix=enc.template_prefix, conversation=enc.conversation))
         rq.t0 = now()
         return rq
 
@@ -507,6 +511,19 @@ class Engine:
         self._open_request = None
         self._emit(end)
         return end
+
+    # ------------------------------------------------------------------ conversations (rakv.chat)
+    def _store_answer(self, rq: "_Request") -> None:
+        """A conversation's turn: store the KV of prompt + answer, so the next turn (these ids, then
+        the new message) hits all of them. The request's cache holds every position but the last
+        token's (pending): one step feeds it; its logits are stored as the next-token logits."""
+        ids = rq.ids + rq.out
+        t0 = now()
+        dec.crop_to(rq.cache, len(ids) - 1)         # drafts accepted past an EOS are not the answer
+        logits = dec.decode_one(self.target.model, rq.out[-1], rq.cache)
+        if dec.kv_nbytes(rq.cache, len(ids)) + logits.numel() * logits.element_size() <= self.store.budget:
+            self.store.store(self.target.key, ids, dec.kv_of(rq.cache, len(ids)), logits.clone())
+        rq.forward_ms += (now() - t0) * 1e3
 
     def _emit_lookup(self, rid, model, hit, P, stored, lookup_ms, prefill_ms) -> None:
         st = self.store.stats

@@ -26,6 +26,8 @@ class EncodedPrompt:
     ids: list[int]             # the ids fed to the model
     templated: bool            # True: the chat template was applied
     template_prefix: int = 0   # leading ids that every templated prompt shares (system prompt, headers)
+    conversation: dict | None = None   # a conversation's turn (rakv.chat): how these ids were built
+    keep_answer: bool = False  # store prompt + answer KV after the request (the next turn starts with them)
 
 
 def has_chat_template(tokenizer) -> bool:

@@ -180,3 +180,209 @@ def test_explorer_raw_box_and_template_in_cache_panel(qtbot, tmp_path, chat_pair
         assert w2.run_panel.raw.isChecked() and not w2.worker.controls.chat_template
     finally:
         w2.shutdown()
+
+
+# ----------------------------------------------------------------------------- conversations
+from rakv.chat import Conversation, run_turn  # noqa: E402
+from rakv.records import CacheLookup, RequestEnd  # noqa: E402
+
+TURNS = ["Hi!", "And what did I just say?", "Name three prime numbers."]
+
+
+def templated_ids(tok, msgs) -> list[int]:
+    return ids_of(tok.apply_chat_template(msgs, add_generation_prompt=True))
+
+
+def starts_of(recs) -> list[RequestStart]:
+    return [r for r in recs if isinstance(r, RequestStart)]
+
+
+@pytest.mark.parametrize("policy", ["ar", "kv", "spec:4", "joint:4"])
+def test_conversation_turns_are_exact(chat_pair, policy):
+    """Every turn's output is target-only greedy decoding of the ids fed; those ids are the whole
+    conversation through the template (as text; as ids too where the answer re-tokenizes alike)."""
+    target, draft = chat_pair
+    tok = target.tokenizer
+    recs = []
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy=policy), recs.append)
+    conv = Conversation.for_engine(eng)
+    for i, text in enumerate(TURNS):
+        end = run_turn(eng, conv, text, 12)
+        start = starts_of(recs)[-1]
+        fed = start.prompt_ids
+        assert end.output_ids == upto_eos(oracle(target.model, fed, 12), target.eos_ids)
+        whole = templated_ids(tok, conv.messages()[:-1])      # the template over the conversation so far
+        info = start.conversation
+        assert start.templated and start.prompt == text and info["turn"] == i + 1
+        assert tok.decode(fed) == tok.decode(whole)
+        assert info["same_as_template"] == (fed == whole)
+        if i:
+            assert info["ids_from"] == "append" and fed[:info["previous_tokens"]] == conv.turns[i - 1].prompt_ids + \
+                conv.turns[i - 1].output_ids
+        if policy in ("kv", "joint:4") and i:
+            # the previous turn's prompt and answer are all reused
+            assert end.hit_tokens == info["previous_tokens"] == len(conv.turns[i - 1].prompt_ids) + len(
+                conv.turns[i - 1].output_ids)
+
+
+def test_no_reuse_policy_stores_no_answer(chat_pair):
+    target, _ = chat_pair
+    eng = Engine(target, NgramDraft(), RakvConfig(policy="ar"))
+    conv = Conversation.for_engine(eng)
+    for text in TURNS[:2]:
+        run_turn(eng, conv, text, 6)
+    assert len(eng.store) == 0
+
+
+def test_answer_kv_is_stored(chat_pair):
+    """keep_answer: after a turn the store holds prompt + answer (all of it, the last token fed)."""
+    target, _ = chat_pair
+    eng = Engine(target, NgramDraft(), RakvConfig(policy="kv"))
+    conv = Conversation.for_engine(eng)
+    end = run_turn(eng, conv, TURNS[0], 8)
+    lengths = sorted(len(e.ids) for e in eng.store.entries())
+    assert lengths == [end.prompt_tokens, end.prompt_tokens + len(end.output_ids)]
+    full = max(eng.store.entries(), key=lambda e: len(e.ids))
+    assert full.ids.tolist() == conv.ids and full.logits is not None
+
+
+def canonical_turn(conv: Conversation, tok, text: str, answer: str, eos: bool = True):
+    conv.prepare(text)
+    out = tok(answer, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if eos else [])
+    return conv.commit(out)
+
+
+def test_append_equals_template_when_the_answer_tokenizes_alike():
+    tok = tiny_tokenizer(chat=True)
+    conv = Conversation(tok, frozenset({tok.eos_token_id}))
+    first = conv.prepare("Hi!")
+    assert first.conversation["ids_from"] == "first" and first.ids == templated_ids(tok, conv.messages("Hi!"))
+    assert first.keep_answer and first.templated and first.template_prefix > 0
+    out = tok("Hello there.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    conv.commit(out)
+    assert conv.messages()[-1] == {"role": "assistant", "content": "Hello there."}
+    enc = conv.prepare("And what did I just say?")
+    info = enc.conversation
+    assert info["ids_from"] == "append" and info["same_as_template"] and info["first_diff"] == -1
+    assert enc.ids == templated_ids(tok, conv.messages("And what did I just say?"))
+    # the model's EOS is the template's end of turn: it is kept, so all of the previous turn is a prefix
+    assert enc.ids[:len(conv.ids)] == conv.ids and info["previous_tokens"] == info["kept_tokens"] == len(conv.ids)
+
+
+def test_append_keeps_the_models_own_ids():
+    """Ids the tokenizer would not produce for the answer's text stay as generated (the hit covers
+    them); the text is still the templated conversation's."""
+    tok = tiny_tokenizer(chat=True)
+    conv = Conversation(tok, frozenset({tok.eos_token_id}))
+    conv.prepare("Hi!")
+    canon = tok("The quick brown fox", add_special_tokens=False)["input_ids"]
+    odd = [i for ch in "The quick brown fox" for i in tok(ch, add_special_tokens=False)["input_ids"]]  # one a letter
+    assert odd != canon
+    conv.commit(odd)                          # stopped at max_new_tokens: no EOS
+    enc = conv.prepare("More.")
+    info = enc.conversation
+    whole = templated_ids(tok, conv.messages("More."))
+    assert info["ids_from"] == "append" and not info["same_as_template"] and enc.ids != whole
+    assert enc.ids[:len(conv.ids)] == conv.ids and tok.decode(enc.ids) == tok.decode(whole)
+    assert info["first_diff"] == lcp_of(enc.ids, whole)
+
+
+def lcp_of(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_template_that_rewrites_earlier_turns_falls_back():
+    """A template that renders earlier turns differently once a turn is added cannot be appended
+    to: the turn takes the template's own ids, and the record says why."""
+    tok = tiny_tokenizer(chat=True)
+    tok.chat_template = ("{{ '<pad>system: turn ' + (messages | length | string) + '\n' }}"
+                         "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '<eos>\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    conv = Conversation(tok, frozenset({tok.eos_token_id}))
+    canonical_turn(conv, tok, "Hi!", "Hello there.")
+    enc = conv.prepare("And now?")
+    info = enc.conversation
+    assert info["ids_from"] == "template" and "renders the earlier turns differently" in info["reason"]
+    assert enc.ids == templated_ids(tok, conv.messages("And now?")) and info["same_as_template"]
+    assert info["kept_tokens"] < info["previous_tokens"]
+
+
+def test_raw_conversation_is_plain_text():
+    tok = tiny_tokenizer(chat=True)
+    conv = Conversation(tok, frozenset({tok.eos_token_id}), raw=True)
+    enc = conv.prepare("The quick brown fox")
+    assert not enc.templated and enc.ids == tok("The quick brown fox", add_special_tokens=False)["input_ids"]
+    conv.commit(tok(" jumps over the lazy dog.", add_special_tokens=False)["input_ids"])
+    enc = conv.prepare("def add(a, b):")
+    text = "The quick brown fox jumps over the lazy dog.\ndef add(a, b):"
+    assert enc.conversation["ids_from"] == "append" and tok.decode(enc.ids) == text
+    assert enc.ids[:len(conv.ids)] == conv.ids
+
+
+def test_reset_and_abandon():
+    tok = tiny_tokenizer(chat=True)
+    conv = Conversation(tok, frozenset({tok.eos_token_id}))
+    canonical_turn(conv, tok, "Hi!", "Hello.")
+    conv.prepare("This one fails.")
+    conv.abandon()
+    assert len(conv.turns) == 1 and conv.prepare("Again.").conversation["turn"] == 2
+    conv.reset()
+    enc = conv.prepare("Hi!")
+    assert enc.conversation == {**enc.conversation, "conversation": 2, "turn": 1, "ids_from": "first",
+                                "previous_tokens": 0}
+    with pytest.raises(ValueError):
+        conv.prepare("   ")
+
+
+def test_cli_chat_pipe_json_two_turns(chat_dir, capsys, monkeypatch, tmp_path):
+    """printf 'Hi!\\nAnd what did I just say?\\n' | rakv chat --json: two objects; the second turn's
+    hit covers the whole first turn (prompt and answer)."""
+    import io
+
+    path, t = chat_dir
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi!\nAnd what did I just say?\n"))
+    rec = tmp_path / "chat.jsonl"
+    code, out, err = run(capsys, "chat", "--target", str(path), "--draft", "ngram", "--max-new-tokens", "10",
+                         "--json", "--record", str(rec))
+    assert code == 0, err
+    a, b = [json.loads(x) for x in out.splitlines()]
+    need = {"request_id", "prompt_tokens", "output_ids", "text", "hit_tokens", "exact_repeat", "action",
+            "candidates", "latency_ms", "ttft_ms", "tokens_per_s", "drafted", "accepted", "alpha_ewma"}
+    assert need <= set(a) and need <= set(b)
+    assert (a["turn"], b["turn"]) == (1, 2) and b["conversation"]["ids_from"] == "append"
+    assert b["hit_tokens"] >= a["prompt_tokens"] + len(a["output_ids"]) == b["conversation"]["previous_tokens"]
+    tok = tiny_tokenizer(chat=True)
+    assert a["output_ids"] == upto_eos(oracle(t, encode_prompt(tok, "Hi!").ids, 10), {tok.eos_token_id})
+    starts = [r for r in read_recording(rec) if isinstance(r, RequestStart)]
+    assert [s.conversation["turn"] for s in starts] == [1, 2] and starts[1].prompt == "And what did I just say?"
+    assert b["output_ids"] == upto_eos(oracle(t, starts[1].prompt_ids, 10), {tok.eos_token_id})
+
+
+def test_cli_chat_commands_and_text(chat_dir, capsys, monkeypatch):
+    import io
+
+    path, _ = chat_dir
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi!\n\n/stats\n/reset\nHello again.\n/exit\nnever sent\n"))
+    code, out, err = run(capsys, "chat", "--target", str(path), "--draft", "none", "--policy", "kv",
+                         "--max-new-tokens", "5")
+    assert code == 0, err
+    assert len(out.splitlines()) >= 2 and "never sent" not in err
+    assert "conversation 1: 1 turns" in err and "new conversation (2)" in err
+    assert "turn 1 of conversation 2" in err and "Traceback" not in err
+
+
+def test_cli_chat_bad_input(chat_dir, capsys, monkeypatch):
+    import io
+
+    path, _ = chat_dir
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi!\n"))
+    code, out, err = run(capsys, "chat", "--target", str(path), "--draft", "none", "--policy", "spec:2")
+    assert code == 2 and err.count("\n") == 1 and "needs a draft" in err and out == ""
+    # a conversation that outgrows the model's context: one line, exit 2
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi!\n"))
+    code, out, err = run(capsys, "chat", "--target", str(path), "--draft", "none", "--policy", "kv",
+                         "--max-new-tokens", "250", "--json")
+    assert code == 2 and "exceeds the model's context" in err and "Traceback" not in err
