@@ -12,7 +12,7 @@ DEFAULT_K_SET: tuple[int, ...] = (0, 1, 2, 4, 6, 8)
 POLICIES_HELP = "adaptive | adaptive:gate | adaptive:nogate | ar | kv | spec:K | joint:K"
 LOOKUP_K = 16             # an n-gram lookup may verify up to this many tokens: drafting it is free, a verify of 17 costs ~1.7 steps
 HISTORY_TOKENS = 32768    # token ids of earlier requests an n-gram lookup may copy from (256 KiB; 0: off)
-GATE_BY_DEFAULT = True    # plain "adaptive" = adaptive:gate: it measured at least as fast as the paper's controller (docs/results.md, session 6)
+GATE_BY_DEFAULT = True    # plain "adaptive" = adaptive:gate: it measured at least as fast as the paper's controller (docs/controller.md#constants)
 
 
 def env_fast() -> bool:

@@ -1,76 +1,22 @@
-"""The measured-cost controller (RAKV-ASD): pick (r, k) by argmin of predicted latency.
+"""The measured-cost controller (RAKV-ASD): pick (r, k) by the argmin of predicted latency.
 
     E_k(alpha) = (1 - alpha^(k+1)) / (1 - alpha)       (k+1 at alpha = 1; E_0 = 1)
     C(0, r)    = T_pf(P - hit_r) + N * t
-    C(k, r)    = T_pf(P - hit_r) + D_pf(P - hitd_r) + (N / E'_k(alpha) + eps_k(alpha)) * (k * d + alpha^k (d2 - d) + V(k))
+    C(k, r)    = T_pf(P - hit_r) + D_pf(P - hitd_r) + (N / E'_k(alpha) + eps_k(alpha)) * (k d + alpha^k (d2 - d) + V(k))
 
-(E'_k: ``E_shaped``, E_k with acceptance by draft position: draft j is accepted, given the ones
-before it were, at alpha * s_j, where s_j = (acceptance measured at position j) / (pooled
-acceptance), learned from every drafting round (``shape``; s_j = 1 is the i.i.d. model). Copies
-are all or nothing: with the n-gram draft h_j ran 0.59 at j = 1 and 0.93-1.0 from j = 3 on
-(repetitive), so the i.i.d. model overrated k = 4 against k = 8.)
+E'_k takes acceptance by draft position (``E_shaped``), eps_k is the last round's cut
+(``overshoot``), d2 the draft's 2-token step. Where to find the rules:
 
-(eps_k: ``overshoot``, the expected extra round a request pays because its last round is cut by
-EOS or the token budget: ~0.25 at k = 1, ~0.5 at k = 8; measured on chat it closes the rounds
-per request to within 0.05 at k <= 2 and halves the gap at k = 4, 8.)
+  * when it reuses:  ``feasible`` (the budget), ``prefer_reuse`` (r = 1 wins a near-tie);
+  * when it drafts:  ``Controller.decide`` (argmin), ``spec_or_plain`` (a margin over k = 0),
+                     ``copy_alpha`` (an exact repeat the n-gram lookup will copy);
+  * when it probes:  ``Controller.maybe_probe`` (due, could pay, alpha's optimistic bound reaches
+                     the crossover, the exploration balance covers the excess);
+  * what it learns:  ``AlphaEWMA`` (per round), ``alpha_req`` (per request: the long run plus the
+                     measured persistence of recent deviations), ``shape`` (by draft position).
 
-(d2: the draft's 2-token forward, which opens every round after one whose k drafts were all
-accepted; the int8 draft's 2-token step costs 1.2-1.5 d here, so k = 1 at high alpha pays it
-nearly every round.)
-
-N counts the tokens produced by decoding rounds (max_new_tokens - 1: the first token comes out
-of the prefill), scaled by ``out_frac``, an EWMA (weight OUT_DECAY, 0.1, per request, from 1 in
-every engine: OUT_FRAC_START) of the share of max_new_tokens that this engine's requests
-actually produced (EOS ends many early). It weighs the
-decode terms against the fixed ones (the draft's prompt prefill), so it moves the argmin; the
-share is bimodal (a request stops after a token or two, or runs to N), and at weight 0.3 two
-one-token outputs halved it and held a stream at k = 0 where joint:4 was 25% faster. t, d and V(k) are taken at the mean context of the request. r = 1 adds the
-measured clone/store cost and is infeasible when the prompt's KV (plus logits, plus the draft's
-KV when k > 0) exceeds the budget. The feasible argmin is chosen, k = 0 included, with two near-tie
-rules: a drafting action must be predicted SPEC_MARGIN (2%) cheaper than the best k = 0 action
-(``spec_or_plain``; priced probes, not near-ties, teach alpha), and r = 1 takes a near-tie within
-REUSE_TIE (1%) of the best r = 0. Among drafting actions the cheapest k is taken as predicted.
-
-Acceptance, two time scales:
-  * per round: ``AlphaEWMA`` keeps EWMAs of accepted tokens and of Bernoulli trials per round
-    (a successes out of a + [a < drafted] trials), alpha = S / T; decay ``lam`` (default 0.3) is
-    the weight of the newest round. Per-round decisions (granularity "round") use it, and it is
-    the alpha_ewma the records and the GUI show against the crossover.
-  * per request: ``alpha_req`` = a_long + w (alpha_recent - a_long), with w the measured
-    persistence (``persistence``): how much of the recent requests' deviation from the long run
-    the next request kept, a regression over the last ~20 requests (PERSIST_DECAY) from a prior of
-    PERSIST_PRIOR requests at w = 1. On session 9's int8 runs the recent estimate did not predict
-    the next request (correlation -0.3 to 0.16), and its noise flipped k between 2 and 4; on a
-    copy-heavy stretch deviations persist and w stays near 1.
-    alpha_recent = (S_r + m a_long) / (T_r + m), where S_r, T_r are EWMAs
-    (weight ``req_decay``, default 0.3, per request) of each request's successes and trials (all
-    its drafting rounds, probes included), and m = ``PRIOR_TRIALS`` (8) pseudo-trials at the
-    long-run acceptance a_long (successes / trials over about the last LONG_WINDOW, 200, trials,
-    started at the prior). Per-request decisions use it: the last few rounds of the previous
-    request (the tail of one text) predict the next request poorly; measured on the controller
-    runs in docs/results.md, choosing by the smoothed request-level alpha matched the best fixed
-    k where the per-round EWMA lost 4-6%. Weighting by trials keeps a request that only probed
-    (one or two trials) from moving it much. A request without trials still decays S_r and T_r,
-    so while the controller does not draft its estimate returns to a_long, which follows the
-    evidence (a per-request EWMA of a_long stayed near its prior for dozens of requests and
-    sent a weak draft back to k > 0 again and again); priced probes, not drift, unfreeze k = 0.
-Both start from the profile's ``alpha_learned`` (a_long as earlier sessions on this pair left
-it), else the calibration's alpha0; at the end of every request the profile's alpha_learned and
-out_frac are updated (``end_request``).
-
-Exploration (not getting stuck): a controller that never drafts never learns alpha, so k = 0
-rounds may be turned into probes, priced like any action and paid from an explicit budget:
-  * never when no k could pay even at alpha = 1 with the measured costs (``pays_at_all``);
-  * never while alpha's optimistic bound (``alpha_upper``: the estimate plus two standard errors
-    over the trials actually seen) is below every k's crossover;
-  * only when the balance (EXPLORE_SHARE, default 0.5%, of the measured time of the stream, less
-    what probes cost beyond the plain steps they replaced) covers the probe's predicted excess:
-    catch-up + k d + V(k) - E_k(alpha) t;
-  * with the k of most expected acceptance trials per millisecond of that excess.
-A probe's measured excess (round ms - emitted tokens x t) is recorded (Round.explore_ms,
-RequestEnd.explore_ms) and charged to the balance, so over any stream exploration stays within
-its share plus at most one probe. ``probe_every`` is the minimum number of k = 0 rounds between
-probes.
+The constants below have one line each; the measurements that set them are in
+docs/controller.md#constants.
 """
 
 from __future__ import annotations
@@ -85,7 +31,7 @@ from .costs.model import CostProfile, round_draft_ms
 from .records import Candidate
 
 now = time.perf_counter
-REUSE_TIE = 0.01
+REUSE_TIE = 0.01     # r = 1 takes a near-tie within this share of the best r = 0 action
 PRIOR_TRIALS = 8.0   # weight of the long-run acceptance in the request-level one, in trials
 LONG_WINDOW = 200.0  # the long-run acceptance averages about the last this many trials
 LONG_PRIOR = 32.0    # ... starting from this many pseudo-trials at the prior (a probe barely moves it)
@@ -93,7 +39,7 @@ LONG_DECAY = 0.05    # per-request ageing of the evidence count behind alpha's o
 OUT_DECAY = 0.1      # per-request weight of the output-share EWMA
 OUT_FRAC_START = 1.0  # ... which every engine starts here: requests run to max_new_tokens
 SPEC_MARGIN = 0.02   # a drafting action must be predicted this much cheaper than the best k = 0 one
-EXPLORE_SHARE = 0.005  # probes may spend this share of the stream's measured time (issue: <= 1%)
+EXPLORE_SHARE = 0.005  # probes may spend this share of the stream's measured time 
 UCB_Z = 2.0          # alpha's optimistic bound: estimate + UCB_Z standard errors
 MAX_EVIDENCE = 400   # trials counted for that bound at most (and it ages by LONG_DECAY a request)
 PROBE_CTX_BUCKET = 16  # probe candidates are recomputed when the context moves by this many tokens
@@ -108,7 +54,7 @@ COPY_ALPHA = 0.99     # acceptance of an exact repeat whose earlier output the n
 
 def spec_or_plain(best: Candidate, plain: list[Candidate]) -> Candidate:
     """Draft only when predicted SPEC_MARGIN cheaper than the best k = 0 action: a near-tie lost
-    to k = 0 costs little, a wrong draft a whole draft prefill (docs/results.md, sessions 8-9)."""
+    to k = 0 costs little, a wrong draft a whole draft prefill (docs/controller.md#constants)."""
     if not plain:
         return best
     b0 = min(plain, key=lambda c: c.predicted_ms)
@@ -124,7 +70,7 @@ def copy_alpha(s: "Situation", alpha: float) -> float:
 def prefer_reuse(best: Candidate, feas: list[Candidate]) -> Candidate:
     """r = 1 wins a near-tie (within REUSE_TIE) with an r = 0 action of the same kind (drafting
     or not): it costs only the measured clone/store and seeds the cache for later requests (a
-    plain r = 0 chosen by the spec margin once left a shared prefix unstored: session 10)."""
+    plain r = 0 chosen by the spec margin once left a shared prefix unstored)."""
     if best.reuse == 1:
         return best
     alt = [c for c in feas if c.reuse == 1 and (c.k > 0) == (best.k > 0)
@@ -250,7 +196,7 @@ class Controller:
         self._pos_reach = [0.0] * k_top           # drafting rounds that judged draft j (j = 1..k_top) ...
         self._pos_hold = [0.0] * k_top           # ... and accepted it
         # an engine's output share starts at OUT_FRAC_START, not at the profile's (kept for display):
-        # one stream's 1-token outputs halved the next stream's n and sent its k to 1 (results, session 12)
+        # one stream's 1-token outputs halved the next stream's n and sent its k to 1 (docs/controller.md#constants)
         self.out_frac = OUT_FRAC_START
         self.probe_every = probe_every
         self.rounds_since_draft = 0

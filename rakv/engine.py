@@ -21,8 +21,9 @@ from .config import Policy, RakvConfig
 from .controller import AlphaEWMA, Choice, Controller, Situation
 from .costs import CostProfile
 from .drafts import MAX_MATCH, DraftSource, ModelDraft, NgramDraft, NoDraft, history_match, prefill_with_reuse
-from .gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, judged, request_trust
+from .gate import AcceptMap
 from .models import LoadedModel, model_info
+from .planner import RoundPlanner
 from .prefix_cache import PrefixCache
 from .prompts import EncodedPrompt, encode_prompt
 from .records import CacheLookup, Candidate, Decision, RequestEnd, RequestStart, Round, RunHeader
@@ -83,21 +84,6 @@ def verify_accept(model, cache, pending: int, drafts: list[int]) -> tuple[list[i
     return drafts[:a] + [pred[a]], a
 
 
-def gate_k_max(k: int, rq: "_Request", remaining: int, k_top: int) -> int:
-    """With the gate, a drafting round may go to k_top (the largest k of K; lookup_k for an n-gram
-    draft, which drafts for free): the gate, not an average acceptance, decides where each round
-    stops (probes and fixed policies keep their k)."""
-    if rq.policy.gate and rq.k > 0 and k == min(rq.k, remaining - 1):
-        return max(k, min(k_top, remaining - 1))
-    return k
-
-
-def use_lookup(tokens: list[int], lookup: RoundGate | None, model: RoundGate, alpha: float) -> bool:
-    """A gated drafting round takes the n-gram lookup instead of the model draft when the lookup's
-    tokens per ms (nothing to draft: C_j = V(j)) beat what the model draft can expect at alpha."""
-    return bool(tokens) and lookup.rate(len(tokens)) >= model.expected_rate(alpha)
-
-
 def cut_at_eos(emitted: list[int], prov: list[str], eos, remaining: int):
     """EOS inside the accepted run ends the output there; never exceed ``remaining``."""
     cut, hit = len(emitted), False
@@ -129,19 +115,71 @@ class Engine:
             config.alpha_prior if config.alpha_prior is not None else 0.5, config.alpha_decay)
         if self.policy.adaptive and self.controller is None:
             raise EngineError("the adaptive policy needs a cost profile (run calibration)")
-        # draft confidence -> chance of acceptance, for the gate (prior: the calibration's counts)
-        self.accept_map = AcceptMap(self.alpha.value, profile.accept_map if profile is not None else None)
-        # the n-gram side draft of k = 0 rounds under the gate (its own map unless it is the draft)
-        self.lookup = self.draft if isinstance(self.draft, NgramDraft) else NgramDraft()
-        self.lookup_map = self.accept_map if self.lookup is self.draft else AcceptMap(LOOKUP_ALPHA)
+        self.planner = RoundPlanner(self.draft, self.controller, profile, self.alpha, self.store,
+                                    config.lookup_k, self._emit, self._k_set_now)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._next_id = 0
         self._running = False
         self._pending_budget: int | None = None
         self._open_request: int | None = None
-        self.decide_ms_total = 0.0
         self.t0 = now()
+
+    # what the planner shares with the engine: swapping one (the oracle's measuring does) swaps both
+    @property
+    def controller(self) -> Controller | None:
+        return self._controller
+
+    @controller.setter
+    def controller(self, c: Controller | None) -> None:
+        self._controller = c
+        if "planner" in self.__dict__:
+            self.planner.controller = c
+
+    @property
+    def profile(self) -> CostProfile | None:
+        return self._profile
+
+    @profile.setter
+    def profile(self, p: CostProfile | None) -> None:
+        self._profile = p
+        if "planner" in self.__dict__:
+            self.planner.profile = p
+
+    @property
+    def alpha(self) -> AlphaEWMA:
+        return self._alpha
+
+    @alpha.setter
+    def alpha(self, a: AlphaEWMA) -> None:
+        self._alpha = a
+        if "planner" in self.__dict__:
+            self.planner.alpha = a
+
+    # the gate's acceptance tables and the n-gram side draft live in the planner
+    @property
+    def accept_map(self) -> AcceptMap:
+        return self.planner.accept_map
+
+    @accept_map.setter
+    def accept_map(self, m: AcceptMap) -> None:
+        self.planner.accept_map = m
+
+    @property
+    def lookup_map(self) -> AcceptMap:
+        return self.planner.lookup_map
+
+    @lookup_map.setter
+    def lookup_map(self, m: AcceptMap) -> None:
+        self.planner.lookup_map = m
+
+    @property
+    def lookup(self) -> NgramDraft:
+        return self.planner.lookup
+
+    def _k_set_now(self) -> tuple:
+        with self._lock:
+            return self.k_set
 
     # ------------------------------------------------------------------ controls (any thread)
     def set_budget_mib(self, mib: float) -> None:
@@ -321,7 +359,7 @@ class Engine:
         if rq.k > 0 and not rq.has_draft:
             raise EngineError(f"k={rq.k} needs a draft (--draft is 'none')")
         rq.per_round = policy.adaptive and self.granularity == "round" and rq.force is None
-        self._last_k = rq.k
+        self.planner.begin(rq)
         return choice
 
     def _prefill(self, rq: "_Request") -> None:
@@ -352,98 +390,16 @@ class Engine:
         if not rq.stopped and self._stop.is_set():
             rq.stopped = "stop"
 
-    def _round_k(self, rq: "_Request", seq: list[int], remaining: int) -> int:
-        """This round's k: the request's, a per-round decision, or a priced probe at k = 0."""
-        if rq.per_round:
-            return self._decide_round(rq.rid, rq.rounds + 1, rq.reuse, seq, remaining, rq.draft_model, rq.has_draft)
-        if not (rq.policy.adaptive and rq.k == 0 and rq.has_draft):
-            return rq.k
-        td = now()
-        ctl = self.controller
-        if not ctl.probe_possible(len(seq), remaining, rq.k_set):
-            return 0
-        behind = self._draft_behind(seq, rq.reuse, rq.draft_model)
-        k = ctl.maybe_probe(len(seq), remaining, rq.k_set, behind, rq.draft_model)
-        if k:
-            self._emit(Decision(request_id=rq.rid, round=rq.rounds + 1, action={"reuse": int(rq.reuse), "k": k},
-                                alpha=self.alpha.value, reason="probe",
-                                alpha_star=ctl.round_alpha_star(len(seq), rq.k_set),
-                                decide_ms=round((now() - td) * 1e3, 4),
-                                explore_cost_ms=round(ctl.probe_predicted_ms, 3),
-                                explore_balance_ms=round(ctl.explore_balance, 3)))
-        return k
-
-    def _gate(self, rq: "_Request", seq: list[int], k: int) -> RoundGate | None:
-        """The round's confidence gate (policy adaptive:gate and a cost profile), else None."""
-        p = self.profile
-        if not (rq.policy.gate and p is not None and k > 0):
-            return None
-        ctx = len(seq)
-        behind = self._draft_behind(seq, rq.reuse, rq.draft_model)
-        amap = self.accept_map
-        if self.lookup is self.draft:      # an n-gram draft: this request's judged copies scale the map
-            amap = Trusted(amap, request_trust(rq.lk_hits, rq.lk_pred))
-        return RoundGate(amap, k, p.draft_step(ctx) if rq.draft_model else 0.0, self._V(ctx, k),
-                         sunk=self.controller.catchup_ms(behind, rq.draft_model, ctx))
-
-    def _k_top(self, rq: "_Request", source) -> int:
-        """The longest draft a gated round may verify: max(K), or lookup_k for n-gram lookup."""
-        top = max(rq.k_set)
-        return max(top, self.config.lookup_k) if isinstance(source, NgramDraft) else top
-
-    def _V(self, ctx: int, k: int) -> list[float]:
-        """V(j) for j = 0..k at context ctx (V(0) = t: a plain step), as the gate reads them."""
-        return [self.profile.step(ctx)] + [self.profile.verify(j, ctx) for j in range(1, k + 1)]
-
-    def _lookup(self, rq: "_Request", seq: list[int], remaining: int) -> tuple[list[int], float, RoundGate | None]:
-        """A k = 0 round under the gate: the n-gram continuation costs ~nothing to look up, so verify
-        the part of it whose expected tokens per ms beat a plain step (often none)."""
-        p = self.profile
-        k_max = min(self._k_top(rq, self.lookup), remaining - 1)
-        if not (rq.policy.gate and p is not None and rq.force is None and k_max >= 1):
-            return [], 0.0, None
-        gate = RoundGate(Trusted(self.lookup_map, request_trust(rq.lk_hits, rq.lk_pred)), k_max, 0.0,
-                         self._V(len(seq), k_max))
-        prop = self.lookup.propose(seq, k_max, gate)
-        if not prop.tokens:
-            return [], prop.ms, None
-        return prop.tokens[: gate.verify_length(len(prop.tokens))], prop.ms, gate
-
-    def _draft(self, rq: "_Request", seq: list[int], k: int, gate: RoundGate | None = None):
-        """Draft up to k tokens (a model draft first catches up); reports the draft's prompt lookup."""
-        prop = self.draft.propose(seq, k, gate)
-        if prop.prefill is not None:
-            h = prop.prefill
-            self._emit_lookup(rq.rid, "draft", h.hit, len(rq.ids), h.stored, h.lookup_ms, h.ms)
-            if self.profile is not None and h.ms > 0:     # the draft's prompt prefill, as paid in a request
-                self.profile.observe("D", self.profile.D(len(rq.ids) - h.hit.usable), h.ms)
-        return prop
-
     def _round(self, rq: "_Request") -> None:
-        """One round: k = 0 is a plain step; k > 0 drafts, verifies k+1 tokens, accepts, rolls back."""
+        """One round: ask the planner (k, source, drafts), verify, accept, tell it the outcome."""
         t_round = now()
         seq = rq.ids + rq.out
         remaining = rq.N - len(rq.out)
-        k = min(self._round_k(rq, seq, remaining), remaining - 1)
-        drafts: list[int] = []
-        draft_ms = catch_ms = 0.0
-        catch_tok = fed = n_fwd = 0
-        fwd_ms = 0.0                # the draft's forwards of this round alone (no prompt prefill)
-        gate = self._gate(rq, seq, gate_k_max(k, rq, remaining, self._k_top(rq, self.draft))) if k > 0 else None
-        lookup = k == 0 and rq.policy.gate
-        # (a probe keeps the model draft: it is there to measure the model draft's acceptance)
-        if lookup or (gate is not None and rq.k > 0 and self.lookup is not self.draft):
-            lk, lk_ms, lk_gate = self._lookup(rq, seq, remaining)
-            lookup = lookup or use_lookup(lk, lk_gate, gate, self.alpha.value)
-            if lookup:
-                drafts, draft_ms, gate = lk, lk_ms, lk_gate
-        if k > 0 and not lookup:
-            prop = self._draft(rq, seq, gate.k_max if gate else k, gate)
-            drafts, draft_ms, catch_tok, catch_ms = prop.tokens, prop.ms, prop.catchup_tokens, prop.catchup_ms
-            fed, n_fwd, fwd_ms = prop.fed, len(prop.tokens), prop.forward_ms
-        proposed = bool(drafts) and not lookup
-        if gate is not None and drafts and not lookup:
-            drafts = drafts[: gate.verify_length(len(drafts))]
+        plan = self.planner.plan(rq, seq, remaining)
+        if plan.prefill is not None:
+            h = plan.prefill
+            self._emit_lookup(rq.rid, "draft", h.hit, len(rq.ids), h.stored, h.lookup_ms, h.ms)
+        drafts, gate = plan.drafts, plan.gate
         tv = now()
         if drafts:
             emitted, a = verify_accept(self.target.model, rq.cache, seq[-1], drafts)
@@ -456,41 +412,27 @@ class Engine:
         rq.out.extend(emitted)
         if eos:
             rq.stopped = "eos"
-        if proposed:
-            self.draft.commit(rq.ids + rq.out)
         m = len(drafts)
-        if gate is not None and m:
-            if lookup or self.lookup is self.draft:      # n-gram copies: the request's trust in them
-                for c, ok in judged(gate.confs, m, a):
-                    rq.lk_pred += self.lookup_map.p(c)
-                    rq.lk_hits += ok
-            (self.lookup_map if lookup else self.accept_map).observe(gate.confs[:m], gate.preds[:m], a)
-        if not lookup:           # a request's drafted / accepted count the model draft's rounds
+        if not plan.lookup:      # a request's drafted / accepted count the model draft's rounds
             rq.drafted += m
             rq.accepted += a
         rq.rounds += 1
         round_ms = (now() - t_round) * 1e3
-        explore = 0.0
-        if self.controller is not None:
-            # a lookup's acceptance is not the model draft's alpha: the controller sees a k = 0 round
-            explore = self.controller.observe_round(0 if lookup else m, a, round_ms, len(emitted), len(seq))
-            self._observe_costs("spec" if drafts else "ar", m, len(seq), verify_ms, fwd_ms, catch_tok,
-                                rq.draft_model and not lookup, fed, n_fwd)
-        else:
-            self.alpha.update(a, m)
+        explore = self.planner.told(rq, plan, a, len(emitted), verify_ms, round_ms, len(seq))
         rq.explore_ms += explore
-        fwd = verify_ms + (draft_ms if rq.draft_model else 0.0)
+        fwd = verify_ms + (plan.draft_ms if rq.draft_model else 0.0)
         rq.forward_ms += fwd
         rq.book_ms += max(0.0, round_ms - fwd)
-        self._emit(Round(request_id=rq.rid, index=rq.rounds, kind="spec" if drafts else "ar", k=k, drafted=m,
-                         accepted=a, emitted=emitted, provenance=prov, draft_ms=round(draft_ms, 3),
-                         verify_ms=round(verify_ms, 3), catchup_tokens=catch_tok, catchup_ms=round(catch_ms, 3),
+        self._emit(Round(request_id=rq.rid, index=rq.rounds, kind="spec" if drafts else "ar", k=plan.k, drafted=m,
+                         accepted=a, emitted=emitted, provenance=prov, draft_ms=round(plan.draft_ms, 3),
+                         verify_ms=round(verify_ms, 3), catchup_tokens=plan.catchup_tokens,
+                         catchup_ms=round(plan.catchup_ms, 3),
                          round_ms=round(round_ms, 3), context=len(seq), alpha=round(self.alpha.value, 5),
                          explore_ms=round(explore, 3),
                          draft_conf=[round(c, 4) for c in gate.confs] if gate else [],
                          draft_pred=[round(c, 4) for c in gate.preds] if gate else [],
                          draft_stop=gate.stop if gate else "",
-                         draft_source="lookup" if lookup and gate else ""))
+                         draft_source="lookup" if plan.lookup and gate else ""))
         self._check_end(rq)
 
     def _finish(self, rq: "_Request", choice: Choice | None) -> RequestEnd:
@@ -560,48 +502,6 @@ class Engine:
         follow, m = history_match(ids, N, self.draft.sizes, h.tokens)
         return m >= min(len(ids), MAX_MATCH) and bool(follow) and (
             len(follow) >= N or follow[-1] in self.target.eos_ids)
-
-    def _draft_behind(self, seq, reuse, draft_model) -> int:
-        """Tokens a model draft must read before it can draft after ``seq`` (its catch-up)."""
-        if not draft_model:
-            return 0
-        if self.draft.cache is not None:
-            return len(seq) - len(self.draft.cached)
-        # the draft has not seen the prompt yet: its prefill (minus a cached prefix) is due
-        hd = self.store.peek(self.draft.key, self.draft.prompt) if (reuse and self.draft.reuse) else None
-        return len(seq) - (hd.usable if hd is not None else 0)
-
-    def _decide_round(self, rid, index, reuse, seq, remaining, draft_model, has_draft) -> int:
-        with self._lock:
-            ks_now = self.k_set
-        behind = self._draft_behind(seq, reuse, draft_model)
-        td = now()
-        k_new, reason, costs = self.controller.decide_round(len(seq), remaining, ks_now, behind,
-                                                            has_draft, draft_model)
-        dms = (now() - td) * 1e3
-        self.decide_ms_total += dms
-        if reason == "probe" or k_new != self._last_k:
-            self._emit(Decision(request_id=rid, round=index,
-                                candidates=[asdict(Candidate(int(reuse), kk, round(v * remaining, 3)))
-                                            for kk, v in costs.items()],
-                                action={"reuse": int(reuse), "k": k_new}, alpha=self.alpha.value,
-                                alpha_star=self.controller.round_alpha_star(len(seq), ks_now),
-                                reason=reason, decide_ms=round(dms, 4)))
-        self._last_k = k_new
-        return k_new
-
-    def _observe_costs(self, kind, m, ctx, verify_ms, draft_ms, catch_tok, draft_model, fed=1, n_fwd=0) -> None:
-        """Refine the profile from one round: t from a plain step; a speculative round of m as one
-        term R{m}, its draft forwards (``draft_ms``: ``n_fwd`` of them, the first reading ``fed`` =
-        1 or 2 tokens, the prompt's prefill left out) and verify together. A model draft's round
-        that caught up first is not a round of m: skipped."""
-        p = self.profile
-        if kind == "ar":
-            p.observe("t", p.step(ctx), verify_ms)
-        elif not draft_model:
-            p.observe(f"R{m}", p.verify(m, ctx), verify_ms)
-        elif catch_tok == 0 and n_fwd > 0:
-            p.observe(f"R{m}", p.round_forwards(m, ctx, n_fwd, fed), draft_ms + verify_ms)
 
 
 def make_draft(spec: str, target: LoadedModel, config: RakvConfig) -> DraftSource:

@@ -1,4 +1,4 @@
-"""Calibration under load against a quiet calibration, per term (issue 13).
+"""Calibration under load against a quiet calibration, per term.
 
     python scripts/calibration_under_load.py --draft int8 --out out/cal-load.json
 
@@ -11,7 +11,7 @@
    seconds after the load stopped: a VM whose cores were both busy for minutes runs slower for a
    while afterwards (the host's CPU accounting), which no CPU-share check can see.
 4. quiet again: ``rakv calibrate`` right after S -> Q3, the quiet calibration nearest in time to S.
-   This VM's own speed drifts by up to 30% within minutes (docs/results.md, session 6), so S is also
+   This VM's own speed drifts by up to 30% within minutes (docs/history/2026-12-01.md), so S is also
    read against Q3: same machine state, the contention is the only difference left.
 
 Each run uses its own profile folder (RAKV_CACHE, the converted models shared by a link). Printed:

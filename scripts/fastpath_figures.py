@@ -1,4 +1,4 @@
-"""Figures for the fast forward path (issue 11): plain torch kernels, packed oneDNN linears under
+"""Figures for the fast forward path : plain torch kernels, packed oneDNN linears under
 HF's forward, and the lean forward over them, measured interleaved in one process on the embedded
 demo model; llama.cpp on the same weights as a fourth arm when it is there.
 

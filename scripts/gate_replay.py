@@ -8,7 +8,7 @@ it the target accepts; each variant's rounds are then priced with the profile's 
   oracle            each round verifies exactly the tokens that will be accepted (greedy foresight)
   gate              the engine's rule: per-token confidence from the match length, the pooled
                     per-bin map learned online, the best expected tokens per ms (best_verify_length)
-  gate, no trust    the same without the request's own trust in its copies (before session 11)
+  gate, no trust    the same without the request's own trust in its copies (the earlier gate)
 
 Ratios are joint:8's time over the arm's (above 1: faster than joint:8). Seed 0 is the bench's
 stream; seed 7 is held out.

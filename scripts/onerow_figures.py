@@ -1,5 +1,5 @@
 """`ar` tokens/s on the demo model with the one-row kernel plain (MKL) against packed (oneDNN), interleaved
-rounds in one process, and whether the ids agree (issue 11; docs/results.md, session 6).
+rounds in one process, and whether the ids agree (docs/fastpath.md).
 
     python scripts/onerow_figures.py
 """

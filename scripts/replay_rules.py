@@ -1,6 +1,6 @@
 """What-if for the per-request decision rules, on recorded bench runs: each decision of
 adaptive:nogate is taken again from its recorded candidate predictions (candidates.csv) under rule
-variants (the spec margin; the near-tie rule, dropped in session 9, that preferred the smaller of
+variants (the spec margin; the near-tie rule, since dropped, that preferred the smaller of
 drafting k predicted within 2%) and scored against the fixed policies' measurements, plainly and
 held out (rakv.bench.metrics). The controller's state is not replayed (another choice would have
 taught it another alpha), so this ranks rules; a rerun of the bench confirms a change.
@@ -19,12 +19,12 @@ from rakv.bench import metrics as M
 from rakv.controller import REUSE_TIE
 
 VARIANTS = {                        # name -> (near-tie share for the smaller k, spec margin)
-    "session 8: k tie 2%, margin 5%": (0.02, 0.05),
+    "old: k tie 2%, margin 5%": (0.02, 0.05),
     "no k tie, margin 5%": (0.0, 0.05),
     "k tie 2%, no margin": (0.02, 0.0),
     "no k tie, no margin": (0.0, 0.0),
     "k tie 2%, margin 2%": (0.02, 0.02),
-    "session 9: no k tie, margin 2%": (0.0, 0.02),
+    "now: no k tie, margin 2%": (0.0, 0.02),
 }
 
 
@@ -48,7 +48,7 @@ def decide(cands: list[dict], k_tie: float, margin: float) -> tuple[int, int]:
     if best["k"] > 0 and plain:
         b0 = min(plain, key=cost)
         best = best if cost(best) < cost(b0) * (1 - margin) else b0
-        best = reuse_tie(best, plain)      # the reuse near-tie holds after the margin too (session 10)
+        best = reuse_tie(best, plain)      # the reuse near-tie holds after the margin too 
     return best["reuse"], best["k"]
 
 

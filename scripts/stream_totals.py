@@ -7,7 +7,7 @@ mixed streams get their own row here, where the bench summary files mixed reques
 source workloads. Fixed policies are ar, kv, spec:K and joint:K. Prints three markdown tables.
 
 The first takes the best fixed policy as the one with the least total over all repeats: the
-issue's definition, but the minimum of several noisy totals is biased low (it is picked on the
+target's definition, but the minimum of several noisy totals is biased low (it is picked on the
 same noise it is then compared with). The second picks it out of sample: for each repeat, the
 fixed policy with the least total over the other repeats, timed on that repeat. Its last column,
 in-sample best / out-of-sample best, is that selection bias measured (1.000 = none).

@@ -333,7 +333,7 @@ def test_calibration_measures_costs_in_the_loop():
 
 def test_the_cheapest_drafting_k_is_taken_even_by_a_hair():
     """Among drafting actions the argmin is taken as predicted, per request and per round: a
-    near-tie rule for the smaller k cost 0.2-2.4 points of regret on every recorded run (session 9)."""
+    near-tie rule for the smaller k cost 0.2-2.4 points of regret on every recorded run."""
     from rakv.controller import overshoot
     s = situation(N=65)
     a, n = 0.95, 64
@@ -536,7 +536,7 @@ def test_persistence_of_request_acceptance_is_measured():
 def test_the_spec_margin_keeps_the_reuse_near_tie():
     """A prompt with no hit: r = 0 and r = 1 cost the same. When drafting is predicted better by
     less than the spec margin, the plain action taken must still be r = 1 (it stores the prompt
-    for later requests); session 10 found it taking r = 0 and a later exact repeat missing."""
+    for later requests); it was once found taking r = 0 and a later exact repeat missing."""
     from rakv.controller import SPEC_MARGIN
     prof = profile()
     prof.clone_ms_per_token = 0.001

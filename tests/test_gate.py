@@ -164,7 +164,7 @@ def test_lookup_is_not_verified_when_a_verify_costs_three_steps():
 
 
 def test_a_confident_lookup_replaces_the_model_draft_in_a_drafting_round():
-    from rakv.engine import use_lookup
+    from rakv.planner import use_lookup
 
     m = AcceptMap(alpha=0.5)
     model = RoundGate(m, 4, 0.5, [1.0, 1.05, 1.1, 1.15, 1.2])       # a model draft at half a step a token
@@ -234,7 +234,7 @@ def test_a_requests_failed_lookups_lower_its_trust():
 
 def test_an_ngram_drafts_failed_copies_lower_its_trust_in_later_rounds():
     """With the n-gram draft itself under the gate, its judged copies scale the pooled map for the
-    rest of the request as the side lookup's do (a replay of session 11's streams: +4-11% on repetitive)."""
+    rest of the request as the side lookup's do (in replay of recorded streams: +4-11% on repetitive)."""
     from rakv.gate import Trusted
 
     target, draft = make_pair("llama", "mostly")
@@ -244,7 +244,7 @@ def test_an_ngram_drafts_failed_copies_lower_its_trust_in_later_rounds():
         rq = eng._start(p, 24, None)
         eng._decide(rq)
         rq.lk_hits, rq.lk_pred = 0.0, 6.0                  # six copies predicted, none accepted
-        g = eng._gate(rq, p, 4)
+        g = eng.planner._gate(rq, p, 4)
         assert isinstance(g.amap, Trusted) == scaled
         if scaled:
             assert g.amap.p(0.9) == pytest.approx(eng.accept_map.p(0.9) * 0.25)

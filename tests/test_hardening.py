@@ -1,4 +1,4 @@
-"""Issue 14 (hardening) and issue 13.4 (calibration that notices contention).
+"""Hardening (bad input, concurrency, damaged files) and calibration that notices contention.
 
 Each test here failed before its fix. Tiny random models only; nothing touches the network.
 """
@@ -569,7 +569,7 @@ def test_calibrated_curves_rise_and_quality_is_recorded(pair):
 
 
 def test_falling_prefill_never_cached_as_is(pair, monkeypatch):
-    """The issue's case: 8 tokens slower than 128 (a busy moment). Re-measured, then monotone."""
+    """The reported case: 8 tokens slower than 128 (a busy moment). Re-measured, then monotone."""
     from rakv import decoding as dec
 
     target, draft = pair

@@ -387,7 +387,7 @@ def busy_now(target) -> str | None:
     if not check_enabled():
         return None
     # Another process shows as a low CPU share. A high spread alone is not enough: this VM's host
-    # gives quiet probes 38% spread at a 100% share (docs/results.md, session 6).
+    # gives quiet probes 38% spread at a 100% share (docs/history/2026-12-01.md).
     for _ in range(2):          # twice: one bad probe on a quiet machine is not enough to say busy
         probe = quiet_probe(target)
         if probe.share >= SHARE_QUIET:

@@ -299,7 +299,7 @@ ONE_ROW_SHARE_MIN = 0.8           # main-thread CPU share below this while timin
 def _decode_steps(model: nn.Module, ctx: int = 64, steps: int = 4):
     """Timing (rakv.meter) of real decode steps, one token after a ``ctx``-token prefill: what the
     one-row kernel is chosen for. (A bare pass over the linear layers ranked the kernels the other
-    way on the session-6 machine, where whole steps and `ar` tokens/s favoured the packed one.)"""
+    way on a 2-core AVX2 VM, where whole steps and `ar` tokens/s favoured the packed one.)"""
     from .. import decoding as dec
     from ..meter import time_reps
 

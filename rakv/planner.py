@@ -1,0 +1,241 @@
+"""Plans each decoding round and is told its outcome: the engine's one door to the controller.
+
+The engine asks one question a round, ``plan(rq, seq, remaining)``, and gets a ``RoundPlan``: the
+round's k, where its tokens come from (the model draft, the n-gram lookup, or none: a plain
+step), the drafted tokens themselves, the confidence gate that cut them, and whether it is a
+priced probe (with its alpha*). After the verify it reports one ``RoundOutcome`` through
+``told(...)``, which teaches the controller (acceptance, exploration spent), the gate's tables and
+the cost profile. Like transformers' candidate generators: propose, then be told the outcome.
+Qt-free; knows nothing of the prefix cache or the records' transport (it emits through ``emit``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .acceptance import judged
+from .controller import AlphaEWMA, Controller
+from .costs.model import CostProfile
+from .device import clock
+from .drafts import DraftSource, NgramDraft
+from .gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, request_trust
+from .prefix_cache import PrefixCache
+from .records import Candidate, Decision
+
+now = clock
+
+
+@dataclass
+class RoundPlan:
+    """What one round will verify (plain data; the engine verifies ``drafts`` after the pending token)."""
+
+    k: int                                  # the round's k (0: a plain step unless a lookup verifies)
+    drafts: list[int] = field(default_factory=list)
+    source: str = ""                        # "" (plain step) | "draft" | "lookup"
+    gate: RoundGate | None = None
+    draft_ms: float = 0.0                   # proposing, catch-up and prompt prefill included
+    catchup_tokens: int = 0
+    catchup_ms: float = 0.0
+    fed: int = 0                            # tokens the draft's first forward read (1, or 2 after a full accept)
+    forwards: int = 0                       # the draft's forwards this round
+    forward_ms: float = 0.0                 # ... their ms alone (no prompt prefill)
+    prefill: object = None                  # the draft's prompt prefill, when this round paid it
+
+    @property
+    def lookup(self) -> bool:
+        return self.source == "lookup"
+
+
+def gate_k_max(k: int, rq, remaining: int, k_top: int) -> int:
+    """With the gate, a drafting round may go to k_top (the largest k of K; lookup_k for an n-gram
+    draft, which drafts for free): the gate, not an average acceptance, decides where each round
+    stops (probes and fixed policies keep their k)."""
+    if rq.policy.gate and rq.k > 0 and k == min(rq.k, remaining - 1):
+        return max(k, min(k_top, remaining - 1))
+    return k
+
+
+def use_lookup(tokens: list[int], lookup: RoundGate | None, model: RoundGate, alpha: float) -> bool:
+    """A gated drafting round takes the n-gram lookup instead of the model draft when the lookup's
+    tokens per ms (nothing to draft: C_j = V(j)) beat what the model draft can expect at alpha."""
+    return bool(tokens) and lookup.rate(len(tokens)) >= model.expected_rate(alpha)
+
+
+class RoundPlanner:
+    """Owns what rounds learn beside the controller: the gate's acceptance tables (model draft and
+    n-gram lookup) and, without a controller, the acceptance EWMA."""
+
+    def __init__(self, draft: DraftSource, controller: Controller | None, profile: CostProfile | None,
+                 alpha: AlphaEWMA, store: PrefixCache, lookup_k: int, emit, k_set_now):
+        self.draft = draft
+        self.store = store
+        self.controller = controller
+        self.profile = profile
+        self.alpha = alpha
+        self.lookup_k = lookup_k
+        self.emit = emit                        # records out (the engine stamps and forwards them)
+        self.k_set_now = k_set_now              # () -> the K allowed now (changes between rounds)
+        # draft confidence -> chance of acceptance, for the gate (prior: the calibration's counts)
+        self.accept_map = AcceptMap(alpha.value, profile.accept_map if profile is not None else None)
+        # the n-gram side draft of k = 0 rounds under the gate (its own map unless it is the draft)
+        self.lookup = draft if isinstance(draft, NgramDraft) else NgramDraft()
+        self.lookup_map = self.accept_map if self.lookup is draft else AcceptMap(LOOKUP_ALPHA)
+        self.last_k = 0
+        self.decide_ms_total = 0.0
+
+    # ------------------------------------------------------------------ the question
+    def plan(self, rq, seq: list[int], remaining: int) -> RoundPlan:
+        """This round's k, source and drafted tokens (a model draft is run here, gate and all)."""
+        k = min(self._round_k(rq, seq, remaining), remaining - 1)
+        plan = RoundPlan(k=k)
+        gate = self._gate(rq, seq, gate_k_max(k, rq, remaining, self._k_top(rq, self.draft))) if k > 0 else None
+        lookup = k == 0 and rq.policy.gate
+        # (a probe keeps the model draft: it is there to measure the model draft's acceptance)
+        if lookup or (gate is not None and rq.k > 0 and self.lookup is not self.draft):
+            lk, lk_ms, lk_gate = self._lookup(rq, seq, remaining)
+            lookup = lookup or use_lookup(lk, lk_gate, gate, self.alpha.value)
+            if lookup:
+                plan.drafts, plan.draft_ms, gate = lk, lk_ms, lk_gate
+                plan.source = "lookup" if lk else ""
+        if k > 0 and not lookup:
+            prop = self.draft.propose(seq, gate.k_max if gate else k, gate)
+            plan.drafts, plan.draft_ms = prop.tokens, prop.ms
+            plan.catchup_tokens, plan.catchup_ms = prop.catchup_tokens, prop.catchup_ms
+            plan.fed, plan.forwards, plan.forward_ms = prop.fed, len(prop.tokens), prop.forward_ms
+            plan.prefill = prop.prefill
+            plan.source = "draft" if prop.tokens else ""
+            if gate is not None and plan.drafts:
+                plan.drafts = plan.drafts[: gate.verify_length(len(plan.drafts))]
+            if prop.prefill is not None and self.profile is not None and prop.prefill.ms > 0:
+                h = prop.prefill          # the draft's prompt prefill, as paid in a request
+                self.profile.observe("D", self.profile.D(len(rq.ids) - h.hit.usable), h.ms)
+        plan.gate = gate
+        if lookup and not plan.drafts:
+            plan.source = ""
+        return plan
+
+    # ------------------------------------------------------------------ the outcome
+    def told(self, rq, plan: RoundPlan, accepted: int, emitted: int, verify_ms: float, round_ms: float,
+             ctx: int) -> float:
+        """Learn from the verified round; returns the exploration ms it spent (a probe's excess)."""
+        m, a, gate, lookup = len(plan.drafts), accepted, plan.gate, plan.lookup
+        if plan.source == "draft":
+            self.draft.commit(rq.ids + rq.out)
+        if gate is not None and m:
+            if lookup or self.lookup is self.draft:      # n-gram copies: the request's trust in them
+                for c, ok in judged(gate.confs, m, a):
+                    rq.lk_pred += self.lookup_map.p(c)
+                    rq.lk_hits += ok
+            (self.lookup_map if lookup else self.accept_map).observe(gate.confs[:m], gate.preds[:m], a)
+        if self.controller is None:
+            self.alpha.update(a, m)
+            return 0.0
+        # a lookup's acceptance is not the model draft's alpha: the controller sees a k = 0 round
+        explore = self.controller.observe_round(0 if lookup else m, a, round_ms, emitted, ctx)
+        self._observe_costs("spec" if m else "ar", m, ctx, verify_ms, plan.forward_ms, plan.catchup_tokens,
+                            rq.draft_model and not lookup, plan.fed, plan.forwards)
+        return explore
+
+    def begin(self, rq) -> None:
+        """A request's per-request action is set: per-round decisions start from its k."""
+        self.last_k = rq.k
+
+    # ------------------------------------------------------------------ rules of one round
+    def _round_k(self, rq, seq: list[int], remaining: int) -> int:
+        """This round's k: the request's, a per-round decision, or a priced probe at k = 0."""
+        if rq.per_round:
+            return self._decide_round(rq, seq, remaining)
+        if not (rq.policy.adaptive and rq.k == 0 and rq.has_draft):
+            return rq.k
+        td = now()
+        ctl = self.controller
+        if not ctl.probe_possible(len(seq), remaining, rq.k_set):
+            return 0
+        behind = self._draft_behind(seq, rq.reuse, rq.draft_model)
+        k = ctl.maybe_probe(len(seq), remaining, rq.k_set, behind, rq.draft_model)
+        if k:
+            self.emit(Decision(request_id=rq.rid, round=rq.rounds + 1, action={"reuse": int(rq.reuse), "k": k},
+                               alpha=self.alpha.value, reason="probe",
+                               alpha_star=ctl.round_alpha_star(len(seq), rq.k_set),
+                               decide_ms=round((now() - td) * 1e3, 4),
+                               explore_cost_ms=round(ctl.probe_predicted_ms, 3),
+                               explore_balance_ms=round(ctl.explore_balance, 3)))
+        return k
+
+    def _decide_round(self, rq, seq: list[int], remaining: int) -> int:
+        """Per-round granularity: the controller's k for this round (a Decision when it changes)."""
+        ks_now = self.k_set_now()
+        behind = self._draft_behind(seq, rq.reuse, rq.draft_model)
+        td = now()
+        k_new, reason, costs = self.controller.decide_round(len(seq), remaining, ks_now, behind,
+                                                            rq.has_draft, rq.draft_model)
+        dms = (now() - td) * 1e3
+        self.decide_ms_total += dms
+        if reason == "probe" or k_new != self.last_k:
+            self.emit(Decision(request_id=rq.rid, round=rq.rounds + 1,
+                               candidates=[asdict(Candidate(int(rq.reuse), kk, round(v * remaining, 3)))
+                                           for kk, v in costs.items()],
+                               action={"reuse": int(rq.reuse), "k": k_new}, alpha=self.alpha.value,
+                               alpha_star=self.controller.round_alpha_star(len(seq), ks_now),
+                               reason=reason, decide_ms=round(dms, 4)))
+        self.last_k = k_new
+        return k_new
+
+    def _gate(self, rq, seq: list[int], k: int) -> RoundGate | None:
+        """The round's confidence gate (policy adaptive:gate and a cost profile), else None."""
+        p = self.profile
+        if not (rq.policy.gate and p is not None and k > 0):
+            return None
+        ctx = len(seq)
+        behind = self._draft_behind(seq, rq.reuse, rq.draft_model)
+        amap = self.accept_map
+        if self.lookup is self.draft:      # an n-gram draft: this request's judged copies scale the map
+            amap = Trusted(amap, request_trust(rq.lk_hits, rq.lk_pred))
+        return RoundGate(amap, k, p.draft_step(ctx) if rq.draft_model else 0.0, self._V(ctx, k),
+                         sunk=self.controller.catchup_ms(behind, rq.draft_model, ctx))
+
+    def _k_top(self, rq, source) -> int:
+        """The longest draft a gated round may verify: max(K), or lookup_k for n-gram lookup."""
+        top = max(rq.k_set)
+        return max(top, self.lookup_k) if isinstance(source, NgramDraft) else top
+
+    def _V(self, ctx: int, k: int) -> list[float]:
+        """V(j) for j = 0..k at context ctx (V(0) = t: a plain step), as the gate reads them."""
+        return [self.profile.step(ctx)] + [self.profile.verify(j, ctx) for j in range(1, k + 1)]
+
+    def _lookup(self, rq, seq: list[int], remaining: int) -> tuple[list[int], float, RoundGate | None]:
+        """A k = 0 round under the gate: the n-gram continuation costs ~nothing to look up, so verify
+        the part of it whose expected tokens per ms beat a plain step (often none)."""
+        p = self.profile
+        k_max = min(self._k_top(rq, self.lookup), remaining - 1)
+        if not (rq.policy.gate and p is not None and rq.force is None and k_max >= 1):
+            return [], 0.0, None
+        gate = RoundGate(Trusted(self.lookup_map, request_trust(rq.lk_hits, rq.lk_pred)), k_max, 0.0,
+                         self._V(len(seq), k_max))
+        prop = self.lookup.propose(seq, k_max, gate)
+        if not prop.tokens:
+            return [], prop.ms, None
+        return prop.tokens[: gate.verify_length(len(prop.tokens))], prop.ms, gate
+
+    def _draft_behind(self, seq, reuse, draft_model) -> int:
+        """Tokens a model draft must read before it can draft after ``seq`` (its catch-up)."""
+        if not draft_model:
+            return 0
+        if self.draft.cache is not None:
+            return len(seq) - len(self.draft.cached)
+        # the draft has not seen the prompt yet: its prefill (minus a cached prefix) is due
+        hd = self.store.peek(self.draft.key, self.draft.prompt) if (reuse and self.draft.reuse) else None
+        return len(seq) - (hd.usable if hd is not None else 0)
+
+    def _observe_costs(self, kind, m, ctx, verify_ms, draft_ms, catch_tok, draft_model, fed=1, n_fwd=0) -> None:
+        """Refine the profile from one round: t from a plain step; a speculative round of m as one
+        term R{m}, its draft forwards (``draft_ms``: ``n_fwd`` of them, the first reading ``fed`` =
+        1 or 2 tokens, the prompt's prefill left out) and verify together. A model draft's round
+        that caught up first is not a round of m: skipped."""
+        p = self.profile
+        if kind == "ar":
+            p.observe("t", p.step(ctx), verify_ms)
+        elif not draft_model:
+            p.observe(f"R{m}", p.verify(m, ctx), verify_ms)
+        elif catch_tok == 0 and n_fwd > 0:
+            p.observe(f"R{m}", p.round_forwards(m, ctx, n_fwd, fed), draft_ms + verify_ms)
