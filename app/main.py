@@ -1,6 +1,6 @@
 """``rakv-explorer``: the GUI entry point, with a scripted mode for demos, screenshots and CI.
 
-    rakv-explorer [--target M] [--draft M] [--prompt TEXT --autorun] [--replay FILE]
+    rakv-explorer [--target M] [--draft M] [--prompt TEXT --autorun [--conversation]] [--replay FILE]
                   [--screenshot PNG] [--exit-after-run] [--policy P] [--max-new-tokens N]
                   [--k-set 0,2,4] [--measure-all [--measure-prompt TEXT] [--repeats R]]
                   [--device auto|cpu|cuda|mps] [--no-fast]
@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt", action="append",
                     help="prompt text for the editor (repeatable: --autorun runs them in order, one engine)")
     ap.add_argument("--autorun", action="store_true", help="run the prompt(s) at start")
+    ap.add_argument("--conversation", action=argparse.BooleanOptionalAction, default=None,
+                    help="conversation mode: each prompt is the next turn of one conversation "
+                         "(--no-conversation: separate requests; default: as last time)")
     ap.add_argument("--policy", type=A.policy, help=POLICIES_HELP)
     ap.add_argument("--max-new-tokens", type=A.int_range(1, 4096))
     ap.add_argument("--raw", action=argparse.BooleanOptionalAction, default=None,
@@ -91,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceError as e:
         print(f"rakv-explorer: error: {e}", file=sys.stderr)
         return 2
+    from app.desktop import check, no_display
+
+    problem = no_display() or check()      # before Qt: its own failure here is an abort
+    if problem:
+        print(f"rakv-explorer: error: {problem}", file=sys.stderr)
+        return 1
     quiet_libs()
     import torch
 
@@ -122,11 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         rp.max_new.setValue(args.max_new_tokens)
     if args.raw is not None:
         rp.raw.setChecked(args.raw)
+    if args.conversation is not None:
+        rp.conversation.setChecked(args.conversation)
     if k_set is not None:
         win.controls.set_values(win.controls.budget_mib(), k_set, win.controls.granularity.currentData())
         win.worker.set_controls(k_set=k_set)
     if args.size:
         win.resize(*args.size)
+        if win.settings.geometry()[1] is None:     # no saved dock layout: lay the docks out for this size
+            win.default_docks()
     sys.excepthook = win.excepthook
     win.show()
 

@@ -62,6 +62,7 @@ class Settings:
         "run/policy": "adaptive",
         "run/max_new_tokens": 64,
         "run/raw": False,                 # True: prompts go in as they are (no chat template)
+        "run/conversation": False,        # True: each Run is the next turn of one conversation
         "controls/budget_mib": 512,
         "controls/k_set": ",".join(map(str, DEFAULT_K_SET)),
         "controls/granularity": "round",

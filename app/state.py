@@ -65,6 +65,29 @@ class RoundPoint:
 
 
 @dataclass
+class TurnView:
+    """One turn of a conversation (``RequestStart.conversation``), as the panels show it."""
+
+    request_id: int
+    conversation: int
+    turn: int
+    user: str
+    prompt_tokens: int
+    previous_tokens: int         # the conversation before this turn, as fed
+    ids_from: str                # first | append | template
+    reason: str = ""
+    hit_tokens: int = 0          # q of the target's lookup
+    answer: str = ""
+    output_tokens: int = 0
+    ttft_ms: float | None = None
+
+    @property
+    def from_before(self) -> int:
+        """Prompt tokens reused from the conversation before this turn."""
+        return min(self.hit_tokens, self.previous_tokens)
+
+
+@dataclass
 class SessionState:
     records: list = field(default_factory=list)
     header: RunHeader | None = None
@@ -105,6 +128,9 @@ class SessionState:
     oracles: list[OracleResult] = field(default_factory=list)
     oracle: OracleResult | None = None         # the latest measurement
     oracle_fresh: bool = False                 # no request has started since it
+    # conversations (the explorer's conversation mode, rakv.chat)
+    turns: list[TurnView] = field(default_factory=list)
+    turn: TurnView | None = None               # the current request's turn (None: not a conversation)
 
     # ------------------------------------------------------------------ feeding
     def apply(self, rec) -> None:
@@ -151,6 +177,13 @@ class SessionState:
         self.round_decision = None
         self.draft_cache = None
         self.request_x.append((self.n_rounds, r.request_id))
+        c = getattr(r, "conversation", None)
+        self.turn = None
+        if c:
+            self.turn = TurnView(r.request_id, int(c.get("conversation", 1)), int(c.get("turn", 1)), r.prompt,
+                                 r.prompt_tokens, int(c.get("previous_tokens", 0)), str(c.get("ids_from", "")),
+                                 str(c.get("reason", "")))
+            self.turns.append(self.turn)
 
     def _lookup(self, r: CacheLookup) -> None:
         view = CacheView(r.model, r.hit_tokens, r.reused_tokens, r.prompt_tokens, r.exact_repeat,
@@ -160,6 +193,8 @@ class SessionState:
             return
         self.cache = view
         self.hits.append((r.request_id, r.hit_tokens, r.prompt_tokens, r.exact_repeat))
+        if self.turn is not None and self.turn.request_id == r.request_id:
+            self.turn.hit_tokens = r.hit_tokens
         if r.request_id != self.request_id:
             return
         P = min(r.prompt_tokens, len(self.tokens))
@@ -199,6 +234,8 @@ class SessionState:
         self.running = False
         self.ends.append(r)
         self.last_end = r
+        if self.turn is not None and self.turn.request_id == r.request_id:
+            self.turn.answer, self.turn.output_tokens, self.turn.ttft_ms = r.text, len(r.output_ids), r.ttft_ms
 
     def exploration(self) -> tuple[float, float]:
         """(ms probes cost this request beyond plain steps, share of the session's latency)."""
@@ -242,6 +279,22 @@ class SessionState:
         return (f"hit q = {q} of P = {self.prompt_tokens}, of which S = {S} tokens are the chat template's "
                 f"shared prefix and {q - S} an earlier prompt's own text")
 
+    def turn_of(self, request_id: int) -> TurnView | None:
+        return next((t for t in reversed(self.turns) if t.request_id == request_id), None)
+
+    def conversation_note(self) -> str:
+        """How much of the current turn came from the conversation before it (the cache panel's line)."""
+        t = self.turn
+        if t is None or t.request_id != self.request_id:
+            return "not a conversation (Run → Conversation mode continues one)"
+        head = f"conversation {t.conversation}, turn {t.turn}"
+        if t.turn == 1:
+            return f"{head}: the first turn (the conversation starts here)"
+        how = "its ids appended" if t.ids_from == "append" else f"re-templated: {t.reason}"
+        share = t.from_before / t.previous_tokens if t.previous_tokens else 0.0
+        return (f"{head}: {t.from_before} of the {t.previous_tokens} tokens before this turn came from the "
+                f"cache ({share:.0%}; {how}); {t.prompt_tokens - t.hit_tokens} new")
+
     def summary(self) -> dict:
         """A compact, comparable digest (tests compare live vs replay with it)."""
         return {
@@ -253,4 +306,5 @@ class SessionState:
             "rounds": [(p.x, p.k, p.draft_ms, p.verify_ms, p.alpha) for p in self.rounds],
             "ends": [(e.request_id, e.latency_ms, e.output_ids) for e in self.ends],
             "oracles": [(o.after_request, o.choice, o.oracle, o.regret) for o in self.oracles],
+            "turns": [(t.request_id, t.conversation, t.turn, t.hit_tokens, t.previous_tokens) for t in self.turns],
         }

@@ -37,6 +37,8 @@ class MainWindow(QMainWindow):
     _load = Signal(str, str, int)
     _use = Signal(object)
     _run = Signal(str, str, int)
+    _chat = Signal(str, str, int)
+    _new_conv = Signal()
     _budget = Signal(float)
     _measure = Signal(str, int, int)
     # notifications (tests and scripted mode)
@@ -121,6 +123,7 @@ class MainWindow(QMainWindow):
         self.run_panel.stopRequested.connect(self.stop)
         self.run_panel.measureRequested.connect(self.measure_all)
         self.run_panel.loadRequested.connect(self.load_models)
+        self.run_panel.newConversationRequested.connect(self.new_conversation)
         self.controls.budgetChanged.connect(self._budget_changed)
         self.controls.kSetChanged.connect(lambda ks: self.worker.set_controls(k_set=ks))
         self.controls.forceChanged.connect(lambda f: self.worker.set_controls(force=f))
@@ -199,6 +202,8 @@ class MainWindow(QMainWindow):
         self._load.connect(self.worker.load_models)
         self._use.connect(self.worker.use_models)
         self._run.connect(self.worker.run)
+        self._chat.connect(self.worker.chat)
+        self._new_conv.connect(self.worker.new_conversation)
         self._budget.connect(self.worker.set_budget)
         self._measure.connect(self.worker.measure)
         self.worker.measureProgress.connect(self._on_measure_progress)
@@ -221,6 +226,7 @@ class MainWindow(QMainWindow):
         rp.policy.setCurrentText(s.get("run/policy"))
         rp.max_new.setValue(s.get("run/max_new_tokens"))
         rp.raw.setChecked(bool(s.get("run/raw")))
+        rp.conversation.setChecked(bool(s.get("run/conversation")))
         self.worker.set_controls(chat_template=not rp.raw.isChecked())
         try:
             ks = parse_k_set(str(s.get("controls/k_set")))
@@ -231,19 +237,49 @@ class MainWindow(QMainWindow):
         self.worker.controls.budget_mib = float(self.controls.budget_mib())
         self.worker.set_controls(k_set=self.controls.k_set(), granularity=self.controls.granularity.currentData())
         geo, st = s.geometry()
-        if geo is not None:
-            self.restoreGeometry(geo)
-        else:
-            self.resize(1500, 940)
+        if geo is None or not self.restoreGeometry(geo) or not self._fits_screen():
+            self.fit_to_screen()
         if st is not None:
             self.restoreState(st)
         else:
-            H = Qt.Orientation.Horizontal
-            self.resizeDocks([self.docks["run"], self.docks["cache"]], [310, 440], H)
-            self.resizeDocks([self.docks["acceptance"], self.docks["timeline"]], [1, 1], H)
-            self.resizeDocks([self.docks["acceptance"]], [380], Qt.Orientation.Vertical)
-            self.resizeDocks([self.docks["cache"], self.docks["costs"]], [330, 520], Qt.Orientation.Vertical)
+            self.default_docks()
         self.replay_tb.hide()
+
+    # ------------------------------------------------------------------ window size
+    def _screen_rect(self) -> tuple[int, int, int, int] | None:
+        scr = self.screen() or QApplication.primaryScreen()
+        if scr is None:
+            return None
+        r = scr.availableGeometry()
+        return r.x(), r.y(), r.width(), r.height()
+
+    def _fits_screen(self) -> bool:
+        from app.desktop import on_screen
+
+        scr = self._screen_rect()
+        g = self.geometry()
+        return scr is None or on_screen((g.x(), g.y(), g.width(), g.height()), scr)
+
+    def fit_to_screen(self) -> None:
+        """The first window (or a saved one that no longer fits): as large as the default where
+        the screen has room, else the screen less room for a frame, centred."""
+        from app.desktop import DEFAULT_SIZE, fit
+
+        scr = self._screen_rect()
+        if scr is None:
+            self.resize(*DEFAULT_SIZE)
+            return
+        x, y, w, h = fit(scr)
+        self.setGeometry(x, y, w, h)
+
+    def default_docks(self) -> None:
+        """The docks' first layout, in proportion to the window (left, right, bottom)."""
+        W, H = max(800, self.width()), max(500, self.height())
+        Hz, V = Qt.Orientation.Horizontal, Qt.Orientation.Vertical
+        self.resizeDocks([self.docks["run"], self.docks["cache"]], [int(W * 0.22), int(W * 0.30)], Hz)
+        self.resizeDocks([self.docks["acceptance"], self.docks["timeline"]], [1, 1], Hz)
+        self.resizeDocks([self.docks["acceptance"]], [int(H * 0.36)], V)
+        self.resizeDocks([self.docks["cache"], self.docks["costs"]], [int(H * 0.42), int(H * 0.58)], V)
 
     def save_settings(self) -> None:
         s = self.settings
@@ -255,6 +291,7 @@ class MainWindow(QMainWindow):
         s.set("run/policy", rp.policy_text())
         s.set("run/max_new_tokens", rp.max_new.value())
         s.set("run/raw", rp.raw.isChecked())
+        s.set("run/conversation", rp.conversation.isChecked())
         s.set("controls/budget_mib", self.controls.budget_mib())
         s.set("controls/k_set", ",".join(map(str, self.controls.k_set())))
         s.set("controls/granularity", self.controls.granularity.currentData())
@@ -284,10 +321,25 @@ class MainWindow(QMainWindow):
             self.show_error("Bad policy", err)
             return
         self._ready_models()
+        rp = self.run_panel
+        if rp.conversation.isChecked() and not rp.prompt_text().strip():
+            self.show_error("Empty message", "type the next message of the conversation first")
+            return
         self.running = True
         self._set_running_ui()
         self.msg.setText("running ...")
-        self._run.emit(self.run_panel.prompt_text(), self.run_panel.policy_text(), self.run_panel.max_new.value())
+        self._sent = rp.prompt_text() if rp.conversation.isChecked() else None
+        (self._chat if self._sent is not None else self._run).emit(rp.prompt_text(), rp.policy_text(),
+                                                                   rp.max_new.value())
+
+    def new_conversation(self) -> None:
+        """Conversation mode: the next turn starts a new conversation."""
+        if self.running:
+            return
+        self._new_conv.emit()
+        self._new_conv_pending = True
+        self.msg.setText("the next message starts a new conversation")
+        self._conversation_info()
 
     def _ready_models(self) -> None:
         """Leave a replay and load the chosen pair if it is not the loaded one."""
@@ -405,6 +457,11 @@ class MainWindow(QMainWindow):
         self.modelsLoaded.emit(info)
 
     def _on_finished(self, end) -> None:
+        sent, self._sent = getattr(self, "_sent", None), None
+        if sent is not None and end is not None and end.stopped != "error":
+            self._new_conv_pending = False
+            if self.run_panel.prompt_text() == sent:     # the message went into the conversation
+                self.run_panel.prompt.clear()
         self.running = False
         self.live.running = False          # also after an error in the middle of a request
         self.lag.active = False
@@ -435,6 +492,7 @@ class MainWindow(QMainWindow):
             t0 = time.perf_counter()
             self._drawn = key
             self.tokens.refresh(st)
+            self._conversation_info()
             tps = st.live_tokens_per_s()
             ttft = st.ttft_ms()
             ex_ms, ex_share = st.exploration()
@@ -457,6 +515,22 @@ class MainWindow(QMainWindow):
         mx, p99, n = self.lag.stats()
         if n:
             self.lag_label.setText(f"lag max {mx:.0f} ms · p99 {p99:.0f} ms")
+
+    def _conversation_info(self) -> None:
+        """The run panel's line under the Conversation box: the conversation so far."""
+        st = self.state
+        if getattr(self, "_new_conv_pending", False) and st is self.live:
+            text = "the next message starts a new conversation"
+        elif st.turn is not None:
+            c = st.turn.conversation
+            turns = [t for t in st.turns if t.conversation == c and t.request_id <= st.turn.request_id]
+            n = st.turn.prompt_tokens + st.turn.output_tokens
+            text = (f"conversation {c}: {len(turns)} turn{'s' if len(turns) != 1 else ''}, {n} tokens"
+                    + (f"; the last turn reused {st.turn.from_before} of the {st.turn.previous_tokens} before it"
+                       if st.turn.turn > 1 else ""))
+        else:
+            text = "the next message starts a conversation"
+        self.run_panel.set_conversation_info(text)
 
     def panel_snapshot(self) -> dict:
         self.redraw()

@@ -1,8 +1,9 @@
 """The worker: a QObject living on its own QThread that owns the models and the engine.
 
-Commands come in as queued slot calls (load models, run, set budget); records go out through
-the queued ``record`` signal. The engine callback runs on this thread and only writes the
-recording line and emits the signal; all GUI work happens on the GUI thread, on a timer.
+Commands come in as queued slot calls (load models, run, chat, new conversation, set budget);
+records go out through the queued ``record`` signal. The engine callback runs on this thread and
+only writes the recording line and emits the signal; all GUI work happens on the GUI thread, on a
+timer. Conversation mode keeps a ``rakv.chat.Conversation`` here, beside the engine.
 
 Thread-safety of the live controls:
   * ``stop()`` is called directly from the GUI thread: ``Engine.stop`` sets a threading.Event,
@@ -66,6 +67,7 @@ class Worker(QObject):
         self._persist = False
         self._lock = threading.Lock()
         self._oracle = None               # the running "measure every action", if any
+        self.conversation = None          # conversation mode: rakv.chat.Conversation over the engine
 
     # ------------------------------------------------------------------ models (worker thread)
     @Slot(str, str, int)
@@ -118,6 +120,7 @@ class Worker(QObject):
                                 chat_template=c.chat_template,
                                 policy="adaptive" if profile is not None else "ar")
             self.engine = Engine(target, draft, config, self._on_record, profile)
+        self.conversation = None
         if self.sessions is not None:
             self.recording = self.sessions / time.strftime("session-%Y%m%d-%H%M%S.jsonl")
             n = 1
@@ -162,6 +165,46 @@ class Worker(QObject):
         finally:
             self.busy.emit("")
             self.finished.emit(end)
+
+    @Slot(str, str, int)
+    def chat(self, text: str, policy: str, max_new_tokens: int) -> None:
+        """Conversation mode: ``text`` is the next user turn of the conversation (rakv.chat): its
+        prompt is the whole conversation, and its prompt and answer stay in the prefix cache."""
+        from rakv.chat import Conversation, run_turn
+
+        if self._load_failed:
+            self._load_failed = False
+            self.finished.emit(None)
+            return
+        if self.engine is None:
+            self._fail("no models loaded", None)
+            self.finished.emit(None)
+            return
+        end = None
+        try:
+            self.busy.emit("generating ...")
+            self.engine.set_policy(policy)
+            conv = self.conversation
+            if conv is None or conv.raw != (not self.engine.chat_template):   # new, or the raw box changed
+                number = conv.number + 1 if conv is not None and conv.turns else 1
+                conv = self.conversation = Conversation.for_engine(self.engine, number=number)
+            end = run_turn(self.engine, conv, text, max_new_tokens)
+            self._write_pieces(conv.turns[-1].prompt_ids if conv.turns else [], end)
+            if self._persist and self.profile is not None:
+                from rakv.costs import save_learned
+                from rakv.paths import cache_dir
+                save_learned(self.profile, cache_dir())
+        except Exception as e:  # noqa: BLE001
+            self._fail(str(e) or type(e).__name__, e)
+        finally:
+            self.busy.emit("")
+            self.finished.emit(end)
+
+    @Slot()
+    def new_conversation(self) -> None:
+        """The next conversation-mode turn starts a new conversation (the prefix cache keeps its entries)."""
+        if self.conversation is not None and self.conversation.turns:
+            self.conversation.reset()
 
     @Slot(str, int, int)
     def measure(self, prompt: str, max_new_tokens: int, repeats: int) -> None:
@@ -234,13 +277,13 @@ class Worker(QObject):
         return getattr(self.target, "tokenizer", None)
 
     # ------------------------------------------------------------------ helpers
-    def _write_pieces(self, prompt: str, end) -> None:
+    def _write_pieces(self, prompt, end) -> None:
         """Next to the recording: token id -> text piece, so replays show text without models."""
         if self.recording is None or self.tokenizer() is None:
             return
         from app.pieces import save_pieces
 
-        self._seen_ids.update(self.engine.encode(prompt))
+        self._seen_ids.update(self.engine.encode(prompt) if isinstance(prompt, str) else prompt)
         self._seen_ids.update(end.output_ids)
         save_pieces(self.recording, self.tokenizer(), self._seen_ids)
 

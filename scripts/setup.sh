@@ -62,4 +62,9 @@ if ! $VPY -c "import torch" >/dev/null 2>&1; then
 fi
 $VPY -c "import torch; print('[setup] torch', torch.__version__, '(CUDA ' + str(torch.version.cuda) + ')' if torch.version.cuda else '(CPU build)')" >&2
 $VPY -m pip install -q -e ".[test,bench]"
+# the explorer's window on Linux needs a few X11 libraries Qt does not ship (libxcb-icccm4, ...):
+# say which are missing and how to install them; never a reason to fail the setup
+if [ "$(uname -s)" = Linux ]; then
+  $VPY -m app.desktop || say "could not check the explorer's system libraries"
+fi
 touch "$stamp"

@@ -386,3 +386,42 @@ def test_cli_chat_bad_input(chat_dir, capsys, monkeypatch):
     code, out, err = run(capsys, "chat", "--target", str(path), "--draft", "none", "--policy", "kv",
                          "--max-new-tokens", "250", "--json")
     assert code == 2 and "exceeds the model's context" in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- the conversation workload
+def test_conversation_workload_streams():
+    from rakv.bench import workloads as W
+
+    tok = tiny_tokenizer(chat=True)
+    main_, held = W.conversations("conversation"), W.conversations("conversation-heldout")
+    assert len(main_) >= 10 and len(held) >= 5 and all(len(c) >= 3 for c in main_ + held)
+    assert not {m for c in main_ for m in c} & {m for c in held for m in c}      # held-out turns kept apart
+    st = W.conversation_stream(main_, tok, 7, 16, seed=1)
+    assert st == W.conversation_stream(main_, tok, 7, 16, seed=1) and len(st) == 7
+    assert st[0].turn == 1 and st[0].kind == "unrelated" and st[0].ids
+    for a, b in zip(st, st[1:]):
+        assert b.turn == 1 or (b.turn == a.turn + 1 and b.context_id == a.context_id and b.kind == "shared"
+                               and not b.ids)
+    conv = main_[int(st[0].context_id.split("/")[1])]
+    assert [r.user for r in st[:len(conv)]] == conv[:7]
+    assert st[0].ids == tuple(encode_prompt(tok, conv[0]).ids)
+    assert W.conversation_tokens(st, tok) >= len(st[0].ids) + 16
+
+
+def test_bench_conversation_workload(tmp_path):
+    """rakv bench --workload conversation: every policy gets the same turns (exact), a turn's ids
+    continue the previous turn's prompt and answer, and the reuse policies hit all of them."""
+    import csv
+
+    out = tmp_path / "conv"
+    assert main(["bench", "--tiny", "--workload", "conversation", "--policies", "ar,kv", "--n-prompts", "3",
+                 "--max-new-tokens", "6", "--out", str(out), "--no-progress"]) == 0
+    rows = list(csv.DictReader(open(out / "executions.csv")))
+    assert len(rows) == 6 and all(r["match"] == "1" for r in rows)
+    kv = sorted((r for r in rows if r["policy"] == "kv"), key=lambda r: int(r["index"]))
+    assert [int(r["turn"]) for r in kv] == [1, 2, 3]
+    for prev, cur in zip(kv, kv[1:]):
+        assert int(cur["hit_tokens"]) == int(prev["prompt_tokens"]) + int(prev["output_tokens"])
+    assert all(r["hit_tokens"] == "0" for r in rows if r["policy"] == "ar")
+    summary = (out / "summary.md").read_text()
+    assert "## Conversations: reuse and latency per turn" in summary and "| conversation | 3 | kv |" in summary

@@ -60,3 +60,28 @@ def nice_ceiling(v: float) -> float:
         if v <= m * e:
             return m * e
     return 10 * e
+
+
+class NoData:
+    """A plot's "no data yet" note: while it shows, the axes are fixed to a sane range (an empty
+    auto-ranged plot would show something like -1e-163 ... 3e-163)."""
+
+    def __init__(self, plot: pg.PlotWidget, xr=(0.0, 10.0), yr=(0.0, 1.0), text: str = "no data yet"):
+        self.plot, self.xr, self.yr = plot, xr, yr
+        self.item = pg.TextItem(text, color="#8c8c8c", anchor=(0.5, 0.5))
+        plot.getPlotItem().addItem(self.item, ignoreBounds=True)
+        self.empty: bool | None = None
+        self.set(True)
+
+    def set(self, empty: bool, text: str | None = None) -> None:
+        if text is not None:
+            self.item.setText(text)
+        if empty == self.empty:
+            return
+        self.empty = empty
+        self.item.setVisible(empty)
+        if empty:
+            pi = self.plot.getPlotItem()
+            pi.setXRange(*self.xr, padding=0)
+            pi.setYRange(*self.yr, padding=0)
+            self.item.setPos((self.xr[0] + self.xr[1]) / 2, (self.yr[0] + self.yr[1]) / 2)

@@ -12,7 +12,7 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from app.state import SessionState
 
-from . import k_color, make_plot, nice_ceiling
+from . import NoData, k_color, make_plot, nice_ceiling
 
 MAX_BOUNDARIES = 60
 
@@ -35,6 +35,7 @@ class AcceptancePanel(QWidget):
         pi.addItem(self.region)
         self.curve = pi.plot([], [], pen=pg.mkPen("#08519c", width=2), antialias=True)
         pi.disableAutoRange(axis="x")
+        self.nodata = NoData(self.plot, (0.0, 10.0), (0.0, 1.05))
         self._xmax = 0.0
         self._star_lines: list[pg.InfiniteLine] = []
         self._bounds: list[pg.InfiniteLine] = []
@@ -73,7 +74,11 @@ class AcceptancePanel(QWidget):
             x = np.array([p.x for p in pts], dtype=float)
             y = np.array([p.alpha for p in pts], dtype=float)
             self.curve.setData(x, y)
-            self._range(x)
+            self.nodata.set(not len(x))
+            if len(x):
+                self._range(x)
+            else:
+                self._xmax = 0.0
         d = state.decision
         skey = (id(d),)
         if skey != self._stars_key:
@@ -165,4 +170,4 @@ class AcceptancePanel(QWidget):
                 "last": None if y is None or not len(y) else float(y[-1]),
                 "stars": {k: v for k, v in self._stars.items()}, "chosen_k": self._chosen_k,
                 "region": tuple(round(v, 6) for v in self.region.getRegion()),
-                "gate_bins": len(self.rel_pts.data)}
+                "gate_bins": len(self.rel_pts.data), "empty": bool(self.nodata.empty)}

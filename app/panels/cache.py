@@ -8,7 +8,7 @@ from PySide6.QtWidgets import QFormLayout, QLabel, QProgressBar, QVBoxLayout, QW
 
 from app.state import SessionState
 
-from . import make_plot
+from . import NoData, make_plot
 
 MiB = 1024 * 1024
 
@@ -32,6 +32,10 @@ class CachePanel(QWidget):
         self.draft = QLabel("—")
         self.template = QLabel("—")
         self.template.setWordWrap(True)
+        self.conversation = QLabel("—")
+        self.conversation.setWordWrap(True)
+        self.conversation.setToolTip("conversation mode: how much of this turn's prompt (the whole conversation) the "
+                                     "prefix cache served from the turns before it, prompts and answers")
         self.template.setToolTip("chat-templated prompts all start with the template's system prompt and user "
                                  "header (S tokens): the prefix cache reuses that on every request")
         form = QFormLayout()
@@ -41,6 +45,7 @@ class CachePanel(QWidget):
         form.addRow("Evictions", self.evictions)
         form.addRow("Draft cache", self.draft)
         form.addRow("Chat template", self.template)
+        form.addRow("Conversation", self.conversation)
         self.plot = make_plot("tokens", "request")
         self.plot.setMinimumHeight(110)
         self.plot.getPlotItem().setTitle("hit q (blue) of prompt P (grey) per request", size="9pt")
@@ -48,6 +53,7 @@ class CachePanel(QWidget):
         self.q_bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush="#6baed6", pen=None)
         self.plot.addItem(self.p_bars)
         self.plot.addItem(self.q_bars)
+        self.nodata = NoData(self.plot, (-0.6, 4.6), (0.0, 100.0))
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addWidget(self.hit)
@@ -55,6 +61,13 @@ class CachePanel(QWidget):
         lay.addLayout(form)
         lay.addWidget(self.plot, 1)
         self._hits_n = -1
+        self._state_id = None
+
+    @staticmethod
+    def _tick(state: SessionState, rid: int) -> str:
+        """A request's label on the bars' axis: its id, or c.t (conversation, turn) in a conversation."""
+        t = state.turn_of(rid)
+        return f"{t.conversation}.{t.turn}" if t is not None else str(rid)
 
     def refresh(self, state: SessionState) -> None:
         c = state.cache
@@ -75,13 +88,19 @@ class CachePanel(QWidget):
         self.entries.setText(str(c.entries))
         self.evictions.setText(str(c.evictions))
         self.template.setText(state.template_note())
+        self.conversation.setText(state.conversation_note())
         dc = state.draft_cache
         self.draft.setText("—" if dc is None else
                            f"hit q = {dc.hit_tokens} of {dc.prompt_tokens}"
                            + (" (exact)" if dc.exact_repeat else "") + f", prefill {dc.prefill_ms:.1f} ms")
-        if len(state.hits) != self._hits_n:
-            self._hits_n = len(state.hits)
+        if len(state.hits) != self._hits_n or id(state) != self._state_id:
+            self._hits_n, self._state_id = len(state.hits), id(state)
             h = state.hits[-40:]
+            self.nodata.set(not h)
+            conv = any(state.turn_of(rid) for rid, *_ in h)
+            self.plot.getPlotItem().setTitle(
+                "hit q (blue) of prompt P (grey) per turn (conversation.turn)" if conv else
+                "hit q (blue) of prompt P (grey) per request", size="9pt")
             x = np.array([rid for rid, *_ in h], dtype=float)
             self.p_bars.setOpts(x=x, height=np.array([P for _, _, P, _ in h], dtype=float))
             self.q_bars.setOpts(x=x, height=np.array([q for _, q, _, _ in h], dtype=float))
@@ -90,9 +109,11 @@ class CachePanel(QWidget):
                 pi.setXRange(x.min() - 0.6, x.max() + 0.6, padding=0)
                 pi.setYRange(0, max(1, max(P for _, _, P, _ in h)) * 1.1, padding=0)
                 step = max(1, len(x) // 10)
-                pi.getAxis("bottom").setTicks([[(float(v), str(int(v))) for v in x[::step]]])
+                pi.getAxis("bottom").setTicks([[(float(v), self._tick(state, int(v))) for v in x[::step]]])
 
     def snapshot(self) -> dict:
         return {"hit": self.hit.text(), "detail": self.detail.text(), "bytes": self.bytes.format(),
                 "bytes_value": self.bytes.value(), "entries": self.entries.text(),
-                "evictions": self.evictions.text(), "draft": self.draft.text(), "template": self.template.text(), "hits": self._hits_n}
+                "evictions": self.evictions.text(), "draft": self.draft.text(), "template": self.template.text(), "hits": self._hits_n,
+                "conversation": self.conversation.text(), "empty": bool(self.nodata.empty),
+                "ticks": [t for _, t in (self.plot.getPlotItem().getAxis("bottom")._tickLevels or [[]])[0]]}

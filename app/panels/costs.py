@@ -16,7 +16,7 @@ from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidg
 
 from app.state import SessionState
 
-from . import make_plot
+from . import NoData, make_plot
 
 FEASIBLE = "#6baed6"
 CHOSEN = "#fd8d3c"
@@ -59,6 +59,7 @@ class CostsPanel(QWidget):
         self.otext = pg.TextItem("", color=ORACLE, anchor=(0.5, 1.0))
         for it in (self.pred_bars, self.meas_bars, self.whiskers, self.star, self.otext):
             self.plot.addItem(it)
+        self.nodata = NoData(self.plot, (-0.6, 6.6), (0.0, 100.0))
         self.plot.scene().sigMouseMoved.connect(self._hover)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
@@ -116,7 +117,9 @@ class CostsPanel(QWidget):
             self.measured.setOpts(x=[], height=[], width=0.34)
             self.mtext.setText("")
             self.info.setText("no decision yet" if not per_round else "no per-round re-decision in this request")
+            self.nodata.set(True, "no data yet")
             return
+        self.nodata.set(False)
         cands = sorted(d.candidates, key=lambda c: (c["reuse"], c["k"]))
         act = d.action
         chosen = next((i for i, c in enumerate(cands) if c["reuse"] == act.get("reuse") and c["k"] == act.get("k")), -1)
@@ -216,7 +219,9 @@ class CostsPanel(QWidget):
             self.info.setTextFormat(Qt.TextFormat.PlainText)
             self.info.setText("no measurement yet: Run → Measure every action (Ctrl+M) runs every (r, k) "
                               "on the prompt from the same cache state")
+            self.nodata.set(True, "no measurement yet")
             return
+        self.nodata.set(False)
         cands = sorted(o.actions, key=lambda a: (a["reuse"], a["k"]))
         x = self._group_x(cands)
         is_ = lambda a, d: a["reuse"] == d.get("reuse") and a["k"] == d.get("k")  # noqa: E731
@@ -317,7 +322,7 @@ class CostsPanel(QWidget):
 
     def snapshot(self) -> dict:
         o = self._oracle
-        return {"info": self.info.text(), "view": self.which.currentIndex(),
+        return {"info": self.info.text(), "view": self.which.currentIndex(), "empty": bool(self.nodata.empty),
                 "bars": [(c["reuse"], c["k"], c["predicted_ms"], c.get("feasible", True)) for c in self._cands],
                 "chosen": self._chosen, "measured": self._measured,
                 "oracle": None if o is None else {

@@ -15,6 +15,7 @@ POLICIES = ["adaptive", "adaptive:gate", "ar", "kv", "spec:4", "joint:4"]
 
 class RunPanel(QWidget):
     loadRequested = Signal(str, str)
+    newConversationRequested = Signal()
     runRequested = Signal()
     stopRequested = Signal()
     measureRequested = Signal()
@@ -43,6 +44,17 @@ class RunPanel(QWidget):
         self.raw = QCheckBox("Raw prompt (no chat template)")
         self.raw.setToolTip("send the text as it is; unchecked, a model whose tokenizer has a chat template "
                             "gets the prompt as one user turn (an instruct model then answers)")
+        self.conversation = QCheckBox("Conversation")
+        self.conversation.setToolTip("each Run sends the prompt as the next turn of one conversation: the model sees "
+                                     "the whole conversation,\nand the prefix cache serves all of it but the new "
+                                     "message (the turns before, prompts and answers)")
+        self.new_conv = QPushButton("New conversation")
+        self.new_conv.setToolTip("the next Run starts a new conversation (the prefix cache keeps what it holds)")
+        self.new_conv.clicked.connect(self.newConversationRequested)
+        self.conv_info = QLabel("")
+        self.conv_info.setStyleSheet("color: #555;")
+        self.conv_info.setWordWrap(True)
+        self.conversation.toggled.connect(self._conversation_toggled)
         self.run = QPushButton("Run")
         self.run.setToolTip("Run (Ctrl+R)")
         self.run.setDefault(True)
@@ -71,19 +83,27 @@ class RunPanel(QWidget):
         form.addRow("Policy", self.policy)
         form.addRow("Max new tokens", self.max_new)
         form.addRow("", self.raw)
+        crow = QHBoxLayout()
+        crow.setContentsMargins(0, 0, 0, 0)
+        crow.addWidget(self.conversation)
+        crow.addWidget(self.new_conv, 1)
+        form.addRow("", crow)
+        form.addRow(self.conv_info)
         buttons = QHBoxLayout()
         buttons.addWidget(self.run)
         buttons.addWidget(self.stop)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addLayout(form)
-        lay.addWidget(QLabel("Prompt"))
+        self.prompt_label = QLabel("Prompt")
+        lay.addWidget(self.prompt_label)
         lay.addWidget(self.prompt, 1)
         lay.addLayout(buttons)
         mrow = QHBoxLayout()
         mrow.addWidget(self.measure, 1)
         mrow.addWidget(self.repeats)
         lay.addLayout(mrow)
+        self._conversation_toggled(False)
 
     def _combo(self, items, tip) -> QComboBox:
         c = QComboBox()
@@ -118,6 +138,15 @@ class RunPanel(QWidget):
         if path:
             combo.setCurrentText(path)
 
+    def _conversation_toggled(self, on: bool) -> None:
+        self.new_conv.setEnabled(on)
+        self.prompt_label.setText("Next message" if on else "Prompt")
+        self.run.setText("Send" if on else "Run")
+        self.conv_info.setVisible(on)
+
+    def set_conversation_info(self, text: str) -> None:
+        self.conv_info.setText(text)
+
     # ------------------------------------------------------------------ values
     def pair(self) -> tuple[str, str]:
         return self.target.currentText().strip() or "demo", self.draft.currentText().strip() or "none"
@@ -145,6 +174,7 @@ class RunPanel(QWidget):
         self.run.setEnabled(not running and not busy)
         self.measure.setEnabled(not running and not busy)
         self.load.setEnabled(not running and not busy)
+        self.new_conv.setEnabled(not running and self.conversation.isChecked())
         self.stop.setEnabled(running)
         for w in (self.target, self.draft):
             w.setEnabled(not running and not busy)

@@ -10,7 +10,7 @@ from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from app.state import SessionState
 
-from . import k_color, make_plot, nice_ceiling
+from . import NoData, k_color, make_plot, nice_ceiling
 
 SHOW_ROUNDS = 240
 
@@ -31,6 +31,7 @@ class TimelinePanel(QWidget):
         self._key = None
         self._ranges = None
         pi.disableAutoRange()
+        self.nodata = NoData(self.plot, (0.0, 10.0), (0.0, 10.0))
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addWidget(self.info)
@@ -75,9 +76,12 @@ class TimelinePanel(QWidget):
             n_tok = sum(p.accepted + 1 for p in pts)
             self.info.setText(f"last {len(pts)} rounds: draft {tot_d:.0f} ms + verify {tot_v:.0f} ms "
                               f"for {n_tok} tokens · light = draft, solid = verify")
+            self.nodata.set(False)
             self._range(float(x[0]), float(x[-1]), float((dm + vm).max()))
         else:
             self.info.setText("no rounds yet")
+            self._ranges = None
+            self.nodata.set(True)
 
     def _range(self, lo: float, hi: float, ymax: float) -> None:
         """Stepped ranges: the axes change only when the data outgrows them."""
@@ -96,4 +100,5 @@ class TimelinePanel(QWidget):
             self.legend.addItem(item, f"k={k}")
 
     def snapshot(self) -> dict:
-        return {"info": self.info.text(), "n": len(self._verify_heights), "verify": list(self._verify_heights)}
+        return {"info": self.info.text(), "n": len(self._verify_heights), "verify": list(self._verify_heights),
+                "empty": bool(self.nodata.empty)}

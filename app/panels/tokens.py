@@ -101,7 +101,10 @@ class TokenPanel(QWidget):
         if state.request_id >= 0:
             end = state.last_end if state.last_end and state.last_end.request_id == state.request_id else None
             status = f"done ({end.stopped})" if end else ("running" if state.running else "")
-            self.title.setText(f"Request {state.request_id} · policy {state.policy} · prompt {P} tokens · "
+            t = state.turn
+            turn = (f"Conversation {t.conversation}, turn {t.turn} (the prompt is the whole conversation) · "
+                    if t is not None and t.request_id == state.request_id else "")
+            self.title.setText(f"{turn}Request {state.request_id} · policy {state.policy} · prompt {P} tokens · "
                                f"generated {state.generated} · {status}")
 
     # ------------------------------------------------------------------ hover

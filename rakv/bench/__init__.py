@@ -1,6 +1,7 @@
 """``rakv bench``: every policy and the transformers peers on the same seeded request streams.
 
-    rakv bench [--target M] [--draft M] [--workload chat|chat-heldout|wikitext|humaneval|repetitive|mixed|FILE]
+    rakv bench [--target M] [--draft M]
+               [--workload chat|chat-heldout|conversation|conversation-heldout|wikitext|humaneval|repetitive|mixed|FILE]
                [--policies ...] [--repeats R] [--out DIR] [--quick] [--raw] [--prompts WIKITEXT_FILE]
 
 Writes DIR/executions.csv (one row per timed execution), DIR/candidates.csv (the adaptive
@@ -41,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="rakv bench", description=__doc__.split("\n\n")[0])
     add_model_args(ap)
     ap.add_argument("--workload", default="chat",
-                    help="chat (default; instruction prompts shipped with rakv) | chat-heldout | wikitext "
+                    help="chat (default; instruction prompts shipped with rakv) | chat-heldout | conversation "
+                         "(multi-turn conversations shipped with rakv; reuse and latency per turn) | "
+                         "conversation-heldout | wikitext "
                          "(needs --prompts) | humaneval | repetitive | mixed (needs --prompts) | a prompts FILE; "
                          "comma-separate several")
     ap.add_argument("--raw", action="store_true",
@@ -162,8 +165,8 @@ def parse_workloads(text: str) -> list[str]:
         raise ValueError("--workload is empty")
     for w in names:
         if w not in ALL_WORKLOADS and not Path(w).is_file():
-            raise ValueError(f"unknown workload {w!r} (chat, chat-heldout, wikitext, humaneval, repetitive, mixed, "
-                             f"or a prompts file)")
+            raise ValueError(f"unknown workload {w!r} (chat, chat-heldout, conversation, conversation-heldout, "
+                             f"wikitext, humaneval, repetitive, mixed, or a prompts file)")
     return names
 
 
@@ -203,6 +206,14 @@ def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
     streams = {}
     for w in s["workloads"]:
         for g in s["gens"]:
+            if w in W.CONVERSATION_WORKLOADS:
+                st = W.conversation_stream(W.conversations(w), tokenizer, n, g, seed, raw=args.raw, name=w)
+                longest = W.conversation_tokens(st, tokenizer, args.raw)
+                if max_pos is not None and longest > max_pos:
+                    raise ValueError(f"a {w} conversation can grow to {longest} tokens with {g} new tokens a "
+                                     f"turn, beyond the model's context of {max_pos}")
+                streams[f"{w}/N{g}"] = st
+                continue
             if w in W.CHAT_WORKLOADS:
                 st = W.chat_stream(W.chat_prompts(w), tokenizer, n, g, seed, raw=args.raw, name=w)
                 longest = max(len(r.ids) for r in st)
@@ -263,7 +274,7 @@ def run(args, argv: list[str]) -> int:
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     log(f"bench: {len(streams)} streams x {s['n_prompts']} requests x {s['repeats']} repeats x "
         f"{len(arms)} policies ({', '.join(a.name for a in arms)}) -> {out}")
-    ctx = BenchContext(target, draft, config, profile, arms, lookup_k)
+    ctx = BenchContext(target, draft, config, profile, arms, lookup_k, raw=args.raw)
     n_exec, n_bad = run_streams(ctx, streams, s["repeats"], out, show_progress=not args.no_progress,
                                 resume=args.resume)
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
@@ -278,8 +289,10 @@ def print_plan(streams: dict, arms, repeats: int) -> int:
     n_req = sum(len(x) for x in streams.values())
     for name, st in streams.items():
         kinds = {k: sum(1 for r in st if r.kind == k) for k in ("unrelated", "shared", "repeat")}
-        print(f"{name}: {len(st)} requests, prompt tokens {min(len(r.ids) for r in st)}-"
-              f"{max(len(r.ids) for r in st)}, {kinds}")
+        known = [len(r.ids) for r in st if r.ids]        # a conversation's later turns: built as it runs
+        turns = f", {sum(1 for r in st if r.turn == 1)} conversations" if any(r.turn for r in st) else ""
+        print(f"{name}: {len(st)} requests{turns}, prompt tokens {min(known)}-{max(known)}"
+              f"{' (first turns)' if turns else ''}, {kinds}")
     print(f"policies ({len(arms)}): {', '.join(a.name for a in arms)}")
     print(f"timed executions: {n_req} requests x {repeats} repeats x {len(arms)} policies = {n_req * repeats * len(arms)}")
     return 0

@@ -346,6 +346,7 @@ def write_summary(out: Path) -> Path:
     text += "\n## Latency and throughput per policy (all requests)\n\n" + policy_md(rows)
     for w in sorted({r["workload"] for r in rows}):
         text += f"\n## Workload: {w}\n\n" + policy_md([r for r in rows if r["workload"] == w], full=False)
+    text += conversation_md(rows)
     text += "\n## Median latency (ms) per prompt bucket P and generation length N\n\n" + cells_md(rows)
     text += "\n## Adaptive against every policy (paired ratios)\n" + adaptive_vs_md(rows)
     text += "\n## Adaptive against the best fixed policy of each workload\n\n" + best_fixed_md(rows)
@@ -369,6 +370,35 @@ def write_summary(out: Path) -> Path:
     path = out / "summary.md"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def conversation_md(rows: list[dict]) -> str:
+    """Conversation workloads, per turn and policy: medians of the prompt P, the hit q, TTFT and
+    latency, and TTFT against ar's on the same executions (median of the paired ratios)."""
+    conv = [r for r in rows if (r.get("turn") or 0) > 0]
+    if not conv:
+        return ""
+    pols = M.policies_in(conv)
+    ar = {M.key(r): r for r in conv if r["policy"] == "ar"}
+    body = []
+    for w in sorted({r["workload"] for r in conv}):
+        for t in sorted({r["turn"] for r in conv if r["workload"] == w}):
+            for p in pols:
+                rs = [r for r in conv if r["workload"] == w and r["turn"] == t and r["policy"] == p]
+                if not rs:
+                    continue
+                P, q = M.median(r["prompt_tokens"] for r in rs), M.median(r["hit_tokens"] for r in rs)
+                x = M.median(ar[M.key(r)]["ttft_ms"] / r["ttft_ms"] for r in rs
+                             if M.key(r) in ar and r["ttft_ms"] and ar[M.key(r)]["ttft_ms"])
+                body.append([w, str(t), p, str(len(rs)), fmt(P, 0), fmt(q, 0),
+                             fmt(q / P if P else None, 0, pct=True), fmt(M.median(r["ttft_ms"] for r in rs), 0),
+                             fmt(M.median(r["latency_ms"] for r in rs), 0), fmt(x, x=True)])
+    return ("\n## Conversations: reuse and latency per turn\n\nA turn's prompt is the whole conversation so "
+            "far; turn 1 hits the chat template's shared prefix at most, a later turn the previous turn's prompt "
+            "and answer (policies that reuse). Medians; TTFT vs ar = median over the same executions of ar's "
+            "TTFT / the policy's.\n\n"
+            + md_table(["workload", "turn", "policy", "n", "P", "hit q", "q/P", "TTFT ms", "latency ms",
+                        "TTFT vs ar"], body))
 
 
 def explore_md(rows: list[dict]) -> str:
@@ -428,7 +458,7 @@ def header_md(rows: list[dict], meta: dict, reg: dict | None = None) -> str:
     n_bad = sum(1 for r in rows if not r["match"])
     kinds = {k: sum(1 for r in rows if r["kind"] == k and r["policy"] == "ar") for k in ("unrelated", "shared", "repeat")}
     lines = ["# rakv bench summary", ""]
-    natural = any(str(w).startswith("chat") or "/" in str(w) or "." in str(w) for w in meta.get("workloads", []))
+    natural = any(str(w).startswith(("chat", "conversation")) or "/" in str(w) or "." in str(w) for w in meta.get("workloads", []))
     if meta.get("command"):
         lines += [f"Command: `{meta['command']}`", ""]
     lines += [f"- target `{meta.get('target', '?')}`, draft `{meta.get('draft', '?')}`, K = {meta.get('k_set', '?')}, "
@@ -438,7 +468,8 @@ def header_md(rows: list[dict], meta: dict, reg: dict | None = None) -> str:
               f"generation lengths {meta.get('gens', '?')}; {meta.get('n_prompts', '?')} requests per stream; "
               f"repeats {meta.get('repeats', '?')}; seed {meta.get('seed', '?')}"
               + (f"; chat prompts {'through the chat template' if meta['chat_template'] else 'raw'}"
-                 if "chat_template" in meta and any(str(w).startswith("chat") for w in meta.get("workloads", []))
+                 if "chat_template" in meta and any(str(w).startswith(("chat", "conversation"))
+                                                    for w in meta.get("workloads", []))
                  else ""),
               f"- requests per kind (per repeat x stream): unrelated {kinds['unrelated']}, shared context "
               f"{kinds['shared']}, exact repeat {kinds['repeat']}",

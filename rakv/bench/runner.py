@@ -27,7 +27,7 @@ from rakv.gate import judged
 from rakv.records import Decision, Round
 
 from .peers import DEFAULT_PEERS, PEERS, LlamaCppPeer, peer_available, run_peer
-from .workloads import Request
+from .workloads import Request, TurnBuilder
 
 now = time.perf_counter
 cpu_clock = time.thread_time
@@ -37,7 +37,7 @@ EXEC_COLUMNS = [
     "order", "latency_ms", "ttft_ms", "tokens_per_s", "output_tokens", "drafted", "accepted", "rounds",
     "mean_accept_len", "alpha_req", "hit_tokens", "exact_repeat", "reuse", "k", "mean_k", "predicted_ms",
     "match", "first_diff", "stopped", "explore_ms", "cpu_share", "gate_stops", "gate_tokens", "lookup_drafted", "lookup_accepted",
-    "alpha_decided",
+    "alpha_decided", "turn",
 ]
 GATE_ARMS = ("adaptive:gate", "adaptive:nogate")     # per request, with / without the confidence gate
 ADAPTIVE_ARMS = ("adaptive", "adaptive:request", "adaptive:round") + GATE_ARMS
@@ -186,7 +186,7 @@ def gate_columns(rounds: list[Round]) -> dict:
 
 def run_engine(slot: Slot, req: Request) -> tuple[dict, list[dict]]:
     slot.collector.reset()
-    end = slot.engine.generate(list(req.ids), req.gen)
+    end = slot.engine.generate(req.prompt if req.prompt is not None else list(req.ids), req.gen)
     rounds = slot.collector.rounds
     a = alpha_of(rounds)
     row = dict(latency_ms=end.latency_ms, ttft_ms=end.ttft_ms, tokens_per_s=end.tokens_per_s,
@@ -281,6 +281,7 @@ class BenchContext:
     profile: object
     arms: list[Arm]
     lookup_k: int
+    raw: bool = False          # chat and conversation workloads: without the chat template
 
 
 def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, cell: str,
@@ -301,7 +302,7 @@ def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, ce
         row["cpu_share"] = round(min(1.0, (cpu_clock() - c0) / wall), 3) if wall > 0 else ""
         base = dict(rep=rep, cell=cell, index=req.index, workload=req.workload, kind=req.kind,
                     context_id=req.context_id, bucket=req.bucket, gen=req.gen, prompt_tokens=len(req.ids),
-                    policy=slot.arm.name, order=pos)
+                    policy=slot.arm.name, order=pos, turn=req.turn)
         rows.append({**base, **row})
         cands += [{**dict(rep=rep, cell=cell, index=req.index), **c} for c in cc]
         if progress:
@@ -363,8 +364,14 @@ def run_streams(ctx: BenchContext, streams: dict[str, list[Request]], repeats: i
                 if (str(rep), cell) in done:
                     continue
                 slots = make_slots(ctx.arms, ctx.target, ctx.draft, ctx.config, ctx.profile, learned)
+                turns = TurnBuilder(ctx.target.tokenizer, ctx.target.eos_ids, ctx.raw) if any(
+                    r.turn for r in stream) else None
                 for req in stream:
+                    if turns is not None:     # a conversation's turn: its ids follow the answers before it
+                        req = turns.prepare(req)
                     rows, cands = run_request(ctx, slots, req, rep, cell, progress)
+                    if turns is not None:
+                        turns.answered(next(r["_ids"] for r in rows if r["policy"] == "ar"))
                     ex.write(rows)
                     ca.write(cands)
                     n_exec += len(rows)

@@ -13,6 +13,15 @@ The first request of a stream is always ``unrelated``; the others are stratified
 follow ``KIND_WEIGHTS`` (rounded) in a seeded order. The mixed workload is one stream over all
 three sources (each unrelated request draws its source).
 
+The conversation workloads (``conversation``, ``conversation-heldout``: multi-turn conversations
+shipped in ``data/``, each a list of user messages) are streams of whole conversations in a seeded
+order, cut to ``n`` turns: a conversation's first turn is ``unrelated``, every later turn ``shared``
+(it starts with the whole conversation before it). A later turn's ids depend on the previous answer,
+so they are built while the stream runs (``TurnBuilder``, over ``rakv.chat``): the previous turn's
+ids, its answer as generated (every policy's is the same: exact), then the template's end of turn,
+the new message and the generation prompt. Each turn keeps its prompt and answer in the prefix cache
+(``EncodedPrompt.keep_answer``), as ``rakv chat`` does; ``turn`` numbers them (0 elsewhere).
+
 The chat workloads (``chat``, ``chat-heldout``: instruction prompts shipped in ``data/``) are not
 cut to buckets: each request is one user turn at its natural length, sent through the tokenizer's
 chat template (unless raw), so every request shares the template's system prefix. Their kinds:
@@ -33,10 +42,13 @@ from pathlib import Path
 
 WORKLOADS = ("wikitext", "humaneval", "repetitive")       # bucketed sources (``mixed`` draws from these)
 CHAT_WORKLOADS = ("chat", "chat-heldout")                # shipped instruction prompts, chat-templated
-ALL_WORKLOADS = WORKLOADS + CHAT_WORKLOADS + ("mixed",)
+CONVERSATION_WORKLOADS = ("conversation", "conversation-heldout")   # shipped multi-turn conversations
+ALL_WORKLOADS = WORKLOADS + CHAT_WORKLOADS + CONVERSATION_WORKLOADS + ("mixed",)
 KIND_WEIGHTS = {"unrelated": 0.4, "shared": 0.4, "repeat": 0.2}
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CHAT_FILES = {"chat": DATA_DIR / "chat.jsonl", "chat-heldout": DATA_DIR / "chat_heldout.jsonl"}
+CONVERSATION_FILES = {"conversation": DATA_DIR / "conversation.jsonl",
+                      "conversation-heldout": DATA_DIR / "conversation_heldout.jsonl"}
 MIN_CONTEXT_CHARS = 3000
 WIKITEXT_ENV = "RAKV_WIKITEXT"
 WIKITEXT_HELP = ("the wikitext workload needs WikiText-2's raw test split (wiki.test.raw of "
@@ -53,6 +65,9 @@ class Request:
     gen: int                   # max_new_tokens
     ids: tuple[int, ...]
     context_id: str            # which context it uses (shared requests reuse one)
+    turn: int = 0              # a conversation's turn (1, 2, ...); 0: not a conversation
+    user: str = ""             # a conversation turn's user message
+    prompt: object = None      # what the engine gets instead of ``ids`` (a conversation turn's EncodedPrompt)
 
 
 @dataclass
@@ -201,6 +216,17 @@ FOLLOW_UPS = [
 ]
 
 
+def conversations(name: str = "conversation") -> list[list[str]]:
+    """The shipped conversations of a conversation workload: each a list of user messages."""
+    p = CONVERSATION_FILES[name]
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ValueError(f"the {name} conversations are missing from the installed package ({p}: {e}); "
+                         f"reinstall rakv") from None
+    return [json.loads(x)["turns"] for x in lines if x.strip()]
+
+
 def file_source(path: str) -> list[str]:
     from rakv.common import read_prompts
 
@@ -293,6 +319,63 @@ def chat_stream(prompts: list[str], tokenizer, n: int, gen: int, seed: int, raw:
         ids = encode_prompt(tokenizer, text, raw=raw).ids
         out.append(Request(i, name, kind, 0, gen, tuple(ids), f"{name}/{base}"))
     return out
+
+
+def conversation_stream(convs: list[list[str]], tokenizer, n: int, gen: int, seed: int, raw: bool = False,
+                        name: str = "conversation") -> list[Request]:
+    """``n`` turns of whole conversations in a seeded order (the last one cut short if need be).
+    Only a first turn's ids are known here; ``TurnBuilder`` builds the others as the stream runs."""
+    from rakv.prompts import encode_prompt
+
+    if not convs or not all(convs):
+        raise ValueError(f"no conversations for the {name} workload")
+    rng = random.Random(f"{seed}:{name}:{gen}")
+    order: list[int] = []
+    out: list[Request] = []
+    while len(out) < n:
+        if not order:
+            order = rng.sample(range(len(convs)), len(convs))
+        c = order.pop(0)
+        for t, text in enumerate(convs[c][: n - len(out)], 1):
+            ids = tuple(encode_prompt(tokenizer, text, raw=raw).ids) if t == 1 else ()
+            out.append(Request(len(out), name, "unrelated" if t == 1 else "shared", 0, gen, ids,
+                               f"{name}/{c}", turn=t, user=text))
+    return out
+
+
+def conversation_tokens(stream: list[Request], tokenizer, raw: bool = False) -> int:
+    """The longest conversation's prompt if every answer took all ``gen`` tokens (a bound, for the
+    context check before anything runs)."""
+    from rakv.prompts import encode_prompt
+
+    longest = total = 0
+    for r in stream:
+        if r.turn == 1:
+            total = 0
+        total += len(encode_prompt(tokenizer, r.user, raw=raw).ids) + r.gen
+        longest = max(longest, total)
+    return longest
+
+
+class TurnBuilder:
+    """The ids of a conversation stream's turns, built as it runs: ``prepare`` before a turn runs
+    (a first turn starts a new conversation), ``answered`` with its output afterwards."""
+
+    def __init__(self, tokenizer, eos_ids, raw: bool = False):
+        from rakv.chat import Conversation
+
+        self.conv = Conversation(tokenizer, frozenset(eos_ids), raw=raw)
+
+    def prepare(self, req: Request) -> Request:
+        from dataclasses import replace
+
+        if req.turn == 1 and self.conv.turns:
+            self.conv.reset()
+        enc = self.conv.prepare(req.user)
+        return replace(req, ids=tuple(enc.ids), prompt=enc)
+
+    def answered(self, output_ids: list[int]) -> None:
+        self.conv.commit(output_ids)
 
 
 def file_stream(prompts: list[str], tokenizer, gen: int, max_tokens: int | None) -> list[Request]:
