@@ -421,7 +421,12 @@ def test_bench_conversation_workload(tmp_path):
     kv = sorted((r for r in rows if r["policy"] == "kv"), key=lambda r: int(r["index"]))
     assert [int(r["turn"]) for r in kv] == [1, 2, 3]
     for prev, cur in zip(kv, kv[1:]):
-        assert int(cur["hit_tokens"]) == int(prev["prompt_tokens"]) + int(prev["output_tokens"])
+        before = int(prev["prompt_tokens"]) + int(prev["output_tokens"])
+        assert int(cur["previous_tokens"]) == before and cur["ids_from"] in ("append", "template")
+        # appended: the hit covers the whole turn before; re-templated (a random model's answer need not
+        # survive decoding to text): as far as the new ids keep it
+        assert int(cur["hit_tokens"]) == (before if cur["ids_from"] == "append" else int(cur["kept_tokens"]))
+    assert any(r["ids_from"] == "append" for r in kv)
     assert all(r["hit_tokens"] == "0" for r in rows if r["policy"] == "ar")
     summary = (out / "summary.md").read_text()
     assert "## Conversations: reuse and latency per turn" in summary and "| conversation | 3 | kv |" in summary

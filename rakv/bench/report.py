@@ -388,17 +388,21 @@ def conversation_md(rows: list[dict]) -> str:
                 if not rs:
                     continue
                 P, q = M.median(r["prompt_tokens"] for r in rs), M.median(r["hit_tokens"] for r in rs)
+                before = M.median(min(r["hit_tokens"] or 0, r.get("previous_tokens") or 0) / r["previous_tokens"]
+                                  for r in rs if r.get("previous_tokens"))
                 x = M.median(ar[M.key(r)]["ttft_ms"] / r["ttft_ms"] for r in rs
                              if M.key(r) in ar and r["ttft_ms"] and ar[M.key(r)]["ttft_ms"])
                 body.append([w, str(t), p, str(len(rs)), fmt(P, 0), fmt(q, 0),
-                             fmt(q / P if P else None, 0, pct=True), fmt(M.median(r["ttft_ms"] for r in rs), 0),
+                             fmt(q / P if P else None, 0, pct=True), fmt(before, 0, pct=True),
+                             fmt(M.median(r["ttft_ms"] for r in rs), 0),
                              fmt(M.median(r["latency_ms"] for r in rs), 0), fmt(x, x=True)])
     return ("\n## Conversations: reuse and latency per turn\n\nA turn's prompt is the whole conversation so "
             "far; turn 1 hits the chat template's shared prefix at most, a later turn the previous turn's prompt "
-            "and answer (policies that reuse). Medians; TTFT vs ar = median over the same executions of ar's "
-            "TTFT / the policy's.\n\n"
-            + md_table(["workload", "turn", "policy", "n", "P", "hit q", "q/P", "TTFT ms", "latency ms",
-                        "TTFT vs ar"], body))
+            "and answer (policies that reuse). Medians; *from before* = the share of the conversation before the "
+            "turn (as fed) that the hit covers; TTFT vs ar = median over the same executions of ar's TTFT / the "
+            "policy's.\n\n"
+            + md_table(["workload", "turn", "policy", "n", "P", "hit q", "q/P", "from before", "TTFT ms",
+                        "latency ms", "TTFT vs ar"], body))
 
 
 def explore_md(rows: list[dict]) -> str:

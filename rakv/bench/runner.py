@@ -37,7 +37,7 @@ EXEC_COLUMNS = [
     "order", "latency_ms", "ttft_ms", "tokens_per_s", "output_tokens", "drafted", "accepted", "rounds",
     "mean_accept_len", "alpha_req", "hit_tokens", "exact_repeat", "reuse", "k", "mean_k", "predicted_ms",
     "match", "first_diff", "stopped", "explore_ms", "cpu_share", "gate_stops", "gate_tokens", "lookup_drafted", "lookup_accepted",
-    "alpha_decided", "turn",
+    "alpha_decided", "turn", "ids_from", "previous_tokens", "kept_tokens",
 ]
 GATE_ARMS = ("adaptive:gate", "adaptive:nogate")     # per request, with / without the confidence gate
 ADAPTIVE_ARMS = ("adaptive", "adaptive:request", "adaptive:round") + GATE_ARMS
@@ -221,6 +221,14 @@ def run_peer_slot(slot: Slot, req: Request, target, draft, lookup_k: int) -> tup
     return row, []
 
 
+def turn_columns(req: Request) -> dict:
+    """A conversation turn's ids: how they were built, the conversation before, how much of it they keep."""
+    c = getattr(req.prompt, "conversation", None)
+    if not c:
+        return {}
+    return {"ids_from": c["ids_from"], "previous_tokens": c["previous_tokens"], "kept_tokens": c["kept_tokens"]}
+
+
 def first_diff(a: list[int], b: list[int]) -> int:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -302,7 +310,7 @@ def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, ce
         row["cpu_share"] = round(min(1.0, (cpu_clock() - c0) / wall), 3) if wall > 0 else ""
         base = dict(rep=rep, cell=cell, index=req.index, workload=req.workload, kind=req.kind,
                     context_id=req.context_id, bucket=req.bucket, gen=req.gen, prompt_tokens=len(req.ids),
-                    policy=slot.arm.name, order=pos, turn=req.turn)
+                    policy=slot.arm.name, order=pos, turn=req.turn, **turn_columns(req))
         rows.append({**base, **row})
         cands += [{**dict(rep=rep, cell=cell, index=req.index), **c} for c in cc]
         if progress:
