@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from .sampling import Sampling
+
 DEFAULT_K_SET: tuple[int, ...] = (0, 1, 2, 4, 6, 8)
 POLICIES_HELP = "adaptive | adaptive:gate | adaptive:nogate | ar | kv | spec:K | joint:K"
 LOOKUP_K = 16             # an n-gram lookup may verify up to this many tokens: drafting it is free, a verify of 17 costs ~1.7 steps
@@ -35,6 +37,7 @@ class RakvConfig:
     # decoding
     policy: str = "adaptive"        # adaptive | ar | kv | spec:K | joint:K
     max_new_tokens: int = 64
+    sampling: Sampling = field(default_factory=Sampling)   # temperature 0 = greedy; a seed is drawn if none
     k_set: tuple[int, ...] = DEFAULT_K_SET
     # prefix cache
     budget_mib: float = 512.0

@@ -12,10 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from . import decoding as dec
+from . import sampling as S
 from .models import LoadedModel
 from .prefix_cache import Hit, PrefixCache, TokenHistory
+from .sampling import Sampling
 
 now = dec.now
 
@@ -29,6 +32,7 @@ class Proposal:
     prefill: "PrefillInfo | None" = None   # set on the request's first proposal (draft prompt KV)
     fed: int = 0                    # tokens the first draft forward read (2 after a fully accepted round)
     forward_ms: float = 0.0         # this round's draft forwards alone (the prompt's prefill left out)
+    q_logits: object = None         # [k, V] the draft's logits per token (rejection verify); None: a point mass
 
 
 @dataclass
@@ -45,6 +49,7 @@ class DraftSource:
     name = "none"
     key = ""
     has_model = False
+    sampling: Sampling | None = None   # set by the engine per request; None or greedy: argmax drafts
 
     def begin(self, prompt_ids: list[int], store: PrefixCache | None, reuse: bool) -> None:
         pass
@@ -184,6 +189,20 @@ def context_match(ids, k: int, sizes=(3, 2)) -> tuple[list[int], int]:
     return [], 0
 
 
+def draft_token(logits, s: Sampling | None, position: int) -> int:
+    """The drafted token at output ``position``: the argmax when greedy; under sampling the same
+    noise as the target's sample there (seeded: a coupled draft) or a sample of q (rejection)."""
+    return dec.argmax(logits) if s is None else S.propose(logits, s, position)
+
+
+def confidence(logits, s: Sampling | None, token: int) -> float:
+    """The draft's confidence in ``token`` for the gate: its top probability when greedy, else the
+    token's probability under the draft's filtered, tempered distribution."""
+    if s is None:
+        return dec.top_prob(logits)
+    return float(S.logprobs(logits, s)[token].exp())
+
+
 class ModelDraft(DraftSource):
     """A draft model with its own DynamicCache and its own prefix-cache entries."""
 
@@ -226,17 +245,23 @@ class ModelDraft(DraftSource):
         ta = now()
         logits = dec.prefill(model, new, self.cache)
         first_ms = (now() - ta) * 1e3
-        toks = [dec.argmax(logits)]
-        while len(toks) < k and (gate is None or gate.keep_going(dec.top_prob(logits))):
+        s = self.sampling if self.sampling is not None and not self.sampling.greedy else None
+        pos = len(ids) - len(self.prompt)              # the output position of the first drafted token
+        rows = [logits] if s is not None and s.verify == "rejection" else None
+        toks = [draft_token(logits, s, pos)]
+        while len(toks) < k and (gate is None or gate.keep_going(confidence(logits, s, toks[-1]))):
             logits = dec.decode_one(model, toks[-1], self.cache)
-            toks.append(dec.argmax(logits))
+            toks.append(draft_token(logits, s, pos + len(toks)))
+            if rows is not None:
+                rows.append(logits)
         if gate is not None and len(gate.confs) < len(toks):
-            gate.keep_going(dec.top_prob(logits))      # the last token's confidence
+            gate.keep_going(confidence(logits, s, toks[-1]))      # the last token's confidence
         self.cached = list(ids) + toks[:-1]
         catch = max(0, len(new) - 2)   # 1 (pending) or 2 (last accepted + pending) is a normal round
         ms = (now() - t0) * 1e3
         return Proposal(toks, ms=ms, catchup_tokens=catch, catchup_ms=first_ms if catch else 0.0,
-                        prefill=info, fed=len(new), forward_ms=(now() - ta) * 1e3)
+                        prefill=info, fed=len(new), forward_ms=(now() - ta) * 1e3,
+                        q_logits=None if rows is None else torch.stack(rows))
 
     def commit(self, ids: list[int]) -> None:
         """Roll the draft cache back to the longest prefix that is still committed."""

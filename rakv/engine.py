@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from . import decoding as dec
+from . import sampling as S
 from .device import clock, hardware_info, versions_info
 from .config import Policy, RakvConfig
 from .controller import AlphaEWMA, Choice, Controller, Situation
@@ -26,6 +27,7 @@ from .models import LoadedModel, model_info
 from .planner import RoundPlanner
 from .prefix_cache import PrefixCache
 from .prompts import EncodedPrompt, encode_prompt
+from .sampling import Sampling, draw_seed
 from .records import CacheLookup, Candidate, Decision, RequestEnd, RequestStart, Round, RunHeader
 
 now = clock          # synchronizes CUDA / MPS before reading the time
@@ -48,6 +50,7 @@ class _Request:
     budget: int
     has_draft: bool
     draft_model: bool
+    sampling: Sampling = Sampling()   # this request's (seed = the call's + request id)
     reuse: int = 0
     k: int = 0
     per_round: bool = False
@@ -75,13 +78,31 @@ def learned_state(p: CostProfile) -> dict:
             "out_frac": p.out_frac, "scale": {k: round(v, 3) for k, v in sorted(p.scale.items())}}
 
 
-def verify_accept(model, cache, pending: int, drafts: list[int]) -> tuple[list[int], int]:
-    """Verify [pending, d_1..d_k] in one forward; accept a drafts + one target token; roll back."""
+def verify_accept(model, cache, pending: int, drafts: list[int], s: Sampling | None = None,
+                  position: int = 0, q_logits=None) -> tuple[list[int], int]:
+    """Verify [pending, d_1..d_k] in one forward; accept a drafts + one target token; roll back.
+
+    Greedy: drafts equal to the argmax. Seeded sampling: drafts equal to the target's own sample at
+    their output position (``position`` is d_1's), so the tokens are target-only sampling's.
+    Rejection: accept with min(1, p/q), resample from the residual (exact in distribution)."""
     logits = dec.verify(model, [pending] + drafts, cache)      # [k+1, V]
-    pred = torch.argmax(logits, dim=-1).tolist()
-    a = dec.accept(drafts, pred)
+    if s is None or s.greedy:
+        pred = torch.argmax(logits, dim=-1).tolist()
+        a = dec.accept(drafts, pred)
+        nxt = pred[a]
+    elif s.verify == "seeded":
+        pred = S.sample_rows(logits, s, list(range(position, position + len(drafts) + 1)))
+        a = S.accept_seeded(drafts, pred)
+        nxt = pred[a]
+    else:
+        a, nxt = S.accept_rejection(logits, q_logits, drafts, s, position)
     dec.rollback(cache, len(drafts) - a)
-    return drafts[:a] + [pred[a]], a
+    return drafts[:a] + [nxt], a
+
+
+def next_token(logits, s: Sampling | None, position: int) -> int:
+    """The target's token at output ``position`` from its logits [V]: argmax, or its seeded sample."""
+    return dec.argmax(logits) if s is None or s.greedy else S.sample(logits, s, position)
 
 
 def cut_at_eos(emitted: list[int], prov: list[str], eos, remaining: int):
@@ -108,6 +129,8 @@ class Engine:
         self.granularity = config.granularity
         self.force = config.force_action
         self.chat_template = config.chat_template
+        s = config.sampling
+        self.sampling = s if s.greedy or s.seed is not None else replace(s, seed=draw_seed())
         self.profile = profile
         self.controller = Controller(profile, self.k_set, config.alpha_decay, config.probe_every,
                                      config.alpha_prior, explore_share=config.explore_share) if profile is not None else None
@@ -218,6 +241,16 @@ class Engine:
     def set_force(self, action: tuple[int, int] | None) -> None:
         self.force = action
 
+    def set_sampling(self, s: Sampling) -> None:
+        """Sampling for the next requests (a seed is drawn if it has none); bad values: EngineError."""
+        from .sampling import problem
+
+        why = problem(s)
+        if why:
+            raise EngineError(why)
+        with self._lock:
+            self.sampling = s if s.greedy or s.seed is not None else replace(s, seed=draw_seed())
+
     def set_chat_template(self, on: bool) -> None:
         """Apply the chat template to the next text prompts (False: raw text)."""
         self.chat_template = bool(on)
@@ -236,7 +269,7 @@ class Engine:
                       draft={"name": self.draft.name, "key": self.draft.key, "has_model": self.draft.has_model},
                       dtype=str(next(self.target.model.parameters()).dtype).replace("torch.", ""),
                       device=c.device, threads=torch.get_num_threads(), hardware=hardware_info(),
-                      versions=versions_info(), settings=asdict(c),
+                      versions=versions_info(), settings={**asdict(c), "sampling": asdict(self.sampling)},
                       started=time.strftime("%Y-%m-%dT%H:%M:%S"),
                       learned=learned_state(self.profile) if self.profile is not None else {})
         self._emit(h)
@@ -322,14 +355,16 @@ class Engine:
             raise EngineError(f"prompt ({P} tokens) + max_new_tokens ({N}) exceeds the model's context of {maxpos}")
         with self._lock:
             policy, k_set, force, budget = self.policy, self.k_set, self.force, self.store.budget
+            sampling = self.sampling.for_request(self._next_id)
         rq = _Request(rid=self._next_id, ids=ids, N=N, policy=policy, k_set=k_set, force=force, budget=budget,
-                      has_draft=not isinstance(self.draft, NoDraft), draft_model=isinstance(self.draft, ModelDraft))
+                      has_draft=not isinstance(self.draft, NoDraft), draft_model=isinstance(self.draft, ModelDraft),
+                      sampling=sampling)
         self._next_id += 1
         self._open_request = rq.rid
         text = prompt if isinstance(prompt, str) else (prompt_text or "")
         self._emit(RequestStart(request_id=rq.rid, prompt=text, prompt_ids=ids, prompt_tokens=P,
                                 max_new_tokens=N, policy=policy.name, templated=enc.templated,
-                                template_prefix=enc.template_prefix, conversation=enc.conversation))
+                                template_prefix=enc.template_prefix, sampling=sampling.to_dict(), conversation=enc.conversation))
         rq.t0 = now()
         return rq
 
@@ -366,7 +401,7 @@ class Engine:
         """Target prompt KV (through the prefix cache when r = 1) and the first token."""
         P = len(rq.ids)
         pf = prefill_with_reuse(self.target, rq.ids, self.store if rq.reuse else None)
-        t1 = dec.argmax(pf.logits)
+        t1 = next_token(pf.logits, rq.sampling, 0)    # stored logits of an exact repeat: this request's seed
         rq.ttft = (now() - rq.t0) * 1e3
         self._emit_lookup(rq.rid, "target", pf.hit, P, pf.stored, pf.lookup_ms, pf.forward_ms)
         if self.profile is not None and pf.forward_ms > 0:
@@ -378,6 +413,7 @@ class Engine:
         self._emit(Round(request_id=rq.rid, index=0, kind="prefill", emitted=[t1],
                          provenance=["stored" if pf.hit.exact else "target"], verify_ms=round(pf.forward_ms, 3),
                          round_ms=round(rq.ttft, 3), context=P, alpha=self.alpha.value))
+        self.draft.sampling = rq.sampling
         self.draft.begin(rq.ids, self.store, bool(rq.reuse))
         if self.lookup is not self.draft:
             self.lookup.begin(rq.ids, self.store, bool(rq.reuse))
@@ -402,10 +438,12 @@ class Engine:
         drafts, gate = plan.drafts, plan.gate
         tv = now()
         if drafts:
-            emitted, a = verify_accept(self.target.model, rq.cache, seq[-1], drafts)
+            emitted, a = verify_accept(self.target.model, rq.cache, seq[-1], drafts, rq.sampling,
+                                       len(rq.out), plan.q_logits)
             prov = ["draft"] * a + ["target"]
         else:
-            emitted, a = [dec.argmax(dec.decode_one(self.target.model, seq[-1], rq.cache))], 0
+            logits = dec.decode_one(self.target.model, seq[-1], rq.cache)
+            emitted, a = [next_token(logits, rq.sampling, len(rq.out))], 0
             prov = ["target"]
         verify_ms = (now() - tv) * 1e3
         emitted, prov, eos = cut_at_eos(emitted, prov, self.target.eos_ids, remaining)
@@ -432,7 +470,8 @@ class Engine:
                          draft_conf=[round(c, 4) for c in gate.confs] if gate else [],
                          draft_pred=[round(c, 4) for c in gate.preds] if gate else [],
                          draft_stop=gate.stop if gate else "",
-                         draft_source="lookup" if plan.lookup and gate else ""))
+                         draft_source="lookup" if plan.lookup and gate else "",
+                         verify="" if rq.sampling.greedy or not drafts else rq.sampling.verify))
         self._check_end(rq)
 
     def _finish(self, rq: "_Request", choice: Choice | None) -> RequestEnd:
@@ -487,7 +526,9 @@ class Engine:
                 hd = self.store.peek(self.draft.key, ids)
                 qd, exact_d = hd.q, hd.q == P
         V = int(self.target.model.config.vocab_size)
-        copy = peek and exact and isinstance(self.draft, NgramDraft) and self._copies_whole(ids, N)
+        # (only greedy decoding repeats an earlier output: a sampled request has its own seed)
+        copy = (peek and exact and self.sampling.greedy and isinstance(self.draft, NgramDraft)
+                and self._copies_whole(ids, N))
         entry = P * self.target.kv_bytes_per_token() + 4 * V
         dentry = P * self.draft.lm.kv_bytes_per_token() if draft_model else 0
         return Situation(P=P, N=N, q=q, exact=exact, qd=qd, exact_d=exact_d, entry_bytes=entry,

@@ -40,6 +40,7 @@ class RoundPlan:
     forwards: int = 0                       # the draft's forwards this round
     forward_ms: float = 0.0                 # ... their ms alone (no prompt prefill)
     prefill: object = None                  # the draft's prompt prefill, when this round paid it
+    q_logits: object = None                 # [len(drafts), V] the model draft's rows (rejection verify)
 
     @property
     def lookup(self) -> bool:
@@ -102,10 +103,12 @@ class RoundPlanner:
             plan.drafts, plan.draft_ms = prop.tokens, prop.ms
             plan.catchup_tokens, plan.catchup_ms = prop.catchup_tokens, prop.catchup_ms
             plan.fed, plan.forwards, plan.forward_ms = prop.fed, len(prop.tokens), prop.forward_ms
-            plan.prefill = prop.prefill
+            plan.prefill, plan.q_logits = prop.prefill, prop.q_logits
             plan.source = "draft" if prop.tokens else ""
             if gate is not None and plan.drafts:
                 plan.drafts = plan.drafts[: gate.verify_length(len(plan.drafts))]
+                if plan.q_logits is not None:
+                    plan.q_logits = plan.q_logits[: len(plan.drafts)]
             if prop.prefill is not None and self.profile is not None and prop.prefill.ms > 0:
                 h = prop.prefill          # the draft's prompt prefill, as paid in a request
                 self.profile.observe("D", self.profile.D(len(rq.ids) - h.hit.usable), h.ms)

@@ -45,6 +45,7 @@ class RequestStart:
     policy: str = ""
     templated: bool = False        # True: prompt_ids are the chat template applied to ``prompt``
     template_prefix: int = 0       # leading ids every templated prompt shares (the template's system prefix)
+    sampling: dict = field(default_factory=dict)   # this request's sampling (rakv.sampling.Sampling: its seed is the call's + i)
     # a conversation's turn (rakv.chat): conversation, turn, ids_from ("first" | "append" |
     # "template", and why), previous_tokens (the conversation before it, as fed), kept_tokens (how many
     # of those its ids start with), same_as_template (its ids == the chat template over the whole
@@ -124,6 +125,7 @@ class Round:
     draft_pred: list[float] = field(default_factory=list)
     draft_stop: str = ""
     draft_source: str = ""      # "lookup": an n-gram side draft the gate verified in a k = 0 round
+    verify: str = ""            # how drafts were judged: "" greedy (argmax), "seeded" or "rejection"
 
 
 @dataclass

@@ -1,0 +1,175 @@
+"""Seed-exact speculation: under sampling every policy, draft, k and cache state gives the ids of
+target-only sampling with the same seed (the token at output position i is a function of the
+seed, i and the target's filtered distribution there), and temperature 0 stays today's greedy.
+
+The reference is independent of the engine: an untouched deep copy of the target (no fast path,
+no lean forward), a full forward over the whole sequence for every token, and ``sampling.sample``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rakv import sampling as S
+from rakv.config import RakvConfig
+from rakv.costs import CostProfile
+from rakv.drafts import ModelDraft, NgramDraft
+from rakv.engine import Engine, make_draft
+from rakv.models import wrap
+from rakv.sampling import Sampling
+from tests.tiny import make_model, perturbed, tiny_tokenizer
+
+N = 20
+SETTINGS = [Sampling(temperature=0.8, seed=7), Sampling(temperature=1.0, top_k=40, top_p=0.9, seed=123),
+            Sampling(temperature=0.5, min_p=0.05, seed=2**40 + 5)]
+
+
+def synthetic_profile(alpha0: float = 0.7) -> CostProfile:
+    """Costs that make drafting pay (so adaptive drafts) and do not learn this machine's."""
+    p = CostProfile(T_pf=[[8, 1.0], [64, 4.0]], D_pf=[[8, 0.5], [64, 1.0]], t=[[16, 1.0], [256, 1.0]],
+                    d=[[16, 0.05], [256, 0.05]], V={str(k): 1.0 + 0.02 * k for k in range(1, 9)},
+                    alpha0=alpha0)
+    p.observe = lambda *a, **kw: None
+    return p
+
+
+def build(arch: str, eos: int | None = None):
+    """(target LoadedModel, draft LoadedModel, pristine reference copy of the target)."""
+    t = make_model(arch, seed=1, eos=eos)
+    ref = copy.deepcopy(t)
+    d = perturbed(copy.deepcopy(t), 0.02)
+    tok = tiny_tokenizer()
+    return wrap(t, tok, name=f"tiny-{arch}"), wrap(d, tok, name=f"tiny-{arch}-d"), ref
+
+
+@torch.inference_mode()
+def reference(model, prompt: list[int], n: int, s: Sampling, eos: set[int]) -> list[int]:
+    """Target-only sampling: a full forward per token, the token at position i from (seed, i)."""
+    ids, out = list(prompt), []
+    for i in range(n):
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        tok = S.sample(logits, s, i)
+        out.append(tok)
+        ids.append(tok)
+        if tok in eos:
+            break
+    return out
+
+
+def prompts():
+    base = list(range(5, 45))
+    return [base, base[:30] + [7, 8, 9, 10], base[:12], base]    # a miss, a partial hit, short, an exact repeat
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def models(request):
+    return build(request.param)
+
+
+@pytest.mark.parametrize("s", SETTINGS, ids=lambda s: s.key())
+@pytest.mark.parametrize("policy", ["ar", "kv", "spec:1", "spec:3", "joint:4", "joint:8", "adaptive:nogate",
+                                    "adaptive:gate"])
+def test_every_policy_gives_target_only_samples(models, policy, s):
+    target, draft, ref = models
+    prof = synthetic_profile() if policy.startswith("adaptive") else None
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy=policy, sampling=s), profile=prof)
+    for i, p in enumerate(prompts()):
+        end = eng.generate(p, N)
+        want = reference(ref, p, N, s.for_request(i), set(target.eos_ids))
+        assert end.output_ids == want, (policy, i)
+        assert end.stopped in ("max_new_tokens", "eos")
+
+
+@pytest.mark.parametrize("draft_spec", ["ngram", "int8", "layers:1"])
+@pytest.mark.parametrize("policy", ["spec:4", "joint:2", "adaptive"])
+def test_every_draft_gives_target_only_samples(models, draft_spec, policy):
+    target, _, ref = models
+    s = SETTINGS[0]
+    config = RakvConfig(policy=policy, sampling=s)
+    eng = Engine(target, make_draft(draft_spec, target, config), config,
+                 profile=synthetic_profile() if policy == "adaptive" else None)
+    for i, p in enumerate(prompts() + [[3, 4, 5] * 8]):
+        assert eng.generate(p, N).output_ids == reference(ref, p, N, s.for_request(i), set(target.eos_ids))
+
+
+def test_drafts_are_accepted_under_sampling():
+    """Coupled drafting: a draft with the target's own weights samples the target's tokens (the
+    same noise over the same distribution), so nearly every draft is accepted; a perturbed one
+    less often. (Without coupling, independent samples at T = 0.8 would rarely agree.)"""
+    target, near, _ = build("llama")
+    same = wrap(copy.deepcopy(target.model), target.tokenizer, name="tiny-llama-same")
+    rates = []
+    for d in (same, near):
+        eng = Engine(target, ModelDraft(d), RakvConfig(policy="spec:4", sampling=SETTINGS[0]))
+        end = eng.generate(list(range(5, 45)), 40)
+        rates.append(end.accepted / end.drafted)
+    assert rates[0] > 0.9 and 0.2 < rates[1] <= rates[0]
+
+
+def test_temperature_zero_is_greedy_bit_for_bit(models):
+    target, draft, _ = models
+    outs = []
+    for s in (None, Sampling(), Sampling(temperature=0.0, top_k=5, seed=3)):
+        cfg = RakvConfig(policy="joint:4") if s is None else RakvConfig(policy="joint:4", sampling=s)
+        eng = Engine(target, ModelDraft(draft), cfg)
+        outs.append([eng.generate(p, N).output_ids for p in prompts()])
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_request_i_samples_with_seed_plus_i(models):
+    target, draft, ref = models
+    s = SETTINGS[1]
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy="spec:2", sampling=s))
+    p = list(range(5, 30))
+    a, b = eng.generate(p, N).output_ids, eng.generate(p, N).output_ids
+    assert a == reference(ref, p, N, s, set(target.eos_ids))
+    assert b == reference(ref, p, N, Sampling(**{**s.to_dict(), "seed": s.seed + 1}), set(target.eos_ids))
+    assert a != b          # two requests, two seeds (this prompt's samples differ at these seeds)
+
+
+def test_eos_inside_a_round_under_sampling():
+    """An EOS the target samples mid-round ends the output there, for every policy alike."""
+    probe, _, ref0 = build("llama")
+    s = SETTINGS[0]
+    p = list(range(5, 45))
+    free = reference(ref0, p, N, s, set())
+    eos = free[6]                          # a token this prompt samples at position 6
+    target, draft, ref = build("llama", eos=eos)
+    want = reference(ref, p, N, s, {eos})
+    assert want[-1] == eos and len(want) <= 7
+    for policy in ("ar", "spec:4", "joint:8", "spec:2"):
+        eng = Engine(target, ModelDraft(draft), RakvConfig(policy=policy, sampling=s))
+        end = eng.generate(p, N)
+        assert (end.output_ids, end.stopped) == (want, "eos"), policy
+
+
+def test_a_drawn_seed_is_recorded_and_reproduces(models):
+    target, draft, _ = models
+    recs = []
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy="spec:2", sampling=Sampling(temperature=0.9)),
+                 callback=recs.append)
+    eng.header()
+    p = list(range(5, 30))
+    first = eng.generate(p, N).output_ids
+    seed = recs[0].settings["sampling"]["seed"]
+    start = next(r for r in recs if r.type == "request_start")
+    assert seed is not None and start.sampling["seed"] == seed and start.sampling["temperature"] == 0.9
+    again = Engine(target, ModelDraft(draft), RakvConfig(policy="ar", sampling=Sampling(temperature=0.9, seed=seed)))
+    assert again.generate(p, N).output_ids == first
+
+
+def test_rejection_mode_runs_and_records_it(models):
+    """Standard speculative sampling: exact in distribution (tests/test_sampling_stats.py), not in
+    tokens; here: it runs every policy, ends cleanly and says which verification ran."""
+    target, draft, _ = models
+    recs = []
+    s = Sampling(temperature=0.8, seed=11, verify="rejection")
+    for policy, src in (("spec:4", ModelDraft(draft)), ("joint:4", NgramDraft())):
+        eng = Engine(target, src, RakvConfig(policy=policy, sampling=s), callback=recs.append)
+        for p in prompts():
+            end = eng.generate(p, N)
+            assert len(end.output_ids) == N or end.stopped == "eos"
+    assert {r.verify for r in recs if r.type == "round" and r.kind == "spec"} == {"rejection"}
