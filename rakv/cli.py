@@ -9,8 +9,8 @@ import sys
 from dataclasses import asdict
 
 from . import argtypes as A
-from .common import (CliError, add_model_args, device_kw, get_profile, load_pair, quiet_libs,  # noqa: F401
-                     read_prompts, save_learned)
+from .common import (CliError, add_model_args, add_sampling_args, device_kw, get_profile, load_pair,  # noqa: F401
+                     quiet_libs, read_prompts, sampling_of, save_learned)
 from .config import DEFAULT_K_SET, POLICIES_HELP, Policy, RakvConfig, parse_k_set
 from .textstream import TextStream
 
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_run_args(g) -> None:
     """The flags of a run (model pair, policy, cache, recording, output): generate's and chat's."""
     add_model_args(g)
+    add_sampling_args(g)
     g.add_argument("--max-new-tokens", type=A.int_range(1), default=64)
     g.add_argument("--raw", action="store_true",
                    help="send the prompt text as it is (default: through the tokenizer's chat template, "
@@ -90,7 +91,8 @@ def run_config(args) -> tuple[RakvConfig, Policy]:
         raise CliError(f"policy {policy.name} needs a draft; --draft is 'none'")
     kw = dict(target=args.target, draft=args.draft, revision=args.revision, dtype=args.dtype,
               threads=args.threads, policy=policy.name, max_new_tokens=args.max_new_tokens,
-              k_set=k_set, budget_mib=args.budget_mib, chat_template=not args.raw, **device_kw(args))
+              k_set=k_set, budget_mib=args.budget_mib, chat_template=not args.raw, sampling=sampling_of(args),
+              **device_kw(args))
     if args.granularity:
         kw["granularity"] = args.granularity
     if args.explore_share is not None:
@@ -184,6 +186,7 @@ class Session:
             "alpha_ewma": end.alpha_ewma, "alpha_star": dec.alpha_star if dec else {},
             "predicted_ms": end.predicted_ms, "stopped": end.stopped, "policy": self.policy.name,
             "templated": bool(start and start.templated),
+            "sampling": start.sampling if start else {},
             "template_prefix": start.template_prefix if start else 0,
             "explore_ms": end.explore_ms,
             **({"gate": self.gated.pop(end.request_id)} if end.request_id in self.gated else {}),

@@ -122,3 +122,30 @@ def save_learned(profile) -> None:
     err = save(profile, cache_dir())
     if err:   # a read-only cache dir loses the learning, not the run
         print(f"[rakv] could not save the learned profile: {err}", file=sys.stderr)
+
+
+def add_sampling_args(ap, seed_flag: str = "--seed") -> None:
+    """--temperature, --top-k, --top-p, --min-p, --seed, --verify (generate, chat, bench, explorer;
+    the bench's --seed picks its prompts, so there the sampling seed is --sample-seed)."""
+    g = ap.add_argument_group("sampling (temperature 0, the default, is greedy decoding)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sample at T")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set with this mass (1: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the top one (0: off)")
+    g.add_argument(seed_flag, dest="sample_seed", type=int, default=None,
+                   help="request i of this call samples with seed + i (default: one drawn and recorded)")
+    g.add_argument("--verify", choices=["seeded", "rejection"], default="seeded",
+                   help="seeded (default): every policy gives target-only sampling's tokens for the seed; "
+                        "rejection: standard speculative sampling, exact in distribution only")
+
+
+def sampling_of(args):
+    """The Sampling the flags ask for (CliError: one line, exit 2, before any model loads)."""
+    from .sampling import Sampling, problem
+
+    s = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                 seed=args.sample_seed, verify=args.verify)
+    why = problem(s)
+    if why:
+        raise CliError(why)
+    return s

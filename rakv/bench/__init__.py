@@ -37,10 +37,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rakv.common import add_model_args
+    from rakv.common import add_model_args, add_sampling_args
 
     ap = _Parser(prog="rakv bench", description=__doc__.split("\n\n")[0])
     add_model_args(ap)
+    add_sampling_args(ap, seed_flag="--sample-seed")
     ap.add_argument("--workload", default="chat",
                     help="chat (default; instruction prompts shipped with rakv) | chat-heldout | conversation "
                          "(multi-turn conversations shipped with rakv; reuse and latency per turn) | "
@@ -269,7 +270,7 @@ def run(args, argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     save_profile(profile, out / "profile.json")
     config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, k_set=tuple(s["k_set"]),
-                        budget_mib=args.budget_mib, **device_kw(args))
+                        budget_mib=args.budget_mib, sampling=bench_sampling(args), **device_kw(args))
     meta = run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile)
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     log(f"bench: {len(streams)} streams x {s['n_prompts']} requests x {s['repeats']} repeats x "
@@ -320,3 +321,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     return run(args, argv)
+
+
+def bench_sampling(args):
+    """The bench's sampling: one seed for every arm (drawn once when none is given), so request i
+    of every arm samples with the same seed + i and the seeded arms can be checked against ar."""
+    from dataclasses import replace
+
+    from rakv.common import sampling_of
+    from rakv.sampling import draw_seed
+
+    s = sampling_of(args)
+    return s if s.greedy or s.seed is not None else replace(s, seed=draw_seed())
+

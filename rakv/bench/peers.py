@@ -52,12 +52,17 @@ class FirstTokenTimer:
         pass
 
 
-def generate_kwargs(target, n: int) -> dict:
-    """Greedy, exactly ``n`` new tokens at most, the engine's EOS set, no sampling."""
+def generate_kwargs(target, n: int, sampling=None) -> dict:
+    """``n`` new tokens at most, the engine's EOS set; greedy, or transformers' own sampling at the
+    same temperature and filters (``do_sample=True``: its tokens are its generator's, not ours)."""
     eos = sorted(target.eos_ids) or None
     gc = target.model.generation_config
     pad = gc.pad_token_id if gc.pad_token_id is not None else (eos[0] if eos else 0)
-    return dict(do_sample=False, max_new_tokens=n, eos_token_id=eos, pad_token_id=pad)
+    kw = dict(do_sample=False, max_new_tokens=n, eos_token_id=eos, pad_token_id=pad)
+    if sampling is not None and not sampling.greedy:
+        kw.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None,
+                  top_p=sampling.top_p, min_p=sampling.min_p or None)
+    return kw
 
 
 class LlamaCppPeer:
@@ -109,11 +114,14 @@ class LlamaCppPeer:
         return PeerResult(out, (now() - t0) * 1e3, ttft)
 
 
-def run_peer(name: str, target, draft_model, ids, n: int, lookup_k: int) -> PeerResult:
+def run_peer(name: str, target, draft_model, ids, n: int, lookup_k: int, sampling=None) -> PeerResult:
+    """One peer execution; with ``sampling`` (not greedy) transformers samples, seeded by its seed."""
     if name == "llama.cpp":
         return LlamaCppPeer.run(target, ids, n)
     x = torch.tensor([list(ids)], device=model_device(target.model))
-    kw = generate_kwargs(target, n)
+    kw = generate_kwargs(target, n, sampling)
+    if sampling is not None and not sampling.greedy:
+        torch.manual_seed(sampling.seed % 2**63)
     saved = None
     if name in ("hf:assist", "hf:confidence"):
         kw["assistant_model"] = draft_model

@@ -209,9 +209,10 @@ def run_engine(slot: Slot, req: Request) -> tuple[dict, list[dict]]:
     return row, cands
 
 
-def run_peer_slot(slot: Slot, req: Request, target, draft, lookup_k: int) -> tuple[dict, list[dict]]:
+def run_peer_slot(slot: Slot, req: Request, target, draft, lookup_k: int, sampling=None) -> tuple[dict, list[dict]]:
     dm = draft.lm.model if getattr(draft, "has_model", False) else None
-    res = run_peer(slot.arm.name, target, dm, req.ids, req.gen, lookup_k)
+    s = None if sampling is None or sampling.greedy else sampling.for_request(req.index)
+    res = run_peer(slot.arm.name, target, dm, req.ids, req.gen, lookup_k, s)
     n = len(res.output_ids)
     row = dict(latency_ms=round(res.latency_ms, 3), ttft_ms=round(res.ttft_ms, 3),
                tokens_per_s=round(n / (res.latency_ms / 1e3), 3) if res.latency_ms else 0.0, output_tokens=n,
@@ -292,6 +293,15 @@ class BenchContext:
     raw: bool = False          # chat and conversation workloads: without the chat template
 
 
+NOT_COMPARED = -1    # "match" of an arm that is exact in distribution only (rejection verify, a sampling peer)
+
+
+def token_exact(sampling, peer: bool) -> bool:
+    """Must this arm give ar's very tokens? Greedy: every arm. Sampled: the engine's arms under
+    seeded verification (a peer samples with its own generator; rejection is exact in distribution)."""
+    return sampling is None or sampling.greedy or (not peer and sampling.verify == "seeded")
+
+
 def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, cell: str,
                 progress: Progress | None) -> tuple[list[dict], list[dict]]:
     """Run every arm once on ``req`` (rotated order), then check exactness against ar."""
@@ -301,7 +311,7 @@ def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, ce
     for pos, slot in enumerate(slots[rot:] + slots[:rot]):
         c0, w0 = cpu_clock(), now()
         if slot.arm.peer:
-            row, cc = run_peer_slot(slot, req, ctx.target, ctx.draft, ctx.lookup_k)
+            row, cc = run_peer_slot(slot, req, ctx.target, ctx.draft, ctx.lookup_k, ctx.config.sampling)
         else:
             row, cc = run_engine(slot, req)
         wall = now() - w0
@@ -316,9 +326,12 @@ def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, ce
         if progress:
             progress.tick(f"{cell} #{req.index} {slot.arm.name}")
     ref = next(r["_ids"] for r in rows if r["policy"] == "ar")
+    peers = {s.arm.name for s in slots if s.arm.peer}
     for r in rows:
         d = first_diff(r["_ids"], ref)
         r["match"], r["first_diff"] = int(d < 0), ("" if d < 0 else d)
+        if not token_exact(ctx.config.sampling, r["policy"] in peers):
+            r["match"] = NOT_COMPARED
     rows.sort(key=lambda r: [s.arm.name for s in slots].index(r["policy"]))
     return rows, cands
 
@@ -364,7 +377,7 @@ def run_streams(ctx: BenchContext, streams: dict[str, list[Request]], repeats: i
     ca = CsvOut(out_dir / "candidates.csv", CAND_COLUMNS, keep_c)
     progress = Progress(total - len(keep), show_progress)
     n_exec = len(keep)
-    n_bad = sum(1 for r in keep if str(r.get("match")) not in ("True", "1", "true"))
+    n_bad = sum(1 for r in keep if str(r.get("match")) not in ("True", "1", "true", str(NOT_COMPARED)))
     learned: dict = {}
     try:
         for rep in range(repeats):
