@@ -143,7 +143,13 @@ def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
     lm.fast_reason = "" if lm.fast or not on else info["reason"]
     lm.blockq = fastpath.attach_codes(lm.model, lm.key) if lm.fast else {}
     attach_lean(lm, lm.fast and lean.env_enabled())
-    if lm.fast:
+    if lm.fast and lm.blockq.get("layers") and lm.blockq["layers"] == lm.blockq.get("of") \
+            and os.environ.get("RAKV_ONE_ROW", "auto").strip().lower() not in ("plain", "packed"):
+        # every linear runs one row from its codes: the one-row fp32 kernel is never called, so
+        # there is nothing to time (that takes seconds, and is not remembered on a busy machine)
+        fastpath.set_one_row(lm.model, "plain")
+        lm.one_row = {"kernel": "plain", "how": "every linear runs from block codes (unused)"}
+    elif lm.fast:
         lm.one_row = fastpath.choose_one_row(lm.model, lm.key, cache_dir())
     return lm
 

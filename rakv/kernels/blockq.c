@@ -278,6 +278,35 @@ void rakv_linear(const rakv_layer *L, const float *x, int64_t M, float *y, const
         rakv_q8_linear(x, M, L->K, (const int8_t *)L->qs, L->d, L->N, y, bias, threads);
 }
 
+/* How many rows of W [N, K] (element (n, k) at w[n * ws_n + k * ws_k]) the codes do NOT rebuild:
+   0 when every element equals its rebuilt value (d q + m, or d q), the encoder's own test
+   (blockq.encode), here one streaming pass instead of a dequantized copy per layer. */
+int64_t rakv_check(const rakv_layer *L, const float *w, int64_t ws_n, int64_t ws_k, int threads) {
+    const int64_t nb = L->K / BLK;
+    int64_t bad = 0;
+    #pragma omp parallel for num_threads(threads) reduction(+:bad) schedule(static)
+    for (int64_t n = 0; n < L->N; n++) {
+        int row_bad = 0;
+        for (int64_t b = 0; b < nb; b++) {
+            const float d = L->d[n * nb + b];
+            const float *wb = w + n * ws_n + b * BLK * ws_k;
+            if (L->kind == 4) {
+                const float m = L->m[n * nb + b];
+                const uint8_t *q = L->qs + (n * nb + b) * (BLK / 2);
+                for (int j = 0; j < BLK / 2; j++) {
+                    row_bad |= fmaf(d, (float)(q[j] & 15), m) != wb[j * ws_k];
+                    row_bad |= fmaf(d, (float)(q[j] >> 4), m) != wb[(j + BLK / 2) * ws_k];
+                }
+            } else {
+                const int8_t *q = (const int8_t *)L->qs + (n * nb + b) * BLK;
+                for (int j = 0; j < BLK; j++) row_bad |= d * (float)q[j] != wb[j * ws_k];
+            }
+        }
+        bad += row_bad;
+    }
+    return bad;
+}
+
 int rakv_blockq_avx512(void) {
 #ifdef RAKV_AVX512
     return 1;

@@ -159,6 +159,8 @@ def _load(path: Path):
     lib.rakv_linear.restype = None
     lib.rakv_attend.argtypes = [vp, i64, i64, i64, i64, vp, i64, vp, i64, i64, i64, ctypes.c_float, vp, i32]
     lib.rakv_attend.restype = None
+    lib.rakv_check.argtypes = [vp, vp, i64, i64, i32]
+    lib.rakv_check.restype = i64
     lib.rakv_blockq_avx512.restype = i32
     return lib
 
@@ -284,6 +286,17 @@ class BlockWeight:
         self._ref = ctypes.byref(self._desc)
         self._fn = library().rakv_linear
         return self._fn
+
+    def rebuilds(self, w: torch.Tensor) -> bool:
+        """Whether these codes rebuild ``w`` [N, K] (float32, CPU, any strides) exactly, element by
+        element as ``encode`` checks: one streaming pass in the kernel (a dequantized copy without it)."""
+        if (self.N, self.K) != tuple(w.shape) or w.dtype != torch.float32 or w.device.type != "cpu":
+            return False
+        if library() is None:
+            return torch.equal(self.dequantize(), w)
+        self._fn or self._bind()
+        return _Lib.handle.rakv_check(self._ref, w.data_ptr(), w.stride(0), w.stride(1),
+                                      torch.get_num_threads()) == 0
 
     def dequantize(self) -> torch.Tensor:
         """W [N, K] float32 rebuilt from the codes (what the kernel multiplies by)."""
@@ -434,8 +447,7 @@ def attach(fls: list, key: str = "") -> dict:
             b = seen[id(m.weight)]
         else:
             b = saved.get(name, _MISSING)
-            if b is _MISSING or (b is not None and ((b.N, b.K) != tuple(w.shape)
-                                                    or not torch.equal(b.dequantize(), w))):
+            if b is _MISSING or (b is not None and not b.rebuilds(w)):
                 b, fresh = encode(w), True                   # none saved, or not this weight's
         seen[id(m.weight)] = b
         codes[name] = b

@@ -97,7 +97,7 @@ class FastLinear(nn.Module):
 
     It keeps the original module's ``weight`` / ``bias`` parameters under the same names (so
     ``state_dict``, tied embeddings and hashing are unchanged); ``plain()`` gives the original kind
-    of module back. The packed copy is made at construction and again after any in-place change of
+    of module back. The packed copy is made on first use and again after any in-place change of
     the weight or bias (their version counters are checked); it is not part of ``state_dict``.
     """
 
@@ -113,13 +113,21 @@ class FastLinear(nn.Module):
         self.repack()
 
     def repack(self) -> None:
-        with torch.no_grad():
-            w = self.weight.detach()
-            w = w.t().contiguous() if self.transposed else w.contiguous()
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-            self._bias = None if self.bias is None else self.bias.detach()
-            self._version = self._weight_version()
+        """Take the weight as it is now; its packed copy is made on first use (``packed``)."""
+        self._packed = None
+        self._bias = None if self.bias is None else self.bias.detach()
+        self._version = self._weight_version()
         self.block = None                 # codes belong to the weight as it was (blockq.attach sets them)
+
+    def packed(self) -> torch.Tensor:
+        """The oneDNN-packed copy of the weight, made on first use: a layer running from block codes
+        needs it only past ``MAX_ROWS`` rows (a long prefill), so a load does not pay for it."""
+        if self._packed is None:
+            with torch.no_grad():
+                w = self.weight.detach()
+                w = w.t().contiguous() if self.transposed else w.contiguous()
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        return self._packed
 
     def _weight_version(self) -> tuple[int, int]:
         return (self.weight._version, -1 if self.bias is None else self.bias._version)
@@ -143,7 +151,7 @@ class FastLinear(nn.Module):
             return nn.functional.linear(x, w, self.bias)
         if self._weight_version() != self._version:   # the weight was changed in place: pack again
             self.repack()
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self._bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed(), self._bias, "none", [], "")
 
     def plain(self) -> nn.Module:
         """The plain module (same parameters) this one replaced."""
@@ -211,7 +219,10 @@ def enable(model: nn.Module) -> dict:
             if isinstance(child, FastLinear):
                 n += 1
             elif type(child) is nn.Linear or (Conv1D is not None and type(child) is Conv1D):
-                setattr(parent, name, FastLinear(child))
+                fl = FastLinear(child)
+                if n == 0:
+                    fl.packed()               # one packing now: a CPU oneDNN cannot pack for fails here
+                setattr(parent, name, fl)
                 n += 1
     except RuntimeError as e:          # a kernel the CPU lacks: stay plain, say why
         disable(model)

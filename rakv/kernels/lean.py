@@ -106,21 +106,30 @@ class _Fused(nn.Module):
     def _build(self) -> None:
         from .fastpath import FastLinear
 
+        fast = all(isinstance(m, FastLinear) for m in self.mods)
+        if fast:
+            for m in self.mods:                # changed in place since packed: its codes no longer hold
+                if m._weight_version() != m._version:
+                    m.repack()
         # (a rebuild runs inside the forward's inference mode: the copy must be a normal tensor)
         with torch.inference_mode(False), torch.no_grad():
-            w = torch.cat([m.weight.detach() for m in self.mods], 0)
             b = None
             if any(m.bias is not None for m in self.mods):
-                b = torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(n)
+                b = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(n)
                                for m, n in zip(self.mods, self.sizes)])
+            block = blockq.concat([m.block for m in self.mods]) if fast else None
+            if block is not None:              # stacked codes: no fp32 copy of the stacked weights
+                self._modules.pop("lin", None)
+                self.lin, self.version = _Coded(self.mods, block, b), self._versions()
+                return
+            w = torch.cat([m.weight.detach() for m in self.mods], 0)
             lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
             lin.weight = nn.Parameter(w, requires_grad=False)
             if b is not None:
                 lin.bias = nn.Parameter(b, requires_grad=False)
-            if all(isinstance(m, FastLinear) for m in self.mods):
+            if fast:
                 fl = FastLinear(lin)
                 fl.one_row_plain = self.mods[0].one_row_plain
-                fl.block = blockq.concat([m.block for m in self.mods])     # stacked rows: stacked codes
                 lin = fl
         self.lin = lin
         self.version = self._versions()
@@ -142,13 +151,30 @@ class _Fused(nn.Module):
         return self.current().forward(x)
 
 
+class _Coded:
+    """Fused layers whose parts all run from block codes: up to ``BLOCK_ROWS`` rows the stacked
+    codes (one kernel call); past that (a long prefill) each part's own packed kernel, the outputs
+    side by side. No fp32 copy of the stacked weights is made (it would only serve long prefills)."""
+
+    def __init__(self, mods: list[nn.Module], block, bias: torch.Tensor | None):
+        self.mods, self.block, self.bias = mods, block, bias
+
+    def wide(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m(x) for m in self.mods], dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2] <= BLOCK_ROWS:
+            return self.block(x, self.bias)
+        return self.wide(x)
+
+
 class _Op:
     """One linear as the lean forward calls it, without the module machinery: the fast path's
     packed kernel (or, for one row where the fast path chose it, torch's own) called directly on
     the module's tensors; any other module (a quantized int8 linear) through its own forward.
     ``refresh`` re-reads the module (after an in-place weight change or a one-row kernel switch)."""
 
-    __slots__ = ("mod", "fn", "packed", "bias", "w", "plain1", "block")
+    __slots__ = ("mod", "fn", "packed", "bias", "w", "plain1", "block", "wide")
 
     def __init__(self, mod: nn.Module):
         self.mod = mod
@@ -159,10 +185,14 @@ class _Op:
 
         mod = self.mod
         lin = mod.current() if isinstance(mod, _Fused) and not mod.split else mod
-        if isinstance(lin, FastLinear):
+        if isinstance(lin, _Coded):
+            self.fn, self.packed, self.bias, self.block, self.wide = None, None, lin.bias, lin.block, lin.wide
+        elif isinstance(lin, FastLinear):
             if lin._weight_version() != lin._version:
                 lin.repack()
-            self.fn, self.packed, self.bias, self.block = None, lin._packed, lin._bias, lin.block
+            self.fn, self.bias, self.block = None, lin._bias, lin.block
+            # with codes, past their rows (a long prefill) the layer's own forward packs on first use
+            self.packed, self.wide = (None, lin.forward) if lin.block is not None else (lin.packed(), None)
             w = lin.weight.detach()
             self.w, self.plain1 = (w.t() if lin.transposed else w), lin.one_row_plain      # Conv1D: W [in, out]
         else:
@@ -173,6 +203,8 @@ class _Op:
             return self.fn(x)
         if self.block is not None and x.shape[-2] <= BLOCK_ROWS:
             return self.block(x, self.bias)
+        if self.packed is None:                  # stacked codes, past their rows: the parts' kernels
+            return self.wide(x)
         if self.plain1 and x.shape[-2] == 1:
             return F.linear(x, self.w, self.bias)
         return _POINTWISE(x, self.packed, self.bias, "none", [], "")
