@@ -286,7 +286,7 @@ class SessionState:
         """How much of the current turn came from the conversation before it (the cache panel's line)."""
         t = self.turn
         if t is None or t.request_id != self.request_id:
-            return "not a conversation (Run → Conversation mode continues one)"
+            return "— (the Conversation box makes each Run the next turn)"
         head = f"conversation {t.conversation}, turn {t.turn}"
         if t.turn == 1:
             return f"{head}: the first turn (the conversation starts here)"

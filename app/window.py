@@ -279,7 +279,7 @@ class MainWindow(QMainWindow):
         self.resizeDocks([self.docks["run"], self.docks["cache"]], [int(W * 0.22), int(W * 0.30)], Hz)
         self.resizeDocks([self.docks["acceptance"], self.docks["timeline"]], [1, 1], Hz)
         self.resizeDocks([self.docks["acceptance"]], [int(H * 0.36)], V)
-        self.resizeDocks([self.docks["cache"], self.docks["costs"]], [int(H * 0.42), int(H * 0.58)], V)
+        self.resizeDocks([self.docks["cache"], self.docks["costs"]], [int(H * 0.53), int(H * 0.47)], V)
 
     def save_settings(self) -> None:
         s = self.settings

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import html
+
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtWidgets import QFormLayout, QLabel, QProgressBar, QVBoxLayout, QWidget
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QProgressBar, QVBoxLayout, QWidget
 
 from app.state import SessionState
 
@@ -40,14 +43,25 @@ class CachePanel(QWidget):
                                  "header (S tokens): the prefix cache reuses that on every request")
         form = QFormLayout()
         form.setContentsMargins(0, 0, 0, 0)
+        counts = QHBoxLayout()
+        counts.setContentsMargins(0, 0, 0, 0)
+        for text, w in (("Entries", self.entries), ("Evictions", self.evictions)):
+            counts.addWidget(QLabel(text))
+            counts.addWidget(w)
+            counts.addSpacing(12)
+        counts.addStretch(1)
         form.addRow("Bytes used", self.bytes)
-        form.addRow("Entries", self.entries)
-        form.addRow("Evictions", self.evictions)
+        form.addRow(counts)
         form.addRow("Draft cache", self.draft)
-        form.addRow("Chat template", self.template)
-        form.addRow("Conversation", self.conversation)
+        # the long lines below the form, each wrapped in a box layout (a form row would overlap them)
+        self.template_line = QLabel("<b>Chat template:</b> —")
+        self.conversation_line = QLabel("<b>Conversation:</b> —")
+        for lab, tip in ((self.template_line, self.template), (self.conversation_line, self.conversation)):
+            lab.setWordWrap(True)
+            lab.setTextFormat(Qt.TextFormat.RichText)
+            lab.setToolTip(tip.toolTip())
         self.plot = make_plot("tokens", "request")
-        self.plot.setMinimumHeight(110)
+        self.plot.setMinimumHeight(90)
         self.plot.getPlotItem().setTitle("hit q (blue) of prompt P (grey) per request", size="9pt")
         self.p_bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush="#d9d9d9", pen=None)
         self.q_bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush="#6baed6", pen=None)
@@ -59,6 +73,8 @@ class CachePanel(QWidget):
         lay.addWidget(self.hit)
         lay.addWidget(self.detail)
         lay.addLayout(form)
+        lay.addWidget(self.template_line)
+        lay.addWidget(self.conversation_line)
         lay.addWidget(self.plot, 1)
         self._hits_n = -1
         self._state_id = None
@@ -89,6 +105,8 @@ class CachePanel(QWidget):
         self.evictions.setText(str(c.evictions))
         self.template.setText(state.template_note())
         self.conversation.setText(state.conversation_note())
+        self.template_line.setText(f"<b>Chat template:</b> {html.escape(self.template.text())}")
+        self.conversation_line.setText(f"<b>Conversation:</b> {html.escape(self.conversation.text())}")
         dc = state.draft_cache
         self.draft.setText("—" if dc is None else
                            f"hit q = {dc.hit_tokens} of {dc.prompt_tokens}"

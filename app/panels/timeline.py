@@ -22,7 +22,7 @@ class TimelinePanel(QWidget):
         self.info.setWordWrap(True)
         self.plot = make_plot("ms per round", "round (session)")
         pi = self.plot.getPlotItem()
-        self.legend = pi.addLegend(offset=(10, 5), labelTextSize="8pt", colCount=6)
+        self.legend = pi.addLegend(offset=(10, 5), labelTextSize="8pt", colCount=3)
         # one pair of bar items per k (a single brush each: pyqtgraph's fast path)
         self.items: dict[int, tuple[pg.BarGraphItem, pg.BarGraphItem]] = {}
         self._verify_heights: list[float] = []

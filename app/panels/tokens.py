@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import QEvent, Qt
 from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor, QTextFormat
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QTextEdit, QToolTip, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QLabel, QTextEdit, QToolTip, QVBoxLayout, QWidget
 
 from app.state import KINDS, SessionState, Tok
 
@@ -55,18 +55,18 @@ class TokenPanel(QWidget):
         self.title = QLabel("No request yet")
         self.title.setWordWrap(True)
         self.title.setTextFormat(Qt.TextFormat.PlainText)
-        legend = QHBoxLayout()
-        legend.setSpacing(10)
-        for kind in KINDS:
-            sw = QLabel(f" {PROVENANCE_LABELS[kind]} ")
-            sw.setStyleSheet(f"background:{PROVENANCE_COLORS[kind]}; border:1px solid #999; padding:1px 3px;")
-            sw.setToolTip(f"token colour: {PROVENANCE_LABELS[kind]}")
-            legend.addWidget(sw)
-        legend.addStretch(1)
+        # the legend wraps (one label of coloured spans): a narrow window keeps it whole
+        self.legend = QLabel(" ".join(
+            f"<span style='background:{PROVENANCE_COLORS[k]};'>&nbsp;{PROVENANCE_LABELS[k].replace(' ', '&nbsp;')}"
+            "&nbsp;</span>"
+            for k in KINDS))
+        self.legend.setTextFormat(Qt.TextFormat.RichText)
+        self.legend.setWordWrap(True)
+        self.legend.setToolTip("token colours: " + ", ".join(PROVENANCE_LABELS[k] for k in KINDS))
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addWidget(self.title)
-        lay.addLayout(legend)
+        lay.addWidget(self.legend)
         lay.addWidget(self.view, 1)
         self._fmt = {}
         for kind, col in PROVENANCE_COLORS.items():
