@@ -430,3 +430,64 @@ def test_bench_conversation_workload(tmp_path):
     assert all(r["hit_tokens"] == "0" for r in rows if r["policy"] == "ar")
     summary = (out / "summary.md").read_text()
     assert "## Conversations: reuse and latency per turn" in summary and "| conversation | 3 | kv |" in summary
+
+
+def test_cli_chat_repl_on_a_terminal(chat_dir, tmp_path):
+    """On a terminal: a prompt, Ctrl-C stops the answer (or finds it done) and the chat goes on,
+    /stats, Ctrl-C at the prompt clears the line, Ctrl-D ends with status 0."""
+    import os
+    import re
+    import select
+    import signal
+    import sys
+
+    pty = pytest.importorskip("pty")
+    path, _ = chat_dir
+    env = {**os.environ, "RAKV_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
+    pid, fd = pty.fork()
+    if pid == 0:           # the child: rakv chat on the pty
+        os.execve(sys.executable, [sys.executable, "-m", "rakv", "chat", "--target", str(path), "--draft", "none",
+                                   "--policy", "kv", "--max-new-tokens", "190"], env)
+    buf = bytearray()
+
+    def until(pattern: bytes) -> bool:
+        while pattern not in buf:
+            r, _, _ = select.select([fd], [], [], 120)
+            if not r:
+                return False
+            try:
+                data = os.read(fd, 4096)
+            except OSError:
+                return False
+            if not data:
+                return False
+            buf.extend(data)
+        return True
+
+    try:
+        assert until(b">>> "), bytes(buf)
+        os.write(fd, b"Hi!\n")
+        assert until(b"Hi!\r\n"), bytes(buf)
+        n = len(buf)
+        while len(buf) == n:                             # the answer has started streaming
+            assert select.select([fd], [], [], 120)[0], bytes(buf)
+            buf.extend(os.read(fd, 4096))
+        os.kill(pid, signal.SIGINT)                      # Ctrl-C while the answer runs
+        assert until(b"[rakv] turn 1:"), bytes(buf)
+        assert until(b">>> "), bytes(buf)
+        line = re.search(rb"\[rakv\] turn 1: (\d+) tokens[^\n]*", bytes(buf))
+        assert line and (b"stopped" in line.group(0) or int(line.group(1)) == 190)
+        os.write(fd, b"/stats\n")
+        assert until(b"conversation 1: 1 turns"), bytes(buf)
+        assert until(b">>> "), bytes(buf)
+        os.write(fd, b"\x03")                              # Ctrl-C at the prompt
+        assert until(b"Ctrl-D or /exit ends the chat"), bytes(buf)
+        os.write(fd, b"\x04")                              # Ctrl-D
+        _, status = os.waitpid(pid, 0)
+        pid = 0
+        assert os.waitstatus_to_exitcode(status) == 0 and b"Traceback" not in buf
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
