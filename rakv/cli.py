@@ -298,6 +298,9 @@ def cmd_chat(args) -> int:
                     chat.turn(line)
             except EngineError as e:        # e.g. the conversation outgrew the context: say so, go on
                 print(f"rakv: error: {e} (/reset starts a new conversation)", file=sys.stderr)
+            except KeyboardInterrupt:       # a second Ctrl-C: the answer is dropped, the chat goes on
+                run.stream = None
+                print("\n[rakv] interrupted: that turn is not kept", file=sys.stderr)
     return 0
 
 
@@ -346,8 +349,8 @@ def tty_lines(run: Session):
 
 
 class stop_on_interrupt:
-    """While an answer runs, Ctrl-C asks the engine to stop it (within one round); a second Ctrl-C
-    interrupts at once."""
+    """While an answer runs, Ctrl-C asks the engine to stop it (within one round; the part
+    generated stays in the conversation); a second Ctrl-C interrupts at once."""
 
     def __init__(self, engine):
         self.engine = engine
