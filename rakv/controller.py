@@ -21,6 +21,7 @@ docs/controller.md#constants.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -207,6 +208,47 @@ class Controller:
         self.evidence = min(MAX_EVIDENCE, float(profile.alpha_trials or 0.0))
         self._probe: tuple[int, float] | None = None     # (k, predicted excess ms) of a pending probe
         self._pk_key, self._pk = None, []                 # probe_ks's cache
+        self.setting = "greedy"                  # the sampling setting acceptance is learned for now
+        self._by_setting: dict[str, dict] = {}   # the others' acceptance state, kept while away
+
+    # ------------------------------------------------------------------ acceptance per sampling setting
+    ACCEPTANCE_STATE = ("_rS", "_rT", "_lS", "_lT", "_pxy", "_pxx", "_pos_reach", "_pos_hold", "evidence")
+
+    def use_setting(self, key: str, prior: float) -> None:
+        """Learn acceptance for sampling setting ``key`` from now on (rakv.sampling.Sampling.key):
+        acceptance falls with temperature, so each setting keeps its own estimates, starting from
+        its measured ``prior`` (or what the profile learned at it before); the others are kept."""
+        if key == self.setting:
+            return
+        self._by_setting[self.setting] = {**{a: copy.copy(getattr(self, a)) for a in self.ACCEPTANCE_STATE},
+                                          "alpha": dict(vars(self.alpha))}
+        st = self._by_setting.pop(key, None) or self._fresh_acceptance(key, prior)
+        for a in self.ACCEPTANCE_STATE:
+            setattr(self, a, st[a])
+        vars(self.alpha).update(st["alpha"])          # the same object the engine and planner hold
+        self.setting = key
+        self._pk_key = None
+
+    def _fresh_acceptance(self, key: str, prior: float) -> dict:
+        """A setting's first acceptance state: the profile's learned rate at it, else ``prior``."""
+        saved = self.profile.alpha_by_setting.get(key, {}) if key != "greedy" else {
+            "alpha_learned": self.profile.alpha_learned, "alpha_trials": self.profile.alpha_trials}
+        a = saved.get("alpha_learned")
+        a = float(prior if a is None else a)
+        k_top = len(self._pos_reach)
+        return {"_rS": 0.0, "_rT": 0.0, "_lS": a * LONG_PRIOR, "_lT": LONG_PRIOR, "_pxy": 0.0, "_pxx": 0.0,
+                "_pos_reach": [0.0] * k_top, "_pos_hold": [0.0] * k_top,
+                "evidence": min(MAX_EVIDENCE, float(saved.get("alpha_trials") or 0.0)),
+                "alpha": {"lam": self.alpha.lam, "S": a, "T": 1.0, "rounds": 0}}
+
+    def _save_learned(self) -> None:
+        """What this setting's requests taught, into the profile (saved for the next session)."""
+        if self.setting == "greedy":
+            self.profile.alpha_learned = round(self.alpha_long, 5)
+            self.profile.alpha_trials = round(self.evidence, 1)
+        else:
+            self.profile.alpha_by_setting.setdefault(self.setting, {}).update(
+                alpha_learned=round(self.alpha_long, 5), alpha_trials=round(self.evidence, 1))
 
     # ------------------------------------------------------------------ costs
     def hit_tokens(self, s: Situation, r: int) -> tuple[int, int]:
@@ -515,8 +557,7 @@ class Controller:
             g = (1 - 1 / LONG_WINDOW) ** self._req_T      # every trial ages the old ones alike
             self._lS = g * self._lS + self._req_S
             self._lT = g * self._lT + self._req_T
-            self.profile.alpha_learned = round(self.alpha_long, 5)
-            self.profile.alpha_trials = round(self.evidence, 1)
+            self._save_learned()
         if stopped in ("eos", "max_new_tokens") and max_new > 1:
             frac = min(1.0, max(0, produced - 1) / (max_new - 1))
             self.out_frac = (1 - self.out_decay) * self.out_frac + self.out_decay * max(frac, 0.02)

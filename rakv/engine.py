@@ -368,8 +368,21 @@ class Engine:
         rq.t0 = now()
         return rq
 
+    def _use_setting(self, rq: "_Request") -> None:
+        """Acceptance is learned per sampling setting: switch the controller's estimates and the
+        gate's tables to this request's (a new setting's prior is measured once, at its setting)."""
+        key = rq.sampling.key()
+        if self.controller is None or key == self.controller.setting:
+            return
+        from .costs.calibration import alpha_prior
+
+        prior = alpha_prior(self.profile, self.target, self.draft, rq.sampling)
+        self.controller.use_setting(key, prior)
+        self.planner.use_setting(key, prior)
+
     def _decide(self, rq: "_Request") -> Choice | None:
         """The per-request action (r, k): the controller's argmin, or the fixed policy's."""
+        self._use_setting(rq)
         policy, ctl = rq.policy, self.controller
         choice = None
         if ctl is not None:

@@ -83,6 +83,21 @@ class RoundPlanner:
         self.lookup_map = self.accept_map if self.lookup is draft else AcceptMap(LOOKUP_ALPHA)
         self.last_k = 0
         self.decide_ms_total = 0.0
+        self.setting = "greedy"                 # the sampling setting the maps below are for
+        self._maps: dict[str, tuple] = {}       # the other settings' (accept_map, lookup_map)
+
+    def use_setting(self, key: str, prior: float) -> None:
+        """The gate's tables for sampling setting ``key`` (a draft's confidence means another
+        chance of acceptance at another temperature); a new setting's start from ``prior``."""
+        if key == self.setting:
+            return
+        self._maps[self.setting] = (self.accept_map, self.lookup_map)
+        if key in self._maps:
+            self.accept_map, self.lookup_map = self._maps.pop(key)
+        else:
+            self.accept_map = AcceptMap(prior)
+            self.lookup_map = self.accept_map if self.lookup is self.draft else AcceptMap(LOOKUP_ALPHA)
+        self.setting = key
 
     # ------------------------------------------------------------------ the question
     def plan(self, rq, seq: list[int], remaining: int) -> RoundPlan:

@@ -173,3 +173,63 @@ def test_rejection_mode_runs_and_records_it(models):
             end = eng.generate(p, N)
             assert len(end.output_ids) == N or end.stopped == "eos"
     assert {r.verify for r in recs if r.type == "round" and r.kind == "spec"} == {"rejection"}
+
+
+def test_acceptance_is_learned_per_sampling_setting():
+    """Each setting keeps its own acceptance; switching back finds the earlier estimate intact."""
+    from rakv.controller import Controller
+
+    prof = synthetic_profile(alpha0=0.9)
+    ctl = Controller(prof, (0, 2, 4))
+    greedy = ctl.alpha_req
+    ctl.use_setting("T1/k0/p1/m0/seeded", 0.2)
+    assert ctl.alpha_req == pytest.approx(0.2) and ctl.alpha.value == pytest.approx(0.2)
+    for _ in range(5):
+        ctl.observe_round(4, 0)
+    ctl.end_request(10, 10, "max_new_tokens")
+    hot = ctl.alpha_req
+    assert hot < 0.2 and prof.alpha_by_setting["T1/k0/p1/m0/seeded"]["alpha_learned"] < 0.2
+    ctl.use_setting("greedy", 0.9)
+    assert ctl.alpha_req == pytest.approx(greedy) and prof.alpha_learned is None
+    ctl.use_setting("T1/k0/p1/m0/seeded", 0.2)
+    assert ctl.alpha_req == pytest.approx(hot)
+
+
+def test_the_prior_is_measured_at_the_setting_in_use(models):
+    """A sampled request's decision starts from acceptance measured at its own setting (once)."""
+    target, draft, _ = models
+    prof = synthetic_profile(alpha0=0.99)
+    recs = []
+    s = Sampling(temperature=1.0, seed=1)
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy="adaptive:nogate", sampling=s),
+                 callback=recs.append, profile=prof)
+    eng.generate(list(range(5, 30)), 8)
+    a0 = prof.alpha_by_setting[s.key()]["alpha0"]
+    decision = next(r for r in recs if r.type == "decision")
+    assert decision.alpha == pytest.approx(a0, abs=1e-4) and a0 < 0.99
+    assert eng.planner.setting == eng.controller.setting == s.key()
+
+
+def test_cli_samples_seed_exactly_and_refuses_bad_values(tmp_path, capsys):
+    import json
+
+    from rakv.cli import main
+    from tests.tiny import save_tiny
+
+    d = tmp_path / "m"
+    save_tiny(d, arch="llama", seed=4)
+    capsys.readouterr()
+    for bad in (["--temperature", "-0.5"], ["--top-p", "0"], ["--min-p", "1.2"], ["--top-k", "-1"],
+                ["--seed", "-3"], ["--verify", "maybe"]):
+        assert main(["generate", "--target", str(d), "--draft", "ngram", "--prompt", "x", *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "Traceback" not in err[0]
+    outs = {}
+    for policy, draft in (("ar", "none"), ("spec:4", "ngram"), ("joint:2", "int8")):
+        assert main(["generate", "--target", str(d), "--draft", draft, "--policy", policy, "--raw", "--json",
+                     "--temperature", "0.9", "--top-k", "50", "--seed", "42", "--max-new-tokens", "16",
+                     "--prompt", "The quick brown fox", "--prompt", "The quick brown fox"]) == 0
+        objs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert [o["sampling"]["seed"] for o in objs] == [42, 43]
+        outs[policy] = [o["output_ids"] for o in objs]
+    assert outs["ar"] == outs["spec:4"] == outs["joint:2"]

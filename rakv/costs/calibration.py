@@ -269,9 +269,10 @@ ALPHA_TEXTS = (
 )
 
 
-def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8, amap=None) -> float:
-    """Per-token acceptance of the draft over a few greedy rounds, pooled over the prompts; with
-    ``amap`` (rakv.gate.AcceptMap) each drafted token's confidence and outcome go into it too."""
+def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8, amap=None, sampling=None) -> float:
+    """Per-token acceptance of the draft over a few rounds (greedy, or at ``sampling``'s setting),
+    pooled over the prompts; with ``amap`` (rakv.gate.AcceptMap) each drafted token's confidence
+    and outcome go into it too."""
     from ..drafts import ModelDraft, NoDraft
 
     if isinstance(draft, NoDraft):
@@ -289,32 +290,45 @@ def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8, amap=None) ->
         prompts = [ids[: max(16, min(period + 16, len(ids) - rounds * (k + 1) - 2))]]
     acc = trials = 0
     for prompt in prompts:
-        a, n = _accept_rounds(target, draft, prompt, k, rounds, amap)
+        a, n = _accept_rounds(target, draft, prompt, k, rounds, amap, sampling)
         acc, trials = acc + a, trials + n
     return acc / trials if trials else 0.0
 
 
-def _accept_rounds(target, draft, prompt, k: int, rounds: int, amap=None) -> tuple[int, int]:
-    """(accepted, trials) over ``rounds`` greedy rounds of k drafts after ``prompt``."""
+def _accept_rounds(target, draft, prompt, k: int, rounds: int, amap=None, sampling=None) -> tuple[int, int]:
+    """(accepted, trials) over ``rounds`` rounds of k drafts after ``prompt``, verified as the
+    engine does at ``sampling``'s setting (greedy when None)."""
+    from .. import sampling as S
     from ..acceptance import trials as round_trials
     from ..gate import recording_gate
 
+    s = sampling if sampling is not None and not sampling.greedy else None
+    draft.sampling = s
     draft.begin(prompt, None, False)
     cache = dec.DynamicCache()
     logits = dec.prefill(target.model, prompt, cache)
-    seq = list(prompt) + [dec.argmax(logits)]
+    seq = list(prompt) + [dec.argmax(logits) if s is None else S.sample(logits, s, 0)]
     acc = trials = 0
     for _ in range(rounds):
         gate = recording_gate(amap, k) if amap is not None else None
-        prop = draft.propose(seq, k, gate).tokens
+        pos = len(seq) - len(prompt)                 # the output position of the first draft
+        proposal = draft.propose(seq, k, gate)
+        prop = proposal.tokens
         if not prop:
             logits = dec.decode_one(target.model, seq[-1], cache)
-            seq.append(dec.argmax(logits))
+            seq.append(dec.argmax(logits) if s is None else S.sample(logits, s, pos))
             trials += 1
             continue
         logits = dec.verify(target.model, [seq[-1]] + prop, cache)
-        pred = torch.argmax(logits, dim=-1).tolist()
-        a = dec.accept(prop, pred)
+        if s is None:
+            pred = torch.argmax(logits, dim=-1).tolist()
+            a = dec.accept(prop, pred)
+        elif s.verify == "seeded":
+            pred = S.sample_rows(logits, s, list(range(pos, pos + len(prop) + 1)))
+            a = S.accept_seeded(prop, pred)
+        else:
+            a, nxt = S.accept_rejection(logits, proposal.q_logits, prop, s, pos)
+            pred = prop[:a] + [nxt]
         if gate is not None:
             amap.observe(gate.confs, gate.preds, a)
         dec.rollback(cache, len(prop) - a)
@@ -323,7 +337,29 @@ def _accept_rounds(target, draft, prompt, k: int, rounds: int, amap=None) -> tup
         acc += a
         trials += round_trials(a, len(prop))
     draft.end()
+    draft.sampling = None
     return acc, trials
+
+
+def alpha_prior(profile, target, draft, sampling, ids=None) -> float:
+    """The acceptance prior at a sampling setting: calibration's alpha0 when greedy; otherwise
+    measured once at that setting (a few rounds on the calibration texts, seed 0) and kept in the
+    profile's ``alpha_by_setting`` (acceptance falls with temperature: the greedy prior would
+    overrate drafting)."""
+    from dataclasses import replace
+
+    if sampling is None or sampling.greedy:
+        return profile.alpha0
+    key = sampling.key()
+    known = profile.alpha_by_setting.get(key)
+    if isinstance(known, dict) and isinstance(known.get("alpha0"), (int, float)):
+        return float(known["alpha0"])
+    if ids is None:
+        V = int(target.model.config.vocab_size)
+        ids = calibration_ids(target.tokenizer, 256, V)
+    a0 = measure_alpha(target, draft, ids, k=4, rounds=4, sampling=replace(sampling, seed=0))
+    profile.alpha_by_setting[key] = {"alpha0": round(a0, 5)}
+    return a0
 
 
 def load_or_calibrate(target, draft, cache: Path, k_max: int = 8, force: bool = False,

@@ -91,6 +91,9 @@ class CostProfile:
     alpha_trials: float | None = None    # trials behind alpha_learned (capped; bounds exploration)
     # the draft's confidence against acceptance, per bin (rakv.gate): {"hits": [...], "n": [...]}
     accept_map: dict = field(default_factory=dict)
+    # acceptance per sampling setting (rakv.sampling.Sampling.key, not "greedy"): {"alpha0": measured
+    # prior, "alpha_learned": long-run rate, "alpha_trials": its evidence}; greedy uses the fields above
+    alpha_by_setting: dict = field(default_factory=dict)
     calibrated_at: str = ""
     calibration_s: float = 0.0
     # online refinement: multiplicative scales (log-space EWMA of measured / predicted)
