@@ -218,23 +218,27 @@ static void rakv_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *q
    reads kv head h / (Hq / Hk). out [n, Hq, D] contiguous. Each (row, head) is computed alone and in
    the same order whatever n is, so a row of a verify equals the same row as a decode step, bit for
    bit: scores s_j = (q . k_j) scale (16 lanes, then the lane tree), p_j = exp(s_j - max s), then
-   o = sum_j p_j v_j in order of j, divided by sum_j p_j (added in order of j). D % 16 == 0. */
+   o = sum_j p_j v_j in order of j, divided by sum_j p_j (added in order of j). D % 16 == 0.
+   window > 0 (a sliding-window layer): row i sees only its last `window` positions,
+   max(0, past + i + 1 - window) .. past + i. softcap > 0 (Gemma 2): each score becomes
+   tanh(s / softcap) softcap, as HF's eager attention caps them. */
 #define ATT_STACK 8192
 
-static void attend_one(const float *qi, const float *kg, const float *vg, int64_t T, int64_t D,
-                       float scale, float *o, float *s) {
+static void attend_one(const float *qi, const float *kg, const float *vg, int64_t j0, int64_t T,
+                       int64_t D, float scale, float softcap, float *o, float *s) {
     float mx = -INFINITY;
-    for (int64_t j = 0; j < T; j++) {
+    for (int64_t j = j0; j < T; j++) {
         const float *kj = kg + j * D;
         float acc[LANES] = {0};
         for (int64_t c = 0; c < D; c += LANES)
             for (int l = 0; l < LANES; l++) acc[l] = fmaf(qi[c + l], kj[c + l], acc[l]);
         s[j] = tree16(acc) * scale;
+        if (softcap > 0.0f) s[j] = tanhf(s[j] / softcap) * softcap;
         if (s[j] > mx) mx = s[j];
     }
     float sum = 0.0f;
     for (int64_t c = 0; c < D; c++) o[c] = 0.0f;
-    for (int64_t j = 0; j < T; j++) {
+    for (int64_t j = j0; j < T; j++) {
         const float p = expf(s[j] - mx);
         sum += p;
         const float *vj = vg + j * D;
@@ -246,7 +250,7 @@ static void attend_one(const float *qi, const float *kg, const float *vg, int64_
 
 void rakv_attend(const float *q, int64_t n, int64_t Hq, int64_t D, int64_t q_rs, const float *k,
                  int64_t k_hs, const float *v, int64_t v_hs, int64_t Hk, int64_t past, float scale,
-                 float *out, int threads) {
+                 float *out, int threads, int64_t window, float softcap) {
     const int64_t group = Hq / Hk, tasks = n * Hq;
     #pragma omp parallel num_threads(threads)
     {
@@ -255,8 +259,9 @@ void rakv_attend(const float *q, int64_t n, int64_t Hq, int64_t D, int64_t q_rs,
         float *s = T_max <= ATT_STACK ? stack : (float *)malloc(sizeof(float) * T_max);
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
-            const int64_t i = t / Hq, h = t % Hq, g = h / group;
-            attend_one(q + i * q_rs + h * D, k + g * k_hs, v + g * v_hs, past + i + 1, D, scale,
+            const int64_t i = t / Hq, h = t % Hq, g = h / group, T = past + i + 1;
+            const int64_t j0 = window > 0 && T > window ? T - window : 0;
+            attend_one(q + i * q_rs + h * D, k + g * k_hs, v + g * v_hs, j0, T, D, scale, softcap,
                        out + (i * Hq + h) * D, s);
         }
         if (s != stack) free(s);

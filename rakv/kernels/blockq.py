@@ -157,7 +157,8 @@ def _load(path: Path):
     vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.rakv_linear.argtypes = [vp, vp, i64, vp, vp, i32]
     lib.rakv_linear.restype = None
-    lib.rakv_attend.argtypes = [vp, i64, i64, i64, i64, vp, i64, vp, i64, i64, i64, ctypes.c_float, vp, i32]
+    lib.rakv_attend.argtypes = [vp, i64, i64, i64, i64, vp, i64, vp, i64, i64, i64, ctypes.c_float, vp, i32,
+                                i64, ctypes.c_float]
     lib.rakv_attend.restype = None
     lib.rakv_check.argtypes = [vp, vp, i64, i64, i32]
     lib.rakv_check.restype = i64
@@ -345,14 +346,17 @@ def attend_ok(k: torch.Tensor, v: torch.Tensor, n: int, Hq: int, Hk: int, D: int
 
 
 def attend(q: torch.Tensor, q_row: int, k: torch.Tensor, v: torch.Tensor, n: int, Hq: int, Hk: int,
-           D: int, scale: float) -> torch.Tensor:
+           D: int, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of the n newest positions, their queries at ``q`` (row i, head h at element
     i * q_row + h * D; contiguous rows), over k, v [1, Hk, past + n, D]: out [1, n, Hq * D], each
-    (row, head) computed alone in an order that does not depend on n (``kernels/blockq.c``)."""
+    (row, head) computed alone in an order that does not depend on n (``kernels/blockq.c``).
+    ``window`` > 0: a row sees only its last ``window`` positions (a sliding-window layer);
+    ``softcap`` > 0: scores capped as tanh(s / softcap) softcap (Gemma 2)."""
     past = k.shape[-2] - n
     out = torch.empty(1, n, Hq * D)
     _Lib.handle.rakv_attend(q.data_ptr(), n, Hq, D, q_row, k.data_ptr(), k.stride(1), v.data_ptr(),
-                            v.stride(1), Hk, past, scale, out.data_ptr(), torch.get_num_threads())
+                            v.stride(1), Hk, past, scale, out.data_ptr(), torch.get_num_threads(),
+                            int(window or 0), float(softcap or 0.0))
     return out
 
 

@@ -24,6 +24,7 @@ Shapes: x [1, n, H]; q [1, Hq, n, D]; k, v [1, Hkv, n, D] (the cache: [1, Hkv, p
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 from torch import nn
@@ -31,9 +32,14 @@ from torch.nn import functional as F
 
 from . import blockq
 
-ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
+            "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+            "Phi3ForCausalLM": "phi3", "GPT2LMHeadModel": "gpt2"}
+ARCHS = tuple(a for a, f in FAMILIES.items() if f != "gpt2")
 GPT2_ARCHS = ("GPT2LMHeadModel",)
 GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "gelu_fast", "quick_gelu")
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")      # rope types whose frequencies do not move with length
+SEPARATE_QKV = ("llama", "qwen3", "gemma2", "gemma3")       # q, k, v and gate, up as separate linears (Phi-3 fuses them)
 
 
 def env_enabled() -> bool:
@@ -41,34 +47,80 @@ def env_enabled() -> bool:
 
 
 def kind(model: nn.Module) -> str:
-    """"llama" or "gpt2": which lean forward fits ``model``'s architecture ("" for none)."""
-    name = type(model).__name__
-    return "llama" if name in ARCHS else "gpt2" if name in GPT2_ARCHS else ""
+    """Which lean forward fits ``model``'s architecture: "llama" (Llama, Mistral, Qwen2), "qwen3",
+    "gemma2", "gemma3", "phi3" or "gpt2" ("" for none)."""
+    return FAMILIES.get(type(model).__name__, "")
 
 
 def supported(model: nn.Module) -> str | None:
     """Why the lean forward cannot run ``model`` (None: it can)."""
     cfg = getattr(model, "config", None)
     name = type(model).__name__
-    if cfg is None or not kind(model):
+    fam = kind(model)
+    if cfg is None or not fam:
         return f"{name} (lean forward: {', '.join(ARCHS + GPT2_ARCHS)})"
     p = next(model.parameters())
     if p.device.type != "cpu":
         return f"device {p.device.type}"
-    if kind(model) == "gpt2":
+    if fam == "gpt2":
         return _gpt2_unsupported(cfg)
-    for rope in (getattr(cfg, "rope_parameters", None), getattr(cfg, "rope_scaling", None)):
-        if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type") or "default") != "default":
-            return f"rope type {rope.get('rope_type') or rope.get('type')}"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"activation {cfg.hidden_act}"
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) \
-            and name != "LlamaForCausalLM":
-        return "sliding-window attention"
+    base = getattr(model, "model", None)
+    rot = getattr(base, "rotary_emb", None)
+    if rot is None or not hasattr(base, "layers"):
+        return f"{name} without the usual layout (model.layers, model.rotary_emb)"
+    types = rot.rope_type if isinstance(getattr(rot, "rope_type", None), dict) else {"": getattr(rot, "rope_type", "?")}
+    for t in types.values():
+        if t not in STATIC_ROPE:
+            return f"rope type {t}"
+    try:
+        for inv, _ in _rope_sources(model).values():
+            if 2 * inv.numel() != _head_dim(cfg) and fam != "phi3":
+                return "partial rotary embedding"
+    except AttributeError as e:
+        return f"rotary embedding layout ({e})"
+    L = base.layers[0]
+    if _act_fn(L.mlp) is None:
+        return f"activation {getattr(cfg, 'hidden_activation', None) or getattr(cfg, 'hidden_act', '?')}"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "bidirectional attention"
     if getattr(cfg, "mlp_bias", False):
         return "MLP bias"
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp"
+    if fam == "gemma3" and getattr(cfg, "attn_logit_softcapping", None) and \
+            getattr(cfg, "_attn_implementation", None) not in (None, "eager", "sdpa"):
+        return f"attention {cfg._attn_implementation} with soft-capping"
+    return None
+
+
+def _head_dim(cfg) -> int:
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
+def _rope_sources(model: nn.Module) -> dict:
+    """{layer type or "": (inv_freq, attention scaling)} from the model's own rotary module (HF's
+    frequencies, whatever rope type made them: default, linear, llama3 or yarn)."""
+    rot = model.model.rotary_emb
+    if isinstance(getattr(rot, "rope_type", None), dict):          # Gemma 3: one table per layer type
+        return {t: (getattr(rot, f"{t}_inv_freq"), float(getattr(rot, f"{t}_attention_scaling")))
+                for t in rot.rope_type}
+    return {"": (rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)))}
+
+
+def _act_fn(mlp: nn.Module):
+    """The MLP's activation as a plain function (the same maths as its module), None if unknown."""
+    act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+    name = type(act).__name__
+    if isinstance(act, nn.SiLU) or name == "SiLUActivation":
+        return F.silu
+    if name == "GELUTanh" and getattr(act, "act", None) is not None:
+        fn = act.act
+        if getattr(fn, "func", None) is F.gelu and getattr(fn, "keywords", {}) == {"approximate": "tanh"}:
+            return fn
+    if name == "GELUActivation" and getattr(act, "act", None) is F.gelu:
+        return F.gelu
+    if isinstance(act, nn.GELU):
+        return partial(F.gelu, approximate=act.approximate)
     return None
 
 
@@ -227,7 +279,7 @@ def fuse_for_quantization(model: nn.Module) -> None:
     weights), so that ``quantize_dynamic`` quantizes them too and the lean forward of the int8
     copy runs one int8 kernel where it would run three (per-channel scales are per output row,
     so the fused layers quantize exactly as the separate ones). HF's forward does not use them."""
-    if kind(model) != "llama":        # GPT-2's c_attn is q|k|v already, and its MLP has no gate
+    if kind(model) not in SEPARATE_QKV:     # GPT-2's c_attn and Phi-3's qkv_proj are q|k|v already
         return
     for L in model.model.layers:
         a, m = L.self_attn, L.mlp
@@ -244,58 +296,150 @@ def fuse_for_quantization(model: nn.Module) -> None:
             setattr(parent, name, lin)
 
 
+class _Norm:
+    """One RMSNorm as the lean forward runs it: HF's ``w * x / rms(x)`` (Llama, Qwen, Phi-3) or
+    Gemma's ``(1 + w) * x / rms(x)``, the effective weight made once (and again by ``refresh`` after
+    an in-place change), in float32 torch's fused op."""
+
+    __slots__ = ("mod", "one_plus", "eps", "w")
+
+    def __init__(self, mod: nn.Module, one_plus: bool):
+        self.mod, self.one_plus = mod, one_plus
+        self.eps = float(getattr(mod, "variance_epsilon", None) or getattr(mod, "eps"))
+        self.refresh()
+
+    def refresh(self) -> None:
+        w = self.mod.weight.detach()
+        self.w = (1.0 + w.float()).to(w.dtype) if self.one_plus else w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.w.dtype == torch.float32:
+            return F.rms_norm(x, self.w.shape, self.w, self.eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.one_plus:                                     # Gemma: in float32, then the input's dtype
+            return (h * (1.0 + self.mod.weight.float())).to(x.dtype)
+        return self.mod.weight * h.to(x.dtype)
+
+
+class _Rope:
+    """cos / sin tables of one rotary embedding (HF's inverse frequencies and attention scaling),
+    grown in doublings; sin carries rotate_half's sign (see ``LeanLlama._rotate``)."""
+
+    __slots__ = ("inv_freq", "scaling", "dim", "cos", "sin", "dtype")
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+        self.inv_freq, self.scaling, self.dtype = inv_freq.detach().float().cpu(), scaling, dtype
+        self.dim = 2 * self.inv_freq.numel()
+        self.cos = self.sin = torch.empty(0, self.dim)
+
+    def at(self, start: int, n: int):
+        """cos, sin [n, 1, R] for positions start..start+n-1 (R: the rotary dims)."""
+        end, d = start + n, self.dim
+        if end > self.cos.shape[0]:
+            size = max(256, 1 << (end - 1).bit_length())
+            pos = torch.arange(size, dtype=torch.float)
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            sin = emb.sin() * self.scaling
+            sin[:, : d // 2] *= -1                  # rotate_half's sign (see _rotate)
+            self.cos, self.sin = (emb.cos() * self.scaling).to(self.dtype), sin.to(self.dtype)
+        return self.cos[start:end, None], self.sin[start:end, None]
+
+
+class _Layer:
+    """One decoder layer as the lean forward runs it: its norms, linears (``_Op``s), q / k norms
+    (Qwen3, Gemma 3), the norms after attention and after the MLP (Gemma), the attention window
+    (None: full) and which rotary table it reads."""
+
+    __slots__ = ("ln1", "qkv", "o", "ln2", "gate_up", "down", "q_norm", "k_norm", "post_attn", "post_ff",
+                 "window", "rope")
+
+    def __iter__(self):            # (the linears, for _watch)
+        return iter((self.qkv, self.o, self.gate_up, self.down))
+
+
 class LeanLlama:
-    """The lean forward of one Llama-family model (see the module docstring)."""
+    """The lean forward of one decoder model of the Llama lineage (see the module docstring):
+    Llama, Mistral and Qwen2 as they are; Qwen3 with q / k norms; Gemma 2 and 3 with their scaled
+    embedding, (1 + w) norms around attention and MLP, GeGLU, sliding-window layers, q / k norms
+    (3), attention (2) and final logit soft-capping and query_pre_attn_scalar; Phi-3 with its fused
+    qkv_proj / gate_up_proj and partial rotary. Everything read from the HF modules themselves."""
 
     def __init__(self, model: nn.Module, layers: list | None = None):
         cfg = model.config
         self.model = model
+        self.family = kind(model)
         base = model.model
         self.embed = base.embed_tokens
-        self.norm = base.norm
         self.lm_head = model.lm_head
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
-        self.scale = self.head_dim ** -0.5
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-        d = self.head_dim
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-        self._cos = self._sin = torch.empty(0, d)
-        self.layers = layers if layers is not None else [self._layer(L) for L in base.layers]
+        self.head_dim = _head_dim(cfg)
+        self.gemma = self.family in ("gemma2", "gemma3")
+        attn0 = base.layers[0].self_attn
+        self.scale = float(getattr(attn0, "scaling", None) or self.head_dim ** -0.5)
+        self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0) if self.family == "gemma2" else 0.0
+        self.final_softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
+        scale = getattr(self.embed, "embed_scale", None)
+        self.embed_scale = scale if isinstance(scale, torch.Tensor) else None
+        self.act = _act_fn(base.layers[0].mlp)
+        dtype = self.embed.weight.dtype
+        self.ropes = {t: _Rope(inv, sc, dtype) for t, (inv, sc) in _rope_sources(model).items()}
+        self.windows = _windows(model)
+        self.layers = layers if layers is not None else [self._layer(i, L) for i, L in enumerate(base.layers)]
         self.head = _Op(self.lm_head)
-        self.final_norm = (self.norm.weight, self.norm.variance_epsilon)
+        self.final_norm = _Norm(base.norm, self.gemma)
         self._watch(model)
 
     def _watch(self, model: nn.Module) -> None:
         """The linears' ``_Op``s and what _sync watches: every weight and bias they read, and the
         one-row kernel choice (called last by a constructor, once layers and head are set)."""
         self.ops = [op for L in self.layers for op in L if isinstance(op, _Op)] + [self.head]
+        self.norms = [n for L in self.layers if isinstance(L, _Layer)
+                      for n in (L.ln1, L.ln2, L.q_norm, L.k_norm, L.post_attn, L.post_ff) if n is not None]
+        if isinstance(getattr(self, "final_norm", None), _Norm):
+            self.norms.append(self.final_norm)
         self.params = [p for p in model.parameters() if p.dim() >= 1]
         self.probe = next((m for m in model.modules() if hasattr(m, "one_row_plain")), None)
         self.state = self._state()
         self.dtype = self.embed.weight.dtype
 
-    @staticmethod
-    def _layer(L: nn.Module) -> tuple:
-        """(norm, q|k|v, o, norm, gate|up, down) of one decoder layer, the linears as ``_Op``s."""
+    def _layer(self, i: int, L: nn.Module) -> _Layer:
         a, m = L.self_attn, L.mlp
-        qkv = getattr(a, FUSED_QKV, None) or _Fused([a.q_proj, a.k_proj, a.v_proj])
-        gate_up = getattr(m, FUSED_GATE_UP, None) or _Fused([m.gate_proj, m.up_proj])
-        n1, n2 = L.input_layernorm, L.post_attention_layernorm
-        return ((n1.weight, n1.variance_epsilon), _Op(qkv), _Op(a.o_proj),
-                (n2.weight, n2.variance_epsilon), _Op(gate_up), _Op(m.down_proj))
+        out = _Layer()
+        if self.family == "phi3":
+            qkv, gate_up = a.qkv_proj, m.gate_up_proj
+        else:
+            qkv = getattr(a, FUSED_QKV, None) or _Fused([a.q_proj, a.k_proj, a.v_proj])
+            gate_up = getattr(m, FUSED_GATE_UP, None) or _Fused([m.gate_proj, m.up_proj])
+        out.qkv, out.o, out.gate_up, out.down = _Op(qkv), _Op(a.o_proj), _Op(gate_up), _Op(m.down_proj)
+        g = self.gemma
+        out.ln1 = _Norm(L.input_layernorm, g)
+        if g:      # Gemma: norm the attention's output, then before and after the MLP
+            out.post_attn = _Norm(L.post_attention_layernorm, g)
+            out.ln2, out.post_ff = _Norm(L.pre_feedforward_layernorm, g), _Norm(L.post_feedforward_layernorm, g)
+        else:
+            out.post_attn, out.ln2, out.post_ff = None, _Norm(L.post_attention_layernorm, g), None
+        qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        out.q_norm = _Norm(qn, g) if qn is not None else None
+        out.k_norm = _Norm(kn, g) if kn is not None else None
+        out.window = self.windows[i]
+        out.rope = getattr(a, "layer_type", "") if len(self.ropes) > 1 else ""
+        return out
 
     def _state(self) -> tuple:
         return (sum(p._version for p in self.params), getattr(self.probe, "one_row_plain", None))
 
     def _sync(self) -> None:
-        """Re-read the linears when a weight changed in place or the one-row kernel was switched."""
+        """Re-read the linears (and the norms' effective weights) when a weight changed in place or
+        the one-row kernel was switched."""
         state = self._state()
         if state != self.state:
             for op in self.ops:
                 op.refresh()
+            for nm in getattr(self, "norms", ()):
+                nm.refresh()
             self.state = state
 
     def truncated(self, model: nn.Module) -> "LeanLlama":
@@ -308,42 +452,25 @@ class LeanLlama:
         return None
 
     # ---- pieces
-    def _rope(self, start: int, n: int):
-        """cos, sin [n, 1, D] for positions start..start+n-1 (the table grows in doublings)."""
-        end, d = start + n, self.head_dim
-        if end > self._cos.shape[0]:
-            size = max(256, 1 << (end - 1).bit_length())
-            pos = torch.arange(size, dtype=torch.float)
-            freqs = pos[:, None] * self.inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            sin = emb.sin()
-            sin[:, : d // 2] *= -1                  # rotate_half's sign (see _rotate)
-            self._cos, self._sin = emb.cos().to(self.dtype), sin.to(self.dtype)
-        return self._cos[start:end, None], self._sin[start:end, None]
-
-    @staticmethod
-    def _rms(x: torch.Tensor, norm: tuple) -> torch.Tensor:
-        """HF's RMSNorm (norm = its weight and eps): x / rms(x) in float32, times the weight
-        (float32: torch's fused op)."""
-        w, eps = norm
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, w.shape, w, eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return w * h.to(x.dtype)
-
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """HF's x cos + rotate_half(x) sin, with rotate_half(x) = roll(x, D/2) times the sign that
-        ``_rope`` folded into sin (-sin for the first half)."""
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
+        ``_Rope`` folded into sin (-sin for the first half). Only the first R dims rotate when the
+        table is narrower than the head (Phi-3's partial rotary): the rest pass as they are."""
+        R = cos.shape[-1]
+        if R == x.shape[-1]:
+            return torch.addcmul(x * cos, x.roll(R // 2, -1), sin)
+        xr = x[..., :R]
+        return torch.cat((torch.addcmul(xr * cos, xr.roll(R // 2, -1), sin), x[..., R:]), dim=-1)
 
     @staticmethod
-    def _mask(past: int, n: int) -> torch.Tensor | None:
-        """[n, past + n] bool: query i sees keys 0..past+i (None for one token: it sees all)."""
-        if n == 1:
+    def _mask(past: int, n: int, window: int | None = None) -> torch.Tensor | None:
+        """[n, past + n] bool: query i sees keys 0..past+i, or only its last ``window`` of them
+        (None for one token that sees all the keys)."""
+        if n == 1 and (not window or past < window):
             return None
-        return torch.ones(n, past + n, dtype=torch.bool).tril(past)
+        m = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+        return m.triu(past - window + 1) if window else m
 
     def own_attention(self, cache, n: int) -> bool:
         """Whether this forward's attention runs ``blockq.attend`` (a decode or verify step on a
@@ -357,6 +484,25 @@ class LeanLlama:
         L = cache.layers[0]
         return blockq.attend_ok(L.keys, L.values, n, self.n_heads, self.n_kv, self.head_dim)
 
+    def _attention(self, q, k, v, past: int, n: int, window: int | None, masks: dict) -> torch.Tensor:
+        """Torch's attention of q [1, Hq, n, D] over k, v [1, Hk, past + n, D] (a prefill, a long
+        verify): SDPA with the causal (windowed) mask, or with soft-capping HF's eager maths."""
+        Hq, Hk, D = self.n_heads, self.n_kv, self.head_dim
+        if window not in masks:
+            masks[window] = self._mask(past, n, window)
+        mask = masks[window]
+        if not self.softcap:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                                  enable_gqa=Hq != Hk).transpose(1, 2).reshape(1, n, Hq * D)
+        if Hq != Hk:
+            k, v = k.repeat_interleave(Hq // Hk, dim=1), v.repeat_interleave(Hq // Hk, dim=1)
+        s = torch.matmul(q, k.transpose(2, 3)) * self.scale
+        s = torch.tanh(s / self.softcap) * self.softcap
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(p, v).transpose(1, 2).reshape(1, n, Hq * D)
+
     # ---- the forward
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, keep: int = 0) -> torch.Tensor:
@@ -365,29 +511,61 @@ class LeanLlama:
         n = ids.shape[1]
         past = cache.get_seq_length()
         x = F.embedding(ids, self.embed.weight)                      # [1, n, H]
-        cos, sin = self._rope(past, n)                               # [n, 1, D] (broadcast over heads)
-        mask = self._mask(past, n)
+        if self.embed_scale is not None:                             # Gemma: times sqrt(hidden), as HF
+            x = x * self.embed_scale.to(x.dtype)
+        ropes = {t: r.at(past, n) for t, r in self.ropes.items()}   # [n, 1, R] (broadcast over heads)
+        masks: dict = {}
         Hq, Hk, D = self.n_heads, self.n_kv, self.head_dim
         sq, sk = Hq * D, Hk * D
         own_attention = self.own_attention(cache, n)
-        for i, (ln1, qkv, o, ln2, gate_up, down) in enumerate(self.layers):
-            h = qkv(self._rms(x, ln1))                               # [1, n, (Hq + 2 Hk) D]
-            qk = self._rotate(h[..., :sq + sk].view(1, n, Hq + Hk, D), cos, sin)   # q and k at once
+        act = self.act
+        for i, L in enumerate(self.layers):
+            h = L.qkv(L.ln1(x))                                      # [1, n, (Hq + 2 Hk) D]
+            cos, sin = ropes[L.rope]
+            if L.q_norm is None:
+                qk = h[..., :sq + sk].view(1, n, Hq + Hk, D)
+            else:                                                    # per-head norms before the rotation
+                qk = torch.cat((L.q_norm(h[..., :sq].view(1, n, Hq, D)),
+                                L.k_norm(h[..., sq:sq + sk].view(1, n, Hk, D))), dim=2)
+            qk = self._rotate(qk, cos, sin)                          # q and k at once
             q = qk[:, :, :Hq].transpose(1, 2)                        # [1, Hq, n, D]
             k = qk[:, :, Hq:].transpose(1, 2)
             v = h[..., sq + sk:].view(1, n, Hk, D).transpose(1, 2)
             k, v = _append(cache, i, k, v)                           # [1, Hk, past + n, D]
             if own_attention:                                        # [1, n, Hq D], rows independent
-                a = blockq.attend(qk, (Hq + Hk) * D, k, v, n, Hq, Hk, D, self.scale)
+                a = blockq.attend(qk, (Hq + Hk) * D, k, v, n, Hq, Hk, D, self.scale, L.window or 0, self.softcap)
             else:
-                a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                                   enable_gqa=Hq != Hk).transpose(1, 2).reshape(1, n, sq)
-            x = x + o(a)
-            g, u = gate_up(self._rms(x, ln2)).chunk(2, dim=-1)
-            x = x + down(F.silu(g) * u)
+                a = self._attention(q, k, v, past, n, L.window, masks)
+            a = L.o(a)
+            if L.post_attn is not None:
+                a = L.post_attn(a)
+            x = x + a
+            g, u = L.gate_up(L.ln2(x)).chunk(2, dim=-1)
+            m = L.down(act(g) * u)
+            if L.post_ff is not None:
+                m = L.post_ff(m)
+            x = x + m
         if keep:
             x = x[:, -keep:]
-        return self.head(self._rms(x, self.final_norm))              # [1, keep or n, V]
+        logits = self.head(self.final_norm(x))                      # [1, keep or n, V]
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+
+def _windows(model: nn.Module) -> list:
+    """Each layer's attention window as HF's mask has it (None: full causal): Mistral and Phi-3
+    slide every layer when the config has a window; Qwen2, Qwen3 and Gemma the layers whose type
+    is sliding_attention; Llama none."""
+    cfg, layers = model.config, model.model.layers
+    w = getattr(cfg, "sliding_window", None)
+    name = type(model).__name__
+    if name in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        return [int(w) if w else None] * len(layers)
+    if name == "LlamaForCausalLM" or not w:
+        return [None] * len(layers)
+    types = getattr(cfg, "layer_types", None) or []
+    return [int(w) if i < len(types) and types[i] == "sliding_attention" else None for i in range(len(layers))]
 
 
 KV_MIN_CAPACITY = 256
