@@ -13,7 +13,8 @@ import os
 import sys
 
 from rakv import argtypes as A
-from rakv.common import add_device_args, quiet_libs
+from rakv.common import CliError, add_device_args, add_sampling_args, quiet_libs, sampling_of
+from rakv.sampling import Sampling
 from rakv.config import POLICIES_HELP
 
 
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prompts as they are, no chat template (--no-raw: through the template; "
                          "default: as last time)")
     ap.add_argument("--k-set", help="allowed k, e.g. 0,2,4 (the K control)")
+    add_sampling_args(ap)       # given: the sampling controls start there; else as last time
     ap.add_argument("--measure-all", action="store_true",
                     help="after the autorun prompts (if any): Measure every action on the prompt")
     ap.add_argument("--measure-prompt", metavar="TEXT",
@@ -78,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"rakv-explorer: error: {e}", file=sys.stderr)
         return 2
+    try:
+        sampling = sampling_of(args)
+    except CliError as e:
+        print(f"rakv-explorer: error: {e}", file=sys.stderr)
+        return 2
+    sampling_given = sampling != Sampling()
     k_set = None
     if args.k_set:
         from rakv.config import parse_k_set
@@ -136,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     if k_set is not None:
         win.controls.set_values(win.controls.budget_mib(), k_set, win.controls.granularity.currentData())
         win.worker.set_controls(k_set=k_set)
+    if sampling_given:
+        win.controls.set_sampling(sampling)
+        win.worker.set_controls(sampling=sampling)
     if args.size:
         win.resize(*args.size)
         if win.settings.geometry()[1] is None:     # no saved dock layout: lay the docks out for this size

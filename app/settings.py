@@ -48,6 +48,7 @@ VALID = {      # what a stored value must satisfy to be used
     "controls/budget_mib": lambda v: math.isfinite(v) and v >= 0,
     "controls/k_set": lambda v: parse_k_set(str(v)),
     "controls/granularity": lambda v: v in ("request", "round"),
+    "controls/sampling": lambda v: isinstance(v, str) and sampling_from_text(v) is not None,
     "replay/speed": lambda v: isinstance(v, str),
 }
 
@@ -66,6 +67,7 @@ class Settings:
         "controls/budget_mib": 512,
         "controls/k_set": ",".join(map(str, DEFAULT_K_SET)),
         "controls/granularity": "round",
+        "controls/sampling": "{}",        # JSON of rakv.sampling.Sampling's fields ({} = greedy)
         "replay/speed": "2x",
     }
 
@@ -135,3 +137,17 @@ class Settings:
 
     def sync(self) -> None:
         self.q.sync()
+
+
+def sampling_from_text(text: str):
+    """The Sampling stored as JSON (None when it is not a valid one)."""
+    import json
+
+    from rakv.sampling import Sampling, problem
+
+    try:
+        s = Sampling(**json.loads(text))
+    except (ValueError, TypeError):
+        return None
+    return None if problem(s) else s
+

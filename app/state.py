@@ -101,6 +101,8 @@ class SessionState:
     templated: bool = False      # the prompt went through the chat template
     template_prefix: int = 0     # S: leading prompt tokens every templated prompt shares
     max_new_tokens: int = 0
+    sampling: dict = field(default_factory=dict)   # the current request's (RequestStart.sampling)
+    verify: str = ""             # how its last drafting round was judged ("" greedy, seeded, rejection)
     start_t: float = 0.0
     last_t: float = 0.0
     tokens: list[Tok] = field(default_factory=list)
@@ -168,6 +170,8 @@ class SessionState:
         self.templated = bool(r.templated)
         self.template_prefix = int(r.template_prefix)
         self.max_new_tokens = r.max_new_tokens
+        self.sampling = dict(getattr(r, "sampling", None) or {})
+        self.verify = ""
         self.start_t = r.t
         self.tokens = [Tok(i, PROMPT, p, t=r.t) for p, i in enumerate(r.prompt_ids)]
         self.rounds_by_index = {}
@@ -214,6 +218,8 @@ class SessionState:
     def _round(self, r: Round) -> None:
         if r.request_id == self.request_id:
             self.rounds_by_index[r.index] = r
+            if getattr(r, "verify", ""):
+                self.verify = r.verify
             pos = len(self.tokens)
             for j, (tid, prov) in enumerate(zip(r.emitted, r.provenance)):
                 self.tokens.append(Tok(tid, prov if prov in KINDS else TARGET, pos + j, r.index, r.k, r.t))
@@ -308,3 +314,19 @@ class SessionState:
             "oracles": [(o.after_request, o.choice, o.oracle, o.regret) for o in self.oracles],
             "turns": [(t.request_id, t.conversation, t.turn, t.hit_tokens, t.previous_tokens) for t in self.turns],
         }
+
+
+def sampling_text(sampling: dict, verify: str = "") -> str:
+    """How a request chose its tokens, in a few words: "greedy", or "T 0.70 (top-k 40), seed 42,
+    seeded verify"."""
+    t = float(sampling.get("temperature") or 0.0)
+    if t == 0:
+        return "greedy"
+    filt = [f"top-k {sampling['top_k']}" if sampling.get("top_k") else "",
+            f"top-p {sampling['top_p']:g}" if sampling.get("top_p", 1.0) < 1.0 else "",
+            f"min-p {sampling['min_p']:g}" if sampling.get("min_p") else ""]
+    filt = [f for f in filt if f]
+    mode = verify or sampling.get("verify", "seeded")
+    return (f"T {t:.2f}" + (f" ({', '.join(filt)})" if filt else "") + f", seed {sampling.get('seed')}, "
+            f"{mode} verify")
+

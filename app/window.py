@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import traceback
@@ -24,7 +25,7 @@ from app.panels.timeline import TimelinePanel
 from app.panels.tokens import TokenPanel
 from app.pieces import Pieces, load_pieces
 from app.replay import Replayer, check_replayable
-from app.settings import Settings, sessions_dir
+from app.settings import Settings, sampling_from_text, sessions_dir
 from app.state import SessionState
 from app.worker import Worker
 from rakv.config import parse_k_set
@@ -128,6 +129,7 @@ class MainWindow(QMainWindow):
         self.controls.kSetChanged.connect(lambda ks: self.worker.set_controls(k_set=ks))
         self.controls.forceChanged.connect(lambda f: self.worker.set_controls(force=f))
         self.controls.granularityChanged.connect(lambda g: self.worker.set_controls(granularity=g))
+        self.controls.samplingChanged.connect(lambda smp: self.worker.set_controls(sampling=smp))
         self.run_panel.raw.toggled.connect(lambda on: self.worker.set_controls(chat_template=not on))
         self.replay_bar.closeRequested.connect(self.leave_replay)
 
@@ -236,6 +238,10 @@ class MainWindow(QMainWindow):
         self.controls.set_values(s.get("controls/budget_mib"), ks, gran)
         self.worker.controls.budget_mib = float(self.controls.budget_mib())
         self.worker.set_controls(k_set=self.controls.k_set(), granularity=self.controls.granularity.currentData())
+        smp = sampling_from_text(str(s.get("controls/sampling")))
+        if smp is not None:
+            self.controls.set_sampling(smp)
+            self.worker.set_controls(sampling=smp)
         geo, st = s.geometry()
         if geo is None or not self.restoreGeometry(geo) or not self._fits_screen():
             self.fit_to_screen()
@@ -295,6 +301,9 @@ class MainWindow(QMainWindow):
         s.set("controls/budget_mib", self.controls.budget_mib())
         s.set("controls/k_set", ",".join(map(str, self.controls.k_set())))
         s.set("controls/granularity", self.controls.granularity.currentData())
+        smp = self.controls.sampling()
+        if not isinstance(smp, str):
+            s.set("controls/sampling", json.dumps(smp.to_dict()))
         s.set("replay/speed", self.replay_bar.speed.currentText())
         s.save_geometry(self.saveGeometry(), self.saveState())
         s.sync()

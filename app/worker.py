@@ -22,12 +22,13 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal, Slot
 
 from rakv.config import RakvConfig
+from rakv.sampling import Sampling
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Controls:
     force: tuple[int, int] | None = None
     granularity: str = "round"
     chat_template: bool = True        # False: the explorer's "Raw prompt" box is checked
+    sampling: Sampling = field(default_factory=Sampling)   # temperature 0 = greedy (the sampling controls)
 
 
 class Worker(QObject):
@@ -117,7 +119,7 @@ class Worker(QObject):
             config = RakvConfig(target=pair[0], draft=pair[1], k_set=c.k_set, budget_mib=c.budget_mib,
                                 device=str(next(target.model.parameters()).device), fast=bool(target.fast),
                                 granularity=c.granularity, force_action=c.force,
-                                chat_template=c.chat_template,
+                                chat_template=c.chat_template, sampling=c.sampling,
                                 policy="adaptive" if profile is not None else "ar")
             self.engine = Engine(target, draft, config, self._on_record, profile)
         self.conversation = None
@@ -250,10 +252,15 @@ class Worker(QObject):
         if eng is not None:
             eng.stop()
 
-    def set_controls(self, k_set=None, force="keep", granularity=None, chat_template=None) -> None:
-        """Called from the GUI thread; acts on the engine's next decision."""
+    def set_controls(self, k_set=None, force="keep", granularity=None, chat_template=None,
+                     sampling=None) -> None:
+        """Called from the GUI thread; acts on the engine's next decision (sampling: next request)."""
         with self._lock:
             c = self.controls
+            if sampling is not None:
+                c.sampling = sampling
+                if self.engine is not None:
+                    self.engine.set_sampling(sampling)
             if k_set is not None:
                 c.k_set = tuple(sorted({int(k) for k in k_set}))
             if force != "keep":

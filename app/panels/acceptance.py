@@ -10,7 +10,7 @@ import pyqtgraph as pg
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-from app.state import SessionState
+from app.state import SessionState, sampling_text
 
 from . import NoData, k_color, make_plot, nice_ceiling
 
@@ -93,6 +93,8 @@ class AcceptancePanel(QWidget):
             txt = "alpha: —"
         if self._chosen_k is not None:
             txt += f" · chosen k={self._chosen_k}"
+        if state.sampling:
+            txt += f" · {sampling_text(state.sampling, state.verify)}"
         self._draw_gate(state)
         if state.gate_rounds:
             err = state.gate.error()

@@ -1,13 +1,17 @@
 """Live controls (act on the engine's next decision): memory budget, K set, force (r, k),
-decision granularity."""
+decision granularity, and sampling (temperature, top-k, top-p, min-p, seed, verification mode)."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QFormLayout, QGridLayout, QHBoxLayout, QLabel,
-                               QLineEdit, QSlider, QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGridLayout, QHBoxLayout,
+                               QLabel, QLineEdit, QSlider, QSpinBox, QVBoxLayout, QWidget)
 
 from rakv.config import DEFAULT_K_SET, parse_k_set
+from rakv.sampling import Sampling, problem
+
+T_MAX = 2.0          # the temperature slider's range, in steps of T_STEP
+T_STEP = 0.05
 
 K_CHOICES = (0, 1, 2, 4, 6, 8)
 BUDGET_MAX_MIB = 4096
@@ -18,6 +22,7 @@ class ControlsPanel(QWidget):
     kSetChanged = Signal(tuple)
     forceChanged = Signal(object)       # (r, k) or None
     granularityChanged = Signal(str)
+    samplingChanged = Signal(object)    # rakv.sampling.Sampling (valid), for the next request
 
     def __init__(self):
         super().__init__()
@@ -70,6 +75,8 @@ class ControlsPanel(QWidget):
         self.granularity.currentIndexChanged.connect(
             lambda _: self.granularityChanged.emit(self.granularity.currentData()))
 
+        srow = self._sampling_controls()
+
         brow = QHBoxLayout()
         brow.addWidget(self.budget, 1)
         brow.addWidget(self.budget_label)
@@ -82,6 +89,7 @@ class ControlsPanel(QWidget):
         form.addRow("K", kbox)
         form.addRow("Action", frow)
         form.addRow("Decide", self.granularity)
+        form.addRow("Sampling", srow)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addLayout(form)
@@ -154,3 +162,97 @@ class ControlsPanel(QWidget):
     def _force(self, _=None) -> None:
         if not self._quiet:
             self.forceChanged.emit(self.force())
+
+    # ------------------------------------------------------------------ sampling
+    def _sampling_controls(self) -> QVBoxLayout:
+        """Temperature slider (0 = greedy), top-k, top-p, min-p, seed (blank: drawn and recorded),
+        verification mode; a bad combination shows its one-line reason instead of applying."""
+        self.temperature = QSlider(Qt.Orientation.Horizontal)
+        self.temperature.setRange(0, int(round(T_MAX / T_STEP)))
+        self.temperature.setToolTip("temperature; 0 is greedy decoding (applies to the next request)")
+        self.t_label = QLabel("greedy")
+        self.t_label.setMinimumWidth(60)
+        self.top_k = QSpinBox()
+        self.top_k.setRange(0, 100000)
+        self.top_k.setPrefix("top-k ")
+        self.top_k.setToolTip("keep the k likeliest tokens (0: off)")
+        self.top_p = QDoubleSpinBox()
+        self.top_p.setRange(0.0, 1.0)
+        self.top_p.setSingleStep(0.05)
+        self.top_p.setDecimals(2)
+        self.top_p.setPrefix("top-p ")
+        self.top_p.setToolTip("nucleus: the smallest set of tokens with this much probability (1: off)")
+        self.min_p = QDoubleSpinBox()
+        self.min_p.setRange(0.0, 0.99)
+        self.min_p.setSingleStep(0.01)
+        self.min_p.setDecimals(2)
+        self.min_p.setPrefix("min-p ")
+        self.min_p.setToolTip("drop tokens below this share of the likeliest one (0: off)")
+        self.seed = QLineEdit()
+        self.seed.setPlaceholderText("seed (blank: drawn, recorded)")
+        self.seed.setToolTip("request i samples with seed + i; every policy gives the same tokens for a seed")
+        self.verify = QComboBox()
+        self.verify.addItem("seeded (same tokens as the target alone)", "seeded")
+        self.verify.addItem("rejection (same distribution)", "rejection")
+        self.sampling_error = QLabel("")
+        self.sampling_error.setStyleSheet("color: #b00;")
+        self.sampling_error.setWordWrap(True)
+        self.temperature.valueChanged.connect(self._sampling_edited)
+        for w in (self.top_k, self.top_p, self.min_p):
+            w.valueChanged.connect(self._sampling_edited)
+        self.seed.editingFinished.connect(self._sampling_edited)
+        self.verify.currentIndexChanged.connect(self._sampling_edited)
+        t_row = QHBoxLayout()
+        t_row.addWidget(self.temperature, 1)
+        t_row.addWidget(self.t_label)
+        f_row = QHBoxLayout()
+        for w in (self.top_k, self.top_p, self.min_p):
+            f_row.addWidget(w)
+        v_row = QHBoxLayout()
+        v_row.addWidget(self.seed, 1)
+        v_row.addWidget(self.verify, 1)
+        box = QVBoxLayout()
+        for row in (t_row, f_row, v_row):
+            box.addLayout(row)
+        box.addWidget(self.sampling_error)
+        self.set_sampling(Sampling())
+        return box
+
+    def sampling(self) -> Sampling | str:
+        """The Sampling the controls show, or the one-line reason it is not valid."""
+        text = self.seed.text().strip()
+        try:
+            seed = int(text) if text else None
+        except ValueError:
+            return f"seed must be an integer, got {text!r}"
+        s = Sampling(temperature=round(self.temperature.value() * T_STEP, 4), top_k=self.top_k.value(),
+                     top_p=round(self.top_p.value(), 4), min_p=round(self.min_p.value(), 4), seed=seed,
+                     verify=self.verify.currentData())
+        return problem(s) or s
+
+    def set_sampling(self, s: Sampling) -> None:
+        self._quiet = True
+        try:
+            self.temperature.setValue(int(round(s.temperature / T_STEP)))
+            self.top_k.setValue(int(s.top_k))
+            self.top_p.setValue(float(s.top_p))
+            self.min_p.setValue(float(s.min_p))
+            self.seed.setText("" if s.seed is None else str(s.seed))
+            self.verify.setCurrentIndex(max(0, self.verify.findData(s.verify)))
+            self._show_temperature()
+        finally:
+            self._quiet = False
+
+    def _show_temperature(self) -> None:
+        t = self.temperature.value() * T_STEP
+        self.t_label.setText("greedy" if t == 0 else f"T = {t:.2f}")
+        for w in (self.top_k, self.top_p, self.min_p, self.verify):
+            w.setEnabled(t > 0)
+
+    def _sampling_edited(self, _=None) -> None:
+        self._show_temperature()
+        s = self.sampling()
+        self.sampling_error.setText(s if isinstance(s, str) else "")
+        if not self._quiet and not isinstance(s, str):
+            self.samplingChanged.emit(s)
+
