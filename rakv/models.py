@@ -51,6 +51,7 @@ class LoadedModel:
     fast_reason: str = ""             # why not, when it was asked for and could not apply
     one_row: dict = field(default_factory=dict)   # the one-row kernel chosen on the fast path, and how
     blockq: dict = field(default_factory=dict)    # exact block-coded weights in use (rakv.kernels.blockq.attach)
+    codes_file: str = ""             # codes read from the model's GGUF at conversion (offered to blockq.attach)
 
     @property
     def config(self):
@@ -114,7 +115,7 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 
 def wrap(model: torch.nn.Module, tokenizer=None, name: str = "model", revision: str | None = None,
-         fast: bool | None = None) -> LoadedModel:
+         fast: bool | None = None, codes_file: str = "") -> LoadedModel:
     """Wrap an in-memory model (tests build tiny random ones from a config).
 
     ``fast``: put the model on the packed oneDNN forward path (``rakv.kernels.fastpath``) where it applies;
@@ -125,7 +126,7 @@ def wrap(model: torch.nn.Module, tokenizer=None, name: str = "model", revision: 
     rev = revision or weights_hash(model)
     lm = LoadedModel(
         name=name, model=model, tokenizer=tokenizer, key=f"{name}@{rev}:{dtype}",
-        max_positions=_max_positions(model.config), eos_ids=_eos_ids(model, tokenizer),
+        max_positions=_max_positions(model.config), eos_ids=_eos_ids(model, tokenizer), codes_file=codes_file,
     )
     return set_fast(lm, fast)
 
@@ -141,7 +142,7 @@ def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
     info = fastpath.set_fast(lm.model, on)
     lm.fast = bool(info["fast"])
     lm.fast_reason = "" if lm.fast or not on else info["reason"]
-    lm.blockq = fastpath.attach_codes(lm.model, lm.key) if lm.fast else {}
+    lm.blockq = _attach_codes(lm) if lm.fast else {}
     attach_lean(lm, lm.fast and lean.env_enabled())
     if lm.fast and lm.blockq.get("layers") and lm.blockq["layers"] == lm.blockq.get("of") \
             and os.environ.get("RAKV_ONE_ROW", "auto").strip().lower() not in ("plain", "packed"):
@@ -152,6 +153,17 @@ def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
     elif lm.fast:
         lm.one_row = fastpath.choose_one_row(lm.model, lm.key, cache_dir())
     return lm
+
+
+def _attach_codes(lm: LoadedModel) -> dict:
+    """Block codes for the fast path's linears (``blockq.attach``), offering those read from the
+    model's GGUF (every GGUF type the kernel runs; each still checked against its weight)."""
+    from .kernels import blockq
+    from .kernels.fastpath import FastLinear
+
+    offered = blockq.load_codes(Path(lm.codes_file)) if lm.codes_file else {}
+    return blockq.attach([(n, m) for n, m in lm.model.named_modules() if isinstance(m, FastLinear)],
+                         lm.key, {n: b for n, b in offered.items() if b is not None})
 
 
 def attach_lean(lm: LoadedModel, on: bool = True, like: LoadedModel | None = None) -> None:
@@ -181,6 +193,7 @@ def attach_lean(lm: LoadedModel, on: bool = True, like: LoadedModel | None = Non
 # a marker file written last, so a reader never sees a half-written model even where locks do not
 # work.
 CONVERTED_MARK = "rakv-converted.json"
+CODES_FILE = "rakv-codes.safetensors"      # the GGUF's own block codes of the linears that they rebuild
 HASH_CHUNK = 8 << 20
 
 
@@ -297,6 +310,7 @@ def convert_gguf(gguf: Path, out: Path, source: dict | None = None) -> None:
     t0 = time.perf_counter()
     log(f"converting {gguf.name} to safetensors (one time; later runs load the converted copy) ...")
     model, tok = _load_gguf(gguf)
+    codes = gguf_codes(gguf, model)
     log(f"saving the converted model into {out} ...")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent))
@@ -304,13 +318,82 @@ def convert_gguf(gguf: Path, out: Path, source: dict | None = None) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         del model
-        mark = {"source": gguf.name, "bytes": gguf.stat().st_size, **(source or {}),
+        kinds: dict = {}
+        if codes:
+            from .kernels import blockq
+
+            blockq.save_codes(tmp / CODES_FILE, codes)
+            for b in codes.values():
+                kinds[b.kind] = kinds.get(b.kind, 0) + 1
+        mark = {"source": gguf.name, "bytes": gguf.stat().st_size, **(source or {}), "codes": kinds,
                 "converted_s": round(time.perf_counter() - t0, 1)}
         (tmp / CONVERTED_MARK).write_text(json.dumps(mark, indent=1), encoding="utf-8")
         _install(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"{gguf.name} converted in {time.perf_counter() - t0:.1f} s")
+
+
+def gguf_codes(gguf: Path, model: torch.nn.Module) -> dict:
+    """The GGUF's own block codes for every linear layer of ``model`` (its dequantized weights) that
+    they rebuild bit for bit: {module name: BlockWeight}. A tensor is matched to a layer by its
+    rows' contents (a fingerprint of each row's bits), so the loader's renaming and row
+    permutations (Llama's q / k) need no table; the match is then checked element by element.
+    Nothing when the gguf package or the file's tensors cannot be read."""
+    from .kernels import blockq
+
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(gguf))
+    except Exception:  # noqa: BLE001 - no codes, the fp32 weights stand
+        return {}
+    layers = {n: m.weight.detach() for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32}
+    keys: dict[int, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(0)
+
+    def prints(w: torch.Tensor) -> torch.Tensor:          # [N] int64: one fingerprint a row
+        K = int(w.shape[1])
+        if K not in keys:
+            keys[K] = torch.randint(-(2 ** 62), 2 ** 62, (K,), generator=gen, dtype=torch.int64)
+        # of the values (+ 0.0: -0.0 and 0.0 are one value, as the codes' check compares)
+        return torch.cat([((w[i: i + 1024] + 0.0).view(torch.int32).to(torch.int64) * keys[K]).sum(1)
+                          for i in range(0, w.shape[0], 1024)])
+
+    want: dict = {}
+    rows_of = {}
+    for name, w in layers.items():
+        rows_of[name] = p = prints(w)
+        want.setdefault((tuple(w.shape), int(p.sum())), []).append(name)
+    out: dict = {}
+    for t in reader.tensors:
+        qtype = getattr(t.tensor_type, "name", "")
+        if qtype not in blockq.GGUF_BLOCK or len(t.shape) != 2:
+            continue
+        K, N = int(t.shape[0]), int(t.shape[1])
+        try:
+            b = blockq.from_gguf(t.data, qtype, N, K)
+        except (ValueError, TypeError):
+            b = None
+        if b is None:
+            continue
+        p = prints(b.dequantize())
+        names = [n for n in want.get(((N, K), int(p.sum())), []) if n not in out]
+        if not names:
+            continue
+        where = {v: i for i, v in enumerate(p.tolist())}
+        for name in names:
+            order = [where.get(v) for v in rows_of[name].tolist()]
+            if None in order:
+                continue
+            c = b if order == list(range(N)) else b.rows(order)
+            if c.rebuilds(layers[name]):
+                out[name] = c
+    if out:
+        log(f"{len(out)} of {len(layers)} linear layers keep the GGUF's codes "
+            f"({', '.join(sorted({b.kind for b in out.values()}))})")
+    return out
 
 
 def ensure_gguf(gguf: Path) -> tuple[Path, str]:
@@ -458,10 +541,12 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
     if not isinstance(torch_dtype, torch.dtype):
         raise ModelError(f"unknown dtype {dtype!r}")
     t0 = time.perf_counter()
+    codes = ""
     if spec == DEMO_NAME:
         path = ensure_demo()
         name, rev = "SmolLM2-135M-Instruct", _dir_hash(path)
         src = str(path)
+        codes = str(path / CODES_FILE) if (path / CODES_FILE).is_file() else ""
     elif spec.lower().endswith(".gguf"):
         p = Path(spec).expanduser()
         if not p.is_file():
@@ -469,6 +554,7 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
                              else f"GGUF file not found: {spec} is not a file")
         path, digest = ensure_gguf(p)
         name, rev, src = p.name, f"gguf-{digest[:16]}", str(path)
+        codes = str(path / CODES_FILE) if (path / CODES_FILE).is_file() else ""
     else:
         p = Path(spec).expanduser()
         if p.exists():
@@ -489,7 +575,7 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
         raise
     model = model.to(device)
     register(device)
-    lm = wrap(model, tok, name=name, revision=rev, fast=fast)
+    lm = wrap(model, tok, name=name, revision=rev, fast=fast, codes_file=codes)
     log(f"loaded {name} in {time.perf_counter() - t0:.1f} s")
     return lm
 

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import threading
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +35,25 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(path: Path, model, qtype: str = "F32") -> None:
+def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0, scale: float = 0.002) -> np.ndarray:
+    """Random raw blocks of a GGUF type [rows, row bytes] (gguf.quants has no K-quant quantizer): random
+    codes and sub-scales, the float16 super-block scales set to about ``scale``."""
+    bs, ts = gguf.constants.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, qtype)]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(rows * cols // bs, ts), dtype=np.uint8)
+    at = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+          "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0]}[qtype]
+    for i in at:
+        b[:, i:i + 2] = (rng.uniform(0.5, 1.5, (b.shape[0], 1)) * scale).astype(np.float16).view(np.uint8)
+    return b.reshape(rows, -1)
+
+
+def write_llama_gguf(path: Path, model, qtype: str = "F32", qtypes: dict | None = None) -> None:
     """Write the tiny Llama ``model`` (tests/tiny.py make_model) and the tiny tokenizer as a GGUF,
     the linear weights as ``qtype`` (F32, or a block type such as Q8_0 quantized by gguf.quants),
-    norms F32, as llama.cpp's converter names and lays them out."""
+    norms F32, as llama.cpp's converter names and lays them out. ``qtypes``: a GGUF type per tensor
+    role (attn_q, attn_v, ffn_down, output, ...) written as random raw blocks of that type instead
+    (the model is then what the file says: load it with transformers)."""
     cfg = model.config
     js = json.loads(tiny_tokenizer().backend_tokenizer.to_str())
     tokens = [t for t, _ in sorted(js["model"]["vocab"].items(), key=lambda x: x[1])]
@@ -67,7 +83,11 @@ def write_llama_gguf(path: Path, model, qtype: str = "F32") -> None:
 
     def put(name: str, arr: np.ndarray, quantize: bool = True) -> None:
         arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if quantize and q != gguf.GGMLQuantizationType.F32 and arr.ndim == 2:
+        role = name.split(".")[-2]
+        if quantize and qtypes and role in qtypes:
+            t = getattr(gguf.GGMLQuantizationType, qtypes[role])
+            w.add_tensor(name, random_blocks(qtypes[role], *arr.shape, seed=zlib.crc32(name.encode())), raw_dtype=t)
+        elif quantize and q != gguf.GGMLQuantizationType.F32 and arr.ndim == 2:
             w.add_tensor(name, gguf.quants.quantize(arr, q), raw_dtype=q)      # bytes [rows, row bytes]
         else:
             w.add_tensor(name, arr)

@@ -14,9 +14,12 @@
    inputs 32b + l and then 32b + 16 + l (fma); then the 16 lanes are added as a tree
    (l + 8, then + 4, + 2, + 1); then the bias.
 
+     Q8X: w = fma(d, q, m),  q in 0..255, a scale and a minimum per 16 inputs (what GGUF's Q5_1 and
+          its K-quants Q2_K, Q3_K, Q5_K, Q6_K dequantize to: rakv/kernels/blockq.py from_gguf)
+
    Shapes: x [M, K] row-major, y [M, N]; Q4 codes [N, K/32, 16] bytes (byte j of a block: input j in
-   the low nibble, input j + 16 in the high one, as GGUF lays them out); Q8 codes [N, K/32, 32];
-   d, m [N, K/32] fp32. K is a multiple of 32. */
+   the low nibble, input j + 16 in the high one, as GGUF lays them out); Q8 and Q8X codes [N, K/32, 32];
+   d, m [N, K/32] fp32 (Q8X: [N, K/16]). K is a multiple of 32. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -99,6 +102,16 @@ static inline void NAME(const float *x, int64_t K, int64_t nb, const uint8_t *qs
         w0[t] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(a));                                      \
         w1[t] = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(c)); }
 
+/* Q8X: unsigned 8-bit codes, each half of the block (16 inputs) with its own scale and minimum */
+#define DEQ8X                                                                                  \
+    {   const int64_t h = 2 * (row * nb + b);                                                  \
+        const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk));         \
+        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16)));  \
+        (void)vd;                                                                              \
+        w0[t] = _mm512_fmadd_ps(_mm512_set1_ps(d[h]), _mm512_cvtepi32_ps(a), _mm512_set1_ps(m[h])); \
+        w1[t] = _mm512_fmadd_ps(_mm512_set1_ps(d[h + 1]), _mm512_cvtepi32_ps(c),               \
+                                _mm512_set1_ps(m[h + 1])); }
+
 #else  /* portable: the same order, lane arrays the compiler may vectorize */
 static inline void store_out(const float *acc, float *dst, const float *bias, int64_t n) {
     float s = tree16(acc);
@@ -141,6 +154,13 @@ static inline void NAME(const float *x, int64_t K, int64_t nb, const uint8_t *qs
     {   for (int l = 0; l < LANES; l++) {                                                      \
             w0[l] = vd * (float)(int8_t)blk[l];                                                \
             w1[l] = vd * (float)(int8_t)blk[LANES + l]; } }
+
+#define DEQ8X                                                                                  \
+    {   const int64_t h = 2 * (row * nb + b);                                                  \
+        (void)vd;                                                                              \
+        for (int l = 0; l < LANES; l++) {                                                      \
+            w0[l] = fmaf(d[h], (float)blk[l], m[h]);                                           \
+            w1[l] = fmaf(d[h + 1], (float)blk[LANES + l], m[h + 1]); } }
 #endif
 
 #define TILES(P, DEQ)                                                                          \
@@ -155,6 +175,7 @@ static inline void NAME(const float *x, int64_t K, int64_t nb, const uint8_t *qs
 
 TILES(q4, DEQ4)
 TILES(q8, DEQ8)
+TILES(q8x, DEQ8X)
 
 typedef void (*tile_fn)(const float *, int64_t, int64_t, const uint8_t *, int64_t, const float *,
                         const float *, float *, int64_t, const float *, int64_t);
@@ -168,10 +189,12 @@ static const tile_fn Q4_WIDE[MR_MAX + 1] = {0, WIDE(q4)};
 static const tile_fn Q4_ONE[MR_MAX + 1] = {0, ONES(q4)};
 static const tile_fn Q8_WIDE[MR_MAX + 1] = {0, WIDE(q8)};
 static const tile_fn Q8_ONE[MR_MAX + 1] = {0, ONES(q8)};
+static const tile_fn Q8X_WIDE[MR_MAX + 1] = {0, WIDE(q8x)};
+static const tile_fn Q8X_ONE[MR_MAX + 1] = {0, ONES(q8x)};
 
 static void run(const tile_fn *wide, const tile_fn *one, const float *x, int64_t M, int64_t K,
                 const uint8_t *qs, int64_t qstride, const float *d, const float *m, int64_t N,
-                float *y, const float *bias, int threads) {
+                float *y, const float *bias, int threads, int64_t dper) {
     const int64_t nb = K / BLK;
     for (int64_t r0 = 0; r0 < M; r0 += MR_MAX) {
         const int mr = (int)(M - r0 < MR_MAX ? M - r0 : MR_MAX);
@@ -179,14 +202,14 @@ static void run(const tile_fn *wide, const tile_fn *one, const float *x, int64_t
         const int64_t tiles = N / nt;
         const float *xr = x + r0 * K;
         float *yr = y + r0 * N;
-        const int64_t span = nt * qstride, dspan = nt * nb * (int64_t)sizeof(float);
+        const int64_t span = nt * qstride, dspan = nt * nb * dper * (int64_t)sizeof(float);
         #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t i = 0; i < tiles; i++) {
             if (PREFETCH > 0 && i + PREFETCH < tiles) {     /* the tile PREFETCH ahead: codes, d, m */
                 const char *p = (const char *)(qs + (i + PREFETCH) * span);
                 for (int64_t o = 0; o < span; o += 64) __builtin_prefetch(p + o, 0, 3);
-                const char *pd = (const char *)(d + (i + PREFETCH) * nt * nb);
-                const char *pm = (const char *)(m + (i + PREFETCH) * nt * nb);
+                const char *pd = (const char *)(d + (i + PREFETCH) * nt * nb * dper);
+                const char *pm = (const char *)(m + (i + PREFETCH) * nt * nb * dper);
                 for (int64_t o = 0; o < dspan; o += 64) {
                     __builtin_prefetch(pd + o, 0, 3);
                     if (m != d) __builtin_prefetch(pm + o, 0, 3);
@@ -202,13 +225,19 @@ static void run(const tile_fn *wide, const tile_fn *one, const float *x, int64_t
 /* y [M, N] = x [M, K] W^T (+ bias), W in Q4 codes (see above) */
 static void rakv_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
                     const float *m, int64_t N, float *y, const float *bias, int threads) {
-    run(Q4_WIDE, Q4_ONE, x, M, K, qs, K / 2, d, m, N, y, bias, threads);
+    run(Q4_WIDE, Q4_ONE, x, M, K, qs, K / 2, d, m, N, y, bias, threads, 1);
 }
 
 /* y [M, N] = x [M, K] W^T (+ bias), W in Q8 codes (see above) */
 static void rakv_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
                     int64_t N, float *y, const float *bias, int threads) {
-    run(Q8_WIDE, Q8_ONE, x, M, K, (const uint8_t *)qs, K, d, d, N, y, bias, threads);
+    run(Q8_WIDE, Q8_ONE, x, M, K, (const uint8_t *)qs, K, d, d, N, y, bias, threads, 1);
+}
+
+/* y [M, N] = x [M, K] W^T (+ bias), W in Q8X codes (see above) */
+static void rakv_q8x_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
+                            const float *m, int64_t N, float *y, const float *bias, int threads) {
+    run(Q8X_WIDE, Q8X_ONE, x, M, K, qs, K, d, m, N, y, bias, threads, 2);
 }
 
 /* ---- causal attention of n new query rows over a KV cache (decode and verify steps), fp32.
@@ -271,7 +300,7 @@ void rakv_attend(const float *q, int64_t n, int64_t Hq, int64_t D, int64_t q_rs,
 /* one call per linear: the layer's codes described once (rakv/blockq.py keeps it), so a call passes
    six arguments instead of ten */
 typedef struct {
-    int64_t kind, N, K;    /* kind 4: Q4 codes, 8: Q8 codes */
+    int64_t kind, N, K;    /* kind 4: Q4 codes, 8: Q8 codes, 9: Q8X codes */
     const uint8_t *qs;
     const float *d, *m;
 } rakv_layer;
@@ -279,6 +308,8 @@ typedef struct {
 void rakv_linear(const rakv_layer *L, const float *x, int64_t M, float *y, const float *bias, int threads) {
     if (L->kind == 4)
         rakv_q4_linear(x, M, L->K, L->qs, L->d, L->m, L->N, y, bias, threads);
+    else if (L->kind == 9)
+        rakv_q8x_linear(x, M, L->K, L->qs, L->d, L->m, L->N, y, bias, threads);
     else
         rakv_q8_linear(x, M, L->K, (const int8_t *)L->qs, L->d, L->N, y, bias, threads);
 }
@@ -293,8 +324,17 @@ int64_t rakv_check(const rakv_layer *L, const float *w, int64_t ws_n, int64_t ws
     for (int64_t n = 0; n < L->N; n++) {
         int row_bad = 0;
         for (int64_t b = 0; b < nb; b++) {
-            const float d = L->d[n * nb + b];
             const float *wb = w + n * ws_n + b * BLK * ws_k;
+            if (L->kind == 9) {
+                const int64_t h = 2 * (n * nb + b);
+                const uint8_t *q = L->qs + (n * nb + b) * BLK;
+                for (int j = 0; j < BLK; j++) {
+                    const int64_t g = h + j / (BLK / 2);
+                    row_bad |= fmaf(L->d[g], (float)q[j], L->m[g]) != wb[j * ws_k];
+                }
+                continue;
+            }
+            const float d = L->d[n * nb + b];
             if (L->kind == 4) {
                 const float m = L->m[n * nb + b];
                 const uint8_t *q = L->qs + (n * nb + b) * (BLK / 2);

@@ -169,10 +169,11 @@ class _Fused(nn.Module):
             if any(m.bias is not None for m in self.mods):
                 b = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(n)
                                for m, n in zip(self.mods, self.sizes)])
-            block = blockq.concat([m.block for m in self.mods]) if fast else None
-            if block is not None:              # stacked codes: no fp32 copy of the stacked weights
+            blocks = [m.block for m in self.mods] if fast else [None]
+            if all(c is not None for c in blocks):  # codes: no fp32 copy of the stacked weights
+                # stacked when of one kind; else (a Q4_K_M file's Q4_K q, k and Q6_K v) each its own
                 self._modules.pop("lin", None)
-                self.lin, self.version = _Coded(self.mods, block, b), self._versions()
+                self.lin, self.version = _Coded(self.mods, blockq.concat(blocks), b), self._versions()
                 return
             w = torch.cat([m.weight.detach() for m in self.mods], 0)
             lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
@@ -205,7 +206,8 @@ class _Fused(nn.Module):
 
 class _Coded:
     """Fused layers whose parts all run from block codes: up to ``BLOCK_ROWS`` rows the stacked
-    codes (one kernel call); past that (a long prefill) each part's own packed kernel, the outputs
+    codes (one kernel call); past that (a long prefill), or when the parts' codes are of different
+    kinds (``block`` None), each part's own layer (its codes, or its packed kernel), the outputs
     side by side. No fp32 copy of the stacked weights is made (it would only serve long prefills)."""
 
     def __init__(self, mods: list[nn.Module], block, bias: torch.Tensor | None):
@@ -215,7 +217,7 @@ class _Coded:
         return torch.cat([m(x) for m in self.mods], dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-2] <= BLOCK_ROWS:
+        if self.block is not None and x.shape[-2] <= BLOCK_ROWS:
             return self.block(x, self.bias)
         return self.wide(x)
 
@@ -239,6 +241,8 @@ class _Op:
         lin = mod.current() if isinstance(mod, _Fused) and not mod.split else mod
         if isinstance(lin, _Coded):
             self.fn, self.packed, self.bias, self.block, self.wide = None, None, lin.bias, lin.block, lin.wide
+            if lin.block is None:
+                self.fn = lin.forward
         elif isinstance(lin, FastLinear):
             if lin._weight_version() != lin._version:
                 lin.repack()
