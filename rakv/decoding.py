@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from .device import clock, model_device
 from .prefix_cache import KV
+from .sampling import accept_seeded
 
 now = clock          # perf_counter, after synchronizing an asynchronous device (CUDA / MPS) in use
 
@@ -67,12 +68,7 @@ def verify(model, tokens: list[int], cache: DynamicCache) -> torch.Tensor:
 
 def accept(drafts: list[int], pred: list[int]) -> int:
     """Longest a with drafts[:a] == pred[:a] (pred = target argmax at each of the k+1 positions)."""
-    a = 0
-    for d, p in zip(drafts, pred):
-        if d != p:
-            break
-        a += 1
-    return a
+    return accept_seeded(drafts, pred)
 
 
 def argmax(logits: torch.Tensor) -> int:

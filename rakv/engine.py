@@ -22,7 +22,6 @@ from .config import Policy, RakvConfig
 from .controller import AlphaEWMA, Choice, Controller, Situation
 from .costs import CostProfile
 from .drafts import MAX_MATCH, DraftSource, ModelDraft, NgramDraft, NoDraft, history_match, prefill_with_reuse
-from .gate import AcceptMap
 from .models import LoadedModel, model_info
 from .planner import RoundPlanner
 from .prefix_cache import PrefixCache
@@ -116,6 +115,34 @@ def cut_at_eos(emitted: list[int], prov: list[str], eos, remaining: int):
     return emitted[:cut], prov[:cut], hit
 
 
+class SharedWithPlanner:
+    """An engine attribute the round planner holds too: setting it on the engine sets both."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, eng, owner=None):
+        return self if eng is None else eng.__dict__["_" + self.name]
+
+    def __set__(self, eng, value) -> None:
+        eng.__dict__["_" + self.name] = value
+        if "planner" in eng.__dict__:
+            setattr(eng.planner, self.name, value)
+
+
+class InPlanner:
+    """An engine attribute that is the round planner's own (read and set through the engine)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, eng, owner=None):
+        return self if eng is None else getattr(eng.planner, self.name)
+
+    def __set__(self, eng, value) -> None:
+        setattr(eng.planner, self.name, value)
+
+
 class Engine:
     def __init__(self, target: LoadedModel, draft: DraftSource | None, config: RakvConfig = RakvConfig(),
                  callback=None, profile: CostProfile | None = None):
@@ -149,56 +176,14 @@ class Engine:
         self.t0 = now()
 
     # what the planner shares with the engine: swapping one (the oracle's measuring does) swaps both
-    @property
-    def controller(self) -> Controller | None:
-        return self._controller
-
-    @controller.setter
-    def controller(self, c: Controller | None) -> None:
-        self._controller = c
-        if "planner" in self.__dict__:
-            self.planner.controller = c
-
-    @property
-    def profile(self) -> CostProfile | None:
-        return self._profile
-
-    @profile.setter
-    def profile(self, p: CostProfile | None) -> None:
-        self._profile = p
-        if "planner" in self.__dict__:
-            self.planner.profile = p
-
-    @property
-    def alpha(self) -> AlphaEWMA:
-        return self._alpha
-
-    @alpha.setter
-    def alpha(self, a: AlphaEWMA) -> None:
-        self._alpha = a
-        if "planner" in self.__dict__:
-            self.planner.alpha = a
+    controller = SharedWithPlanner("controller")
+    profile = SharedWithPlanner("profile")
+    alpha = SharedWithPlanner("alpha")
 
     # the gate's acceptance tables and the n-gram side draft live in the planner
-    @property
-    def accept_map(self) -> AcceptMap:
-        return self.planner.accept_map
-
-    @accept_map.setter
-    def accept_map(self, m: AcceptMap) -> None:
-        self.planner.accept_map = m
-
-    @property
-    def lookup_map(self) -> AcceptMap:
-        return self.planner.lookup_map
-
-    @lookup_map.setter
-    def lookup_map(self, m: AcceptMap) -> None:
-        self.planner.lookup_map = m
-
-    @property
-    def lookup(self) -> NgramDraft:
-        return self.planner.lookup
+    accept_map = InPlanner("accept_map")
+    lookup_map = InPlanner("lookup_map")
+    lookup = InPlanner("lookup")
 
     def _k_set_now(self) -> tuple:
         with self._lock:

@@ -8,38 +8,13 @@ import pytest
 
 pytest.importorskip("pytestqt")
 
-from PySide6.QtWidgets import QMessageBox  # noqa: E402
-
 from app.main import main as explorer_main  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from app.window import MainWindow  # noqa: E402
-from rakv.costs import calibrate  # noqa: E402
-from rakv.drafts import ModelDraft  # noqa: E402
 from rakv.sampling import Sampling  # noqa: E402
-from tests.tiny import make_pair  # noqa: E402
+from tests.test_gui import errors, models, win  # noqa: E402,F401 - the explorer's fixtures on tiny models
 
 T = 30_000
-
-
-@pytest.fixture(scope="module")
-def models():
-    target, draft = make_pair("llama", "mostly")
-    return target, draft, calibrate(target, ModelDraft(draft), quick=True)
-
-
-@pytest.fixture
-def win(qtbot, tmp_path, models, monkeypatch):
-    monkeypatch.setattr(QMessageBox, "open", lambda self: None)
-    w = MainWindow(Settings(tmp_path / "settings.ini"), tmp_path / "sessions")
-    qtbot.addWidget(w)
-    w.show()
-    target, draft, profile = models
-    with qtbot.waitSignal(w.modelsLoaded, timeout=T):
-        w.use_models(target, ModelDraft(draft), profile)
-    w.run_panel.prompt.setPlainText("The quick brown fox jumps over the lazy dog.")
-    w.run_panel.max_new.setValue(16)
-    yield w
-    w.shutdown()
 
 
 def run(qtbot, w, policy: str):
@@ -97,8 +72,7 @@ def test_greedy_greys_out_the_filters(win):
     assert c.top_k.isEnabled() and c.t_label.text() == "T = 0.20"
 
 
-def test_the_settings_remember_the_sampling(qtbot, tmp_path, models, monkeypatch):
-    monkeypatch.setattr(QMessageBox, "open", lambda self: None)
+def test_the_settings_remember_the_sampling(qtbot, tmp_path, errors):
     path = tmp_path / "s.ini"
     w = MainWindow(Settings(path), tmp_path / "sessions")
     qtbot.addWidget(w)

@@ -17,6 +17,17 @@ K_CHOICES = (0, 1, 2, 4, 6, 8)
 BUDGET_MAX_MIB = 4096
 
 
+def share_box(top: float, step: float, prefix: str, tip: str) -> QDoubleSpinBox:
+    """A spin box for a share in [0, top], two decimals."""
+    b = QDoubleSpinBox()
+    b.setRange(0.0, top)
+    b.setSingleStep(step)
+    b.setDecimals(2)
+    b.setPrefix(prefix)
+    b.setToolTip(tip)
+    return b
+
+
 class ControlsPanel(QWidget):
     budgetChanged = Signal(float)       # MiB
     kSetChanged = Signal(tuple)
@@ -176,18 +187,9 @@ class ControlsPanel(QWidget):
         self.top_k.setRange(0, 100000)
         self.top_k.setPrefix("top-k ")
         self.top_k.setToolTip("keep the k likeliest tokens (0: off)")
-        self.top_p = QDoubleSpinBox()
-        self.top_p.setRange(0.0, 1.0)
-        self.top_p.setSingleStep(0.05)
-        self.top_p.setDecimals(2)
-        self.top_p.setPrefix("top-p ")
-        self.top_p.setToolTip("nucleus: the smallest set of tokens with this much probability (1: off)")
-        self.min_p = QDoubleSpinBox()
-        self.min_p.setRange(0.0, 0.99)
-        self.min_p.setSingleStep(0.01)
-        self.min_p.setDecimals(2)
-        self.min_p.setPrefix("min-p ")
-        self.min_p.setToolTip("drop tokens below this share of the likeliest one (0: off)")
+        self.top_p = share_box(1.0, 0.05, "top-p ",
+                               "nucleus: the smallest set of tokens with this much probability (1: off)")
+        self.min_p = share_box(0.99, 0.01, "min-p ", "drop tokens below this share of the likeliest one (0: off)")
         self.seed = QLineEdit()
         self.seed.setPlaceholderText("seed (blank: drawn, recorded)")
         self.seed.setToolTip("request i samples with seed + i; every policy gives the same tokens for a seed")
