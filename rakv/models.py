@@ -594,7 +594,26 @@ def _from_pretrained(src: str, torch_dtype, revision: str | None, spec: str):
     except Exception as e:  # noqa: BLE001
         raise ModelError(f"cannot load model {spec!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     check_all_loaded(info, f"model {spec!r}")
+    _note_bos(tok)
     return model, tok
+
+
+def _note_bos(tok) -> None:
+    """Make ``add_bos_token`` say what the tokenizer does. transformers 5 keeps "put a BOS in front"
+    in tokenizer.json's post-processor and drops the flag when it saves or loads a tokenizer from a
+    folder, so Gemma's tokenizer (a converted GGUF's, or a hub folder's) reports False while it adds
+    one, and a raw prompt (``rakv.prompts.raw_ids``) would lose its BOS. Only the flag is set (the
+    tokenizer's output does not change), and only when encoding a text shows the BOS in front."""
+    bos = getattr(tok, "bos_token_id", None)
+    if tok is None or bos is None or getattr(tok, "add_bos_token", True) or not hasattr(tok, "_add_bos_token"):
+        return
+    try:
+        full = list(tok("a b")["input_ids"])
+        plain = list(tok("a b", add_special_tokens=False)["input_ids"])
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot say: leave it
+        return
+    if full[: len(plain) + 1] == [bos] + plain:
+        object.__setattr__(tok, "_add_bos_token", True)
 
 
 def _dir_hash(path: Path) -> str:

@@ -48,7 +48,8 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0, scale: float 
     return b.reshape(rows, -1)
 
 
-def write_llama_gguf(path: Path, model, qtype: str = "F32", qtypes: dict | None = None) -> None:
+def write_llama_gguf(path: Path, model, qtype: str = "F32", qtypes: dict | None = None,
+                     add_bos: bool | None = None) -> None:
     """Write the tiny Llama ``model`` (tests/tiny.py make_model) and the tiny tokenizer as a GGUF,
     the linear weights as ``qtype`` (F32, or a block type such as Q8_0 quantized by gguf.quants),
     norms F32, as llama.cpp's converter names and lays them out. ``qtypes``: a GGUF type per tensor
@@ -78,6 +79,8 @@ def write_llama_gguf(path: Path, model, qtype: str = "F32", qtypes: dict | None 
     w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in js["model"]["merges"]])
     w.add_eos_token_id(0)
     w.add_bos_token_id(0)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     q = getattr(gguf.GGMLQuantizationType, qtype)
 
@@ -286,3 +289,20 @@ def test_a_gguf_the_loader_cannot_read_is_one_clear_error(tmp_path):
         M.load_model(str(f), fast=False)
     models = M.cache_dir() / "models"
     assert not list(models.glob("gguf-*")) and not list(models.glob(".*.part"))     # nothing half-made left
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_the_converted_tokenizer_encodes_a_raw_prompt_as_the_gguf_does(tmp_path, add_bos):
+    """transformers drops add_bos_token when it saves a tokenizer; the loader sets the flag again
+    from what the tokenizer does, so a raw prompt keeps its BOS."""
+    from transformers import AutoTokenizer
+
+    from rakv.prompts import raw_ids
+
+    f = tmp_path / "bos.gguf"
+    write_llama_gguf(f, make_model("llama"), add_bos=add_bos)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=f.name)
+    lm = M.load_model(str(f), fast=False)
+    text = "The quick brown fox"
+    assert raw_ids(lm.tokenizer, text) == raw_ids(ref, text) == ref(text)["input_ids"]
+    assert (raw_ids(lm.tokenizer, text)[0] == 0) == add_bos
