@@ -10,8 +10,8 @@ from pathlib import Path
 
 from PySide6.QtCore import QThread, QTimer, Qt, Signal
 from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox,
-                               QProgressBar, QProgressDialog, QToolBar)
+from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, QLabel, QMainWindow, QMessageBox,
+                               QProgressBar, QProgressDialog, QScrollArea, QToolBar)
 
 from app import icons
 from app.lagprobe import LagProbe
@@ -104,6 +104,12 @@ class MainWindow(QMainWindow):
                                      ("timeline", "Round timeline", self.timeline, B)):
             d = QDockWidget(title, self)
             d.setObjectName(f"dock_{name}")
+            if name in ("run", "controls"):       # forms: they scroll rather than push the window past the screen
+                sa = QScrollArea()
+                sa.setWidget(w)
+                sa.setWidgetResizable(True)
+                sa.setFrameShape(QFrame.Shape.NoFrame)
+                w = sa
             d.setWidget(w)
             d.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
                           | QDockWidget.DockWidgetFeature.DockWidgetClosable
@@ -282,9 +288,10 @@ class MainWindow(QMainWindow):
         """The docks' first layout, in proportion to the window (left, right, bottom)."""
         W, H = max(800, self.width()), max(500, self.height())
         Hz, V = Qt.Orientation.Horizontal, Qt.Orientation.Vertical
-        self.resizeDocks([self.docks["run"], self.docks["cache"]], [int(W * 0.22), int(W * 0.30)], Hz)
+        self.resizeDocks([self.docks["run"], self.docks["cache"]], [int(W * 0.26), int(W * 0.28)], Hz)
         self.resizeDocks([self.docks["acceptance"], self.docks["timeline"]], [1, 1], Hz)
         self.resizeDocks([self.docks["acceptance"]], [int(H * 0.36)], V)
+        self.resizeDocks([self.docks["run"], self.docks["controls"]], [int(H * 0.62), int(H * 0.38)], V)
         self.resizeDocks([self.docks["cache"], self.docks["costs"]], [int(H * 0.53), int(H * 0.47)], V)
 
     def save_settings(self) -> None:

@@ -15,6 +15,7 @@ from app.state import SessionState, sampling_text
 from . import NoData, k_color, make_plot, nice_ceiling
 
 MAX_BOUNDARIES = 60
+NARROW = 560
 
 
 class AcceptancePanel(QWidget):
@@ -55,6 +56,7 @@ class AcceptancePanel(QWidget):
         ri.addItem(self.rel_pts)
         self.rel.setMaximumWidth(260)
         self.rel.setVisible(False)
+        self._narrow = False          # below NARROW px the reliability plot would squeeze the alpha plot
         self._rel_key = None
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
@@ -110,13 +112,23 @@ class AcceptancePanel(QWidget):
             return
         self._rel_key = key
         rows = state.gate.rows()
-        self.rel.setVisible(bool(rows))
+        self._has_gate = bool(rows)
+        self.rel.setVisible(self._has_gate and not self._narrow)
         if rows:
             top = max(r["n"] for r in rows)
             self.rel_pts.setData([r["predicted"] for r in rows], [r["observed"] for r in rows],
                                  size=[6 + 14 * (r["n"] / top) ** 0.5 for r in rows])
         else:
             self.rel_pts.setData([], [])
+
+    def resizeEvent(self, ev) -> None:
+        """A narrow panel shows the alpha plot alone (the gate's calibration error stays in the info
+        line); the reliability plot comes back when the panel is wide enough for both."""
+        narrow = self.width() < NARROW
+        if narrow != self._narrow:
+            self._narrow = narrow
+            self.rel.setVisible(getattr(self, "_has_gate", False) and not narrow)
+        super().resizeEvent(ev)
 
     def _range(self, x) -> None:
         lo = float(x[0]) if len(x) else 0.0

@@ -60,9 +60,10 @@ class CachePanel(QWidget):
             lab.setWordWrap(True)
             lab.setTextFormat(Qt.TextFormat.RichText)
             lab.setToolTip(tip.toolTip())
-        self.plot = make_plot("tokens", "request")
+        self.plot = make_plot("tokens", "request: hit q (blue) of prompt P (grey)")
         self.plot.setMinimumHeight(90)
-        self.plot.getPlotItem().setTitle("hit q (blue) of prompt P (grey) per request", size="9pt")
+        self.plot.setToolTip("per request: the prefix-cache hit q (blue) over the prompt's P tokens (grey); in "
+                             "conversation mode labelled conversation.turn")
         self.p_bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush="#d9d9d9", pen=None)
         self.q_bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush="#6baed6", pen=None)
         self.plot.addItem(self.p_bars)
@@ -107,6 +108,10 @@ class CachePanel(QWidget):
         self.conversation.setText(state.conversation_note())
         self.template_line.setText(f"<b>Chat template:</b> {html.escape(self.template.text())}")
         self.conversation_line.setText(f"<b>Conversation:</b> {html.escape(self.conversation.text())}")
+        # a conversation's turn: its line says what the hit is; the template's would repeat it less clearly
+        in_conv = state.turn is not None and state.turn.request_id == state.request_id
+        self.template_line.setVisible(not in_conv)
+        self.conversation_line.setVisible(in_conv or not state.turns)
         dc = state.draft_cache
         self.draft.setText("—" if dc is None else
                            f"hit q = {dc.hit_tokens} of {dc.prompt_tokens}"
@@ -116,9 +121,8 @@ class CachePanel(QWidget):
             h = state.hits[-40:]
             self.nodata.set(not h)
             conv = any(state.turn_of(rid) for rid, *_ in h)
-            self.plot.getPlotItem().setTitle(
-                "hit q (blue) of prompt P (grey) per turn (conversation.turn)" if conv else
-                "hit q (blue) of prompt P (grey) per request", size="9pt")
+            self.plot.getPlotItem().setLabel("bottom", ("turn (conversation.turn)" if conv else "request")
+                                             + ": hit q (blue) of prompt P (grey)")
             x = np.array([rid for rid, *_ in h], dtype=float)
             self.p_bars.setOpts(x=x, height=np.array([P for _, _, P, _ in h], dtype=float))
             self.q_bars.setOpts(x=x, height=np.array([q for _, q, _, _ in h], dtype=float))

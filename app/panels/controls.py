@@ -92,6 +92,7 @@ class ControlsPanel(QWidget):
         brow.addWidget(self.budget, 1)
         brow.addWidget(self.budget_label)
         form = QFormLayout()
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
         form.addRow("Budget", brow)
         kbox = QVBoxLayout()
         kbox.addLayout(kgrid)
@@ -210,9 +211,11 @@ class ControlsPanel(QWidget):
         f_row = QHBoxLayout()
         for w in (self.top_k, self.top_p, self.min_p):
             f_row.addWidget(w)
-        v_row = QHBoxLayout()
-        v_row.addWidget(self.seed, 1)
-        v_row.addWidget(self.verify, 1)
+        self.verify.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.verify.setMinimumContentsLength(14)
+        v_row = QVBoxLayout()              # one under the other: the left dock stays narrow
+        v_row.addWidget(self.seed)
+        v_row.addWidget(self.verify)
         box = QVBoxLayout()
         for row in (t_row, f_row, v_row):
             box.addLayout(row)
