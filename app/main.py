@@ -212,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     elif args.screenshot or args.exit_after_run:
         QTimer.singleShot(800, done)
     code = app.exec()
+    # closing the last window posted a Quit event that this loop never handled: left queued, it would
+    # end the next event loop this process runs (an embedding application, the next test) at once
+    from PySide6.QtCore import QCoreApplication, QEvent
+
+    QCoreApplication.removePostedEvents(app, QEvent.Type.Quit)
     if scripted:
         print(f"rakv-explorer: {win.lag.report()}; slowest redraw {win.redraw_ms_max:.1f} ms", file=sys.stderr)
     return rc["code"] or code

@@ -291,7 +291,7 @@ class MainWindow(QMainWindow):
         self.resizeDocks([self.docks["run"], self.docks["cache"]], [int(W * 0.26), int(W * 0.28)], Hz)
         self.resizeDocks([self.docks["acceptance"], self.docks["timeline"]], [1, 1], Hz)
         self.resizeDocks([self.docks["acceptance"]], [int(H * 0.36)], V)
-        self.resizeDocks([self.docks["run"], self.docks["controls"]], [int(H * 0.62), int(H * 0.38)], V)
+        self.resizeDocks([self.docks["run"], self.docks["controls"]], [int(H * 0.7), int(H * 0.3)], V)
         self.resizeDocks([self.docks["cache"], self.docks["costs"]], [int(H * 0.53), int(H * 0.47)], V)
 
     def save_settings(self) -> None:

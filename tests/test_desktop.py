@@ -144,7 +144,7 @@ def test_conversation_mode(window, qtbot, chat_models):
 
     target, draft = chat_models
     w = window()
-    with qtbot.waitSignal(w.modelsLoaded, timeout=60_000):
+    with qtbot.waitSignal(w.modelsLoaded, timeout=120_000):
         w.use_models(target, ModelDraft(draft), None)
     rp = w.run_panel
     rp.policy.setCurrentText("kv")
@@ -153,7 +153,7 @@ def test_conversation_mode(window, qtbot, chat_models):
     assert rp.run.text() == "Send" and rp.new_conv.isEnabled()
     for text in ("Hi!", "And what did I just say?"):
         rp.prompt.setPlainText(text)
-        with qtbot.waitSignal(w.runFinished, timeout=60_000) as sig:
+        with qtbot.waitSignal(w.runFinished, timeout=120_000) as sig:
             w.run()
         assert sig.args[0] is not None and sig.args[0].stopped != "error"
         assert rp.prompt_text() == ""                 # the message went into the conversation
@@ -174,7 +174,7 @@ def test_conversation_mode(window, qtbot, chat_models):
     w.new_conversation()
     assert rp.conv_info.text() == "the next message starts a new conversation"
     rp.prompt.setPlainText("Name three prime numbers.")
-    with qtbot.waitSignal(w.runFinished, timeout=60_000):
+    with qtbot.waitSignal(w.runFinished, timeout=120_000):
         w.run()
     w.redraw()
     t3 = w.live.turns[-1]
@@ -196,7 +196,7 @@ def test_conversation_replays_like_live(window, qtbot, chat_models, tmp_path):
 
     target, _ = chat_models
     w = window()
-    with qtbot.waitSignal(w.modelsLoaded, timeout=60_000):
+    with qtbot.waitSignal(w.modelsLoaded, timeout=120_000):
         w.use_models(target, NgramDraft(), None)
     rp = w.run_panel
     rp.policy.setCurrentText("kv")
@@ -204,7 +204,7 @@ def test_conversation_replays_like_live(window, qtbot, chat_models, tmp_path):
     rp.conversation.setChecked(True)
     for text in ("Hi!", "More."):
         rp.prompt.setPlainText(text)
-        with qtbot.waitSignal(w.runFinished, timeout=60_000):
+        with qtbot.waitSignal(w.runFinished, timeout=120_000):
             w.run()
     replayed = SessionState()
     replayed.apply_all(read_recording(w.worker.recording))

@@ -101,7 +101,7 @@ class CachePanel(QWidget):
             self.detail.setText(d)
         budget = max(1, c.budget)
         self.bytes.setValue(int(1000 * min(1.0, c.bytes_used / budget)))
-        self.bytes.setFormat(f"{mib(c.bytes_used)} of {mib(c.budget)}")
+        self.bytes.setFormat(f"{mib(c.bytes_used)} of {mib(c.budget)}" if state.hits else "—")
         self.entries.setText(str(c.entries))
         self.evictions.setText(str(c.evictions))
         self.template.setText(state.template_note())

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QMenu,
-                               QPlainTextEdit, QPushButton, QSpinBox, QToolButton, QVBoxLayout, QWidget)
+                               QPlainTextEdit, QPushButton, QSizePolicy, QSpinBox, QToolButton, QVBoxLayout,
+                               QWidget)
 
 from rakv.config import Policy
 
@@ -34,6 +35,8 @@ class RunPanel(QWidget):
         self.prompt = QPlainTextEdit()
         self.prompt.setPlaceholderText("Prompt ...")
         self.prompt.setMinimumHeight(56)
+        # the editor takes what room is left (its size hint would make the scrolling dock taller than the screen)
+        self.prompt.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Ignored)
         self.policy = QComboBox()
         self.policy.setEditable(True)
         self.policy.addItems(POLICIES)
