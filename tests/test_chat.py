@@ -13,13 +13,14 @@ from rakv.engine import Engine
 from rakv.models import wrap
 from rakv.prompts import encode_prompt, template_prefix
 from rakv.records import RequestStart, read_recording, request_rows
-from tests.tiny import make_model, oracle, perturbed, save_tiny, tiny_tokenizer
+from tests.tiny import make_model, oracle, perturbed, save_tiny, tiny_tokenizer, wrap_tiny
 
 TEXT = "Write a function that adds two numbers."
 
 
 def upto_eos(ids: list[int], eos) -> list[int]:
-    """The oracle runs past EOS; the engine stops at it (and keeps it)."""
+    """The engine stops at EOS (and keeps it); so does ``oracle`` of a wrapped model, not of a plain
+    one whose config names no EOS (the CLI's model takes the tokenizer's)."""
     for i, t in enumerate(ids):
         if t in eos:
             return ids[:i + 1]
@@ -58,7 +59,7 @@ def test_raw_and_no_template():
 def chat_pair():
     tok = tiny_tokenizer(chat=True)
     t = make_model("llama", seed=0)
-    return wrap(t, tok, name="tiny-chat"), wrap(perturbed(t, 0.01), tok, name="tiny-chat-draft")
+    return wrap_tiny(t, tok, name="tiny-chat"), wrap(perturbed(t, 0.01), tok, name="tiny-chat-draft")
 
 
 @pytest.mark.parametrize("policy", ["ar", "kv", "spec:4", "joint:4"])

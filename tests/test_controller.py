@@ -114,8 +114,15 @@ def test_probe_after_long_k0_run():
         c.observe_round(0, 0, round_ms=10.0, emitted=1, ctx=100)
     k, why, _ = c.decide_round(ctx=100, remaining=50)
     assert why == "probe" and k > 0 and c.pays_at_all(k, 100)
-    c.observe_round(k, 1, round_ms=c.probe_predicted_ms + 20.0, emitted=2, ctx=100)
-    assert c.rounds_since_draft == 0 and c.spent_ms == pytest.approx(c.probe_predicted_ms or c.spent_ms)
+    predicted = c.probe_predicted_ms
+    assert predicted > 0 and c.spent_ms == 0.0
+    # the probe round took 20 ms more than predicted and emitted 2 tokens: what it spent beyond the
+    # two plain steps (t = 10 ms) it replaced is counted against the exploration balance
+    balance = c.explore_balance
+    c.observe_round(k, 1, round_ms=predicted + 20.0, emitted=2, ctx=100)
+    assert c.rounds_since_draft == 0 and c.probe_predicted_ms == 0.0
+    assert c.spent_ms == pytest.approx(predicted + 20.0 - 2 * 10.0)
+    assert c.explore_balance == pytest.approx(balance - c.spent_ms + c.explore_share * (predicted + 20.0))
 
 
 def simulate(c, prof, alpha_true, n_requests, rng, P=30, N=48, draft_model=False):

@@ -16,7 +16,7 @@ from rakv.device import DeviceError, resolve
 from rakv.drafts import ModelDraft
 from rakv.engine import Engine
 from rakv.models import int8_copy, set_fast, wrap
-from tests.tiny import make_model, oracle, save_tiny, tiny_tokenizer
+from tests.tiny import hf_greedy, make_model, oracle, save_tiny, tiny_tokenizer
 
 needs_onednn = pytest.mark.skipif(fastpath.unavailable_reason(torch.nn.Linear(2, 2)) is not None,
                                   reason="oneDNN not available in this torch build")
@@ -41,8 +41,8 @@ def test_engaged_on_every_linear_and_same_greedy_ids(arch, monkeypatch):
     assert lm.fast and fastpath.is_enabled(lm.model)
     assert sum(isinstance(m, fastpath.FastLinear) for m in lm.model.modules()) == want
     assert sorted(lm.model.state_dict()) == keys          # HF stays the source of truth
-    for p in PROMPTS:
-        assert oracle(lm.model, p, 20) == ref[tuple(p)]
+    for p in PROMPTS:                   # HF's forward on the packed linears: the plain model's ids
+        assert hf_greedy(lm.model, p, 20) == ref[tuple(p)]
     # the engine on the fast path: ar and speculation give the plain path's greedy ids
     draft = wrap(copy.deepcopy(plain), tiny_tokenizer(), name="d")
     for policy in ("ar", "spec:4", "joint:8"):
@@ -72,9 +72,9 @@ def test_inplace_weight_change_repacks():
     with torch.no_grad():
         for p in lm.model.parameters():
             p.mul_(1.7)
-    got = oracle(lm.model, PROMPTS[0], 12)
+    got = hf_greedy(lm.model, PROMPTS[0], 12)
     fastpath.disable(lm.model)
-    assert got == oracle(lm.model, PROMPTS[0], 12)
+    assert got == hf_greedy(lm.model, PROMPTS[0], 12)
 
 
 def test_fallback_leaves_model_plain(monkeypatch):
@@ -94,7 +94,7 @@ def test_int8_draft_of_a_fast_target_and_deepcopy():
     assert any(type(m).__module__.startswith("torch.ao.nn.quantized") for m in q.model.modules())
     assert fastpath.is_enabled(lm.model)                  # the target is untouched
     c = copy.deepcopy(lm.model)
-    assert fastpath.is_enabled(c) and oracle(c, PROMPTS[1], 10) == oracle(lm.model, PROMPTS[1], 10)
+    assert fastpath.is_enabled(c) and hf_greedy(c, PROMPTS[1], 10) == hf_greedy(lm.model, PROMPTS[1], 10)
     assert fastpath.linear_floor_ms(lm.model, rows=1, reps=2) > 0
     assert fastpath.linear_floor_ms(q.model, rows=2, reps=2) > 0
 

@@ -650,7 +650,7 @@ def test_random_streams_stay_exact_and_within_budget():
 
     from rakv.config import RakvConfig
     from rakv.engine import Engine
-    from tests.tiny import oracle
+    from tests.tiny import reference
 
     rng = random.Random(14)
     target, draft = make_pair("gpt2", "mostly")
@@ -673,7 +673,7 @@ def test_random_streams_stay_exact_and_within_budget():
             end = eng.generate(p, n)
             key = (tuple(p), n)
             if key not in refs:
-                refs[key] = oracle(target.model, p, n)
-            assert end.output_ids == refs[key], (eng.policy, p, n)
+                refs[key] = reference(target, p, n)
+            assert (end.output_ids, end.stopped) == refs[key], (eng.policy, p, n)
             st = eng.store.stats
             assert st.bytes_used <= st.budget, (st.bytes_used, st.budget)

@@ -14,7 +14,7 @@ from rakv.engine import Engine
 from rakv.models import int8_copy, layers_copy, set_fast, wrap
 
 from .test_fastpath import needs_onednn
-from .tiny import make_model, oracle
+from .tiny import make_model, oracle, wrap_tiny
 
 
 ARCHS = ["llama", "gpt2"]
@@ -37,7 +37,7 @@ def _hf(model, ids, cache, keep=0):
         model._rakv_lean = saved
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ["mistral", "qwen2"])
 @pytest.mark.parametrize("fast", [False, pytest.param(True, marks=needs_onednn)])
 def test_lean_logits_equal_hf_prefill_verify_and_step(fast, arch):
     m = make_model(arch, layers=3)
@@ -80,13 +80,13 @@ def test_lean_is_attached_with_the_fast_path_and_switched_off(monkeypatch):
 @needs_onednn
 @pytest.mark.parametrize("arch", ARCHS)
 def test_lean_drafts_int8_and_layers_share_and_stay_exact(arch):
-    target = wrap(make_model(arch, layers=4), name="t", fast=True)
+    target = wrap_tiny(make_model(arch, layers=4), name="t", fast=True)
     q = int8_copy(target)
     assert q.lean and q.model._rakv_lean is not None and target.model._rakv_lean is not q.model._rakv_lean
     lay = layers_copy(target, 2)
     assert lay.lean and lay.model._rakv_lean.layers == target.model._rakv_lean.layers[:2]
     p = [(11 * i + 5) % 300 for i in range(30)]
-    want = oracle(target.model, p, 24)
+    want = oracle(target, p, 24)
     for d in (q, lay):
         for pol in ("spec:4", "joint:2"):
             eng = Engine(target, ModelDraft(d), RakvConfig(policy=pol))

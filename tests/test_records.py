@@ -35,7 +35,20 @@ def test_recording_is_flushed_per_line_and_round_trips(tmp_path):
     types = [r.type for r in back]
     assert types[0] == "header" and types.count("request_end") == 2 and "decision" in types
     rounds = [r for r in back if isinstance(r, Round) and r.kind == "spec"]
-    assert rounds and all(len(r.emitted) == len(r.provenance) == r.accepted + 1 or r.emitted for r in rounds)
+    assert rounds and sum(r.accepted for r in rounds) > 0
+    last = {r.request_id: r.index for r in back if isinstance(r, Round)}
+    for r in rounds:
+        # a round emits its accepted drafts and one target token (the last round of a request may be
+        # cut to max_new_tokens), each with its provenance
+        want = (["draft"] * r.accepted + ["target"])
+        assert len(r.emitted) == len(r.provenance) and r.provenance == want[: len(r.emitted)]
+        assert 0 <= r.accepted <= r.drafted <= 3 and r.emitted
+        if r.index != last[r.request_id]:
+            assert len(r.emitted) == r.accepted + 1
+    ends = [r for r in back if isinstance(r, RequestEnd)]
+    for e in ends:                    # the rounds' emitted tokens are the request's output, in order
+        assert [t for r in back if isinstance(r, Round) and r.request_id == e.request_id for t in r.emitted] \
+            == e.output_ids
     rows = request_rows(back)
     assert len(rows) == 2 and list(rows[0]) == [c for c, _ in CSV_COLUMNS]
     assert rows[1]["exact_repeat"] == 1 and rows[1]["hit_tokens"] == 30
