@@ -7,7 +7,9 @@ measurement started:
 
 * the prefix cache (entries, LRU order, hits, statistics) by ``PrefixCache.snapshot/restore``;
 * the controller and cost profile (acceptance estimates, online cost refinement, probe state)
-  by running on a fresh deep copy of them: measuring teaches the controller nothing;
+  and the gate's acceptance maps (``accept_map``, ``lookup_map``, and those kept for other sampling
+  settings) by running on fresh deep copies of them: measuring teaches the controller and the gate
+  nothing;
 * the request counter, policy and force; the engine's records go to a local collector, so the
   measured runs are not session requests. Only the resulting ``OracleResult`` is emitted through
   the engine's callback (so it is recorded and shown like any other record).
@@ -32,6 +34,8 @@ from .records import ActionMeasure, CacheLookup, Decision, OracleResult, Request
 
 now = time.perf_counter
 ADAPTIVE = "adaptive"
+# what the gate learns (``RoundPlanner``): its acceptance maps, and those of the other sampling settings
+GATE_STATE = ("accept_map", "lookup_map", "setting", "_maps")
 
 
 def policy_of(reuse: int, k: int) -> str:
@@ -182,6 +186,9 @@ class _Saved:
         self.force = eng.force
         self.next_id = eng._next_id
         self.snap = eng.store.snapshot()
+        # the gate's tables (the planner's, per sampling setting; one object where two names share it)
+        self.gate_holder = getattr(eng, "planner", eng)
+        self.gate = {n: getattr(self.gate_holder, n) for n in GATE_STATE if hasattr(self.gate_holder, n)}
 
     def fresh_run(self, job, prompt, max_new_tokens, prompt_text) -> list:
         """One run of ``job`` from the saved state, on copies of the learned state; its records."""
@@ -193,6 +200,8 @@ class _Saved:
         else:
             eng.profile = copy.deepcopy(self.profile)
             eng.alpha = copy.deepcopy(self.alpha)
+        for name, value in copy.deepcopy(self.gate).items():       # one copy: a shared map stays shared
+            setattr(self.gate_holder, name, value)
         recs: list = []
         eng.callback = recs.append
         eng._next_id = self.next_id
@@ -206,6 +215,8 @@ class _Saved:
         eng.store.restore(self.snap)
         eng.callback = self.callback
         eng.controller, eng.profile, eng.alpha = self.controller, self.profile, self.alpha
+        for name, value in self.gate.items():
+            setattr(self.gate_holder, name, value)
         eng._next_id = self.next_id
         with eng._lock:
             eng.policy = self.policy

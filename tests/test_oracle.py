@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import copy
 import csv
-from dataclasses import asdict
+from dataclasses import asdict, fields, is_dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,7 @@ from rakv.oracle import Oracle, check_exact, policy_of
 from rakv.prefix_cache import PrefixCache
 from rakv.records import (ORACLE_CSV_COLUMNS, OracleResult, Recorder, RequestEnd, oracle_csv_path,
                           read_recording)
-from tests.tiny import make_pair, oracle as greedy
+from tests.tiny import make_pair, reference, synthetic_profile
 
 PROMPT = "The quick brown fox jumps over the lazy dog. def add(a, b):"
 
@@ -36,12 +37,47 @@ def engine(pair, recs, **kw):
     return Engine(target, ModelDraft(draft), cfg, recs.append, copy.deepcopy(profile))
 
 
+def plain(x, seen=None):
+    """An object graph as plain data (every attribute, deeply), to compare states whole."""
+    seen = set() if seen is None else seen
+    if isinstance(x, (int, float, str, bool, type(None))):
+        return x
+    if isinstance(x, np.ndarray):
+        return ("ndarray", x.tolist())
+    if isinstance(x, torch.Tensor):
+        return ("tensor", id(x))                  # shared, never copied: the same object
+    if callable(x) and not hasattr(x, "__dict__"):
+        return "callable"
+    if id(x) in seen:
+        return ("seen", type(x).__name__)
+    seen.add(id(x))
+    if isinstance(x, dict):
+        return {repr(k): plain(v, seen) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set, frozenset)):
+        items = sorted(x, key=repr) if isinstance(x, (set, frozenset)) else x
+        return [type(x).__name__] + [plain(v, seen) for v in items]
+    if is_dataclass(x):
+        return {f.name: plain(getattr(x, f.name), seen) for f in fields(x)}
+    if hasattr(x, "__dict__"):
+        return {type(x).__name__: {k: plain(v, seen) for k, v in vars(x).items() if not callable(v)}}
+    return repr(x)
+
+
+def store_state(store) -> dict:
+    return {"stats": asdict(store.stats), "budget": store.budget, "history": store.history.tokens.tolist(),
+            "lru": [(e.key, e.ids.tolist(), e.hits, e.nbytes, [id(k) for k, _ in e.kv]) for e in store.entries()],
+            "buckets": sorted((k, b, [id(e) for e in es]) for (k, b), es in store._buckets.items())}
+
+
 def learned_state(eng) -> dict:
-    ctl = eng.controller
-    scalars = lambda o: {k: v for k, v in vars(o).items()  # noqa: E731
-                         if isinstance(v, (int, float, str, bool, tuple, type(None)))}
-    return {"profile": asdict(eng.profile), "alpha": scalars(ctl.alpha), "controller": scalars(ctl),
-            "store": (asdict(eng.store.stats), [(e.key, e.ids.tolist(), e.hits) for e in eng.store.entries()]),
+    """Everything a request can teach the engine: the controller (all of it), its profile and alpha,
+    the prefix cache (entries, LRU order, hits, statistics, history), the gate's acceptance maps, and
+    the request counter and controls."""
+    holder = getattr(eng, "planner", eng)        # the gate's tables, per sampling setting
+    return {"controller": plain(eng.controller), "profile": asdict(eng.profile), "alpha": plain(eng.alpha),
+            "store": store_state(eng.store), "accept_map": plain(eng.accept_map),
+            "lookup_map": plain(eng.lookup_map), "maps_shared": eng.accept_map is eng.lookup_map,
+            "other_settings": plain({n: getattr(holder, n) for n in ("setting", "_maps") if hasattr(holder, n)}),
             "next_id": eng._next_id, "policy": eng.policy, "force": eng.force, "k_set": eng.k_set}
 
 
@@ -87,7 +123,7 @@ def test_measure_every_action_leaves_state_and_reports(pair):
     # exact: every run gave the target's greedy output
     assert res.exact and res.mismatch == ""
     assert res.output_tokens == len(first.output_ids)
-    assert first.output_ids == greedy(pair[0].model, res.prompt_ids, 12)[: len(first.output_ids)]
+    assert (first.output_ids, first.stopped) == reference(pair[0], res.prompt_ids, 12)
     # the controller's choice is what it decides from this state; oracle = argmin of medians
     d = eng.controller.decide(eng._situation(res.prompt_ids, 12, eng.store.budget, True, True, True), (0, 2, 4))
     assert res.choice == {"reuse": d.reuse, "k": d.k} and res.choice_reason == "argmin"
@@ -101,6 +137,37 @@ def test_measure_every_action_leaves_state_and_reports(pair):
     # the engine still works as before: the next request is request 1, an exact repeat
     nxt = eng.generate(PROMPT)
     assert nxt.request_id == first.request_id + 1 and nxt.exact_repeat and nxt.output_ids == first.output_ids
+
+
+def test_measuring_a_partial_hit_changes_no_learned_state(pair):
+    """A partial hit: every action really runs (prefill from the boundary, drafting rounds, the
+    adaptive run's gate), each from the saved state; afterwards the whole learned state is as it
+    was, the gate's maps included, and the request it measured teaches the engine when it runs."""
+    target, draft, _ = pair
+    ids = target.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    other = ids[:18] + [7, 8, 9]                  # shares 18 tokens (and the bucket) with PROMPT
+    eng = Engine(target, ModelDraft(draft), RakvConfig(k_set=(0, 2, 4), max_new_tokens=12, policy="adaptive:gate"),
+                 profile=synthetic_profile(d=0.3, alpha0=0.7))      # drafting pays: the gate runs
+    for p in (ids, ids[:18] + [11]):             # learn something first (maps, alpha, profile, store)
+        eng.generate(p)
+    before = learned_state(eng)
+    res = Oracle(eng, repeats=1).measure(other)
+    assert res.hit_tokens == 18 and not res.exact_repeat and res.exact
+    assert res.choice["k"] > 0 and all(a["runs_ms"] for a in res.actions)
+    assert learned_state(eng) == before
+    # not a vacuous check: the same request run for real changes the maps (and the rest)
+    eng.generate(other)
+    after = learned_state(eng)
+    assert after["accept_map"] != before["accept_map"] and after["controller"] != before["controller"]
+    assert after["store"] != before["store"]
+    # measuring at another sampling setting switches to that setting's tables in every run: the
+    # engine's own (greedy) tables stay current and no other setting's are kept
+    from rakv.sampling import Sampling
+
+    eng.set_sampling(Sampling(temperature=0.8, seed=3))
+    before = learned_state(eng)
+    assert Oracle(eng, repeats=1).measure(other).exact
+    assert learned_state(eng) == before and eng.planner.setting == "greedy" and not eng.planner._maps
 
 
 def test_infeasible_actions_are_measured_but_not_the_oracle(pair):
