@@ -270,80 +270,91 @@ class ChatSession:
 
 
 def cmd_chat(args) -> int:
-    from .engine import EngineError
-
-    tty = sys.stdin.isatty()
     with Session(args) as run:
         chat = ChatSession(run)
-        for line in (tty_lines(run) if tty else pipe_lines()):
-            cmd = line.strip()
-            if not cmd:
-                continue
-            if cmd in ("/exit", "/quit", "/bye"):
-                break
-            if cmd in ("/reset", "/new", "/clear"):
-                chat.reset()
-                continue
-            if cmd == "/stats":
-                print(chat.stats(), file=sys.stderr)
-                continue
-            if cmd in ("/help", "/?"):
-                print(f"[rakv] {CHAT_HELP}; Ctrl-C stops an answer", file=sys.stderr)
-                continue
-            if not tty:
-                chat.turn(line)
-                continue
-            try:
-                with stop_on_interrupt(run.engine):
-                    chat.turn(line)
-            except EngineError as e:        # e.g. the conversation outgrew the context: say so, go on
-                print(f"rakv: error: {e} (/reset starts a new conversation)", file=sys.stderr)
-            except KeyboardInterrupt:       # a second Ctrl-C: the answer is dropped, the chat goes on
-                run.stream = None
-                print("\n[rakv] interrupted: that turn is not kept", file=sys.stderr)
+        if sys.stdin.isatty():
+            with Terminal(run) as term:
+                while True:
+                    try:                    # a Ctrl-C anywhere but in an answer: the chat goes on
+                        line = term.read()
+                        if line is None or not chat_line(chat, line, interactive=True):
+                            break
+                    except KeyboardInterrupt:
+                        run.stream = None
+                        print("\n[rakv] (Ctrl-D or /exit ends the chat)", file=sys.stderr)
+        else:                               # one user turn per line
+            for line in sys.stdin:
+                if not chat_line(chat, line.rstrip("\r\n"), interactive=False):
+                    break
     return 0
 
 
-def pipe_lines():
-    """stdin not a terminal: one user turn per line."""
-    for line in sys.stdin:
-        yield line.rstrip("\r\n")
+def chat_line(chat: ChatSession, line: str, interactive: bool) -> bool:
+    """One line of the chat: a command or a user turn. False: the chat ends."""
+    from .engine import EngineError
 
-
-def tty_lines(run: Session):
-    """A prompt with line editing and history (kept in the cache dir); Ctrl-D ends, Ctrl-C at the
-    prompt clears the line."""
-    hist = None
-    try:
-        import readline
-
-        from .paths import cache_dir
-
-        hist = cache_dir() / "chat_history"
+    cmd = line.strip()
+    if not cmd:
+        return True
+    if cmd in ("/exit", "/quit", "/bye"):
+        return False
+    if cmd in ("/reset", "/new", "/clear"):
+        chat.reset()
+    elif cmd == "/stats":
+        print(chat.stats(), file=sys.stderr)
+    elif cmd in ("/help", "/?"):
+        print(f"[rakv] {CHAT_HELP}; Ctrl-C stops an answer", file=sys.stderr)
+    elif not interactive:
+        chat.turn(line)                     # an error ends a piped chat: one line, exit 2
+    else:
         try:
-            readline.read_history_file(hist)
-        except OSError:
+            with stop_on_interrupt(chat.run.engine):
+                chat.turn(line)
+        except EngineError as e:            # e.g. the conversation outgrew the context: say so, go on
+            print(f"rakv: error: {e} (/reset starts a new conversation)", file=sys.stderr)
+        except KeyboardInterrupt:           # a second Ctrl-C: the answer is dropped, the chat goes on
+            chat.run.stream = None
+            print("\n[rakv] interrupted: that turn is not kept", file=sys.stderr)
+    return True
+
+
+class Terminal:
+    """The chat's prompt on a terminal: line editing and history (kept in the cache dir); ``read``
+    gives a line, None on Ctrl-D; Ctrl-C at the prompt clears the line."""
+
+    def __init__(self, run: Session):
+        self.run = run
+        self.readline = self.hist = None
+
+    def __enter__(self) -> "Terminal":
+        try:
+            import readline
+
+            from .paths import cache_dir
+
+            self.readline, self.hist = readline, cache_dir() / "chat_history"
+            try:
+                readline.read_history_file(self.hist)
+            except OSError:
+                pass
+            readline.set_history_length(1000)
+        except ImportError:       # no readline on this platform: plain input()
             pass
-        readline.set_history_length(1000)
-    except ImportError:       # no readline on this platform: plain input()
-        readline = None
-    print(f"[rakv] chat with {run.engine.target.name} (policy {run.policy.name}); {CHAT_HELP}; "
-          "Ctrl-C stops an answer", file=sys.stderr)
-    try:
-        while True:
+        print(f"[rakv] chat with {self.run.engine.target.name} (policy {self.run.policy.name}); {CHAT_HELP}; "
+              "Ctrl-C stops an answer", file=sys.stderr)
+        return self
+
+    def read(self) -> str | None:
+        try:
+            return input(">>> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return None
+
+    def __exit__(self, *exc) -> None:
+        if self.readline is not None:
             try:
-                line = input(">>> ")
-            except KeyboardInterrupt:
-                print("\n[rakv] (Ctrl-D or /exit ends the chat)", file=sys.stderr)
-                continue
-            except EOFError:
-                print(file=sys.stderr)
-                return
-            yield line
-    finally:
-        if readline is not None and hist is not None:
-            try:
-                readline.write_history_file(hist)
+                self.readline.write_history_file(self.hist)
             except OSError:
                 pass
 
