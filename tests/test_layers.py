@@ -1,7 +1,9 @@
 """The import graph of rakv/ and app/ has no circles, and the engine never imports Qt.
 
 Every import counts, also those inside functions (a lazy import is still a dependency: it only
-hides a circle). Run ``python tests/test_layers.py`` to print the graph's layers bottom-up.
+hides a circle), and ``from P import x`` is an edge to P's __init__ even from a module inside P (it
+reads P's namespace); ``from .x import name`` and ``import P.x`` name the submodule instead.
+Run ``python tests/test_layers.py`` to print the graph's layers bottom-up.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def imports_of(mod: str, path: Path, known: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = _resolve(mod, is_pkg, node.level, node.module)
             names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+            if base in known and base != mod:    # `from P import x` reads P's namespace (its
+                out.add(base)                    # __init__), also when P is mod's own package
         for n in names:
             while n and n not in known:          # a name inside a module: the module itself
                 n = n.rpartition(".")[0]
@@ -133,6 +137,25 @@ def test_lazy_imports_count(tmp_path):
     p.write_text(src)
     known = {"rakv.a": p, "rakv.b": p, "rakv.c": p}
     assert imports_of("rakv.a", p, known) == {"rakv.b", "rakv.c"}
+
+
+def test_from_package_import_is_an_edge_to_the_package(tmp_path):
+    """``from . import x`` and ``from pkg import x`` read the package's namespace: an edge to its
+    __init__, also from inside the package, so a package whose __init__ imports such a submodule is
+    a circle; ``from .x import name`` and ``import pkg.x`` name the submodule and are not."""
+    pkg = tmp_path / "p"
+    pkg.mkdir()
+    files = {"__init__.py": "def run():\n    from .report import write\n",
+             "report.py": "from . import metrics as M\n", "metrics.py": "",
+             "plots.py": "from p import metrics\n", "table.py": "from .metrics import median\nimport p.metrics\n"}
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    known = {"p": pkg / "__init__.py", **{f"p.{n[:-3]}": pkg / n for n in files if n != "__init__.py"}}
+    g = {m: imports_of(m, path, known) for m, path in known.items()}
+    assert g["p.report"] == {"p", "p.metrics"}
+    assert g["p.plots"] == {"p", "p.metrics"}
+    assert g["p.table"] == {"p.metrics"}
+    assert cycles(g) == [["p", "p.report"]]
 
 
 def test_engine_never_imports_qt_or_app():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import metrics as M
+import rakv.bench.metrics as M
 
 
 def _plt():

@@ -8,8 +8,8 @@ import json
 import statistics
 from pathlib import Path
 
-from . import metrics as M
-from . import plots
+import rakv.bench.metrics as M
+from .plots import crossover_plot, gate_plot, gate_reliability, latency_plot, predicted_plot
 
 DEFINITIONS = """\
 ## Definitions
@@ -340,8 +340,8 @@ def write_summary(out: Path) -> Path:
     cands = M.load_csv(out / "candidates.csv") if (out / "candidates.csv").exists() else []
     meta = json.loads((out / "meta.json").read_text()) if (out / "meta.json").exists() else {}
     pred = predicted_alpha_star(rows, meta, out)
-    figs = [plots.latency_plot(rows, out), plots.predicted_plot(cands, rows, out),
-            plots.crossover_plot(rows, pred, out), plots.gate_plot(rows, out)]
+    figs = [latency_plot(rows, out), predicted_plot(cands, rows, out),
+            crossover_plot(rows, pred, out), gate_plot(rows, out)]
     text = header_md(rows, meta, run_regime(meta, out))
     text += "\n## Latency and throughput per policy (all requests)\n\n" + policy_md(rows)
     for w in sorted({r["workload"] for r in rows}):
@@ -420,7 +420,7 @@ def explore_md(rows: list[dict]) -> str:
 def gate_md(rows: list[dict]) -> str:
     """The confidence gate's calibration per gated policy: predicted vs observed per bin, and its
     stop reasons (empty when no policy used the gate)."""
-    rels = plots.gate_reliability(rows)
+    rels = gate_reliability(rows)
     if not rels:
         return ""
     text = "\n## Confidence gate: predicted against observed acceptance (judged drafted tokens)\n\n"
