@@ -123,7 +123,7 @@ class Session:
         target, draft = load_pair(args, self.config)
         k_max = max(max(self.config.k_set), self.policy.k, 1)
         if self.policy.adaptive or args.recalibrate:
-            self.profile = get_profile(target, draft, k_max, force=args.recalibrate)
+            self.profile = get_profile(target, draft, k_max, force=args.recalibrate, sampling=self.config.sampling)
         from .engine import Engine
         from .records import Recorder
 

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from . import argtypes as A
@@ -102,8 +103,10 @@ def load_pair(args, config: RakvConfig):
     return target, draft
 
 
-def get_profile(target, draft, k_max: int, force: bool = False, quick: bool = False, progress=None):
-    """The cost profile for this machine + pair (calibrates once; progress(frac, what) if given)."""
+def get_profile(target, draft, k_max: int, force: bool = False, quick: bool = False, progress=None,
+                sampling=None):
+    """The cost profile for this machine + pair (calibrates once; progress(frac, what) if given),
+    with the acceptance prior at ``sampling``'s setting measured now if it is new."""
     from .costs import load_or_calibrate, text_progress
     from .paths import cache_dir, log
 
@@ -111,7 +114,22 @@ def get_profile(target, draft, k_max: int, force: bool = False, quick: bool = Fa
                                     progress=progress or text_progress(), log=log)
     if fresh:
         log(f"calibrated in {prof.calibration_s:.1f} s (alpha0={prof.alpha0:.2f})")
+    prior_at_setting(prof, target, draft, sampling)
     return prof
+
+
+def prior_at_setting(profile, target, draft, sampling) -> None:
+    """Measure a new sampling setting's acceptance prior before any request, and keep it in the
+    saved profile: measured inside a request it would be charged to that request's latency."""
+    from .costs.calibration import alpha_prior
+    from .paths import log
+
+    if sampling is None or sampling.greedy or sampling.key() in profile.alpha_by_setting:
+        return
+    t0 = time.perf_counter()
+    a0 = alpha_prior(profile, target, draft, sampling)
+    log(f"acceptance prior at {sampling.key()}: {a0:.2f} (measured once per setting, {time.perf_counter() - t0:.1f} s)")
+    save_learned(profile)
 
 
 def save_learned(profile) -> None:

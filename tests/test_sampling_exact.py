@@ -210,6 +210,28 @@ def test_the_prior_is_measured_at_the_setting_in_use(models):
     assert eng.planner.setting == eng.controller.setting == s.key()
 
 
+def test_a_new_settings_prior_is_measured_before_any_request(models, monkeypatch):
+    """The CLI and the bench measure a new setting's prior when the profile loads, so no request's
+    latency pays for it; the engine then finds it and measures nothing."""
+    import rakv.costs.calibration as C
+    from rakv.common import prior_at_setting
+
+    target, draft, _ = models
+    prof = synthetic_profile(alpha0=0.99)
+    s = Sampling(temperature=1.0, seed=1)
+    prior_at_setting(prof, target, ModelDraft(draft), s)
+    a0 = prof.alpha_by_setting[s.key()]["alpha0"]
+    measured = []
+    monkeypatch.setattr(C, "measure_alpha", lambda *a, **kw: measured.append(1) or 0.5)
+    prior_at_setting(prof, target, ModelDraft(draft), s)          # known: nothing measured
+    recs = []
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy="adaptive:nogate", sampling=s),
+                 callback=recs.append, profile=prof)
+    eng.generate(list(range(5, 30)), 8)
+    assert not measured
+    assert next(r for r in recs if r.type == "decision").alpha == pytest.approx(a0, abs=1e-4)
+
+
 def test_cli_samples_seed_exactly_and_refuses_bad_values(tmp_path, capsys):
     import json
 

@@ -266,7 +266,8 @@ def run(args, argv: list[str]) -> int:
     streams = build_streams(s, args, target.tokenizer, target.max_positions)
     if args.dry_run:
         return print_plan(streams, arms, s["repeats"])
-    profile = get_profile(target, draft, k_max, force=args.recalibrate, quick=args.quick or args.tiny)
+    profile = get_profile(target, draft, k_max, force=args.recalibrate, quick=args.quick or args.tiny,
+                          sampling=bench_sampling(args))
     out.mkdir(parents=True, exist_ok=True)
     save_profile(profile, out / "profile.json")
     config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, k_set=tuple(s["k_set"]),
