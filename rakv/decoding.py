@@ -39,13 +39,18 @@ def _ids(tokens, device=None) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def forward(model, tokens, cache: DynamicCache, keep: int = 0) -> torch.Tensor:
+def forward(model, tokens, cache: DynamicCache, keep: int = 0, tree=None) -> torch.Tensor:
     """Feed ``tokens`` ([n]) after what ``cache`` holds; returns logits [keep or n, V] (float32).
 
-    A model with a lean forward (``rakv.kernels.lean``, attached with the fast path) runs that; else HF's."""
+    A model with a lean forward (``rakv.kernels.lean``, attached with the fast path) runs that; else HF's.
+    ``tree`` (a ``TreeLayout``, lean forward only): the tokens form a token tree."""
     lean = getattr(model, "_rakv_lean", None)
     if lean is not None:
+        if tree is not None:
+            return lean.forward(_ids(tokens), cache, keep, tree)[0].float()
         return lean.forward(_ids(tokens), cache, keep)[0].float()
+    if tree is not None:
+        raise ValueError("a token tree needs the lean forward")
     kw = {_cache_arg(type(model)): cache}
     out = model(input_ids=_ids(tokens, model_device(model)), use_cache=True, logits_to_keep=keep, **kw)
     return out.logits[0].float()
@@ -64,6 +69,34 @@ def decode_one(model, token: int, cache: DynamicCache) -> torch.Tensor:
 def verify(model, tokens: list[int], cache: DynamicCache) -> torch.Tensor:
     """Target forward over [pending, d_1..d_k]: logits [k+1, V]."""
     return forward(model, tokens, cache, keep=0)
+
+
+def tree_forward_ok(model) -> bool:
+    """Whether ``model`` verifies a token tree in one forward (its lean forward; HF's forward and a
+    model off the CPU verify chains)."""
+    return getattr(model, "_rakv_lean", None) is not None
+
+
+def verify_tree(model, tokens: list[int], parents: list[int], cache: DynamicCache) -> torch.Tensor | None:
+    """Target forward over a token tree: row i is tokens[i], its parent row parents[i] (-1: after
+    the cache); logits [n, V], or None when the model has no tree forward (``tree_forward_ok``)."""
+    if not tree_forward_ok(model):
+        return None
+    from .kernels.lean import TreeLayout
+
+    return forward(model, tokens, cache, 0, TreeLayout(parents))
+
+
+@torch.inference_mode()
+def keep_rows(cache: DynamicCache, start: int, rows: list[int]) -> None:
+    """After a tree verify from position ``start``: keep the rows ``rows`` (increasing: an accepted
+    path) at positions start, start + 1, ... of every layer, and drop every other row."""
+    if rows != list(range(len(rows))):
+        idx = torch.tensor(rows, dtype=torch.long) + start
+        for layer in cache.layers:
+            for t in (layer.keys, layer.values):            # [1, H, start + n, D] (the indexed read is a copy)
+                t[:, :, start:start + len(rows)] = t[:, :, idx]
+    crop_to(cache, start + len(rows))
 
 
 def accept(drafts: list[int], pred: list[int]) -> int:

@@ -297,6 +297,63 @@ void rakv_attend(const float *q, int64_t n, int64_t Hq, int64_t D, int64_t q_rs,
     }
 }
 
+/* ---- tree attention: n new query rows forming a token tree over a KV cache (a tree verify), fp32.
+
+   Row i's tree ancestry is path[i * path_rs + 0 .. depth[i]]: the rows of its ancestors from the
+   root (depth 0) down, ending with i itself; its keys are positions 0 .. past - 1 of the cache,
+   then those rows (row r's key at cache position past + r), in that order. That is exactly the key
+   sequence a decode step of the same token sees (the committed tokens, then the accepted path one
+   token at a time), and each key is combined with attend_one's arithmetic in that order, so a
+   tree row equals the decode step bit for bit. window > 0: the row sees only its last `window`
+   keys (counted in positions: its own position is past + depth[i]). */
+static void attend_tree_one(const float *qi, const float *kg, const float *vg, int64_t past,
+                            const int64_t *path, int64_t j0, int64_t T, int64_t D, float scale,
+                            float softcap, float *o, float *s) {
+    float mx = -INFINITY;
+    for (int64_t j = j0; j < T; j++) {
+        const int64_t pos = j < past ? j : past + path[j - past];
+        const float *kj = kg + pos * D;
+        float acc[LANES] = {0};
+        for (int64_t c = 0; c < D; c += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] = fmaf(qi[c + l], kj[c + l], acc[l]);
+        s[j] = tree16(acc) * scale;
+        if (softcap > 0.0f) s[j] = tanhf(s[j] / softcap) * softcap;
+        if (s[j] > mx) mx = s[j];
+    }
+    float sum = 0.0f;
+    for (int64_t c = 0; c < D; c++) o[c] = 0.0f;
+    for (int64_t j = j0; j < T; j++) {
+        const int64_t pos = j < past ? j : past + path[j - past];
+        const float p = expf(s[j] - mx);
+        sum += p;
+        const float *vj = vg + pos * D;
+        for (int64_t c = 0; c < D; c++) o[c] = fmaf(p, vj[c], o[c]);
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t c = 0; c < D; c++) o[c] *= inv;
+}
+
+void rakv_attend_tree(const float *q, int64_t n, int64_t Hq, int64_t D, int64_t q_rs, const float *k,
+                      int64_t k_hs, const float *v, int64_t v_hs, int64_t Hk, int64_t past, float scale,
+                      float *out, int threads, int64_t window, float softcap, const int64_t *path,
+                      int64_t path_rs, const int64_t *depth) {
+    const int64_t group = Hq / Hk, tasks = n * Hq;
+    #pragma omp parallel num_threads(threads)
+    {
+        float stack[ATT_STACK];
+        const int64_t T_max = past + n;
+        float *s = T_max <= ATT_STACK ? stack : (float *)malloc(sizeof(float) * T_max);
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t i = t / Hq, h = t % Hq, g = h / group, T = past + depth[i] + 1;
+            const int64_t j0 = window > 0 && T > window ? T - window : 0;
+            attend_tree_one(q + i * q_rs + h * D, k + g * k_hs, v + g * v_hs, past, path + i * path_rs,
+                            j0, T, D, scale, softcap, out + (i * Hq + h) * D, s);
+        }
+        if (s != stack) free(s);
+    }
+}
+
 /* one call per linear: the layer's codes described once (rakv/blockq.py keeps it), so a call passes
    six arguments instead of ten */
 typedef struct {

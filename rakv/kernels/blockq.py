@@ -491,6 +491,35 @@ def attend(q: torch.Tensor, q_row: int, k: torch.Tensor, v: torch.Tensor, n: int
     return out
 
 
+def _tree_fn():
+    """``rakv_attend_tree`` with its arguments typed (once)."""
+    fn = _Lib.handle.rakv_attend_tree
+    if fn.restype is not None or not fn.argtypes:
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [vp, i64, i64, i64, i64, vp, i64, vp, i64, i64, i64, ctypes.c_float, vp, ctypes.c_int,
+                       i64, ctypes.c_float, vp, i64, vp]
+        fn.restype = None
+    return fn
+
+
+def attend_tree(q: torch.Tensor, q_row: int, k: torch.Tensor, v: torch.Tensor, n: int, Hq: int, Hk: int,
+                D: int, scale: float, path: torch.Tensor, depth: torch.Tensor, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
+    """Tree attention of the n newest positions (a token tree after the cache): as ``attend``, but
+    row i sees the cached positions 0..past-1, then its ancestors' rows root first, then itself
+    (``path`` [n, P] int64: row i's ancestry rows path[i, 0..depth[i]], ending with i; ``depth`` [n]
+    int64), in that order: the keys a decode step of the same token sees, with the same arithmetic,
+    so a tree row equals that decode step bit for bit. ``window`` counts positions (row i's is
+    past + depth[i]). out [1, n, Hq * D]."""
+    past = k.shape[-2] - n
+    out = torch.empty(1, n, Hq * D)
+    path, depth = path.contiguous(), depth.contiguous()
+    _tree_fn()(q.data_ptr(), n, Hq, D, q_row, k.data_ptr(), k.stride(1), v.data_ptr(), v.stride(1), Hk, past,
+               scale, out.data_ptr(), torch.get_num_threads(), int(window or 0), float(softcap or 0.0),
+               path.data_ptr(), path.stride(0), depth.data_ptr())
+    return out
+
+
 # ----------------------------------------------------------------------------- a model's layers
 def _cache_path(key: str) -> Path:
     from ..paths import cache_dir

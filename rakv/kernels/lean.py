@@ -351,6 +351,40 @@ class _Rope:
         return self.cos[start:end, None], self.sin[start:end, None]
 
 
+class TreeLayout:
+    """A token tree as the forward reads it: row i's parent row (``parents[i] < i``; -1: it follows
+    the cached tokens directly), its depth (its position is past + depth), and its ancestry path,
+    the rows from its root down to itself (``path`` [n, max depth + 1] int64, zero-padded)."""
+
+    __slots__ = ("parents", "depths", "depth", "path")
+
+    def __init__(self, parents: list[int]):
+        depths: list[int] = []
+        paths: list[list[int]] = []
+        for i, p in enumerate(parents):
+            if not -1 <= p < i:
+                raise ValueError(f"tree row {i}: parent {p} must be -1 or an earlier row")
+            depths.append(0 if p < 0 else depths[p] + 1)
+            paths.append([i] if p < 0 else paths[p] + [i])
+        self.parents, self.depths = list(parents), depths
+        self.depth = torch.tensor(depths, dtype=torch.long)                 # [n]
+        self.path = torch.zeros(len(parents), max(depths, default=0) + 1, dtype=torch.long)
+        for i, pa in enumerate(paths):
+            self.path[i, : len(pa)] = torch.tensor(pa)
+
+    def mask(self, past: int, window: int | None = None) -> torch.Tensor:
+        """[n, past + n] bool: row i sees the cached keys and its ancestry's rows, only those within
+        its last ``window`` positions on a sliding-window layer (row r's position is past + depth)."""
+        n = len(self.parents)
+        m = torch.zeros(n, past + n, dtype=torch.bool)
+        for i, d in enumerate(self.depths):
+            lo = past + d - window + 1 if window else 0                      # the first visible position
+            m[i, max(0, lo):past] = True
+            for r in self.path[i, : d + 1].tolist():
+                m[i, past + r] = past + self.depths[r] >= lo
+        return m
+
+
 class _Layer:
     """One decoder layer as the lean forward runs it: its norms, linears (``_Op``s), q / k norms
     (Qwen3, Gemma 3), the norms after attention and after the MLP (Gemma), the attention window
@@ -509,8 +543,9 @@ class LeanLlama:
 
     # ---- the forward
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache, keep: int = 0) -> torch.Tensor:
-        """ids [1, n] after what ``cache`` holds; returns logits [1, keep or n, V]."""
+    def forward(self, ids: torch.Tensor, cache, keep: int = 0, tree: TreeLayout | None = None) -> torch.Tensor:
+        """ids [1, n] after what ``cache`` holds; returns logits [1, keep or n, V]. ``tree``: the n
+        rows form a token tree (each row at position past + depth, seeing the cache and its ancestry)."""
         self._sync()
         n = ids.shape[1]
         past = cache.get_seq_length()
@@ -519,9 +554,13 @@ class LeanLlama:
             x = x * self.embed_scale.to(x.dtype)
         ropes = {t: r.at(past, n) for t, r in self.ropes.items()}   # [n, 1, R] (broadcast over heads)
         masks: dict = {}
+        if tree is not None:                                         # rows at past + depth
+            ropes = {t: (c[tree.depth], s[tree.depth]) for t, (c, s) in ropes.items()}
         Hq, Hk, D = self.n_heads, self.n_kv, self.head_dim
         sq, sk = Hq * D, Hk * D
         own_attention = self.own_attention(cache, n)
+        if tree is not None and not own_attention:                   # torch's attention: the tree's masks
+            masks = {w: tree.mask(past, w) for w in {L.window for L in self.layers}}
         act = self.act
         for i, L in enumerate(self.layers):
             h = L.qkv(L.ln1(x))                                      # [1, n, (Hq + 2 Hk) D]
@@ -536,7 +575,10 @@ class LeanLlama:
             k = qk[:, :, Hq:].transpose(1, 2)
             v = h[..., sq + sk:].view(1, n, Hk, D).transpose(1, 2)
             k, v = _append(cache, i, k, v)                           # [1, Hk, past + n, D]
-            if own_attention:                                        # [1, n, Hq D], rows independent
+            if own_attention and tree is not None:                   # [1, n, Hq D], each row as its decode step
+                a = blockq.attend_tree(qk, (Hq + Hk) * D, k, v, n, Hq, Hk, D, self.scale, tree.path, tree.depth,
+                                       L.window or 0, self.softcap)
+            elif own_attention:                                      # [1, n, Hq D], rows independent
                 a = blockq.attend(qk, (Hq + Hk) * D, k, v, n, Hq, Hk, D, self.scale, L.window or 0, self.softcap)
             else:
                 a = self._attention(q, k, v, past, n, L.window, masks)
@@ -635,14 +677,15 @@ class LeanGPT2(LeanLlama):
         return F.layer_norm(x, w.shape, w, b, eps)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache, keep: int = 0) -> torch.Tensor:
-        """ids [1, n] after what ``cache`` holds; returns logits [1, keep or n, V]."""
+    def forward(self, ids: torch.Tensor, cache, keep: int = 0, tree: TreeLayout | None = None) -> torch.Tensor:
+        """ids [1, n] after what ``cache`` holds; returns logits [1, keep or n, V]. ``tree``: the n
+        rows form a token tree (each row at position past + depth, seeing the cache and its ancestry)."""
         self._sync()
         n = ids.shape[1]
         past = cache.get_seq_length()
-        pos = torch.arange(past, past + n)
+        pos = torch.arange(past, past + n) if tree is None else past + tree.depth
         x = F.embedding(ids, self.embed.weight) + F.embedding(pos, self.wpe.weight)    # [1, n, H]
-        mask = self._mask(past, n)
+        mask = self._mask(past, n) if tree is None else tree.mask(past)      # (own attention: unused)
         Hh, D = self.n_heads, self.head_dim
         E = Hh * D
         own_attention = self.own_attention(cache, n)
@@ -650,7 +693,9 @@ class LeanGPT2(LeanLlama):
             h = c_attn(self._ln(x, ln1))                             # [1, n, 3E]
             q, k, v = (t.view(1, n, Hh, D).transpose(1, 2) for t in h.split(E, dim=-1))   # [1, H, n, D]
             k, v = _append(cache, i, k, v)                           # [1, H, past + n, D]
-            if own_attention:                                        # [1, n, E], rows independent
+            if own_attention and tree is not None:                   # [1, n, E], each row as its decode step
+                a = blockq.attend_tree(h, 3 * E, k, v, n, Hh, Hh, D, self.scale, tree.path, tree.depth)
+            elif own_attention:                                      # [1, n, E], rows independent
                 a = blockq.attend(h, 3 * E, k, v, n, Hh, Hh, D, self.scale)
             else:
                 a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
