@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, replace
 from .sampling import Sampling
 
 DEFAULT_K_SET: tuple[int, ...] = (0, 1, 2, 4, 6, 8)
-POLICIES_HELP = "adaptive | adaptive:gate | adaptive:nogate | ar | kv | spec:K | joint:K"
+POLICIES_HELP = "adaptive | adaptive:gate | adaptive:nogate | ar | kv | spec:K | joint:K | tree:N"
+TREE_MAX_NODES = 16         # a tree verify of up to 17 rows keeps the block kernel's own attention
 LOOKUP_K = 16             # an n-gram lookup may verify up to this many tokens: drafting it is free, a verify of 17 costs ~1.7 steps
 HISTORY_TOKENS = 32768    # token ids of earlier requests an n-gram lookup may copy from (256 KiB; 0: off)
 GATE_BY_DEFAULT = True    # plain "adaptive" = adaptive:gate: it measured at least as fast as the paper's controller (docs/controller.md#constants)
@@ -71,6 +72,7 @@ class Policy:
     k: int = 0
     adaptive: bool = False
     gate: bool = False          # the confidence gate (rakv.gate) cuts each drafting round
+    tree: bool = False          # tree:N: reuse, and each round verifies an n-gram token tree of up to k = N nodes
 
     @staticmethod
     def parse(text: str) -> "Policy":
@@ -92,6 +94,14 @@ class Policy:
                 if k < 0:
                     raise ValueError(f"bad policy {text!r}: k must be >= 0")
                 return Policy(t, reuse=reuse, k=k)
+        if t.startswith("tree:"):
+            try:
+                n = int(t[len("tree:"):])
+            except ValueError:
+                raise ValueError(f"bad policy {text!r}: N must be an integer ({POLICIES_HELP})") from None
+            if not 1 <= n <= TREE_MAX_NODES:
+                raise ValueError(f"bad policy {text!r}: N (tree nodes) must be 1..{TREE_MAX_NODES}")
+            return Policy(t, reuse=True, k=n, tree=True)
         raise ValueError(f"unknown policy {text!r} (expected {POLICIES_HELP})")
 
 

@@ -82,9 +82,7 @@ def verify_tree(model, tokens: list[int], parents: list[int], cache: DynamicCach
     the cache); logits [n, V], or None when the model has no tree forward (``tree_forward_ok``)."""
     if not tree_forward_ok(model):
         return None
-    from .kernels.lean import TreeLayout
-
-    return forward(model, tokens, cache, 0, TreeLayout(parents))
+    return forward(model, tokens, cache, 0, model._rakv_lean.tree_layout(parents))
 
 
 @torch.inference_mode()

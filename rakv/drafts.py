@@ -19,6 +19,7 @@ from . import sampling as S
 from .models import LoadedModel
 from .prefix_cache import Hit, PrefixCache, TokenHistory
 from .sampling import Sampling
+from .tree import TokenTree
 
 now = dec.now
 
@@ -99,6 +100,13 @@ class NgramDraft(DraftSource):
                 gate.keep_going(ngram_confidence(m + n - 1))    # the last token's confidence (the source ran out)
             toks = toks[:n]
         return Proposal(toks, ms=(now() - t0) * 1e3)
+
+    def propose_tree(self, ids: list[int], budget: int, depth: int) -> tuple[TokenTree, float]:
+        """(a token tree of at most ``budget`` nodes and ``depth`` levels after ``ids``: every earlier
+        occurrence's continuation, grouped by shared prefix; the ms it took)."""
+        t0 = now()
+        tree = ngram_tree(ids, budget, depth, self.sizes, self.history)
+        return tree, (now() - t0) * 1e3
 
 
 def ngram_confidence(match_len: int) -> float:
@@ -187,6 +195,82 @@ def context_match(ids, k: int, sizes=(3, 2)) -> tuple[list[int], int]:
                 m += 1
             return periodic(a[i:L].tolist(), k), m
     return [], 0
+
+
+TREE_OCCURRENCES = 64       # the latest occurrences of the suffix (prompt and output) a tree groups
+
+
+def occurrences(ids, depth: int, sizes=(3, 2), history: TokenHistory | None = None) -> list[list[int]]:
+    """The continuations (up to ``depth`` tokens) of every earlier occurrence of the last n tokens
+    of ``ids`` (the longest n of ``sizes`` that occurs), latest first: in ``ids`` itself (one that
+    runs into the present repeats with its period) and in the history of earlier requests."""
+    a = np.asarray(ids, dtype=np.int64)
+    L = len(a)
+    h = history.tokens if history is not None and len(history) else None
+    for n in sizes:
+        if L <= n:
+            continue
+        pat = a[L - n:]
+        out: list[list[int]] = []
+        win = np.lib.stride_tricks.sliding_window_view(a[: L - 1], n) if L - 1 >= n else None
+        if win is not None:
+            starts = np.flatnonzero((win == pat).all(axis=1))
+            for i in starts[starts < L - n][::-1][:TREE_OCCURRENCES]:
+                out.append(periodic(a[i + n: L].tolist(), depth))
+        if h is not None and len(h) > n:
+            ends = np.flatnonzero(h[: len(h) - n] == pat[0])
+            for j in range(1, n):
+                ends = ends[h[ends + j] == pat[j]]
+            ends = ends + n
+            for e in ends[h[ends] != -1][::-1][:TREE_OCCURRENCES]:
+                follow = h[e: e + depth]
+                sep = np.flatnonzero(follow == -1)
+                out.append((follow[: sep[0]] if sep.size else follow).tolist())
+        out = [c for c in out if c]
+        if out:
+            return out
+    return []
+
+
+def ngram_tree(ids, budget: int, depth: int, sizes=(3, 2), history: TokenHistory | None = None) -> TokenTree:
+    """The n-gram source's token tree: the continuations of every earlier occurrence of the current
+    suffix in a trie (a shared prefix is one branch), each node weighted by how many continuations
+    pass through it, plus one for the chain ``ngram_match`` proposes (the longest matching context);
+    the ``budget`` heaviest nodes (a node never outweighs its parent, so they form a tree), children
+    heaviest first (the first path is the likeliest chain)."""
+    depth = min(depth, budget)
+    if budget <= 0 or depth <= 0:
+        return TokenTree()
+    conts = occurrences(ids, depth, sizes, history)
+    best = ngram_match(ids, depth, sizes, history)[0]
+    if best:
+        conts.append(best)
+    token, parent, weight, kids = [], [], [], {}     # the trie; kids: (parent, token) -> node
+    for cont in conts:
+        at = -1
+        for tok in cont[:depth]:
+            node = kids.get((at, tok))
+            if node is None:
+                node = kids[(at, tok)] = len(token)
+                token.append(int(tok))
+                parent.append(at)
+                weight.append(0)
+            weight[node] += 1
+            at = node
+    keep = set(sorted(range(len(token)), key=lambda i: (-weight[i], i))[:budget])    # i: parents first
+    children: dict[int, list[int]] = {}
+    for i in sorted(keep):
+        children.setdefault(parent[i], []).append(i)
+    tree = TokenTree()
+
+    def add(node: int, at: int) -> None:           # preorder, heaviest child first
+        for c in sorted(children.get(node, []), key=lambda i: (-weight[i], i)):
+            tree.tokens.append(token[c])
+            tree.parents.append(at)
+            add(c, len(tree.tokens) - 1)
+
+    add(-1, -1)
+    return tree
 
 
 def draft_token(logits, s: Sampling | None, position: int) -> int:

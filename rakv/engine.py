@@ -27,6 +27,7 @@ from .planner import RoundPlanner
 from .prefix_cache import PrefixCache
 from .prompts import EncodedPrompt, encode_prompt
 from .sampling import Sampling, draw_seed
+from .tree import TokenTree, verify_tree
 from .records import CacheLookup, Candidate, Decision, RequestEnd, RequestStart, Round, RunHeader
 
 now = clock          # synchronizes CUDA / MPS before reading the time
@@ -316,7 +317,10 @@ class Engine:
         self._prefill(rq)
         try:
             while not rq.stopped:
-                self._round(rq)
+                if rq.policy.tree:
+                    self._tree_round(rq)
+                else:
+                    self._round(rq)
         finally:
             self.draft.end()
             self.lookup.end()
@@ -389,7 +393,7 @@ class Engine:
             rq.reuse, rq.k = int(policy.reuse), policy.k
             self._emit(Decision(request_id=rq.rid, candidates=[asdict(Candidate(rq.reuse, rq.k, 0.0))],
                                 action={"reuse": rq.reuse, "k": rq.k}, alpha=self.alpha.value, reason="fixed"))
-        if rq.k > 0 and not rq.has_draft:
+        if rq.k > 0 and not rq.has_draft and not policy.tree:     # (a tree's source is the n-gram lookup)
             raise EngineError(f"k={rq.k} needs a draft (--draft is 'none')")
         rq.per_round = policy.adaptive and self.granularity == "round" and rq.force is None
         self.planner.begin(rq)
@@ -470,6 +474,43 @@ class Engine:
                          draft_stop=gate.stop if gate else "",
                          draft_source="lookup" if plan.lookup and gate else "",
                          verify="" if rq.sampling.greedy or not drafts else rq.sampling.verify))
+        self._check_end(rq)
+
+    def _tree_round(self, rq: "_Request") -> None:
+        """One round of policy tree:N: the n-gram lookup's token tree (at most N nodes, no deeper
+        than the tokens left), verified in one forward; the accepted path and a target token."""
+        t_round = now()
+        seq = rq.ids + rq.out
+        remaining = rq.N - len(rq.out)
+        tree, draft_ms = (self.lookup.propose_tree(seq, rq.k, remaining - 1) if remaining > 1
+                          else (TokenTree(), 0.0))
+        tv = now()
+        how = ""
+        if tree.tokens:
+            emitted, path, how = verify_tree(self.target.model, rq.cache, seq[-1], tree, rq.sampling, len(rq.out))
+        else:
+            logits = dec.decode_one(self.target.model, seq[-1], rq.cache)
+            emitted, path = [next_token(logits, rq.sampling, len(rq.out))], []
+        verify_ms = (now() - tv) * 1e3
+        a = len(path)
+        emitted, prov, eos = cut_at_eos(emitted, ["draft"] * a + ["target"], self.target.eos_ids, remaining)
+        rq.out.extend(emitted)
+        if eos:
+            rq.stopped = "eos"
+        rq.drafted += len(tree)
+        rq.accepted += a
+        rq.rounds += 1
+        round_ms = (now() - t_round) * 1e3
+        rq.forward_ms += verify_ms
+        rq.book_ms += max(0.0, round_ms - verify_ms)
+        self._emit(Round(request_id=rq.rid, index=rq.rounds, kind="spec" if tree.tokens else "ar", k=rq.k,
+                         drafted=len(tree), accepted=a, emitted=emitted, provenance=prov,
+                         draft_ms=round(draft_ms, 3), verify_ms=round(verify_ms, 3), round_ms=round(round_ms, 3),
+                         context=len(seq), alpha=round(self.alpha.value, 5),
+                         draft_source="tree" if tree.tokens else "",
+                         verify="" if rq.sampling.greedy or not tree.tokens else rq.sampling.verify,
+                         tree_tokens=list(tree.tokens), tree_parents=list(tree.parents), tree_path=path,
+                         tree_verify=how))
         self._check_end(rq)
 
     def _finish(self, rq: "_Request", choice: Choice | None) -> RequestEnd:

@@ -126,6 +126,13 @@ class Round:
     draft_stop: str = ""
     draft_source: str = ""      # "lookup": an n-gram side draft the gate verified in a k = 0 round
     verify: str = ""            # how drafts were judged: "" greedy (argmax), "seeded" or "rejection"
+    # a tree round (policy tree:N): the proposed tokens, each node's parent (-1: a child of the
+    # pending token), the accepted nodes root first, and how it was verified ("tree": one forward
+    # over the tree; "chain": its first path as a chain, where no tree forward exists)
+    tree_tokens: list[int] = field(default_factory=list)
+    tree_parents: list[int] = field(default_factory=list)
+    tree_path: list[int] = field(default_factory=list)
+    tree_verify: str = ""
 
 
 @dataclass

@@ -9,16 +9,26 @@ partial hits and exact repeats; on HF's own forward it verifies the tree's first
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from rakv import decoding as dec
+from rakv import sampling as S
+from rakv.config import Policy, RakvConfig
+from rakv.drafts import NgramDraft, ngram_tree
+from rakv.engine import Engine
 from rakv.kernels import blockq
 from rakv.kernels.lean import TreeLayout
-from rakv.tree import TokenTree, walk
+from rakv.prefix_cache import TokenHistory
+from rakv.sampling import Sampling
+from rakv.tree import TokenTree, verify_tree, walk
 
 from .test_blockq import kernel, needs_onednn  # noqa: F401  (the kernel fixture)
-from .tiny import make_model, snap_to_blocks, tiny_tokenizer, wrap_tiny
+from .test_sampling_exact import reference as sampled_reference
+from .tiny import (EOS_N, EOS_PROMPTS, assert_exact, make_model, make_pair, oracle, save_tiny, snap_to_blocks,
+                   tiny_tokenizer, wrap_tiny)
 
 # a branchy tree: node parents (-1: a child of the pending token)
 BRANCHY_TOKENS = [11, 12, 13, 14, 15, 16, 17, 18]
@@ -123,3 +133,229 @@ def test_without_own_attention_the_tree_mask_gives_the_decode_steps_logits(monke
         path = _path_of(BRANCHY_PARENTS, node)
         steps, _ = _decode_path(m, ids, 30, [ids[30]] + [BRANCHY_TOKENS[j] for j in path])
         torch.testing.assert_close(steps[-1], tree_logits[node + 1], rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- the n-gram trees
+def test_ngram_tree_groups_every_occurrence_by_shared_prefix_and_keeps_the_heaviest_nodes():
+    ids = [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 6, 8, 1, 2, 3, 4, 5, 7, 1, 2, 3]
+    tree = ngram_tree(ids, 8, 4)
+    # after "1 2 3": "4 5 7 1" (latest, also the longest matching context: weight 2), "4 6 8 1", "4 5 9 1"
+    assert tree.tokens[0] == 4 and tree.parents[0] == -1                 # one shared first token
+    assert [tree.tokens[i] for i in tree.first_path()] == [4, 5, 7, 1]   # the heaviest chain first
+    kids = tree.children()
+    assert sorted(tree.tokens[c] for c in kids[0]) == [5, 6]            # two branches after "4"
+    assert len(tree) == 8
+    for budget in range(1, 9):
+        small = ngram_tree(ids, budget, 4)
+        small.check()
+        assert len(small) == budget and small.first_path()[0] == 0
+    assert ngram_tree(ids, 8, 2).depths() and max(ngram_tree(ids, 8, 2).depths()) == 2
+    assert len(ngram_tree([5, 6, 7], 8, 4)) == 0
+    # a history of earlier requests adds their continuations
+    h = TokenHistory(1000)
+    h.add([2, 3, 42, 43])
+    t2 = ngram_tree([9, 2, 3], 4, 3, history=h)
+    assert t2.tokens[:2] == [42, 43]
+
+
+def test_tree_policy_parses():
+    p = Policy.parse("tree:8")
+    assert (p.tree, p.reuse, p.k) == (True, True, 8)
+    for bad in ("tree:0", "tree:17", "tree:x"):
+        with pytest.raises(ValueError):
+            Policy.parse(bad)
+
+
+# ----------------------------------------------------------------------------- the engine, exact
+PROMPTS = [list(range(5, 45)), list(range(5, 45)), list(range(5, 35)) + [7, 8, 9], [3, 4, 5] * 6]
+N_OUT = 20
+
+
+class OracleTree:
+    """A tree source that hides the target's true continuation among decoys: at every level the
+    true token is the last child, after decoys, so accepting it needs the walk through branches.
+    ``truth(seq)``: the target's tokens after ``seq`` (the reference's)."""
+
+    def __init__(self, truth, lie_at: int | None = None):
+        self.truth, self.lie_at = truth, lie_at
+        self.sizes = (3, 2)
+
+    def begin(self, *a):
+        pass
+
+    def end(self):
+        pass
+
+    def propose_tree(self, seq, budget, depth):
+        true = self.truth(seq)[:depth]
+        if self.lie_at is not None and len(true) > self.lie_at:
+            true = true[: self.lie_at] + [(true[self.lie_at] + 1) % 300]
+        tree, at = TokenTree(), -1
+        for tok in true:
+            if len(tree) + 2 > budget:
+                break
+            tree.tokens += [(tok + 7) % 300, tok]                  # a decoy, then the true token
+            tree.parents += [at, at]
+            at = len(tree) - 1
+            if len(tree) < budget:                                  # the decoy's own child
+                tree.tokens.append(tok)
+                tree.parents.append(at - 1)
+        if not tree.tokens and true and budget >= 1:
+            tree.tokens, tree.parents = [true[0]], [-1]
+        while len(tree) < budget:                                   # more decoys at the root
+            tok = (len(tree) * 13 + 1) % 300
+            if not true or tok != true[0]:
+                tree.tokens.append(tok)
+                tree.parents.append(-1)
+            else:
+                budget -= 1
+        tree.check()
+        return tree, 0.0
+
+
+def _greedy_truth(target, prompt):
+    full = prompt + oracle(target, prompt, N_OUT)
+    return lambda seq: full[len(seq):] if seq == full[: len(seq)] else []
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_every_node_count_is_exact_with_the_ngram_tree(arch):
+    """tree:1 .. tree:16 with the n-gram source: a miss, an exact repeat (the history's earlier
+    output proposed and accepted), a partial hit, a repetitive prompt."""
+    target, _ = make_pair(arch)
+    for n in range(1, 17):
+        rounds = []
+        eng = Engine(target, NgramDraft(), RakvConfig(policy=f"tree:{n}"), callback=rounds.append)
+        for p in PROMPTS:
+            assert_exact(eng.generate(p, N_OUT), target, p, N_OUT, (arch, n))
+        trees = [r for r in rounds if getattr(r, "type", "") == "round" and r.tree_tokens]
+        assert trees and all(len(r.tree_tokens) <= n and r.tree_verify == "tree" for r in trees)
+        assert sum(r.accepted for r in trees) > 0, n                  # the exact repeat at least
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_walk_finds_the_true_path_among_branches(arch):
+    """Trees whose true continuation is never the first child: accepted through the branches, and
+    a wrong token inside the path stops the walk there; the output is target-only decoding's."""
+    target, _ = make_pair(arch)
+    for lie_at in (None, 2):
+        for n in (2, 5, 9, 16):
+            rounds = []
+            eng = Engine(target, NgramDraft(), RakvConfig(policy=f"tree:{n}"), callback=rounds.append)
+            for p in PROMPTS[2:]:
+                eng.planner.lookup = OracleTree(_greedy_truth(target, p), lie_at)
+                assert_exact(eng.generate(p, N_OUT), target, p, N_OUT, (arch, n, lie_at))
+            acc = [r.accepted for r in rounds if getattr(r, "type", "") == "round" and r.tree_tokens]
+            assert max(acc) >= (1 if n < 5 else 2), (n, acc)
+            if lie_at is not None:
+                assert max(acc) <= lie_at
+
+
+def test_eos_inside_the_accepted_path_ends_the_output_there():
+    target, _ = make_pair("llama", eos="emitted")
+    eos = next(iter(target.eos_ids))
+    p = EOS_PROMPTS[0]
+    want = oracle(target, p, EOS_N)
+    assert want[-1] == eos
+    cuts = []
+    for n in (4, 8, 12, 16):
+        rounds = []
+        eng = Engine(target, NgramDraft(), RakvConfig(policy=f"tree:{n}"), callback=rounds.append)
+
+        def truth(seq, full=p + want + [5, 6, 7, 8, 9, 10]):          # the path goes on past the EOS
+            return full[len(seq):] if seq == full[: len(seq)] else []
+        eng.planner.lookup = OracleTree(truth)
+        end = eng.generate(p, EOS_N)
+        assert (end.output_ids, end.stopped) == (want, "eos"), n
+        last = [r for r in rounds if getattr(r, "type", "") == "round"][-1]
+        path_tokens = [last.tree_tokens[i] for i in last.tree_path]
+        cuts.append(eos in path_tokens and last.emitted[-1] == eos)     # EOS inside the accepted path
+        for q in EOS_PROMPTS[1:]:
+            eng.planner.lookup = NgramDraft()
+            assert_exact(eng.generate(q, EOS_N), target, q, EOS_N, n)
+    assert any(cuts), cuts
+
+
+SETTINGS = [Sampling(temperature=0.7, seed=3), Sampling(temperature=1.0, seed=11, top_k=40),
+            Sampling(temperature=1.3, seed=123, top_p=0.9)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("s", SETTINGS, ids=lambda s: s.key())
+def test_seeded_sampling_with_trees_gives_target_only_samples(arch, s):
+    target, _ = make_pair(arch)
+    eos = set(target.eos_ids)
+    from .tiny import reference_model
+    ref = reference_model(target)
+    for n in (3, 8, 16):
+        rounds = []
+        eng = Engine(target, NgramDraft(), RakvConfig(policy=f"tree:{n}", sampling=s), callback=rounds.append)
+        for i, p in enumerate(PROMPTS):
+            want = sampled_reference(ref, p, N_OUT, s.for_request(i), eos)
+            full = p + want
+
+            def truth(seq, full=full):
+                return full[len(seq):] if seq == full[: len(seq)] else []
+            eng.planner.lookup = OracleTree(truth) if i % 2 else NgramDraft()
+            assert eng.generate(p, N_OUT).output_ids == want, (n, i)
+        assert any(r.accepted for r in rounds if getattr(r, "type", "") == "round" and r.tree_tokens)
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("s", [Sampling(), SETTINGS[0]], ids=lambda s: s.key())
+def test_the_kv_after_a_tree_round_is_the_kv_of_decoding_the_accepted_path(kernel, arch, s):
+    """A tree round (its true path hidden behind decoys) leaves exactly the cache that decoding the
+    accepted path one token at a time leaves, bit for bit, and emits what those steps give."""
+    lm = _coded(arch)
+    m = lm.model
+    ids = [(11 * i + 5) % 300 for i in range(34)]
+    at = 30
+    c = dec.DynamicCache()
+    dec.prefill(m, ids[:at], c)
+    logits, truth = dec.forward(m, ids[at:at + 1], c)[-1], []
+    for j in range(6):                    # the target's own continuation, one decode step at a time
+        tok = int(logits.argmax()) if s.greedy else S.sample(logits, s, j)
+        truth.append(tok)
+        logits = dec.forward(m, [tok], c)[-1]
+    src = OracleTree(lambda seq: truth)
+    tree, _ = src.propose_tree(ids[:at + 1], 16, 6)
+    c = dec.DynamicCache()
+    dec.prefill(m, ids[:at], c)
+    emitted, path, how = verify_tree(m, c, ids[at], tree, s, 0)
+    assert how == "tree" and len(path) >= 3 and emitted == truth[: len(path) + 1]
+    _, c2 = _decode_path(m, ids, at, [ids[at]] + [tree.tokens[i] for i in path])
+    assert dec.cache_len(c) == dec.cache_len(c2) == at + 1 + len(path)
+    for a, b in zip(c.layers, c2.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_hf_forward_verifies_the_first_path_as_a_chain():
+    target, _ = make_pair("llama", forward="hf")
+    assert not dec.tree_forward_ok(target.model)
+    rounds = []
+    eng = Engine(target, NgramDraft(), RakvConfig(policy="tree:8"), callback=rounds.append)
+    for p in PROMPTS:
+        assert_exact(eng.generate(p, N_OUT), target, p, N_OUT)
+    trees = [r for r in rounds if getattr(r, "type", "") == "round" and r.tree_tokens]
+    assert trees and {r.tree_verify for r in trees} == {"chain"} and sum(r.accepted for r in trees) > 0
+
+
+def test_cli_generate_with_a_tree_policy(tmp_path, capsys):
+    from rakv.cli import main
+    from rakv.records import read_recording
+
+    t = save_tiny(tmp_path / "target", "llama")
+    rec = tmp_path / "run.jsonl"
+    prompt = "alpha beta gamma delta alpha beta gamma"
+    for _ in range(2):
+        code = main(["generate", "--target", str(tmp_path / "target"), "--draft", "ngram", "--policy", "tree:8",
+                     "--prompt", prompt, "--prompt", prompt, "--max-new-tokens", "10", "--json", "--raw",
+                     "--record", str(rec)])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+    ids = tiny_tokenizer()(prompt, add_special_tokens=False)["input_ids"]
+    outs = [json.loads(x) for x in out.splitlines()]
+    assert [o["output_ids"] for o in outs] == [oracle(t, ids, 10)] * 2
+    rounds = [r for r in read_recording(rec) if r.type == "round" and r.tree_tokens]
+    assert rounds and all(len(r.tree_parents) == len(r.tree_tokens) for r in rounds)

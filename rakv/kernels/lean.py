@@ -485,6 +485,11 @@ class LeanLlama:
         (the layers:L draft): its fused layers are this one's, not new copies."""
         return LeanLlama(model, self.layers[: len(model.model.layers)])
 
+    @staticmethod
+    def tree_layout(parents: list[int]) -> TreeLayout:
+        """The ``TreeLayout`` of rows with these parents (what ``forward``'s ``tree`` takes)."""
+        return TreeLayout(parents)
+
     def __deepcopy__(self, memo):
         # a deep copy of the model (the int8 draft's) gets no lean forward: attach() builds its own
         return None
