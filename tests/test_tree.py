@@ -359,3 +359,18 @@ def test_cli_generate_with_a_tree_policy(tmp_path, capsys):
     assert [o["output_ids"] for o in outs] == [oracle(t, ids, 10)] * 2
     rounds = [r for r in read_recording(rec) if r.type == "round" and r.tree_tokens]
     assert rounds and all(len(r.tree_parents) == len(r.tree_tokens) for r in rounds)
+
+
+def test_bench_runs_a_tree_arm_without_mismatches(tmp_path):
+    import csv
+
+    from rakv.cli import main
+
+    out = tmp_path / "b"
+    rc = main(["bench", "--tiny", "--workload", "repetitive", "--draft", "ngram", "--policies", "joint:4", "tree:8",
+               "--out", str(out), "--repeats", "1", "--n-prompts", "4"])
+    assert rc == 0
+    with open(out / "executions.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert "tree:8" in {r["policy"] for r in rows}
+    assert all(r["match"] == "1" for r in rows)
