@@ -374,3 +374,35 @@ def test_bench_runs_a_tree_arm_without_mismatches(tmp_path):
         rows = list(csv.DictReader(f))
     assert "tree:8" in {r["policy"] for r in rows}
     assert all(r["match"] == "1" for r in rows)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_trees_are_exact_with_sliding_windows_and_biases(arch):
+    """Mistral's window (16 positions, shorter than the prompts) and Qwen2's q / k / v biases."""
+    target, _ = make_pair(arch)
+    rounds = []
+    eng = Engine(target, NgramDraft(), RakvConfig(policy="tree:8"), callback=rounds.append)
+    for p in PROMPTS:
+        assert_exact(eng.generate(p, N_OUT), target, p, N_OUT, arch)
+    for p in PROMPTS[2:]:
+        eng.planner.lookup = OracleTree(_greedy_truth(target, p))
+        assert_exact(eng.generate(p, N_OUT), target, p, N_OUT, arch)
+    trees = [r for r in rounds if getattr(r, "type", "") == "round" and r.tree_tokens]
+    assert {r.tree_verify for r in trees} == {"tree"} and max(r.accepted for r in trees) >= 2
+
+
+def test_trees_are_exact_on_torch_attention_with_the_tree_mask(monkeypatch):
+    """Without the block kernel (RAKV_BLOCKQ=0) the lean forward runs torch's attention with the
+    tree mask: still target-only decoding's tokens."""
+    monkeypatch.setenv("RAKV_BLOCKQ", "0")
+    for arch in ("llama", "gpt2"):
+        target, _ = make_pair(arch)
+        rounds = []
+        eng = Engine(target, NgramDraft(), RakvConfig(policy="tree:12"), callback=rounds.append)
+        for p in PROMPTS:
+            assert_exact(eng.generate(p, N_OUT), target, p, N_OUT, arch)
+        for p in PROMPTS[2:]:
+            eng.planner.lookup = OracleTree(_greedy_truth(target, p))
+            assert_exact(eng.generate(p, N_OUT), target, p, N_OUT, arch)
+        trees = [r for r in rounds if getattr(r, "type", "") == "round" and r.tree_tokens]
+        assert {r.tree_verify for r in trees} == {"tree"} and max(r.accepted for r in trees) >= 2
