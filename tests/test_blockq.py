@@ -97,6 +97,65 @@ def test_kernel_rows_do_not_depend_on_how_many_and_are_fp32_accurate(kernel, kin
         torch.set_num_threads(old)
 
 
+def _random_codes(kind: str, N: int, K: int, seed: int) -> blockq.BlockWeight:
+    """Random codes of a kind: float16 scales and offsets (q8x: per 16 inputs), any code values."""
+    g = torch.Generator().manual_seed(seed)
+    nb = K // blockq.BLK
+    groups = 2 * nb if kind == "q8x" else nb
+    d = (torch.rand(N, groups, generator=g) * 0.05 + 1e-3).half().float()
+    m = -(torch.rand(N, groups, generator=g) * 0.5).half().float()
+    if kind == "q4":
+        qs = torch.randint(0, 256, (N, nb, 16), dtype=torch.uint8, generator=g)
+    elif kind == "q8":
+        qs, m = torch.randint(-128, 128, (N, nb, 32), dtype=torch.int8, generator=g), None
+    else:
+        qs = torch.randint(0, 256, (N, nb, 32), dtype=torch.uint8, generator=g)
+    return blockq.BlockWeight(kind, N, K, qs, d, m)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """tests/blockq_reference.c built here: the kernel's order of operations written out plainly,
+    one output at a time."""
+    import ctypes
+    from pathlib import Path
+
+    if blockq._compiler() is None:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp("reference") / "reference.so"
+    why = blockq._build(blockq._compiler(), out, source=Path(__file__).with_name("blockq_reference.c"))
+    assert why == "", why
+    lib = ctypes.CDLL(str(out))
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.reference_linear.argtypes = [i64, i64, i64, vp, vp, vp, vp, i64, vp, vp]
+
+    def linear(b: blockq.BlockWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.empty(x.shape[0], b.N)
+        lib.reference_linear(blockq.KIND_CODES[b.kind], b.N, b.K, b.qs.data_ptr(), b.d.data_ptr(),
+                             (b.m if b.m is not None else b.d).data_ptr(), x.data_ptr(), x.shape[0], y.data_ptr(),
+                             None if bias is None else bias.data_ptr())
+        return y
+    return linear
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8", "q8x"])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_every_row_count_gives_the_reference_bits(kernel, reference, kind, threads):
+    """Every M from 1 to blockq.MAX_ROWS, on random codes of every kind: each row is bit for bit the
+    plain one-output-at-a-time reference (tests/blockq_reference.c), with and without a bias, on
+    shapes that are not whole tiles, strips or thread shares."""
+    for N, K, seed in ((70, 160, 1), (29, 32, 2), (13, 608, 3)):
+        b = _random_codes(kind, N, K, seed)
+        torch.manual_seed(seed)
+        x, bias = torch.randn(blockq.MAX_ROWS, K), torch.randn(N)
+        want, want_nobias = reference(b, x, bias), reference(b, x, None)
+        for M in range(1, blockq.MAX_ROWS + 1):
+            assert torch.equal(b(x[:M], bias), want[:M]), (N, K, M)
+        for M in (1, 5, 17, blockq.MAX_ROWS):
+            assert torch.equal(b(x[:M]), want_nobias[:M]), (N, K, M)
+        assert torch.equal(b(x[40:41], bias), want[40:41])
+
+
 def _block_pair(arch: str, eos=None):
     """A target whose weights are block-coded (Q4_1 layers, Q8_0 head) on the fast path, a close
     draft, and a plain copy of the target (torch's own kernels, HF's forward) for the oracle."""
@@ -344,27 +403,33 @@ def test_the_codes_run_every_row_count_up_to_the_limit(kernel, monkeypatch):
         assert attended == ([n] * m.config.num_hidden_layers if n <= LOOKUP_K + 1 else []), n
 
 
-def test_the_portable_kernel_gives_the_same_bits(kernel, tmp_path, monkeypatch):
-    """A CPU without AVX-512 runs the portable C (the same order of operations): built here with
-    -mno-avx512f, it must give exactly what the AVX-512 build gives."""
+NARROWER = {512: [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")], 256: [("-mno-avx2",)]}
+
+
+def test_the_narrower_builds_give_the_same_bits(kernel, tmp_path, monkeypatch):
+    """A CPU without AVX-512 runs the AVX2 code, one without AVX2 the portable C (the same order of
+    operations): built here with the wider instructions switched off, each must give exactly what
+    the native build gives, for every kind of codes and several row counts."""
     import platform
 
     native = blockq.library()
-    if platform.machine().lower() not in ("x86_64", "amd64") or not native.rakv_blockq_avx512():
+    simd = native.rakv_blockq_simd()
+    if platform.machine().lower() not in ("x86_64", "amd64") or simd not in NARROWER:
         pytest.skip("the native build is the portable one here")
-    out = tmp_path / "portable.so"
-    assert blockq._build(blockq._compiler(), out, ("-mno-avx512f",)) == ""
-    portable = blockq._load(out)
-    assert portable.rakv_blockq_avx512() == 0
+    narrower = []
+    for i, flags in enumerate(NARROWER[simd]):
+        out = tmp_path / f"narrower{i}.so"
+        assert blockq._build(blockq._compiler(), out, flags) == ""
+        narrower.append(blockq._load(out))
+        assert narrower[-1].rakv_blockq_simd() < simd
 
     def outputs():
         res = []
-        for kind in ("q4", "q8"):
-            w = _coded(kind, N=70, K=160, seed=4)
-            b = blockq.encode(w)                          # fresh codes: bound to the library now in use
+        for kind in ("q4", "q8", "q8x"):
+            b = _random_codes(kind, 70, 160, seed=4)       # fresh codes: bound to the library now in use
             torch.manual_seed(5)
-            x, bias = torch.randn(1, 30, 160), torch.randn(70)
-            res += [b(x, bias), b(x[:, :1], bias)]
+            x, bias = torch.randn(1, 64, 160), torch.randn(70)
+            res += [b(x[:, :M], bias) for M in (1, 2, 3, 9, 17, 30, 64)]
         torch.manual_seed(6)
         qk = torch.randn(1, 5, 8, 32)
         k, v = torch.randn(1, 2, 64, 32)[:, :, :26], torch.randn(1, 2, 64, 32)[:, :, :26]
@@ -372,6 +437,7 @@ def test_the_portable_kernel_gives_the_same_bits(kernel, tmp_path, monkeypatch):
         return res
 
     a = outputs()
-    monkeypatch.setattr(blockq._Lib, "handle", portable)
-    b = outputs()
-    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for lib in narrower:
+        monkeypatch.setattr(blockq._Lib, "handle", lib)
+        b = outputs()
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

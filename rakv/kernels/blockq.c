@@ -29,6 +29,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define RAKV_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define RAKV_AVX2 1
 #endif
 
 #define LANES 16
@@ -163,6 +166,7 @@ static inline void NAME(const float *x, int64_t K, int64_t nb, const uint8_t *qs
             w1[l] = fmaf(d[h + 1], (float)blk[LANES + l], m[h + 1]); } }
 #endif
 
+#ifndef RAKV_AVX2
 #define TILES(P, DEQ)                                                                          \
     Q_TILE(P##_4x1, 4, 1, DEQ) Q_TILE(P##_4x2, 4, 2, DEQ) Q_TILE(P##_4x3, 4, 3, DEQ)           \
     Q_TILE(P##_4x4, 4, 4, DEQ) Q_TILE(P##_2x5, 2, 5, DEQ) Q_TILE(P##_2x6, 2, 6, DEQ)           \
@@ -221,23 +225,227 @@ static void run(const tile_fn *wide, const tile_fn *one, const float *x, int64_t
             one[mr](xr, K, nb, qs, qstride, d, m, yr, N, bias, n0);
     }
 }
+#endif
+
+#ifdef RAKV_AVX2
+/* AVX2 (8 lanes a register, 16 registers). Lanes 0-7 and lanes 8-15 of an output are two separate
+   chains of fmas (lane l adds inputs 32b + l, then 32b + 16 + l, block after block), so the kernel
+   computes them one after the other, each in one register: the "halves" h = 0, 1, half h holding
+   the inputs 32b + 8h .. 32b + 8h + 7 and 32b + 16 + 8h .. 32b + 16 + 8h + 7 of every block b,
+   contiguous in that order. x is laid out in halves once per call; a thread rebuilds STRIP weight
+   rows at a time into an fp32 buffer in halves, then runs all rows of x over it in register tiles
+   of up to NR outputs x MRR rows, and joins the halves with the lane tree's first addition. Each
+   output's additions are the ones above in the same order, for any M, tile or thread count. */
+#ifndef STRIP
+#define STRIP 12          /* weight rows a thread rebuilds at a time (its buffer: STRIP K floats) */
+#endif
+#define MR_TILE 6         /* most rows in a register tile */
+#define NT_MAX 4          /* most outputs in a register tile */
+#define ACC_MAX 12        /* most accumulators in a register tile (+ its weights and one x: 16 registers) */
+#ifndef NT_OF
+#define NT_OF {0, 4, 4, 3, 2, 2, 2}
+#endif
+
+/* a register tile's outputs for mr rows: as many as ACC_MAX accumulators allow with NT_MAX weights */
+static inline int tile_outputs(int mr) {
+    static const int nt[MR_TILE + 1] = NT_OF;
+    return nt[mr];
+}
+
+/* how many rows the i-th of M's row tiles has: ceil(M / MR_TILE) tiles as equal as they can be (a
+   tile of few rows has too few accumulators to keep both fma pipes busy) */
+static inline int tile_rows(int64_t M, int64_t i) {
+    const int64_t tiles = (M + MR_TILE - 1) / MR_TILE;
+    return (int)(M / tiles + (i < M % tiles));
+}
+
+typedef struct {
+    int kind;                          /* 4: Q4, 8: Q8, 9: Q8X */
+    int64_t K, nb, qstride;
+    const uint8_t *qs;
+    const float *d, *m;
+} codes;
+
+/* a buffer of at least n floats, one per thread and slot, kept for the next call */
+static __thread float *scratch_mem[2];
+static __thread size_t scratch_cap[2];
+static float *scratch(int slot, size_t n) {
+    if (n > scratch_cap[slot]) {
+        free(scratch_mem[slot]);
+        scratch_mem[slot] = aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64);
+        scratch_cap[slot] = scratch_mem[slot] ? n : 0;
+    }
+    return scratch_mem[slot];
+}
+
+/* inputs 32b + 8j .. 32b + 8j + 7 (j = 0..3) of a K-vector in halves: half j % 2, position 16b + 8 (j / 2) */
+static inline float *in_halves(float *base, int64_t K, int64_t b, int j) {
+    return base + (j & 1) * (K / 2) + b * (BLK / 2) + (j >> 1) * 8;
+}
+
+/* weight row n rebuilt exactly into w [K] in halves: fma(d, q, m) (Q4, Q8X) or d * q (Q8), the
+   values the GGUF dequantizer and the other builds compute */
+static void rebuild_row(const codes *c, int64_t n, float *w) {
+    const __m128i low4 = _mm_set1_epi8(15);
+    const int64_t K = c->K;
+    for (int64_t b = 0; b < c->nb; b++) {
+        const uint8_t *blk = c->qs + n * c->qstride + b * (c->qstride / c->nb);
+        const int64_t i = n * c->nb + b;
+        __m256 q[4];
+        if (c->kind == 4) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
+            const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+            q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+            q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+            q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+            q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+            const __m256 vd = _mm256_set1_ps(c->d[i]), vm = _mm256_set1_ps(c->m[i]);
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(in_halves(w, K, b, j), _mm256_fmadd_ps(vd, q[j], vm));
+        } else if (c->kind == 8) {
+            const __m256 vd = _mm256_set1_ps(c->d[i]);
+            for (int j = 0; j < 4; j++)
+                _mm256_storeu_ps(in_halves(w, K, b, j), _mm256_mul_ps(vd, _mm256_cvtepi32_ps(
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * j))))));
+        } else {
+            for (int j = 0; j < 4; j++) {
+                const int64_t h = 2 * i + j / 2;
+                _mm256_storeu_ps(in_halves(w, K, b, j), _mm256_fmadd_ps(_mm256_set1_ps(c->d[h]),
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * j)))),
+                    _mm256_set1_ps(c->m[h])));
+            }
+        }
+    }
+}
+
+/* rows x [M, K] laid out in halves into xh [M, K] */
+static void x_in_halves(const float *x, int64_t M, int64_t K, float *xh) {
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < K / BLK; b++)
+            for (int j = 0; j < 4; j++)
+                _mm256_storeu_ps(in_halves(xh + r * K, K, b, j), _mm256_loadu_ps(x + r * K + b * BLK + 8 * j));
+}
+
+/* the lane tree of lanes 0-7 (lo) and 8-15 (hi): tree16's additions, in its order */
+static inline float tree_halves(__m256 lo, __m256 hi) {
+    const __m256 s8 = _mm256_add_ps(lo, hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+/* one half of NT outputs x MR rows over its K / 2 inputs: w [NT] rows and x [MR] rows at stride
+   K; the lane sums into out[t * MR_TILE + r] */
+static inline __attribute__((always_inline)) void half_tile(const float *w, const float *x, int64_t K,
+                                                            __m256 *out, const int NT, const int MR) {
+    __m256 acc[NT_MAX][MR_TILE];
+    for (int t = 0; t < NT; t++) for (int r = 0; r < MR; r++) acc[t][r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < K / 2; j += 8) {
+        __m256 wv[NT_MAX];
+        for (int t = 0; t < NT; t++) wv[t] = _mm256_load_ps(w + t * K + j);
+        for (int r = 0; r < MR; r++) {
+            __m256 xv = _mm256_load_ps(x + r * K + j);
+            __asm__("" : "+x"(xv));    /* x in a register, used NT times (not NT loads as fma operands) */
+            for (int t = 0; t < NT; t++) acc[t][r] = _mm256_fmadd_ps(wv[t], xv, acc[t][r]);
+        }
+    }
+    for (int t = 0; t < NT; t++) for (int r = 0; r < MR; r++) out[t * MR_TILE + r] = acc[t][r];
+}
+
+#define HALF_CASE(NT, MR) \
+    case (NT) * 16 + (MR): if ((NT) * (MR) <= ACC_MAX) half_tile(w, x, K, out, NT, MR); break;
+#define HALF_CASES(NT) HALF_CASE(NT, 1) HALF_CASE(NT, 2) HALF_CASE(NT, 3) HALF_CASE(NT, 4) HALF_CASE(NT, 5) \
+    HALF_CASE(NT, 6)
+static void half_any(int nt, int mr, const float *w, const float *x, int64_t K, __m256 *out) {
+    switch (nt * 16 + mr) {
+        HALF_CASES(1) HALF_CASES(2) HALF_CASES(3) HALF_CASES(4)
+        default: break;
+    }
+}
+
+/* outputs n0 .. n0 + cnt - 1 of all M rows from their rebuilt weights w [cnt, K] in halves: for
+   each row tile, the first halves of all cnt outputs, then the second halves joined to them */
+static void strip_rows(const float *w, int cnt, const float *xh, int64_t M, int64_t K, float *y, int64_t N,
+                       const float *bias, int64_t n0) {
+    __m256 lo[STRIP * MR_TILE], hi[NT_MAX * MR_TILE];
+    int64_t r0 = 0;
+    for (int64_t i = 0; r0 < M; r0 += tile_rows(M, i++)) {
+        const int mr = tile_rows(M, i), ntile = tile_outputs(mr);
+        for (int t0 = 0; t0 < cnt; t0 += ntile)
+            half_any(cnt - t0 < ntile ? cnt - t0 : ntile, mr, w + t0 * K, xh + r0 * K, K, lo + t0 * MR_TILE);
+        for (int t0 = 0; t0 < cnt; t0 += ntile) {
+            const int nt = cnt - t0 < ntile ? cnt - t0 : ntile;
+            half_any(nt, mr, w + t0 * K + K / 2, xh + r0 * K + K / 2, K, hi);
+            for (int t = 0; t < nt; t++)
+                for (int r = 0; r < mr; r++) {
+                    float s = tree_halves(lo[(t0 + t) * MR_TILE + r], hi[t * MR_TILE + r]);
+                    if (bias) s += bias[n0 + t0 + t];
+                    y[(r0 + r) * N + n0 + t0 + t] = s;
+                }
+        }
+    }
+}
+
+static void run_avx2(const codes *c, const float *x, int64_t M, int64_t N, float *y, const float *bias,
+                     int threads) {
+    const int64_t K = c->K, strips = (N + STRIP - 1) / STRIP;
+    float *xh = scratch(0, M * K);
+    x_in_halves(x, M, K, xh);
+    #pragma omp parallel num_threads(threads)
+    {
+        float *buf = scratch(1, STRIP * K);
+        #pragma omp for schedule(static)
+        for (int64_t s = 0; s < strips; s++) {
+            const int64_t n0 = s * STRIP;
+            const int cnt = (int)(N - n0 < STRIP ? N - n0 : STRIP);
+            for (int t = 0; t < cnt; t++) rebuild_row(c, n0 + t, buf + t * K);
+            strip_rows(buf, cnt, xh, M, K, y, N, bias, n0);
+        }
+    }
+}
+#endif
 
 /* y [M, N] = x [M, K] W^T (+ bias), W in Q4 codes (see above) */
 static void rakv_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
                     const float *m, int64_t N, float *y, const float *bias, int threads) {
+#ifdef RAKV_AVX2
+    const codes c = {4, K, K / BLK, K / 2, qs, d, m};
+    run_avx2(&c, x, M, N, y, bias, threads);
+#else
     run(Q4_WIDE, Q4_ONE, x, M, K, qs, K / 2, d, m, N, y, bias, threads, 1);
+#endif
 }
 
 /* y [M, N] = x [M, K] W^T (+ bias), W in Q8 codes (see above) */
 static void rakv_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *qs, const float *d,
                     int64_t N, float *y, const float *bias, int threads) {
+#ifdef RAKV_AVX2
+    const codes c = {8, K, K / BLK, K, (const uint8_t *)qs, d, d};
+    run_avx2(&c, x, M, N, y, bias, threads);
+#else
     run(Q8_WIDE, Q8_ONE, x, M, K, (const uint8_t *)qs, K, d, d, N, y, bias, threads, 1);
+#endif
 }
 
 /* y [M, N] = x [M, K] W^T (+ bias), W in Q8X codes (see above) */
 static void rakv_q8x_linear(const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
                             const float *m, int64_t N, float *y, const float *bias, int threads) {
+#ifdef RAKV_AVX2
+    const codes c = {9, K, K / BLK, K, qs, d, m};
+    run_avx2(&c, x, M, N, y, bias, threads);
+#else
     run(Q8X_WIDE, Q8X_ONE, x, M, K, qs, K, d, m, N, y, bias, threads, 2);
+#endif
+}
+
+/* the vector width of the linear kernel's build, in bits: 512 (AVX-512), 256 (AVX2 + FMA), 0 (portable C) */
+int rakv_blockq_simd(void) {
+#if defined(RAKV_AVX512)
+    return 512;
+#elif defined(RAKV_AVX2)
+    return 256;
+#else
+    return 0;
+#endif
 }
 
 /* ---- causal attention of n new query rows over a KV cache (decode and verify steps), fp32.

@@ -91,13 +91,14 @@ def _ident(cc: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _build(cc: str, out: Path, extra: tuple = ()) -> str:
-    """Compile the kernel into ``out`` (atomically); returns "" or why it failed. ``extra``: more
-    compiler flags (the tests build the portable variant with ``-mno-avx512f``)."""
+def _build(cc: str, out: Path, extra: tuple = (), source: Path = SOURCE) -> str:
+    """Compile the kernel (``source``, by default the product's) into ``out`` (atomically); returns
+    "" or why it failed. ``extra``: more compiler flags (the tests build the narrower SIMD variants
+    with ``-mno-avx512f``, ``-mno-avx2``)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     cmd = [cc, "-O3", "-march=native", *extra, "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
-           "-o", str(tmp), str(SOURCE)]
+           "-o", str(tmp), str(source)]
     if sys.platform == "darwin":           # Apple clang: OpenMP through torch's libomp is not assumed
         cmd = [c for c in cmd if c != "-fopenmp"]
     try:
@@ -163,6 +164,7 @@ def _load(path: Path):
     lib.rakv_check.argtypes = [vp, vp, i64, i64, i32]
     lib.rakv_check.restype = i64
     lib.rakv_blockq_avx512.restype = i32
+    lib.rakv_blockq_simd.restype = i32
     return lib
 
 
