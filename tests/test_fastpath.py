@@ -18,8 +18,8 @@ from rakv.engine import Engine
 from rakv.models import int8_copy, set_fast, wrap
 from tests.tiny import hf_greedy, make_model, oracle, save_tiny, tiny_tokenizer
 
-needs_onednn = pytest.mark.skipif(fastpath.unavailable_reason(torch.nn.Linear(2, 2)) is not None,
-                                  reason="oneDNN not available in this torch build")
+_NO_ONEDNN = fastpath.unavailable_reason(torch.nn.Linear(2, 2))    # a float32 CPU linear: only oneDNN can lack
+needs_onednn = pytest.mark.skipif(_NO_ONEDNN is not None, reason=f"{_NO_ONEDNN} (the packed fast path needs it)")
 PROMPTS = [list(range(5, 45)), [3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4, 5], list(range(60, 72))]
 
 
@@ -117,8 +117,8 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a missing CUDA device; this machine has one")
-def test_cli_unavailable_device_is_one_line_exit_2(tiny_dir, capsys):
+def test_cli_unavailable_device_is_one_line_exit_2(tiny_dir, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)    # also on a machine with a GPU
     code = main(["generate", "--target", str(tiny_dir / "target"), "--draft", "none", "--prompt", "hello",
                  "--device", "cuda", "--max-new-tokens", "2"])
     err = capsys.readouterr().err
