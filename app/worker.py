@@ -142,31 +142,51 @@ class Worker(QObject):
         self.record.emit(rec)
 
     # ------------------------------------------------------------------ run (worker thread)
-    @Slot(str, str, int)
-    def run(self, prompt: str, policy: str, max_new_tokens: int) -> None:
-        if self._load_failed:                 # already reported; do not run the previous pair
+    def _ready(self, done) -> bool:
+        """Whether there are models to run on. If not, ``done`` (the command's closing signal) is
+        emitted with None: after a failed load (already reported) the command is skipped, so it does
+        not run the previous pair; with no models at all, a dialog says so."""
+        if self._load_failed:
             self._load_failed = False
-            self.finished.emit(None)
-            return
+            done.emit(None)
+            return False
         if self.engine is None:
             self._fail("no models loaded", None)
-            self.finished.emit(None)
+            done.emit(None)
+            return False
+        return True
+
+    def _save_learning(self) -> None:
+        """What the engine learned goes back to the user's profile (models loaded here, not preloaded
+        ones); best effort: a failure to write it loses only that learning."""
+        if self._persist and self.profile is not None:
+            from rakv.costs import save_learned
+            from rakv.paths import cache_dir
+
+            save_learned(self.profile, cache_dir())
+
+    def _request(self, policy: str, go) -> None:
+        """One request (run or chat turn): ``go()`` runs it and gives its RequestEnd and the prompt
+        its token pieces are saved with; then learning is saved. An error becomes a dialog;
+        ``finished`` always follows (with None after an error)."""
+        if not self._ready(self.finished):
             return
         end = None
         try:
             self.busy.emit("generating ...")
             self.engine.set_policy(policy)
-            end = self.engine.generate(prompt, max_new_tokens)
+            end, prompt = go()
             self._write_pieces(prompt, end)
-            if self._persist and self.profile is not None:
-                from rakv.costs import save_learned
-                from rakv.paths import cache_dir
-                save_learned(self.profile, cache_dir())   # best effort: a failure loses only learning
+            self._save_learning()
         except Exception as e:  # noqa: BLE001
             self._fail(str(e) or type(e).__name__, e)
         finally:
             self.busy.emit("")
             self.finished.emit(end)
+
+    @Slot(str, str, int)
+    def run(self, prompt: str, policy: str, max_new_tokens: int) -> None:
+        self._request(policy, lambda: (self.engine.generate(prompt, max_new_tokens), prompt))
 
     @Slot(str, str, int)
     def chat(self, text: str, policy: str, max_new_tokens: int) -> None:
@@ -174,33 +194,15 @@ class Worker(QObject):
         prompt is the whole conversation, and its prompt and answer stay in the prefix cache."""
         from rakv.chat import Conversation, run_turn
 
-        if self._load_failed:
-            self._load_failed = False
-            self.finished.emit(None)
-            return
-        if self.engine is None:
-            self._fail("no models loaded", None)
-            self.finished.emit(None)
-            return
-        end = None
-        try:
-            self.busy.emit("generating ...")
-            self.engine.set_policy(policy)
+        def turn():
             conv = self.conversation
             if conv is None or conv.raw != (not self.engine.chat_template):   # new, or the raw box changed
                 number = conv.number + 1 if conv is not None and conv.turns else 1
                 conv = self.conversation = Conversation.for_engine(self.engine, number=number)
             end = run_turn(self.engine, conv, text, max_new_tokens)
-            self._write_pieces(conv.turns[-1].prompt_ids if conv.turns else [], end)
-            if self._persist and self.profile is not None:
-                from rakv.costs import save_learned
-                from rakv.paths import cache_dir
-                save_learned(self.profile, cache_dir())
-        except Exception as e:  # noqa: BLE001
-            self._fail(str(e) or type(e).__name__, e)
-        finally:
-            self.busy.emit("")
-            self.finished.emit(end)
+            return end, (conv.turns[-1].prompt_ids if conv.turns else [])
+
+        self._request(policy, turn)
 
     @Slot()
     def new_conversation(self) -> None:
@@ -214,13 +216,7 @@ class Worker(QObject):
         (``rakv.oracle``); the OracleResult is recorded and emitted like any record."""
         from rakv.oracle import Oracle
 
-        if self._load_failed:
-            self._load_failed = False
-            self.measured.emit(None)
-            return
-        if self.engine is None:
-            self._fail("no models loaded", None)
-            self.measured.emit(None)
+        if not self._ready(self.measured):
             return
         res = None
         try:
