@@ -195,15 +195,19 @@ def repetitive_source(seed: int = 0, n: int = 48) -> Source:
     return Source("repetitive", [makers[i % 3](rng) for i in range(n)], list(REPEAT_INSTRUCTIONS))
 
 
+def _shipped(path: Path, what: str, advice: str) -> list[dict]:
+    """The JSON lines of a data file shipped with rakv; a one-line error where it is missing."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise ValueError(f"{what} are missing from the installed package ({path}: {e}); {advice}") from None
+    return [json.loads(x) for x in lines if x.strip()]
+
+
 def chat_prompts(name: str = "chat") -> list[str]:
     """The shipped instruction prompts of a chat workload (``chat`` or ``chat-heldout``)."""
-    p = CHAT_FILES[name]
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise ValueError(f"the {name} prompts are missing from the installed package ({p}: {e}); "
-                         f"reinstall rakv or pass a prompts FILE as --workload") from None
-    return [json.loads(x)["prompt"] for x in lines if x.strip()]
+    return [r["prompt"] for r in _shipped(CHAT_FILES[name], f"the {name} prompts",
+                                          "reinstall rakv or pass a prompts FILE as --workload")]
 
 
 # appended to an earlier instruction for a "shared" chat request (an edited / extended message)
@@ -218,13 +222,7 @@ FOLLOW_UPS = [
 
 def conversations(name: str = "conversation") -> list[list[str]]:
     """The shipped conversations of a conversation workload: each a list of user messages."""
-    p = CONVERSATION_FILES[name]
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except OSError as e:
-        raise ValueError(f"the {name} conversations are missing from the installed package ({p}: {e}); "
-                         f"reinstall rakv") from None
-    return [json.loads(x)["turns"] for x in lines if x.strip()]
+    return [r["turns"] for r in _shipped(CONVERSATION_FILES[name], f"the {name} conversations", "reinstall rakv")]
 
 
 def file_source(path: str) -> list[str]:
