@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .prompts import EncodedPrompt, _as_ids, has_chat_template, lcp, raw_ids, template_prefix
+from .ids import lcp
+from .prompts import EncodedPrompt, _as_ids, has_chat_template, raw_ids, template_prefix
 
 RAW_SEPARATOR = "\n"     # raw conversations: each user message on a new line after the answer
 

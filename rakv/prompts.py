@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .ids import lcp
+
 # two unrelated user texts: their templated ids agree on the template's shared prefix only
 _PROBES = ("Hello.", "42 + 7 = ?")
 
@@ -57,15 +59,6 @@ def raw_ids(tokenizer, text: str) -> list[int]:
     if getattr(tokenizer, "bos_token_id", None) is not None and getattr(tokenizer, "add_bos_token", False):
         ids = [tokenizer.bos_token_id] + ids
     return ids
-
-
-def lcp(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def template_prefix(tokenizer) -> list[int]:

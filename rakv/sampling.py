@@ -76,6 +76,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import Tensor
 
+from .ids import lcp
+
 VERIFY_MODES = ("seeded", "rejection")
 SEED_LIMIT = 2**63                # seeds are in [0, 2**63)
 BLOCK = 64                        # noise block size: part of the noise's definition (changing it changes every sample)
@@ -529,12 +531,7 @@ def propose(draft_logits: Tensor, s: Sampling, position: int, verify: str | None
 def accept_seeded(drafts: list[int], targets: list[int]) -> int:
     """Seeded mode: the accepted count, the longest prefix with drafts[j] == targets[j]; the next
     token is targets[accepted]."""
-    a = 0
-    for d, t in zip(drafts, targets):
-        if d != t:
-            break
-        a += 1
-    return a
+    return lcp(drafts, targets)
 
 
 def _accept_probability(log_p: float, log_q: float) -> float:

@@ -24,6 +24,7 @@ from rakv.models import int8_copy, layers_copy, wrap
 
 from .test_fastpath import needs_onednn
 from .tiny import VOCAB, oracle, perturbed
+from .tiny import hf_forward as _hf  # HF's own forward, whatever the model has attached
 
 WINDOW = 6           # smaller than every prompt: the window is exercised from the prefill on
 
@@ -62,15 +63,6 @@ def make_family(name: str, seed: int = 0, layers: int = 2, **extra) -> torch.nn.
     m.generation_config.eos_token_id = None
     m.generation_config.pad_token_id = 1
     return m
-
-
-def _hf(model, ids, cache, keep=0):
-    """HF's own forward, whatever the model has attached."""
-    saved, model._rakv_lean = getattr(model, "_rakv_lean", None), None
-    try:
-        return dec.forward(model, ids, cache, keep)
-    finally:
-        model._rakv_lean = saved
 
 
 PROFILE = dict(T_pf=[[8, 1.0], [64, 4.0]], D_pf=[[8, 0.5], [64, 1.0]], t=[[16, 1.0], [256, 1.0]],

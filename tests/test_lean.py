@@ -15,6 +15,7 @@ from rakv.models import int8_copy, layers_copy, set_fast, wrap
 
 from .test_fastpath import needs_onednn
 from .tiny import make_model, oracle, wrap_tiny
+from .tiny import hf_forward as _hf  # HF's own forward, whatever the model has attached
 
 
 ARCHS = ["llama", "gpt2"]
@@ -26,15 +27,6 @@ def _lean_model(arch="llama"):
     fastpath.enable(m)
     lean.attach(m)
     return m, list(range(5, 25))
-
-
-def _hf(model, ids, cache, keep=0):
-    """HF's own forward, whatever the model has attached."""
-    saved, model._rakv_lean = getattr(model, "_rakv_lean", None), None
-    try:
-        return dec.forward(model, ids, cache, keep)
-    finally:
-        model._rakv_lean = saved
 
 
 @pytest.mark.parametrize("arch", ARCHS + ["mistral", "qwen2"])

@@ -201,6 +201,18 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
+def hf_forward(model, ids, cache, keep=0):
+    """HF's own forward through ``rakv.decoding.forward``, whatever the model has attached (its lean
+    forward is set aside for the call)."""
+    from rakv import decoding as dec
+
+    saved, model._rakv_lean = getattr(model, "_rakv_lean", None), None
+    try:
+        return dec.forward(model, ids, cache, keep)
+    finally:
+        model._rakv_lean = saved
+
+
 # ----------------------------------------------------------------------------- pairs
 FORWARDS = ("lean", "hf", "plain")
 
