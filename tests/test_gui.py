@@ -436,6 +436,44 @@ def test_scripted_replay_screenshot(qtbot, tmp_path, monkeypatch):
     assert rc == 0 and png.stat().st_size > 10_000
 
 
+@pytest.mark.parametrize("size", [(340, 260), (720, 460)])
+@pytest.mark.parametrize("chosen", [None, (0, 0), (1, 8)])
+def test_costs_labels_above_the_bars_fit(qtbot, size, chosen):
+    """The action-cost panel's labels above the bars (r=0 / r=1, "measured N ms") lie inside the
+    plot, clear of every bar and of each other: at the size the panel gets on a 1280x720 screen and
+    at a larger one, with the chosen action in the middle or at either end, and after a resize."""
+    from dataclasses import replace
+
+    from PySide6.QtCore import QPointF
+
+    from app.panels.costs import CostsPanel
+    from app.state import SessionState
+
+    state = SessionState()
+    state.apply_all(read_recording(ROOT / "resources" / "example.jsonl"))
+    if chosen is not None:
+        state.decision = replace(state.decision, action={"reuse": chosen[0], "k": chosen[1]})
+    panel = CostsPanel()
+    qtbot.addWidget(panel)
+    panel.resize(*size)
+    panel.show()
+    qtbot.wait(50)
+    panel.refresh(state)
+    for grow in (0, 80):
+        panel.resize(size[0] + grow, size[1] + grow)
+        qtbot.wait(50)
+        vb = panel.plot.getPlotItem().vb
+        view = vb.sceneBoundingRect()
+        label = panel.mtext.sceneBoundingRect()
+        assert panel.mtext.toPlainText().startswith("measured ") and view.contains(label), (view, label)
+        groups = [g.sceneBoundingRect() for g in panel._group_labels]
+        assert len(groups) == 2 and all(view.contains(g) and not g.intersects(label) for g in groups), (
+            view, label, groups, [(view.contains(g), g.intersects(label), g.bottom(), label.top()) for g in groups])
+        top = max(c["predicted_ms"] for c in panel._cands + [{"predicted_ms": panel._measured}])
+        bars_top = vb.mapViewToScene(QPointF(0, top)).y()          # scene y grows downwards
+        assert max(r.bottom() for r in [label, *groups]) <= bars_top + 1, (label, groups, bars_top)
+
+
 def test_engine_never_imports_qt():
     for p in (ROOT / "rakv").glob("*.py"):
         src = p.read_text()

@@ -48,7 +48,7 @@ class CostsPanel(QWidget):
         self.plot = make_plot("predicted ms", "k (draft length), grouped by r")
         self.bars = pg.BarGraphItem(x=[], height=[], width=0.7)
         self.measured = pg.BarGraphItem(x=[], height=[], width=0.3, brush=MEASURED, pen=None)
-        self.mtext = pg.TextItem("", color=MEASURED, anchor=(0.5, 1.0))
+        self.mtext = pg.TextItem("", color=MEASURED, anchor=(0.5, 0.0))    # its top edge at its position
         self.plot.addItem(self.bars)
         self.plot.addItem(self.measured)
         self.plot.addItem(self.mtext)
@@ -61,6 +61,7 @@ class CostsPanel(QWidget):
             self.plot.addItem(it)
         self.nodata = NoData(self.plot, (-0.6, 6.6), (0.0, 100.0))
         self.plot.scene().sigMouseMoved.connect(self._hover)
+        self.plot.getPlotItem().vb.sigResized.connect(self._fit_rows)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addLayout(top)
@@ -73,6 +74,7 @@ class CostsPanel(QWidget):
         self._measured: float | None = None
         self._group_labels: list = []
         self._x = np.zeros(0)
+        self._fit = None              # per-request view: (top bar, x range, measured label's x, rows)
         self._oracle = None           # the OracleResult shown (oracle view)
         self._auto_oracle = None      # id of the measurement we switched to by ourselves
         self._auto = False
@@ -116,6 +118,7 @@ class CostsPanel(QWidget):
             self.bars.setOpts(x=[], height=[], width=0.7, brushes=None, pens=None)
             self.measured.setOpts(x=[], height=[], width=0.34)
             self.mtext.setText("")
+            self._fit = None
             self.info.setText("no decision yet" if not per_round else "no per-round re-decision in this request")
             self.nodata.set(True, "no data yet")
             return
@@ -143,9 +146,6 @@ class CostsPanel(QWidget):
         if measured is not None and chosen >= 0:
             self.measured.setOpts(x=[x[chosen] + 0.18], height=[measured], width=0.34)
             self.mtext.setText(f"measured {measured:.0f} ms")
-            right = x[chosen] > (x.min() + x.max()) / 2
-            self.mtext.setAnchor((1.0, 1.0) if right else (0.0, 1.0))
-            self.mtext.setPos(x[chosen] + (0.35 if right else -0.35), max(measured, h[chosen]))
         else:
             self.measured.setOpts(x=[], height=[], width=0.34)
             self.mtext.setText("")
@@ -161,8 +161,32 @@ class CostsPanel(QWidget):
         if n_inf:
             txt += f" · {n_inf} infeasible (grey)"
         self.info.setText(txt)
-        self.plot.getPlotItem().setXRange(float(x.min()) - 0.6, float(x.max()) + 0.6, padding=0)
-        self.plot.getPlotItem().setYRange(0, top * 1.25, padding=0)
+        xr = (float(x.min()) - 0.6, float(x.max()) + 0.6)
+        self.plot.getPlotItem().setXRange(*xr, padding=0)
+        mx = float(x[chosen]) + 0.18 if measured is not None and chosen >= 0 else None
+        self._fit = (top, xr, mx, 1 if mx is None else 2)
+        self._fit_rows()
+
+    def _fit_rows(self, *_) -> None:
+        """Per-request view: the y range and the labels above the bars, from the plot's size in
+        pixels (again on every resize). At the top a row for the group labels (r=0 / r=1), under it
+        a row for the measured label (over the chosen action, kept inside the plot), then the bars:
+        no label overlaps a bar, another label or the plot's edge, however small the panel."""
+        if self._fit is None:
+            return
+        top, (x0, x1), mx, rows = self._fit
+        vb = self.plot.getPlotItem().vb
+        h_px, w_px = max(float(vb.height()), 1.0), max(float(vb.width()), 1.0)
+        row = max(t.textItem.boundingRect().height() for t in [self.mtext, *self._group_labels])
+        ymax = top / (1.0 - min(0.75, (rows * row + 6) / h_px))
+        y_px = ymax / h_px
+        for t in self._group_labels:
+            t.setPos(t.pos().x(), ymax - y_px)
+        if mx is not None:
+            half = (self.mtext.textItem.boundingRect().width() / 2 + 2) * (x1 - x0) / w_px    # 2 px margin
+            cx = (x0 + x1) / 2 if 2 * half >= x1 - x0 else min(max(mx, x0 + half), x1 - half)
+            self.mtext.setPos(cx, ymax - (row + 3) * y_px)
+        self.plot.getPlotItem().setYRange(0, ymax, padding=0)
 
     # ------------------------------------------------------------------ oracle view
     def _group_x(self, cands) -> np.ndarray:
@@ -205,6 +229,7 @@ class CostsPanel(QWidget):
         self.measured.setOpts(x=[], height=[], width=0.34)
         self.mtext.setText("")
         self._oracle = o
+        self._fit = None
         if o is None:
             self._cands, self._chosen, self._measured = [], -1, None
             self.pred_bars.setOpts(x=[], height=[], width=0.34, brushes=None, pens=None)
