@@ -99,8 +99,25 @@ def load_pair(args, config: RakvConfig):
     if args.threads:
         torch.set_num_threads(args.threads)      # range checked by argparse
     target = load_model(args.target, args.dtype, args.revision, config.device, fast=config.fast)
+    if (args.draft or "").strip() == "int8" and not getattr(args, "recalibrate", False) and not _drafts(config):
+        # a policy that never drafts (ar, kv): the int8 copy is made only if something uses it
+        from .drafts import ModelDraft
+        from .models import int8_copy
+
+        return target, ModelDraft(int8_copy(target, lazy=True))
     draft = make_draft(args.draft, target, config)
     return target, draft
+
+
+def _drafts(config: RakvConfig) -> bool:
+    """Can a run with this config's policy draft (adaptive, or a fixed k > 0)?"""
+    from .config import Policy
+
+    try:
+        p = Policy.parse(config.policy)
+    except ValueError:
+        return True
+    return p.adaptive or p.k > 0
 
 
 def get_profile(target, draft, k_max: int, force: bool = False, quick: bool = False, progress=None,

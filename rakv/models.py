@@ -250,6 +250,7 @@ def file_hash(path: Path) -> str:
                 _progress(f"hashing {p.name}", done, st.st_size, state)
     digest = h.hexdigest()
     if p.stat().st_mtime_ns == st.st_mtime_ns:          # not written to while read: remember it
+        known = {k: v for k, v in known.items() if os.path.exists(k)}     # files gone: forgotten
         known[str(p)] = {"stat": stamp, "blake2b": digest}
         if len(known) > 256:                             # the oldest entries go first
             known = dict(list(known.items())[-256:])
@@ -280,11 +281,19 @@ def _ensure_converted(out: Path, ready, convert, what: str) -> Path:
     return out
 
 
-def _install(tmp: Path, out: Path) -> None:
+def _ino(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return None
+
+
+def _install(tmp: Path, out: Path, damaged: int | None = None) -> None:
     """Rename the finished folder ``tmp`` to ``out``. If another process (with no working lock) got
-    there first, its copy is kept and ours dropped; a damaged ``out`` is moved aside first."""
+    there first, its copy is kept and ours dropped; a damaged ``out`` (one without its marker, or
+    the folder ``damaged``, an inode, that failed to load) is moved aside first."""
     if out.exists():
-        if _converted_ready(out) or _demo_ready(out):
+        if (_converted_ready(out) or _demo_ready(out)) and (damaged is None or _ino(out) != damaged):
             shutil.rmtree(tmp, ignore_errors=True)
             return
         aside = out.with_name(f".{out.name}.old-{os.getpid()}-{time.monotonic_ns()}")
@@ -301,10 +310,10 @@ def _install(tmp: Path, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def convert_gguf(gguf: Path, out: Path, source: dict | None = None) -> None:
+def convert_gguf(gguf: Path, out: Path, source: dict | None = None, damaged: int | None = None) -> None:
     """Dequantize ``gguf`` with transformers' GGUF loader and save it into the folder ``out`` as
     safetensors (float32) plus its tokenizer, atomically (see above). ``source``: what to record
-    about the file in the marker."""
+    about the file in the marker; ``damaged``: see ``_install``."""
     import json
 
     t0 = time.perf_counter()
@@ -328,7 +337,7 @@ def convert_gguf(gguf: Path, out: Path, source: dict | None = None) -> None:
         mark = {"source": gguf.name, "bytes": gguf.stat().st_size, **(source or {}), "codes": kinds,
                 "converted_s": round(time.perf_counter() - t0, 1)}
         (tmp / CONVERTED_MARK).write_text(json.dumps(mark, indent=1), encoding="utf-8")
-        _install(tmp, out)
+        _install(tmp, out, damaged)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"{gguf.name} converted in {time.perf_counter() - t0:.1f} s")
@@ -396,11 +405,17 @@ def gguf_codes(gguf: Path, model: torch.nn.Module) -> dict:
     return out
 
 
-def ensure_gguf(gguf: Path) -> tuple[Path, str]:
-    """The converted copy of ``gguf`` (converting it the first time) and the file's content hash."""
+def ensure_gguf(gguf: Path, damaged: int | None = None) -> tuple[Path, str]:
+    """The converted copy of ``gguf`` (converting it the first time) and the file's content hash.
+    ``damaged``: the inode of a converted folder that failed to load: converted again, unless
+    another process has replaced that folder meanwhile."""
     digest = file_hash(gguf)
     out = cache_dir() / "models" / f"gguf-{digest}"
-    _ensure_converted(out, _converted_ready, lambda o: convert_gguf(gguf, o, {"blake2b": digest}), gguf.name)
+
+    def ready(o: Path) -> bool:
+        return _converted_ready(o) and (damaged is None or _ino(o) != damaged)
+
+    _ensure_converted(out, ready, lambda o: convert_gguf(gguf, o, {"blake2b": digest}, damaged=damaged), gguf.name)
     return out, digest
 
 
@@ -542,6 +557,7 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
         raise ModelError(f"unknown dtype {dtype!r}")
     t0 = time.perf_counter()
     codes = ""
+    converted = spec == DEMO_NAME or spec.lower().endswith(".gguf")     # a folder this loader made
     if spec == DEMO_NAME:
         path = ensure_demo()
         name, rev = "SmolLM2-135M-Instruct", _dir_hash(path)
@@ -566,7 +582,17 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
         else:
             src, name, rev = spec, spec, revision or "main"
     try:
-        model, tok = _from_pretrained(src, torch_dtype, revision, spec)
+        try:
+            model, tok = _from_pretrained(src, torch_dtype, revision, spec, converted=converted)
+        except ModelError as e:
+            if not spec.lower().endswith(".gguf"):
+                raise
+            # the converted copy is damaged: the file is at hand, so convert it again (once)
+            log(f"the converted copy of {p.name} in {src} cannot be loaded ({e}); converting it again")
+            path, digest = ensure_gguf(p, damaged=_ino(path))
+            name, rev, src = p.name, f"gguf-{digest[:16]}", str(path)
+            codes = str(path / CODES_FILE) if (path / CODES_FILE).is_file() else ""
+            model, tok = _from_pretrained(src, torch_dtype, revision, spec, converted=converted)
     except ModelError as e:
         if spec == DEMO_NAME or spec.lower().endswith(".gguf"):     # the converted copy is damaged: say what to delete
             raise ModelError(f"the converted {'demo model' if spec == DEMO_NAME else 'copy of ' + spec} in {src} "
@@ -580,13 +606,17 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
     return lm
 
 
-def _from_pretrained(src: str, torch_dtype, revision: str | None, spec: str):
+def _from_pretrained(src: str, torch_dtype, revision: str | None, spec: str, converted: bool = False):
+    """The model and tokenizer of a local folder or hub id. ``converted``: ``src`` is a folder this
+    loader made in the cache dir (a converted GGUF or the demo): its tokenizer is kept there ready
+    built (``load_tokenizer``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
+        reading = _TokenizerRead(Path(src)) if converted else None      # read while the model loads
         model, info = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, revision=revision,
                                                            output_loading_info=True)
-        tok = AutoTokenizer.from_pretrained(src, revision=revision)
+        tok = load_tokenizer(Path(src), reading) if converted else AutoTokenizer.from_pretrained(src, revision=revision)
     except OSError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         hint = "" if Path(src).exists() else f" (and there is no local folder named {spec!r})"
@@ -596,6 +626,140 @@ def _from_pretrained(src: str, torch_dtype, revision: str | None, spec: str):
     check_all_loaded(info, f"model {spec!r}")
     _note_bos(tok)
     return model, tok
+
+
+# ----------------------------------------------------------------------------- the built tokenizer
+# transformers builds a tokenizer whose class has its own constructor (Gemma's: a 262,144-token BPE
+# with 514,906 merges) in Python from tokenizer.json: it parses the 33 MB file twice and hands the
+# vocabulary and merges to the Rust library as Python objects (5-8 s on a 2-core VM). A folder this
+# loader made (a converted GGUF, the demo) keeps the tokenizer as built, pickled beside it
+# (``rakv-tokenizer.pickle``): the same object, restored in a thread while the model loads (the
+# Rust library rebuilds its part without holding the GIL). The pickle is used only when its stamp
+# (transformers', tokenizers' and Python's versions, the folder, the size and mtime_ns of every
+# tokenizer file) still holds and it encodes the probe texts (multi-byte ones, special tokens) to
+# the ids the freshly built tokenizer gave; otherwise, or when it cannot be read, the tokenizer is
+# built as before and pickled again. (A pickle is code: it is only read from the cache dir, which
+# already holds the compiled kernel this process loads.)
+TOKENIZER_CACHE = "rakv-tokenizer.pickle"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
+TOKENIZER_PROBES = ("Hello", " The quick brown fox jumps over the lazy dog.\n\n", "naïve café — Größe 日本語 🙂 ½",
+                    "  two  spaces\tand a tab", "x = {'a': [1, 2.5]}  # code", "")
+
+
+def _tokenizer_stamp(folder: Path) -> dict:
+    import platform
+
+    import tokenizers
+    import transformers
+
+    files = {}
+    for name in TOKENIZER_FILES:
+        try:
+            st = (folder / name).stat()
+        except OSError:
+            continue
+        files[name] = [st.st_size, st.st_mtime_ns]
+    return {"format": 1, "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+            "python": platform.python_version(), "folder": str(folder.resolve()), "files": files}
+
+
+def _tokenizer_probes(tok) -> dict:
+    """The ids the tokenizer gives the probe texts (with and without its special tokens)."""
+    out = {}
+    for text in TOKENIZER_PROBES + tuple(str(t) for t in getattr(tok, "all_special_tokens", ())[:8]):
+        out[text] = [list(tok(text)["input_ids"]), list(tok(text, add_special_tokens=False)["input_ids"])]
+    return out
+
+
+class _TokenizerRead:
+    """Reading a folder's pickled tokenizer in a thread, while the model loads: the Rust library
+    rebuilds the tokenizer from its serialization without holding the GIL. The pickle's header
+    (stamp, probes, the tokenizer's module) is read here, and that module imported here, so the
+    thread imports nothing. ``result()``: the tokenizer, or None (no pickle, a stale stamp, an
+    unreadable file); the probes are checked by the caller."""
+
+    def __init__(self, folder: Path):
+        import importlib
+        import pickle
+        import threading
+
+        self.tok = self.head = self._file = None
+        self._thread = None
+        try:
+            self._file = open(folder / TOKENIZER_CACHE, "rb")
+            head = pickle.load(self._file)
+            if not isinstance(head, dict) or head.get("stamp") != _tokenizer_stamp(folder):
+                raise ValueError("stale")
+            importlib.import_module(str(head.get("module")))
+            self.head = head
+        except Exception:  # noqa: BLE001 - no pickle, or not one to use
+            self._close()
+            return
+        self._thread = threading.Thread(target=self._read, name="rakv-tokenizer", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        import pickle
+
+        try:
+            self.tok = pickle.load(self._file)
+        except Exception:  # noqa: BLE001 - a damaged pickle: built again
+            self.tok = None
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def result(self):
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return self.tok
+
+
+def _save_tokenizer(folder: Path, tok) -> None:
+    """Pickle ``tok`` (just built from ``folder``) beside its files, atomically; a cache dir that
+    cannot be written, or a tokenizer that cannot be pickled, builds it again next time."""
+    import pickle
+
+    tmp = None
+    try:
+        head = {"stamp": _tokenizer_stamp(folder), "probes": _tokenizer_probes(tok),
+                "module": type(tok).__module__}
+        fd, tmp = tempfile.mkstemp(prefix=f".{TOKENIZER_CACHE}.", suffix=".tmp", dir=folder)
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(head, f, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(tok, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, folder / TOKENIZER_CACHE)
+        tmp = None
+    except Exception:  # noqa: BLE001 - only a cache
+        pass
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def load_tokenizer(folder: Path, pending: _TokenizerRead | None = None):
+    """The tokenizer of a folder this loader made (see above): from its pickle (``pending``: one
+    already being read) when that is sound, else built by transformers and pickled for the next
+    load."""
+    from transformers import AutoTokenizer
+
+    pending = pending or _TokenizerRead(folder)
+    tok = pending.result()
+    if tok is not None:
+        try:
+            if _tokenizer_probes(tok) == pending.head.get("probes"):
+                return tok
+        except Exception:  # noqa: BLE001 - not a working tokenizer: built again
+            pass
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    _save_tokenizer(folder, tok)
+    return tok
 
 
 def _note_bos(tok) -> None:
@@ -627,18 +791,34 @@ def _dir_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def int8_copy(target: LoadedModel) -> LoadedModel:
-    """A per-channel dynamic int8 copy of the target (weights int8, activations quantized on the fly)."""
+def int8_copy(target: LoadedModel, lazy: bool = False) -> LoadedModel:
+    """A per-channel dynamic int8 copy of the target (weights int8, activations quantized on the fly).
+
+    ``lazy``: quantize only when the copy's model is first used (a run whose policy never drafts
+    does not pay for it; its name, key, tokenizer and KV size are known without it)."""
+    dev = next(target.model.parameters()).device
+    if dev.type != "cpu":
+        raise ModelError(f"--draft int8 runs on CPU only (dynamic int8 quantization), the target is on "
+                         f"{dev.type}: use a draft model, 'ngram' or 'none'")
+    kw = dict(name=f"{target.name}-int8", tokenizer=target.tokenizer,
+              key=target.key.rsplit(":", 1)[0] + ":int8-dynamic",
+              max_positions=target.max_positions, eos_ids=target.eos_ids)
+    if lazy:
+        return _LazyInt8(target, **kw)
+    lm = LoadedModel(model=_quantized(target), **kw)
+    attach_lean(lm, bool(target.lean))
+    return lm
+
+
+def _quantized(target: LoadedModel) -> torch.nn.Module:
+    """The int8 draft's module: a float32 copy of the target, quantized in place."""
     import copy
+    import warnings
 
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     from .kernels import fastpath
 
-    dev = next(target.model.parameters()).device
-    if dev.type != "cpu":
-        raise ModelError(f"--draft int8 runs on CPU only (dynamic int8 quantization), the target is on "
-                         f"{dev.type}: use a draft model, 'ngram' or 'none'")
     with fastpath.plain_copies():
         m = copy.deepcopy(target.model).float()
     _conv1d_to_linear(m)
@@ -646,17 +826,54 @@ def int8_copy(target: LoadedModel) -> LoadedModel:
         from .kernels import lean
 
         lean.fuse_for_quantization(m)
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        q = quantize_dynamic(m, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+        # in place: m is already our own copy (quantize_dynamic would deep-copy it once more)
+        q = quantize_dynamic(m, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
     q.eval()
-    lm = LoadedModel(name=f"{target.name}-int8", model=q, tokenizer=target.tokenizer,
-                     key=target.key.rsplit(":", 1)[0] + ":int8-dynamic",
-                     max_positions=target.max_positions, eos_ids=target.eos_ids)
-    attach_lean(lm, bool(target.lean))
-    return lm
+    return q
+
+
+class _LazyInt8(LoadedModel):
+    """The int8 draft of ``int8_copy(lazy=True)``: its module is made on first use of ``model``
+    (or ``lean``); everything else is the target's and known at once."""
+
+    def __init__(self, target: LoadedModel, **kw):
+        self._target = target
+        self._model = None
+        self._lean = ""
+        super().__init__(model=None, **kw)
+
+    @property
+    def model(self):
+        if self._model is None and self._target is not None:
+            target, self._target = self._target, None
+            t0 = time.perf_counter()
+            self._model = _quantized(target)
+            attach_lean(self, bool(target.lean))
+            log(f"int8 draft made in {time.perf_counter() - t0:.1f} s")
+        return self._model
+
+    @model.setter
+    def model(self, m) -> None:
+        if m is not None:
+            self._model, self._target = m, None
+
+    @property
+    def lean(self) -> str:
+        if self._target is not None:
+            self.model  # noqa: B018 - made on first use
+        return self._lean
+
+    @lean.setter
+    def lean(self, v: str) -> None:
+        self._lean = v
+
+    def kv_bytes_per_token(self) -> int:
+        if self._target is not None:          # the copy's shapes are the target's, in float32
+            t = self._target
+            return t.kv_bytes_per_token() * 4 // (torch.finfo(_dtype_of(t.model)).bits // 8)
+        return super().kv_bytes_per_token()
 
 
 def layers_copy(target: LoadedModel, L: int) -> LoadedModel:

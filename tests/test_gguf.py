@@ -49,7 +49,7 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0, scale: float 
 
 
 def write_llama_gguf(path: Path, model, qtype: str = "F32", qtypes: dict | None = None,
-                     add_bos: bool | None = None) -> None:
+                     add_bos: bool | None = None, chat_template: str | None = None) -> None:
     """Write the tiny Llama ``model`` (tests/tiny.py make_model) and the tiny tokenizer as a GGUF,
     the linear weights as ``qtype`` (F32, or a block type such as Q8_0 quantized by gguf.quants),
     norms F32, as llama.cpp's converter names and lays them out. ``qtypes``: a GGUF type per tensor
@@ -81,6 +81,8 @@ def write_llama_gguf(path: Path, model, qtype: str = "F32", qtypes: dict | None 
     w.add_bos_token_id(0)
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     q = getattr(gguf.GGMLQuantizationType, qtype)
 
@@ -271,13 +273,24 @@ def test_without_working_locks_racing_conversions_still_leave_one_whole_copy(tmp
     _same_weights(M.load_model(str(f), fast=False).model, m)
 
 
-def test_a_damaged_conversion_names_the_folder_to_delete(tmp_path):
+def test_a_conversion_that_cannot_be_loaded_even_when_made_again_names_the_folder_to_delete(tmp_path, monkeypatch):
+    """A damaged conversion is made again once (tests/test_gguf_load.py); when even the new one
+    cannot be loaded, the error names the folder."""
     f, _ = _tiny_gguf(tmp_path)
     folder, _ = M.ensure_gguf(f)
     (folder / "config.json").write_text("{broken")
+    calls = _count_conversions(monkeypatch)
+    real = M.convert_gguf
+
+    def still_broken(*a, **k):
+        real(*a, **k)
+        (a[1] / "config.json").write_text("{broken")
+
+    monkeypatch.setattr(M, "convert_gguf", still_broken)
     with pytest.raises(M.ModelError) as e:
         M.load_model(str(f), fast=False)
-    assert str(folder) in str(e.value) and "delete" in str(e.value)
+    assert str(folder) in str(e.value) and "delete" in str(e.value) and len(calls) == 1
+    monkeypatch.undo()
     shutil.rmtree(folder)
     M.load_model(str(f), fast=False)          # converted afresh
 
