@@ -9,6 +9,14 @@ from pathlib import Path
 import rakv.bench.metrics as M
 
 
+def _save(plt, fig, path: Path) -> Path:
+    """Lay the figure out, write it as a PNG (110 dpi), close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _plt():
     try:
         import matplotlib
@@ -43,11 +51,7 @@ def latency_plot(rows: list[dict], out: Path) -> Path | None:
     ax.set_ylabel("median latency per request (ms), IQR bars")
     ax.set_title("Latency per policy and workload")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "latency.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "latency.png")
 
 
 def predicted_plot(cands: list[dict], rows: list[dict], out: Path) -> Path | None:
@@ -75,11 +79,7 @@ def predicted_plot(cands: list[dict], rows: list[dict], out: Path) -> Path | Non
     ax.set_ylabel("controller's predicted cost (ms)")
     ax.set_title("Predicted vs measured action cost")
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    path = out / "predicted_vs_measured.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "predicted_vs_measured.png")
 
 
 def crossover_plot(rows: list[dict], predicted: dict, out: Path) -> Path | None:
@@ -104,11 +104,7 @@ def crossover_plot(rows: list[dict], predicted: dict, out: Path) -> Path | None:
     ax.set_ylabel("measured speedup vs ar (latency_ar / latency)")
     ax.set_title("Speedup vs alpha per k (dashed: predicted alpha*, dotted: measured)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "speedup_vs_alpha.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "speedup_vs_alpha.png")
 
 
 def gate_reliability(rows: list[dict]) -> dict:
@@ -147,8 +143,4 @@ def gate_plot(rows: list[dict], out: Path) -> Path | None:
     ax.set_ylabel("observed acceptance")
     ax.set_title("Confidence gate: reliability")
     ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    path = out / "gate_reliability.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out / "gate_reliability.png")
