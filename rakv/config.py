@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from .sampling import Sampling
 
 DEFAULT_K_SET: tuple[int, ...] = (0, 1, 2, 4, 6, 8)
-POLICIES_HELP = "adaptive | adaptive:gate | adaptive:nogate | ar | kv | spec:K | joint:K | tree:N"
+POLICIES_HELP = "adaptive | adaptive:gate | adaptive:nogate | adaptive:tree | ar | kv | spec:K | joint:K | tree:N"
 TREE_MAX_NODES = 16         # a tree verify of up to 17 rows keeps the block kernel's own attention
 LOOKUP_K = 16             # an n-gram lookup may verify up to this many tokens: drafting it is free, a verify of 17 costs ~1.7 steps
 HISTORY_TOKENS = 32768    # token ids of earlier requests an n-gram lookup may copy from (256 KiB; 0: off)
@@ -72,13 +72,17 @@ class Policy:
     k: int = 0
     adaptive: bool = False
     gate: bool = False          # the confidence gate (rakv.gate) cuts each drafting round
-    tree: bool = False          # tree:N: reuse, and each round verifies an n-gram token tree of up to k = N nodes
+    tree: bool = False          # tree:N: reuse, and each round verifies an n-gram token tree of up to k = N nodes;
+                                # adaptive:tree: each round the tree of up to TREE_MAX_NODES with the most
+                                # expected tokens per ms (none: a plain step)
 
     @staticmethod
     def parse(text: str) -> "Policy":
         t = text.strip().lower()
         if t == "adaptive":
             return Policy("adaptive", adaptive=True, gate=GATE_BY_DEFAULT)
+        if t == "adaptive:tree":     # the controller's reuse; each round's tree (none, a chain, a tree) priced
+            return Policy(t, adaptive=True, tree=True)
         if t in ("adaptive:gate", "adaptive:nogate"):
             return Policy(t, adaptive=True, gate=t == "adaptive:gate")
         if t == "ar":

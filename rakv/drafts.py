@@ -237,7 +237,8 @@ def ngram_tree(ids, budget: int, depth: int, sizes=(3, 2), history: TokenHistory
     suffix in a trie (a shared prefix is one branch), each node weighted by how many continuations
     pass through it, plus one for the chain ``ngram_match`` proposes (the longest matching context);
     the ``budget`` heaviest nodes (a node never outweighs its parent, so they form a tree), children
-    heaviest first (the first path is the likeliest chain)."""
+    heaviest first (the first path is the likeliest chain); each node's ``conf`` is its share of
+    its parent's weight (a root child's: of all continuations)."""
     depth = min(depth, budget)
     if budget <= 0 or depth <= 0:
         return TokenTree()
@@ -245,6 +246,7 @@ def ngram_tree(ids, budget: int, depth: int, sizes=(3, 2), history: TokenHistory
     best = ngram_match(ids, depth, sizes, history)[0]
     if best:
         conts.append(best)
+    total = len(conts)
     token, parent, weight, kids = [], [], [], {}     # the trie; kids: (parent, token) -> node
     for cont in conts:
         at = -1
@@ -267,6 +269,7 @@ def ngram_tree(ids, budget: int, depth: int, sizes=(3, 2), history: TokenHistory
         for c in sorted(children.get(node, []), key=lambda i: (-weight[i], i)):
             tree.tokens.append(token[c])
             tree.parents.append(at)
+            tree.conf.append(weight[c] / (weight[node] if node >= 0 else total))  # the share of its parent's
             add(c, len(tree.tokens) - 1)
 
     add(-1, -1)

@@ -18,7 +18,7 @@ import torch
 from . import decoding as dec
 from . import sampling as S
 from .device import clock, hardware_info, versions_info
-from .config import Policy, RakvConfig
+from .config import TREE_MAX_NODES, Policy, RakvConfig
 from .controller import AlphaEWMA, Choice, Controller, Situation
 from .costs import CostProfile
 from .drafts import MAX_MATCH, DraftSource, ModelDraft, NgramDraft, NoDraft, history_match, prefill_with_reuse
@@ -27,7 +27,8 @@ from .planner import RoundPlanner
 from .prefix_cache import PrefixCache
 from .prompts import EncodedPrompt, encode_prompt
 from .sampling import Sampling, draw_seed
-from .tree import TokenTree, verify_tree
+from .gate import LOOKUP_ALPHA, AcceptMap
+from .tree import TokenTree, priced, verify_tree
 from .records import CacheLookup, Candidate, Decision, RequestEnd, RequestStart, Round, RunHeader
 
 now = clock          # synchronizes CUDA / MPS before reading the time
@@ -168,6 +169,7 @@ class Engine:
             raise EngineError("the adaptive policy needs a cost profile (run calibration)")
         self.planner = RoundPlanner(self.draft, self.controller, profile, self.alpha, self.store,
                                     config.lookup_k, self._emit, self._k_set_now)
+        self.tree_map = AcceptMap(LOOKUP_ALPHA)   # a tree node's confidence -> its chance, its parent accepted
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._next_id = 0
@@ -378,6 +380,8 @@ class Engine:
             s = self._situation(rq.ids, rq.N, rq.budget, rq.has_draft, rq.draft_model, peek=policy.adaptive)
             if policy.adaptive:
                 choice = ctl.decide(s, rq.k_set, rq.force)
+                if policy.tree:            # the controller's reuse; every round prices its own tree
+                    choice.k = TREE_MAX_NODES
             else:
                 r, k = int(policy.reuse), policy.k
                 c = round(ctl.cost(s, r, k, self.alpha.value), 3)
@@ -484,6 +488,9 @@ class Engine:
         remaining = rq.N - len(rq.out)
         tree, draft_ms = (self.lookup.propose_tree(seq, rq.k, remaining - 1) if remaining > 1
                           else (TokenTree(), 0.0))
+        expected, predicted = None, None
+        if rq.policy.adaptive and self.profile is not None and tree.tokens:
+            tree, expected, predicted = self._price_tree(tree, len(seq))
         tv = now()
         how = ""
         if tree.tokens:
@@ -493,6 +500,8 @@ class Engine:
             emitted, path = [next_token(logits, rq.sampling, len(rq.out))], []
         verify_ms = (now() - tv) * 1e3
         a = len(path)
+        if expected is not None:
+            self._observe_tree(tree, path)
         emitted, prov, eos = cut_at_eos(emitted, ["draft"] * a + ["target"], self.target.eos_ids, remaining)
         rq.out.extend(emitted)
         if eos:
@@ -510,8 +519,25 @@ class Engine:
                          draft_source="tree" if tree.tokens else "",
                          verify="" if rq.sampling.greedy or not tree.tokens else rq.sampling.verify,
                          tree_tokens=list(tree.tokens), tree_parents=list(tree.parents), tree_path=path,
-                         tree_verify=how))
+                         tree_verify=how, tree_expected=None if expected is None else round(expected, 4),
+                         tree_predicted_ms=None if predicted is None else round(predicted, 3)))
         self._check_end(rq)
+
+    def _price_tree(self, tree: TokenTree, ctx: int) -> tuple[TokenTree, float, float]:
+        """adaptive:tree: the subtree with the most expected tokens per ms, from the measured
+        V(n) (V(0) = t: a plain step) and each node's learned chance of acceptance."""
+        p = self.profile
+        V = [p.step(ctx)] + [p.verify(n, ctx) for n in range(1, len(tree) + 1)]
+        return priced(tree, self.tree_map.p, V)
+
+    def _observe_tree(self, tree: TokenTree, path: list[int]) -> None:
+        """Each node the verify judged (a child of the pending token or of an accepted node) is a
+        trial of its confidence: accepted or not."""
+        judged = {-1, *path}
+        for i, par in enumerate(tree.parents):
+            if par in judged:
+                c = tree.conf[i]
+                self.tree_map.observe([c], [self.tree_map.p(c)], int(i in path))
 
     def _finish(self, rq: "_Request", choice: Choice | None) -> RequestEnd:
         latency = (now() - rq.t0) * 1e3

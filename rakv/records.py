@@ -133,6 +133,8 @@ class Round:
     tree_parents: list[int] = field(default_factory=list)
     tree_path: list[int] = field(default_factory=list)
     tree_verify: str = ""
+    tree_expected: float | None = None      # adaptive:tree: the chosen tree's expected accepted tokens
+    tree_predicted_ms: float | None = None  # ... and its measured verify cost V(n) (n = 0: a plain step)
 
 
 @dataclass

@@ -406,3 +406,49 @@ def test_trees_are_exact_on_torch_attention_with_the_tree_mask(monkeypatch):
             assert_exact(eng.generate(p, N_OUT), target, p, N_OUT, arch)
         trees = [r for r in rounds if getattr(r, "type", "") == "round" and r.tree_tokens]
         assert {r.tree_verify for r in trees} == {"tree"} and max(r.accepted for r in trees) >= 2
+
+
+# ----------------------------------------------------------------------------- trees priced by measured cost
+def test_priced_keeps_the_likeliest_nodes_while_they_pay():
+    from rakv.tree import priced, reach
+
+    tree = TokenTree([1, 2, 3, 4], [-1, 0, -1, 1], conf=[0.9, 0.8, 0.1, 0.5])
+    r = reach(tree, lambda c: c)
+    assert r == pytest.approx([0.9, 0.72, 0.1, 0.36])
+    flat = [1.0, 1.0, 1.0, 1.0, 1.0]                 # verify as cheap as a step: every node pays
+    sub, E, V = priced(tree, lambda c: c, flat)
+    assert len(sub) == 4 and E == pytest.approx(2.08)
+    steep = [1.0, 1.5, 2.5, 3.5, 4.5]                # only the first node pays: (1 + 0.9) / 1.5 the best
+    sub, E, V = priced(tree, lambda c: c, steep)
+    assert (sub.tokens, sub.parents, V) == ([1], [-1], 1.5)
+    sub, E, V = priced(tree, lambda c: c, [1.0, 4.0, 4.0, 4.0, 4.0])    # nothing pays: a plain step
+    assert len(sub) == 0 and (E, V) == (0.0, 1.0)
+    sub, _, _ = priced(tree, lambda c: c, [1.0, 1.2, 1.4, 1.5, 9.0])     # the likeliest three
+    assert sub.tokens == [1, 2, 4] and sub.parents == [-1, 0, 1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("s", [Sampling(), SETTINGS[0]], ids=lambda s: s.key())
+def test_adaptive_tree_is_exact_and_prices_each_round(arch, s):
+    from .tiny import reference_model, synthetic_profile
+
+    target, _ = make_pair(arch)
+    ref, eos = reference_model(target), set(target.eos_ids)
+    for V, pays in (({str(k): 1.0 + 0.02 * k for k in range(1, 17)}, True),
+                    ({str(k): 1.0 + 2.0 * k for k in range(1, 17)}, False)):
+        rounds = []
+        eng = Engine(target, NgramDraft(), RakvConfig(policy="adaptive:tree", sampling=s),
+                     profile=synthetic_profile(V=V), callback=rounds.append)
+        for i, p in enumerate(PROMPTS):
+            end = eng.generate(p, N_OUT)
+            if s.greedy:
+                assert_exact(end, target, p, N_OUT, arch)
+            else:
+                assert end.output_ids == sampled_reference(ref, p, N_OUT, s.for_request(i), eos)
+        priced_rounds = [r for r in rounds if getattr(r, "type", "") == "round" and r.tree_expected is not None]
+        assert priced_rounds
+        verified = [r for r in priced_rounds if r.tree_tokens]
+        if pays:
+            assert verified and any(r.accepted for r in verified)
+        else:                                         # a steep verify: every round a plain step
+            assert not verified and all(r.tree_predicted_ms == 1.0 for r in priced_rounds)
