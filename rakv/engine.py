@@ -501,7 +501,7 @@ class Engine:
         verify_ms = (now() - tv) * 1e3
         a = len(path)
         if expected is not None:
-            self._observe_tree(tree, path)
+            self._observe_tree(tree, path, how)
         emitted, prov, eos = cut_at_eos(emitted, ["draft"] * a + ["target"], self.target.eos_ids, remaining)
         rq.out.extend(emitted)
         if eos:
@@ -530,12 +530,13 @@ class Engine:
         V = [p.step(ctx)] + [p.verify(n, ctx) for n in range(1, len(tree) + 1)]
         return priced(tree, self.tree_map.p, V)
 
-    def _observe_tree(self, tree: TokenTree, path: list[int]) -> None:
-        """Each node the verify judged (a child of the pending token or of an accepted node) is a
-        trial of its confidence: accepted or not."""
+    def _observe_tree(self, tree: TokenTree, path: list[int], how: str) -> None:
+        """Each node the verify judged (a child of the pending token or of an accepted node; of the
+        first path only where it was verified as a chain) is a trial of its confidence."""
         judged = {-1, *path}
+        chain = set(tree.first_path()[: len(path) + 1]) if how == "chain" else None
         for i, par in enumerate(tree.parents):
-            if par in judged:
+            if par in judged and (chain is None or i in chain):
                 c = tree.conf[i]
                 self.tree_map.observe([c], [self.tree_map.p(c)], int(i in path))
 

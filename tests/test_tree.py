@@ -452,3 +452,22 @@ def test_adaptive_tree_is_exact_and_prices_each_round(arch, s):
             assert verified and any(r.accepted for r in verified)
         else:                                         # a steep verify: every round a plain step
             assert not verified and all(r.tree_predicted_ms == 1.0 for r in priced_rounds)
+
+
+def test_adaptive_tree_on_hf_forward_learns_only_from_the_chain_it_verified():
+    from .tiny import synthetic_profile
+
+    target, _ = make_pair("llama", forward="hf")
+    eng = Engine(target, NgramDraft(), RakvConfig(policy="adaptive:tree"), profile=synthetic_profile(
+        V={str(k): 1.0 + 0.02 * k for k in range(1, 17)}))
+    trials = []
+    real = eng.tree_map.observe
+    eng.tree_map.observe = lambda c, p, a: trials.append(a) or real(c, p, a)
+    rounds = []
+    eng.callback = rounds.append
+    for p in PROMPTS:
+        assert_exact(eng.generate(p, N_OUT), target, p, N_OUT)
+    chains = [r for r in rounds if getattr(r, "type", "") == "round" and r.tree_tokens]
+    assert chains and {r.tree_verify for r in chains} == {"chain"}
+    # one trial per accepted node plus at most one rejected: never a sibling the chain did not judge
+    assert len(trials) <= sum(r.accepted + 1 for r in chains)
