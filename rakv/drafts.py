@@ -359,7 +359,7 @@ class ModelDraft(DraftSource):
         # the prompt part always agrees; compare only the generated tail
         while i < n and self.cached[i] == ids[i]:
             i += 1
-        i = min(i, n)
+        i = min(i, n, len(ids) - 1)      # the pending token stays unfed: the next proposal feeds it
         if i < len(self.cached):
             dec.crop_to(self.cache, i)
             del self.cached[i:]

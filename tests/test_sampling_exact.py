@@ -232,6 +232,20 @@ def test_a_new_settings_prior_is_measured_before_any_request(models, monkeypatch
     assert next(r for r in recs if r.type == "decision").alpha == pytest.approx(a0, abs=1e-4)
 
 
+def test_the_model_draft_leaves_the_pending_token_unfed(models):
+    """A round whose emitted token equals the draft's first proposal but ends there (a resample that
+    happens to equal it) leaves that token pending; the draft cache held it already and must give it
+    back, so the next proposal has a token to feed (it used to feed none and fail)."""
+    target, draft, _ = models
+    d = ModelDraft(draft)
+    prompt = list(range(5, 30))
+    d.begin(prompt, None, False)
+    ids = prompt + [7]                        # the target's first token, pending
+    toks = d.propose(ids, 3).tokens
+    d.commit(ids + toks[:1])
+    assert d.propose(ids + toks[:1], 2).tokens == toks[1:3]
+
+
 def test_cli_samples_seed_exactly_and_refuses_bad_values(tmp_path, capsys):
     import json
 
