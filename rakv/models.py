@@ -581,9 +581,20 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
             raise ModelError(f"model path not found: {spec} (path does not exist)")
         else:
             src, name, rev = spec, spec, revision or "main"
+    def load() -> LoadedModel:
+        model, tok = _from_pretrained(src, torch_dtype, revision, spec, converted=converted)
+        model = model.to(device)
+        register(device)
+        reading = tok if isinstance(tok, _TokenizerRead) else None
+        lm = wrap(model, None if reading else tok, name=name, revision=rev, fast=fast, codes_file=codes)
+        if reading:                 # a kept tokenizer, restored while the fast path was set up
+            lm.tokenizer = _tokenizer_in(Path(src), reading, spec)
+            lm.eos_ids = _eos_ids(model, lm.tokenizer)
+        return lm
+
     try:
         try:
-            model, tok = _from_pretrained(src, torch_dtype, revision, spec, converted=converted)
+            lm = load()
         except ModelError as e:
             if not spec.lower().endswith(".gguf"):
                 raise
@@ -592,16 +603,13 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
             path, digest = ensure_gguf(p, damaged=_ino(path))
             name, rev, src = p.name, f"gguf-{digest[:16]}", str(path)
             codes = str(path / CODES_FILE) if (path / CODES_FILE).is_file() else ""
-            model, tok = _from_pretrained(src, torch_dtype, revision, spec, converted=converted)
+            lm = load()
     except ModelError as e:
         if spec == DEMO_NAME or spec.lower().endswith(".gguf"):     # the converted copy is damaged: say what to delete
             raise ModelError(f"the converted {'demo model' if spec == DEMO_NAME else 'copy of ' + spec} in {src} "
                              f"cannot be loaded ({e}); delete that folder "
                              "and run again to convert it afresh") from e
         raise
-    model = model.to(device)
-    register(device)
-    lm = wrap(model, tok, name=name, revision=rev, fast=fast, codes_file=codes)
     log(f"loaded {name} in {time.perf_counter() - t0:.1f} s")
     return lm
 
@@ -609,14 +617,18 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
 def _from_pretrained(src: str, torch_dtype, revision: str | None, spec: str, converted: bool = False):
     """The model and tokenizer of a local folder or hub id. ``converted``: ``src`` is a folder this
     loader made in the cache dir (a converted GGUF or the demo): its tokenizer is kept there ready
-    built (``load_tokenizer``)."""
+    built (``load_tokenizer``); when that is being read, the tokenizer returned is the
+    ``_TokenizerRead`` (``_tokenizer_in`` finishes it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         reading = _TokenizerRead(Path(src)) if converted else None      # read while the model loads
         model, info = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, revision=revision,
                                                            output_loading_info=True)
-        tok = load_tokenizer(Path(src), reading) if converted else AutoTokenizer.from_pretrained(src, revision=revision)
+        if reading is not None and reading.head is not None:
+            tok = reading
+        else:
+            tok = load_tokenizer(Path(src), reading) if converted else AutoTokenizer.from_pretrained(src, revision=revision)
     except OSError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         hint = "" if Path(src).exists() else f" (and there is no local folder named {spec!r})"
@@ -624,8 +636,20 @@ def _from_pretrained(src: str, torch_dtype, revision: str | None, spec: str, con
     except Exception as e:  # noqa: BLE001
         raise ModelError(f"cannot load model {spec!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     check_all_loaded(info, f"model {spec!r}")
-    _note_bos(tok)
+    if not isinstance(tok, _TokenizerRead):
+        _note_bos(tok)
     return model, tok
+
+
+def _tokenizer_in(folder: Path, reading: _TokenizerRead, spec: str):
+    """The tokenizer ``reading`` restores (or builds, see ``load_tokenizer``); ModelError if none."""
+    try:
+        tok = load_tokenizer(folder, reading)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+        raise ModelError(f"cannot load the tokenizer of {spec!r}: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    _note_bos(tok)
+    return tok
 
 
 # ----------------------------------------------------------------------------- the built tokenizer

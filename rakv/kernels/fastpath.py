@@ -214,14 +214,20 @@ def enable(model: nn.Module) -> dict:
         return {"fast": False, "linears": 0, "reason": why}
     Conv1D = _conv1d_cls()
     n = 0
+    found = list(_linears(model))
+    plain = [c for _, _, c in found if type(c) is nn.Linear or (Conv1D is not None and type(c) is Conv1D)]
+    # one packing now, of the smallest layer (the LM head, often first, can be ~1 GB): a CPU oneDNN
+    # cannot pack for fails here; the others are packed on first use
+    probe = min(plain, key=lambda c: c.weight.numel()) if plain and not any(
+        isinstance(c, FastLinear) for _, _, c in found) else None
     try:
-        for parent, name, child in list(_linears(model)):
+        for parent, name, child in found:
             if isinstance(child, FastLinear):
                 n += 1
             elif type(child) is nn.Linear or (Conv1D is not None and type(child) is Conv1D):
                 fl = FastLinear(child)
-                if n == 0:
-                    fl.packed()               # one packing now: a CPU oneDNN cannot pack for fails here
+                if child is probe:
+                    fl.packed()
                 setattr(parent, name, fl)
                 n += 1
     except RuntimeError as e:          # a kernel the CPU lacks: stay plain, say why
