@@ -229,24 +229,27 @@ static void run(const tile_fn *wide, const tile_fn *one, const float *x, int64_t
 
 #ifdef RAKV_AVX2
 /* AVX2 (8 lanes a register, 16 registers). Lanes 0-7 and lanes 8-15 of an output are two separate
-   chains of fmas (lane l adds inputs 32b + l, then 32b + 16 + l, block after block), so the kernel
-   computes them one after the other, each in one register: the "halves" h = 0, 1, half h holding
-   the inputs 32b + 8h .. 32b + 8h + 7 and 32b + 16 + 8h .. 32b + 16 + 8h + 7 of every block b,
-   contiguous in that order. x is laid out in halves once per call; a thread rebuilds STRIP weight
-   rows at a time into an fp32 buffer in halves, then runs all rows of x over it in register tiles
-   of up to NR outputs x MRR rows, and joins the halves with the lane tree's first addition. Each
-   output's additions are the ones above in the same order, for any M, tile or thread count. */
-#ifndef STRIP
+   chains of fmas (lane l adds inputs 32b + l, then 32b + 16 + l, block after block), held in two
+   registers ("halves": half h has the inputs 32b + 8h .. + 7 and 32b + 16 + 8h .. + 7 of every
+   block b) and joined by the lane tree's first addition. Two ways, by the number of rows M:
+   - few rows (direct_rows): each weight block is rebuilt into registers and used there by every
+     row, NT outputs x MR rows at a time (2 NT MR accumulators);
+   - more rows: a thread rebuilds STRIP weight rows at a time into an fp32 buffer laid out in
+     halves, then runs all rows of x (laid out in halves once per call) over it, one half after the
+     other, in register tiles of NT outputs x MR rows (NT MR accumulators, one register each).
+   Each output's additions are the ones above in the same order for any M, tile or thread count. */
 #define STRIP 12          /* weight rows a thread rebuilds at a time (its buffer: STRIP K floats) */
+#ifndef STRIP_AHEAD
+#define STRIP_AHEAD 1     /* strips ahead a thread prefetches the codes of */
 #endif
 #define MR_TILE 6         /* most rows in a register tile */
 #define NT_MAX 4          /* most outputs in a register tile */
 #define ACC_MAX 12        /* most accumulators in a register tile (+ its weights and one x: 16 registers) */
 #ifndef NT_OF
-#define NT_OF {0, 4, 4, 3, 2, 2, 2}
+#define NT_OF {0, 4, 4, 3, 3, 2, 2}
 #endif
 
-/* a register tile's outputs for mr rows: as many as ACC_MAX accumulators allow with NT_MAX weights */
+/* a buffered register tile's outputs for mr rows: as many as ACC_MAX accumulators allow, up to NT_MAX */
 static inline int tile_outputs(int mr) {
     static const int nt[MR_TILE + 1] = NT_OF;
     return nt[mr];
@@ -283,38 +286,47 @@ static inline float *in_halves(float *base, int64_t K, int64_t b, int j) {
     return base + (j & 1) * (K / 2) + b * (BLK / 2) + (j >> 1) * 8;
 }
 
-/* weight row n rebuilt exactly into w [K] in halves: fma(d, q, m) (Q4, Q8X) or d * q (Q8), the
-   values the GGUF dequantizer and the other builds compute */
-static void rebuild_row(const codes *c, int64_t n, float *w) {
-    const __m128i low4 = _mm_set1_epi8(15);
-    const int64_t K = c->K;
-    for (int64_t b = 0; b < c->nb; b++) {
-        const uint8_t *blk = c->qs + n * c->qstride + b * (c->qstride / c->nb);
-        const int64_t i = n * c->nb + b;
-        __m256 q[4];
-        if (c->kind == 4) {
-            const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
-            const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-            q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-            q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-            q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-            q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-            const __m256 vd = _mm256_set1_ps(c->d[i]), vm = _mm256_set1_ps(c->m[i]);
-            for (int j = 0; j < 4; j++) _mm256_storeu_ps(in_halves(w, K, b, j), _mm256_fmadd_ps(vd, q[j], vm));
-        } else if (c->kind == 8) {
-            const __m256 vd = _mm256_set1_ps(c->d[i]);
-            for (int j = 0; j < 4; j++)
-                _mm256_storeu_ps(in_halves(w, K, b, j), _mm256_mul_ps(vd, _mm256_cvtepi32_ps(
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * j))))));
-        } else {
-            for (int j = 0; j < 4; j++) {
-                const int64_t h = 2 * i + j / 2;
-                _mm256_storeu_ps(in_halves(w, K, b, j), _mm256_fmadd_ps(_mm256_set1_ps(c->d[h]),
-                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * j)))),
-                    _mm256_set1_ps(c->m[h])));
-            }
-        }
+/* the 32 weights of block b of weight row n rebuilt exactly, w[j] = inputs 32b + 8j .. 32b + 8j + 7:
+   fma(d, q, m) (Q4, Q8X) or d * q (Q8), the values the GGUF dequantizer and the other builds compute */
+static inline __attribute__((always_inline)) void rebuild_block(const codes *c, const int kind, int64_t n,
+                                                                int64_t b, __m256 w[4]) {
+    const int64_t i = n * c->nb + b;
+    const uint8_t *blk = c->qs + i * (kind == 4 ? BLK / 2 : BLK);
+    if (kind == 4) {
+        const __m128i low4 = _mm_set1_epi8(15);
+        const __m128i raw = _mm_loadu_si128((const __m128i *)blk);
+        const __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+        const __m256 vd = _mm256_set1_ps(c->d[i]), vm = _mm256_set1_ps(c->m[i]);
+        w[0] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), vm);
+        w[1] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), vm);
+        w[2] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), vm);
+        w[3] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), vm);
+    } else if (kind == 8) {
+        const __m256 vd = _mm256_set1_ps(c->d[i]);
+        for (int j = 0; j < 4; j++)
+            w[j] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(blk + 8 * j)))));
+    } else {
+        for (int j = 0; j < 4; j++)
+            w[j] = _mm256_fmadd_ps(_mm256_set1_ps(c->d[2 * i + j / 2]), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                _mm_loadl_epi64((const __m128i *)(blk + 8 * j)))), _mm256_set1_ps(c->m[2 * i + j / 2]));
     }
+}
+
+static inline __attribute__((always_inline)) void rebuild_row_kind(const codes *c, const int kind, int64_t n,
+                                                                   float *w) {
+    for (int64_t b = 0; b < c->nb; b++) {
+        __m256 v[4];
+        rebuild_block(c, kind, n, b, v);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(in_halves(w, c->K, b, j), v[j]);
+    }
+}
+
+/* weight row n rebuilt exactly into w [K] in halves */
+static void rebuild_row(const codes *c, int64_t n, float *w) {
+    if (c->kind == 4) rebuild_row_kind(c, 4, n, w);
+    else if (c->kind == 8) rebuild_row_kind(c, 8, n, w);
+    else rebuild_row_kind(c, 9, n, w);
 }
 
 /* rows x [M, K] laid out in halves into xh [M, K] */
@@ -352,7 +364,7 @@ static inline __attribute__((always_inline)) void half_tile(const float *w, cons
 }
 
 #define HALF_CASE(NT, MR) \
-    case (NT) * 16 + (MR): if ((NT) * (MR) <= ACC_MAX) half_tile(w, x, K, out, NT, MR); break;
+    case (NT) * 16 + (MR): if ((NT) * (MR) <= ACC_MAX) { half_tile(w, x, K, out, NT, MR); } break;
 #define HALF_CASES(NT) HALF_CASE(NT, 1) HALF_CASE(NT, 2) HALF_CASE(NT, 3) HALF_CASE(NT, 4) HALF_CASE(NT, 5) \
     HALF_CASE(NT, 6)
 static void half_any(int nt, int mr, const float *w, const float *x, int64_t K, __m256 *out) {
@@ -385,8 +397,98 @@ static void strip_rows(const float *w, int cnt, const float *xh, int64_t M, int6
     }
 }
 
+/* the codes, scales and offsets of weight rows n0 .. n0 + count - 1 into the caches */
+static void prefetch_rows(const codes *c, int64_t n0, int64_t count, int64_t N) {
+    const int64_t rows = N - n0 < count ? N - n0 : count, groups = c->kind == 9 ? 2 * c->nb : c->nb;
+    const char *q = (const char *)(c->qs + n0 * c->qstride);
+    for (int64_t o = 0; o < rows * c->qstride; o += 64) __builtin_prefetch(q + o, 0, 3);
+    const char *d = (const char *)(c->d + n0 * groups), *m = (const char *)(c->m + n0 * groups);
+    for (int64_t o = 0; o < rows * groups * (int64_t)sizeof(float); o += 64) {
+        __builtin_prefetch(d + o, 0, 3);
+        if (c->m != c->d) __builtin_prefetch(m + o, 0, 3);
+    }
+}
+
+/* few rows: each weight block rebuilt into registers and used there by every row, no buffer. NT
+   outputs x MR rows, both halves of each (2 NT MR accumulators) */
+#define DIRECT_NT 4
+#define DIRECT_MR MR_TILE
+static inline __attribute__((always_inline)) void direct_tile(const codes *c, const int kind, int64_t n0,
+        const float *x, float *y, int64_t N, const float *bias, const int NT, const int MR) {
+    const int64_t K = c->K;
+    __m256 lo[DIRECT_NT][DIRECT_MR], hi[DIRECT_NT][DIRECT_MR];
+    for (int t = 0; t < NT; t++)
+        for (int r = 0; r < MR; r++) lo[t][r] = hi[t][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < c->nb; b++)
+        for (int t = 0; t < NT; t++) {
+            __m256 w[4];
+            rebuild_block(c, kind, n0 + t, b, w);
+            for (int r = 0; r < MR; r++) {
+                const float *xr = x + r * K + b * BLK;
+                lo[t][r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), lo[t][r]);
+                hi[t][r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), hi[t][r]);
+                lo[t][r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), lo[t][r]);
+                hi[t][r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), hi[t][r]);
+            }
+        }
+    for (int t = 0; t < NT; t++)
+        for (int r = 0; r < MR; r++) {
+            float s = tree_halves(lo[t][r], hi[t][r]);
+            if (bias) s += bias[n0 + t];
+            y[r * N + n0 + t] = s;
+        }
+}
+
+#define DIRECT_CASE(KIND, NT, MR) case (KIND) * 256 + (NT) * 16 + (MR): \
+    if ((NT) <= DIRECT_NT && (MR) <= DIRECT_MR) { direct_tile(c, KIND, n0, x, y, N, bias, NT, MR); } break;
+#define DIRECT_CASES(KIND, NT) DIRECT_CASE(KIND, NT, 1) DIRECT_CASE(KIND, NT, 2) DIRECT_CASE(KIND, NT, 3) \
+    DIRECT_CASE(KIND, NT, 4) DIRECT_CASE(KIND, NT, 5) DIRECT_CASE(KIND, NT, 6)
+#define DIRECT_KIND(KIND) DIRECT_CASES(KIND, 1) DIRECT_CASES(KIND, 2) DIRECT_CASES(KIND, 3) DIRECT_CASES(KIND, 4)
+static void direct_any(const codes *c, int nt, int mr, int64_t n0, const float *x, float *y, int64_t N,
+                       const float *bias) {
+    switch (c->kind * 256 + nt * 16 + mr) {
+        DIRECT_KIND(4) DIRECT_KIND(8) DIRECT_KIND(9)
+        default: break;
+    }
+}
+
+#ifndef DIRECT_AHEAD
+#define DIRECT_AHEAD 2    /* tiles ahead a thread prefetches the codes of (as the other builds) */
+#endif
+#ifndef DIRECT_ROWS
+#define DIRECT_ROWS 8
+#endif
+#ifndef DIRECT_NT_OF
+#define DIRECT_NT_OF {0, 4, 2, 2, 1, 1, 1}   /* a direct tile's outputs for mr rows (2 NT MR <= 12 accumulators) */
+#endif
+/* whether M rows run the direct way (each weight used by few rows: no buffer round trip; past
+   DIRECT_ROWS the buffered tiles win, docs/fastpath.md) */
+static inline int direct_rows(int64_t M) { return M <= DIRECT_ROWS; }
+
+static void run_direct(const codes *c, const float *x, int64_t M, int64_t N, float *y, const float *bias,
+                       int threads) {
+    static const int nts[DIRECT_MR + 1] = DIRECT_NT_OF;
+    const int nt = nts[tile_rows(M, 0)];
+    const int64_t tiles = (N + nt - 1) / nt;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < tiles; i++) {
+        const int64_t n0 = i * nt;
+        if (DIRECT_AHEAD > 0 && n0 + DIRECT_AHEAD * nt < N)
+            prefetch_rows(c, n0 + DIRECT_AHEAD * nt, nt, N);
+        int64_t r0 = 0;
+        for (int64_t j = 0; r0 < M; r0 += tile_rows(M, j++))
+            direct_any(c, N - n0 < nt ? (int)(N - n0) : nt, tile_rows(M, j), n0, x + r0 * c->K, y + r0 * N, N, bias);
+    }
+}
+
 static void run_avx2(const codes *c, const float *x, int64_t M, int64_t N, float *y, const float *bias,
                      int threads) {
+    if (M <= 0)
+        return;
+    if (direct_rows(M)) {
+        run_direct(c, x, M, N, y, bias, threads);
+        return;
+    }
     const int64_t K = c->K, strips = (N + STRIP - 1) / STRIP;
     float *xh = scratch(0, M * K);
     x_in_halves(x, M, K, xh);
@@ -397,6 +499,8 @@ static void run_avx2(const codes *c, const float *x, int64_t M, int64_t N, float
         for (int64_t s = 0; s < strips; s++) {
             const int64_t n0 = s * STRIP;
             const int cnt = (int)(N - n0 < STRIP ? N - n0 : STRIP);
+            if (STRIP_AHEAD > 0 && s + STRIP_AHEAD < strips)
+                prefetch_rows(c, (s + STRIP_AHEAD) * STRIP, STRIP, N);
             for (int t = 0; t < cnt; t++) rebuild_row(c, n0 + t, buf + t * K);
             strip_rows(buf, cnt, xh, M, K, y, N, bias, n0);
         }
