@@ -8,8 +8,13 @@ the lean forward runs them) each M is timed old, new, old, new, ...; the figures
 median over the reps, per layer and for one forward's linears (30 layers and the head). Every
 output of the new build is compared with the old one's bit for bit.
 
+With ``--steps`` it times whole forwards of the demo model instead (its own codes; both builds
+swapped in and out of the same loaded model): a one-token step t at context 128, verifies of k + 1
+tokens there (V(k)/t) and a prefill of 20 tokens, each old then new, and compares the logits.
+
     .venv/bin/python scripts/kernel_rows.py                       # HEAD against the working tree
     .venv/bin/python scripts/kernel_rows.py --old REV --rows 1,8,32 --reps 9 --threads 2 --json
+    .venv/bin/python scripts/kernel_rows.py --steps --reps 15 --threads 2
 """
 from __future__ import annotations
 
@@ -60,11 +65,14 @@ def build(source_text: str, out: Path) -> ctypes.CDLL:
     why = blockq._build(blockq._compiler(), out, source=src)
     if why:
         raise SystemExit(f"build of {src} failed: {why}")
-    lib = ctypes.CDLL(str(out))                # an older source may lack later entry points
-    lib.rakv_linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                ctypes.c_void_p, ctypes.c_int]
-    lib.rakv_linear.restype = None
-    return lib
+    try:
+        return blockq._load(out)
+    except AttributeError:                     # an older source without a later entry point
+        lib = ctypes.CDLL(str(out))
+        for name in ("rakv_linear", "rakv_attend"):
+            getattr(lib, name).argtypes = getattr(blockq.library(), name).argtypes
+            getattr(lib, name).restype = None
+        return lib
 
 
 class Bound:
@@ -86,6 +94,66 @@ def timed(fn, inner: int) -> float:
     return (time.perf_counter() - t0) / inner
 
 
+def use(lib, blocks: list) -> None:
+    """Run the model's block-coded layers and its attention on ``lib``."""
+    blockq._Lib.handle = lib
+    for b in blocks:
+        b._fn or b._bind()
+        b._fn = lib.rakv_linear
+
+
+def steps(libs: dict, reps: int, ks=(1, 2, 4, 8, 16), ctx: int = 128, prefill_rows: int = 20) -> dict:
+    """t, V(k) and T_pf(prefill_rows) of the demo model on each library, interleaved: min and median
+    ms, V(k)/t of the mins and of the medians, and whether the logits of every forward agree."""
+    import gc
+
+    from rakv import decoding as dec
+    from rakv.costs.calibration import calibration_ids
+    from rakv.models import load_model
+
+    lm = load_model("demo", "float32", None, "cpu", fast=True)
+    model = lm.model
+    blocks = [o for o in gc.get_objects() if isinstance(o, blockq.BlockWeight)]
+    ids = calibration_ids(lm.tokenizer, ctx + max(ks) + 2, lm.vocab_size)
+    cache = dec.DynamicCache()
+    dec.prefill(model, ids[:ctx], cache)
+    keys = [f"V({k})" for k in (0, *ks)] + [f"T_pf({prefill_rows})"]
+    t = {v: {key: [] for key in keys} for v in libs}
+    logits: dict = {v: {} for v in libs}
+
+    def run(key: str) -> torch.Tensor:
+        with torch.inference_mode():
+            if key.startswith("T_pf"):
+                return dec.prefill(model, ids[:prefill_rows], dec.DynamicCache())
+            n = int(key[2:-1]) + 1
+            out = dec.forward(model, ids[ctx: ctx + n], cache)
+            dec.rollback(cache, n)
+            return out
+
+    for v in libs:                     # warm-up, excluded
+        use(libs[v], blocks)
+        for key in keys:
+            run(key)
+    for rep in range(reps):
+        for v in (list(libs) if rep % 2 == 0 else list(libs)[::-1]):
+            use(libs[v], blocks)
+            for key in keys:
+                t0 = time.perf_counter()
+                out = run(key)
+                t[v][key].append(1e3 * (time.perf_counter() - t0))
+                logits[v].setdefault(key, out.clone())
+    use(blockq.library(), blocks)
+    res = {"blocks": len(blocks), "same_logits": all(torch.equal(logits["old"][k], logits["new"][k]) for k in keys)}
+    for v in libs:
+        mins = {k: min(x) for k, x in t[v].items()}
+        meds = {k: statistics.median(x) for k, x in t[v].items()}
+        res[v] = {"min_ms": {k: round(x, 2) for k, x in mins.items()},
+                  "med_ms": {k: round(x, 2) for k, x in meds.items()},
+                  "V/t_of_mins": {k: round(mins[k] / mins["V(0)"], 3) for k in keys[1:-1]},
+                  "V/t_of_medians": {k: round(meds[k] / meds["V(0)"], 3) for k in keys[1:-1]}}
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", default="HEAD", help="git revision of the old source (default HEAD)")
@@ -94,12 +162,21 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layers", default=",".join(SHAPES))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--steps", action="store_true", help="whole forwards of the demo model instead")
     a = ap.parse_args()
     old_src = subprocess.run(["git", "show", f"{a.old}:rakv/kernels/blockq.c"], cwd=ROOT, capture_output=True,
                              text=True, check=True).stdout
     tmp = Path(tempfile.mkdtemp(prefix="kernel_rows-"))
     libs = {"old": build(old_src, tmp / "old.so"), "new": build(blockq.SOURCE.read_text(), tmp / "new.so")}
     simd = getattr(libs["new"], "rakv_blockq_simd", None)
+    if a.steps:
+        torch.set_num_threads(a.threads)
+        load = os.getloadavg()
+        res = {"threads": a.threads, "old": a.old, "simd_new": int(simd()) if simd else None,
+               "load_before": [round(x, 2) for x in load], **steps(libs, a.reps),
+               "load_after": [round(x, 2) for x in os.getloadavg()]}
+        print(json.dumps(res, indent=None if a.json else 1))
+        return 0 if res["same_logits"] else 1
     names = a.layers.split(",")
     codes = {n: random_codes(*SHAPES[n], seed=i) for i, n in enumerate(names)}
     bound = {v: {n: Bound(lib, codes[n]) for n in names} for v, lib in libs.items()}
@@ -128,12 +205,16 @@ def main() -> int:
                       **{f"{v}_med_ms": round(1e3 * statistics.median(t[v]), 4) for v in libs}}
         fwd = {f"{v}_{s}_ms": round(sum(PER_FORWARD[n] * per[n][f"{v}_{s}_ms"] for n in names), 2)
                for v in libs for s in ("min", "med")}
+        fwd.update({f"{v}_layers_min_ms": round(sum(PER_FORWARD[n] * per[n][f"{v}_min_ms"] for n in names
+                                                    if n != "head"), 2) for v in libs})
         res["rows"][M] = {"layers": per, "forward_linears": fwd, "same_bits": all(p["same_bits"] for p in per.values())}
         if not a.json:
             f = fwd
             print(f"M={M:3d}  forward's linears: old min {f['old_min_ms']:8.2f} med {f['old_med_ms']:8.2f} ms | "
                   f"new min {f['new_min_ms']:8.2f} med {f['new_med_ms']:8.2f} ms | x{f['old_min_ms'] / f['new_min_ms']:.2f}"
                   f"  same bits: {res['rows'][M]['same_bits']}", flush=True)
+            print(f"        {LAYERS} layers without the head: old min {f['old_layers_min_ms']:8.2f} ms | new min "
+                  f"{f['new_layers_min_ms']:8.2f} ms | x{f['old_layers_min_ms'] / f['new_layers_min_ms']:.2f}", flush=True)
             for n in names:
                 p = per[n]
                 print(f"        {n:8s} old {p['old_min_ms']:8.3f} / {p['old_med_ms']:8.3f}   new {p['new_min_ms']:8.3f} / "
