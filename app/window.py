@@ -23,6 +23,7 @@ from app.panels.replay import ReplayBar
 from app.panels.run import RunPanel
 from app.panels.timeline import TimelinePanel
 from app.panels.tokens import TokenPanel
+from app.panels.tree import TreePanel
 from app.pieces import Pieces, load_pieces
 from app.replay import Replayer, check_replayable
 from app.settings import Settings, sampling_from_text, sessions_dir
@@ -90,7 +91,9 @@ class MainWindow(QMainWindow):
         self.costs = CostsPanel()
         self.acceptance = AcceptancePanel()
         self.timeline = TimelinePanel()
-        self.plots = [self.cache, self.costs, self.acceptance, self.timeline]
+        self.tree = TreePanel(lambda: self.tokens.pieces)
+        self.plots = [self.cache, self.costs, self.acceptance, self.timeline, self.tree]
+        self._tree_shown = None                  # the state whose first tree raised the Token tree tab
         self._plot_drawn: dict[int, tuple] = {}
         self._rr = 0
         self.docks: dict[str, QDockWidget] = {}
@@ -101,7 +104,8 @@ class MainWindow(QMainWindow):
                                      ("cache", "Prefix cache", self.cache, R),
                                      ("costs", "Action costs", self.costs, R),
                                      ("acceptance", "Acceptance", self.acceptance, B),
-                                     ("timeline", "Round timeline", self.timeline, B)):
+                                     ("timeline", "Round timeline", self.timeline, B),
+                                     ("tree", "Token tree", self.tree, B)):
             d = QDockWidget(title, self)
             d.setObjectName(f"dock_{name}")
             if name in ("run", "controls"):       # forms: they scroll rather than push the window past the screen
@@ -117,6 +121,8 @@ class MainWindow(QMainWindow):
             self.addDockWidget(area, d)
             self.docks[name] = d
         self.splitDockWidget(self.docks["acceptance"], self.docks["timeline"], Qt.Orientation.Horizontal)
+        self.tabifyDockWidget(self.docks["timeline"], self.docks["tree"])     # a tab beside the timeline
+        self.docks["timeline"].raise_()
         self.setCorner(Qt.Corner.BottomLeftCorner, L)
         self.setCorner(Qt.Corner.BottomRightCorner, R)
         self.replay_bar = ReplayBar()
@@ -438,6 +444,9 @@ class MainWindow(QMainWindow):
     # ------------------------------------------------------------------ worker signals
     def _on_record(self, rec) -> None:
         self.live.apply(rec)           # tiny: the redraw timer does the drawing
+        if getattr(rec, "tree_tokens", None) and self._tree_shown is not self.live:
+            self._tree_shown = self.live           # the session's first tree: bring its tab forward once
+            self.docks["tree"].raise_()
 
     def _on_busy(self, what: str) -> None:
         self.busy = what
@@ -552,7 +561,7 @@ class MainWindow(QMainWindow):
         self.redraw()
         return {name: p.snapshot() for name, p in (("tokens", self.tokens), ("cache", self.cache),
                                                     ("costs", self.costs), ("acceptance", self.acceptance),
-                                                    ("timeline", self.timeline))}
+                                                    ("timeline", self.timeline), ("tree", self.tree))}
 
     # ------------------------------------------------------------------ replay
     def open_recording(self, path: str | None = None, play: bool = True) -> bool:
@@ -642,7 +651,7 @@ class MainWindow(QMainWindow):
         self.redraw()
         Path(folder).mkdir(parents=True, exist_ok=True)
         for name, panel in (("cache", self.cache), ("costs", self.costs), ("acceptance", self.acceptance),
-                            ("timeline", self.timeline)):
+                            ("timeline", self.timeline), ("tree", self.tree)):
             p = str(Path(folder) / f"rakv-{name}.png")
             try:
                 ex = pex.ImageExporter(panel.plot.getPlotItem())

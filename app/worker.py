@@ -139,6 +139,8 @@ class Worker(QObject):
         """Engine callback (worker thread): record the line, emit the record. Nothing else."""
         if self.recorder is not None:
             self.recorder(rec)
+        if getattr(rec, "tree_tokens", None):
+            self._seen_ids.update(rec.tree_tokens)     # the tree's rejected nodes too, for the pieces file
         self.record.emit(rec)
 
     # ------------------------------------------------------------------ run (worker thread)

@@ -7,11 +7,11 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QFormLayout, Q
                                QPlainTextEdit, QPushButton, QSizePolicy, QSpinBox, QToolButton, QVBoxLayout,
                                QWidget)
 
-from rakv.config import Policy
+from rakv.config import POLICIES_HELP, Policy
 
 TARGETS = ["demo"]
 DRAFTS = ["int8", "ngram", "none"]
-POLICIES = ["adaptive", "adaptive:gate", "ar", "kv", "spec:4", "joint:4"]
+POLICIES = ["adaptive", "adaptive:gate", "adaptive:tree", "ar", "kv", "spec:4", "joint:4", "tree:8"]
 
 
 class RunPanel(QWidget):
@@ -40,7 +40,7 @@ class RunPanel(QWidget):
         self.policy = QComboBox()
         self.policy.setEditable(True)
         self.policy.addItems(POLICIES)
-        self.policy.setToolTip("adaptive | ar | kv | spec:K | joint:K")
+        self.policy.setToolTip(POLICIES_HELP + "  (tree:N and adaptive:tree verify token trees; use the ngram draft)")
         self.max_new = QSpinBox()
         self.max_new.setRange(1, 4096)
         self.max_new.setValue(64)
