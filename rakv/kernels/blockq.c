@@ -491,6 +491,10 @@ static void run_avx2(const codes *c, const float *x, int64_t M, int64_t N, float
     }
     const int64_t K = c->K, strips = (N + STRIP - 1) / STRIP;
     float *xh = scratch(0, M * K);
+    if (xh == NULL) {                  /* no memory for the buffers: the same sums without them */
+        run_direct(c, x, M, N, y, bias, threads);
+        return;
+    }
     x_in_halves(x, M, K, xh);
     #pragma omp parallel num_threads(threads)
     {
@@ -501,6 +505,12 @@ static void run_avx2(const codes *c, const float *x, int64_t M, int64_t N, float
             const int cnt = (int)(N - n0 < STRIP ? N - n0 : STRIP);
             if (STRIP_AHEAD > 0 && s + STRIP_AHEAD < strips)
                 prefetch_rows(c, (s + STRIP_AHEAD) * STRIP, STRIP, N);
+            if (buf == NULL) {
+                for (int t = 0; t < cnt; t++)
+                    for (int64_t r0 = 0, j = 0; r0 < M; r0 += tile_rows(M, j++))
+                        direct_any(c, 1, tile_rows(M, j), n0 + t, x + r0 * K, y + r0 * N, N, bias);
+                continue;
+            }
             for (int t = 0; t < cnt; t++) rebuild_row(c, n0 + t, buf + t * K);
             strip_rows(buf, cnt, xh, M, K, y, N, bias, n0);
         }
