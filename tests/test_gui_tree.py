@@ -77,9 +77,10 @@ def test_chain_round_says_no_tree(qtbot):
     st = _state(_tree_round(), Round(request_id=1, index=2, kind="spec", k=4, emitted=[1], provenance=["target"]))
     p.refresh(st)
     assert p.snapshot()["nodes"] == 6
-    p.pick.setValue(2)
-    p.refresh(st)
+    p.pick.setValue(2)                                   # redraws at once
     assert p.snapshot()["empty"]
+    p.pick.setValue(1)
+    assert p.snapshot()["nodes"] == 6 and p.snapshot()["round"] == 1
 
 
 def test_policy_chooser_offers_trees():

@@ -99,6 +99,7 @@ class TreePanel(QWidget):
         self.labels: list[pg.TextItem] = []
         self.nodata = NoData(self.plot, (0.0, 10.0), (0.0, 1.0), "no tree in this round")
         self._key = None
+        self._state: SessionState | None = None
         self._snap: dict = {"round": None, "nodes": 0, "path": [], "accepted_items": 0, "labels": [],
                             "empty": True, "info": self.info.text()}
         top = QHBoxLayout()
@@ -110,7 +111,10 @@ class TreePanel(QWidget):
         lay.addWidget(self.plot, 1)
 
     def _invalidate(self) -> None:
+        """A new pick redraws at once (the window redraws panels only when the state changed)."""
         self._key = None
+        if self._state is not None:
+            self.refresh(self._state)
 
     def _piece(self, tid: int) -> str:
         try:
@@ -132,6 +136,7 @@ class TreePanel(QWidget):
         return None, latest
 
     def refresh(self, state: SessionState) -> None:
+        self._state = state
         r, latest = self.pick_round(state, self.pick.value())
         key = (id(state), state.request_id, id(r), id(latest) if r is None else 0, self.pick.value())
         if key == self._key:
@@ -195,8 +200,12 @@ class TreePanel(QWidget):
         self.nodes.setData(xs, ys, brush=brushes, pen=pens, size=sizes)
         # labels (right of each node; the pending token's too)
         root_id = self._root_token(state, r)
-        texts = [label(self._piece(root_id)) if root_id is not None else "pending"] + \
-                [label(self._piece(t)) for t in toks]
+        D = max(depth) if depth else 0
+        R = max(row) if row else 0
+        col_px = max(1, self.plot.width()) / (D + 1.2)       # labels fit their column (~7 px a char)
+        chars = max(3, min(LABEL_CHARS, int(col_px / 7) - 1))
+        texts = [label(self._piece(root_id), chars) if root_id is not None else "pending"] + \
+                [label(self._piece(t), chars) for t in toks]
         pi = self.plot.getPlotItem()
         while len(self.labels) < len(texts):
             t = pg.TextItem("", anchor=(0, 1.0))
@@ -212,8 +221,6 @@ class TreePanel(QWidget):
             t.setPos(xs[j] + 0.06, ys[j] + 0.08)
             t.setVisible(True)
         self.nodata.set(False)
-        D = max(depth) if depth else 0
-        R = max(row) if row else 0
         pi.setXRange(-0.25, D + 0.95, padding=0)
         pi.setYRange(-(R + 0.6), 0.75, padding=0)
         bits = [f"request {state.request_id}, round {r.index}: {n} node{'s' if n != 1 else ''}",
