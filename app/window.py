@@ -651,7 +651,7 @@ class MainWindow(QMainWindow):
         self.redraw()
         Path(folder).mkdir(parents=True, exist_ok=True)
         for name, panel in (("cache", self.cache), ("costs", self.costs), ("acceptance", self.acceptance),
-                            ("timeline", self.timeline), ("tree", self.tree)):
+                            ("timeline", self.timeline)):
             p = str(Path(folder) / f"rakv-{name}.png")
             try:
                 ex = pex.ImageExporter(panel.plot.getPlotItem())
