@@ -338,3 +338,15 @@ def test_the_lazy_int8_draft_is_the_eager_one():
             with torch.no_grad():
                 assert torch.equal(ref(x).logits, eager.model(x).logits)
         assert lazy.kv_bytes_per_token() == eager.kv_bytes_per_token()
+
+
+def test_the_first_use_shows_progress_and_the_second_shows_none(tmp_path, monkeypatch, capsys):
+    f, _ = _tiny_gguf(tmp_path / "src")
+    monkeypatch.setattr(M, "HASH_CHUNK", 4096)              # the tiny file counts as a big one
+    M.load_model(str(f), fast=False)
+    err = capsys.readouterr().err
+    assert "hashing" in err and "100.0%" in err             # reading the file
+    assert "converting" in err and "saving the converted model" in err and "converted in" in err
+    M.load_model(str(f), fast=False)
+    err = capsys.readouterr().err
+    assert "hashing" not in err and "convert" not in err and "loaded" in err
