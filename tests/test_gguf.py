@@ -210,9 +210,9 @@ def test_the_hash_is_remembered_by_path_size_and_mtime(tmp_path, monkeypatch):
         opened.append(str(p))
         return real_open(p, *a, **k)
 
-    monkeypatch.setattr("builtins.open", spy)
-    assert M.file_hash(f) == h and str(f.resolve()) not in opened      # a second call reads nothing
-    monkeypatch.undo()
+    with monkeypatch.context() as mp:       # (undo() would also drop the test's own cache dir)
+        mp.setattr("builtins.open", spy)
+        assert M.file_hash(f) == h and str(f.resolve()) not in opened      # a second call reads nothing
     data = bytearray(f.read_bytes())
     data[-1] ^= 1                                           # same size, new content (and mtime)
     st = f.stat()
@@ -279,18 +279,18 @@ def test_a_conversion_that_cannot_be_loaded_even_when_made_again_names_the_folde
     f, _ = _tiny_gguf(tmp_path)
     folder, _ = M.ensure_gguf(f)
     (folder / "config.json").write_text("{broken")
-    calls = _count_conversions(monkeypatch)
-    real = M.convert_gguf
+    with monkeypatch.context() as mp:       # (undo() would also drop the test's own cache dir)
+        calls = _count_conversions(mp)
+        real = M.convert_gguf
 
-    def still_broken(*a, **k):
-        real(*a, **k)
-        (a[1] / "config.json").write_text("{broken")
+        def still_broken(*a, **k):
+            real(*a, **k)
+            (a[1] / "config.json").write_text("{broken")
 
-    monkeypatch.setattr(M, "convert_gguf", still_broken)
-    with pytest.raises(M.ModelError) as e:
-        M.load_model(str(f), fast=False)
-    assert str(folder) in str(e.value) and "delete" in str(e.value) and len(calls) == 1
-    monkeypatch.undo()
+        mp.setattr(M, "convert_gguf", still_broken)
+        with pytest.raises(M.ModelError) as e:
+            M.load_model(str(f), fast=False)
+        assert str(folder) in str(e.value) and "delete" in str(e.value) and len(calls) == 1
     shutil.rmtree(folder)
     M.load_model(str(f), fast=False)          # converted afresh
 

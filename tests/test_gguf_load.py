@@ -88,9 +88,9 @@ def test_the_second_load_converts_nothing_builds_no_tokenizer_and_reads_no_file(
         opened.append(str(p))
         return real_open(p, *a, **k)
 
-    monkeypatch.setattr("builtins.open", spy)
-    second = M.load_model(str(f), fast=False)
-    monkeypatch.undo()
+    with monkeypatch.context() as mp:       # (undo() would also drop the test's own cache dir)
+        mp.setattr("builtins.open", spy)
+        second = M.load_model(str(f), fast=False)
     assert len(conversions) == 1 and builds == []          # nothing converted, no tokenizer built
     assert str(f.resolve()) not in opened                  # the GGUF is not even read (its hash is remembered)
     assert first.key == second.key
@@ -148,12 +148,12 @@ def test_a_tokenizer_with_its_own_constructor_is_kept_and_restored_the_same(tmp_
     from transformers import AutoTokenizer
 
     d = _gemma_like_folder(tmp_path / "gemma-like")
-    builds = _count_tokenizer_builds(monkeypatch)
-    first = M.load_tokenizer(d)
-    assert len(builds) == 1 and (d / M.TOKENIZER_CACHE).is_file()
-    second = M.load_tokenizer(d)
-    assert len(builds) == 1
-    monkeypatch.undo()
+    with monkeypatch.context() as mp:
+        builds = _count_tokenizer_builds(mp)
+        first = M.load_tokenizer(d)
+        assert len(builds) == 1 and (d / M.TOKENIZER_CACHE).is_file()
+        second = M.load_tokenizer(d)
+        assert len(builds) == 1
     ref = AutoTokenizer.from_pretrained(str(d))
     assert type(second).__name__ == "GemmaTokenizer" and second.padding_side == ref.padding_side
     _assert_same_tokenizer(first, ref)
@@ -185,12 +185,12 @@ def test_a_damaged_or_stale_tokenizer_pickle_is_built_again(tmp_path, monkeypatc
         with open(kept, "wb") as fh:
             pickle.dump(head, fh)
             pickle.dump(tok, fh)
-    builds = _count_tokenizer_builds(monkeypatch)
-    tok = M.load_tokenizer(d)
-    assert len(builds) == 1                                 # built again ...
-    M.load_tokenizer(d)
-    assert len(builds) == 1                                 # ... and kept again
-    monkeypatch.undo()
+    with monkeypatch.context() as mp:
+        builds = _count_tokenizer_builds(mp)
+        tok = M.load_tokenizer(d)
+        assert len(builds) == 1                             # built again ...
+        M.load_tokenizer(d)
+        assert len(builds) == 1                             # ... and kept again
     _assert_same_tokenizer(tok, AutoTokenizer.from_pretrained(str(d)))
 
 
