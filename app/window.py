@@ -11,7 +11,7 @@ from pathlib import Path
 from PySide6.QtCore import QThread, QTimer, Qt, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, QLabel, QMainWindow, QMessageBox,
-                               QProgressBar, QProgressDialog, QScrollArea, QToolBar)
+                               QProgressBar, QProgressDialog, QScrollArea, QTabWidget, QToolBar)
 
 from app import icons
 from app.lagprobe import LagProbe
@@ -104,8 +104,7 @@ class MainWindow(QMainWindow):
                                      ("cache", "Prefix cache", self.cache, R),
                                      ("costs", "Action costs", self.costs, R),
                                      ("acceptance", "Acceptance", self.acceptance, B),
-                                     ("timeline", "Round timeline", self.timeline, B),
-                                     ("tree", "Token tree", self.tree, B)):
+                                     ("timeline", "Round timeline", self._rounds_tabs(), B)):
             d = QDockWidget(title, self)
             d.setObjectName(f"dock_{name}")
             if name in ("run", "controls"):       # forms: they scroll rather than push the window past the screen
@@ -121,8 +120,6 @@ class MainWindow(QMainWindow):
             self.addDockWidget(area, d)
             self.docks[name] = d
         self.splitDockWidget(self.docks["acceptance"], self.docks["timeline"], Qt.Orientation.Horizontal)
-        self.tabifyDockWidget(self.docks["timeline"], self.docks["tree"])     # a tab beside the timeline
-        self.docks["timeline"].raise_()
         self.setCorner(Qt.Corner.BottomLeftCorner, L)
         self.setCorner(Qt.Corner.BottomRightCorner, R)
         self.replay_bar = ReplayBar()
@@ -144,6 +141,18 @@ class MainWindow(QMainWindow):
         self.controls.samplingChanged.connect(lambda smp: self.worker.set_controls(sampling=smp))
         self.run_panel.raw.toggled.connect(lambda on: self.worker.set_controls(chat_template=not on))
         self.replay_bar.closeRequested.connect(self.leave_replay)
+
+    def _rounds_tabs(self) -> QTabWidget:
+        """The bottom-right dock: the round timeline and the token tree, as tabs (the dock's title
+        follows the tab)."""
+        self.rounds_tabs = QTabWidget()
+        self.rounds_tabs.setDocumentMode(True)
+        self.rounds_tabs.setTabPosition(QTabWidget.TabPosition.South)
+        self.rounds_tabs.addTab(self.timeline, "Round timeline")
+        self.rounds_tabs.addTab(self.tree, "Token tree")
+        self.rounds_tabs.currentChanged.connect(
+            lambda i: self.docks["timeline"].setWindowTitle(self.rounds_tabs.tabText(i)))
+        return self.rounds_tabs
 
     def _action(self, text, slot, shortcut=None, icon=None) -> QAction:
         a = QAction(text, self)
@@ -446,7 +455,7 @@ class MainWindow(QMainWindow):
         self.live.apply(rec)           # tiny: the redraw timer does the drawing
         if getattr(rec, "tree_tokens", None) and self._tree_shown is not self.live:
             self._tree_shown = self.live           # the session's first tree: bring its tab forward once
-            self.docks["tree"].raise_()
+            self.rounds_tabs.setCurrentWidget(self.tree)
 
     def _on_busy(self, what: str) -> None:
         self.busy = what

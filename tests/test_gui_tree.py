@@ -130,4 +130,5 @@ def test_real_tree_run_reaches_the_panel(qtbot, win, policy):
     assert not snap["empty"] and snap["round"] == last.index and snap["nodes"] == len(last.tree_tokens)
     assert snap["path"] == list(last.tree_path) and snap["accepted_items"] == len(last.tree_path)
     assert all(not t.startswith("<") for t in snap["labels"])      # decoded by the tokenizer
-    assert win.docks["tree"].isVisible()                           # its tab came forward with the first tree
+    assert win.rounds_tabs.currentWidget() is win.tree and win.tree.isVisible()   # its tab came forward
+    assert win.docks["timeline"].windowTitle() == "Token tree"
