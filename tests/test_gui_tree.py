@@ -132,3 +132,21 @@ def test_real_tree_run_reaches_the_panel(qtbot, win, policy):
     assert all(not t.startswith("<") for t in snap["labels"])      # decoded by the tokenizer
     assert win.rounds_tabs.currentWidget() is win.tree and win.tree.isVisible()   # its tab came forward
     assert win.docks["timeline"].windowTitle() == "Token tree"
+
+
+def test_replay_shows_the_same_tree(qtbot, win):
+    """A replay draws the tree the live run drew, rejected nodes' text included (pieces file)."""
+    rp = win.run_panel
+    rp.prompt.setPlainText(REPETITIVE)
+    rp.policy.setCurrentText("tree:8")
+    rp.max_new.setValue(16)
+    rp.raw.setChecked(True)
+    for _ in range(2):
+        with qtbot.waitSignal(win.runFinished, timeout=T):
+            win.run()
+    live = win.panel_snapshot()["tree"]
+    assert not live["empty"]
+    assert win.open_recording(str(win.worker.recording), play=False)
+    win.replayer.finish()
+    assert win.panel_snapshot()["tree"] == live
+    win.leave_replay()
