@@ -272,7 +272,7 @@ def run(args, argv: list[str]) -> int:
     save_profile(profile, out / "profile.json")
     config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, k_set=tuple(s["k_set"]),
                         budget_mib=args.budget_mib, sampling=bench_sampling(args), **device_kw(args))
-    meta = run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile)
+    meta = run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile, config.sampling)
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     log(f"bench: {len(streams)} streams x {s['n_prompts']} requests x {s['repeats']} repeats x "
         f"{len(arms)} policies ({', '.join(a.name for a in arms)}) -> {out}")
@@ -300,7 +300,7 @@ def print_plan(streams: dict, arms, repeats: int) -> int:
     return 0
 
 
-def run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile=None) -> dict:
+def run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile=None, sampling=None) -> dict:
     import torch
 
     from rakv.prompts import has_chat_template
@@ -315,7 +315,8 @@ def run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile=None
                 threads=torch.get_num_threads(), hardware=hardware_info(), versions=versions_info(),
                 device=str(next(target.model.parameters()).device), fast=bool(getattr(target, "fast", False)),
                 started=time.strftime("%Y-%m-%dT%H:%M:%S"), elapsed_s=0.0,
-                regime=None if profile is None else regime(profile))
+                regime=None if profile is None else regime(profile),
+                sampling=None if sampling is None else sampling.to_dict())
 
 
 def main(argv: list[str] | None = None) -> int:
