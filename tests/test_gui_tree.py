@@ -14,8 +14,7 @@ from app.panels.tree import TreePanel, label, layout  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from app.state import SessionState  # noqa: E402
 from app.window import MainWindow  # noqa: E402
-from rakv.costs import calibrate  # noqa: E402
-from rakv.drafts import ModelDraft, NgramDraft  # noqa: E402
+from rakv.drafts import NgramDraft  # noqa: E402
 from rakv.records import RequestStart, Round  # noqa: E402
 from tests.tiny import make_pair  # noqa: E402
 
@@ -89,8 +88,10 @@ def test_policy_chooser_offers_trees():
 
 @pytest.fixture(scope="module")
 def models():
-    target, draft = make_pair("llama", "mostly")
-    return target, calibrate(target, ModelDraft(draft), quick=True)
+    from tests.test_sampling_exact import synthetic_profile
+
+    target, _ = make_pair("llama", "mostly")
+    return target, synthetic_profile()      # a nearly flat verify: adaptive:tree keeps its trees on any machine
 
 
 @pytest.fixture
@@ -121,10 +122,7 @@ def test_real_tree_run_reaches_the_panel(qtbot, win, policy):
         end = blocker.args[0]
         assert end is not None and end.stopped != "error" and not win.errors
     trees = [r for r in win.live.records if isinstance(r, Round) and r.tree_tokens]
-    if policy == "tree:8":
-        assert trees and all(len(r.tree_tokens) <= 8 for r in trees)
-    if not trees:
-        pytest.skip("adaptive:tree chose no tree on this machine")
+    assert trees and all(len(r.tree_tokens) <= (8 if policy == "tree:8" else 16) for r in trees)
     snap = win.panel_snapshot()["tree"]
     last = trees[-1]
     assert not snap["empty"] and snap["round"] == last.index and snap["nodes"] == len(last.tree_tokens)
