@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from .device import clock, model_device
 from .prefix_cache import KV
-from .sampling import accept_seeded
+from .sampling import accept_rejection, accept_seeded, sample_rows
 
 now = clock          # perf_counter, after synchronizing an asynchronous device (CUDA / MPS) in use
 
@@ -155,3 +155,25 @@ def cache_from(kv: KV) -> DynamicCache:
     for i, (k, v) in enumerate(kv):
         cache.update(k, v, i)
     return cache
+
+
+def verify_accept(model, cache, pending: int, drafts: list[int], s=None,
+                  position: int = 0, q_logits=None) -> tuple[list[int], int]:
+    """Verify [pending, d_1..d_k] in one forward; accept a drafts + one target token; roll back.
+
+    Greedy: drafts equal to the argmax. Seeded sampling: drafts equal to the target's own sample at
+    their output position (``position`` is d_1's), so the tokens are target-only sampling's.
+    Rejection: accept with min(1, p/q), resample from the residual (exact in distribution)."""
+    logits = verify(model, [pending] + drafts, cache)      # [k+1, V]
+    if s is None or s.greedy:
+        pred = logits.argmax(dim=-1).tolist()
+        a = accept(drafts, pred)
+        nxt = pred[a]
+    elif s.verify == "seeded":
+        pred = sample_rows(logits, s, list(range(position, position + len(drafts) + 1)))
+        a = accept_seeded(drafts, pred)
+        nxt = pred[a]
+    else:
+        a, nxt = accept_rejection(logits, q_logits, drafts, s, position)
+    rollback(cache, len(drafts) - a)
+    return drafts[:a] + [nxt], a

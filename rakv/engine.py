@@ -79,28 +79,6 @@ def learned_state(p: CostProfile) -> dict:
             "out_frac": p.out_frac, "scale": {k: round(v, 3) for k, v in sorted(p.scale.items())}}
 
 
-def verify_accept(model, cache, pending: int, drafts: list[int], s: Sampling | None = None,
-                  position: int = 0, q_logits=None) -> tuple[list[int], int]:
-    """Verify [pending, d_1..d_k] in one forward; accept a drafts + one target token; roll back.
-
-    Greedy: drafts equal to the argmax. Seeded sampling: drafts equal to the target's own sample at
-    their output position (``position`` is d_1's), so the tokens are target-only sampling's.
-    Rejection: accept with min(1, p/q), resample from the residual (exact in distribution)."""
-    logits = dec.verify(model, [pending] + drafts, cache)      # [k+1, V]
-    if s is None or s.greedy:
-        pred = torch.argmax(logits, dim=-1).tolist()
-        a = dec.accept(drafts, pred)
-        nxt = pred[a]
-    elif s.verify == "seeded":
-        pred = S.sample_rows(logits, s, list(range(position, position + len(drafts) + 1)))
-        a = S.accept_seeded(drafts, pred)
-        nxt = pred[a]
-    else:
-        a, nxt = S.accept_rejection(logits, q_logits, drafts, s, position)
-    dec.rollback(cache, len(drafts) - a)
-    return drafts[:a] + [nxt], a
-
-
 def next_token(logits, s: Sampling | None, position: int) -> int:
     """The target's token at output ``position`` from its logits [V]: argmax, or its seeded sample."""
     return dec.argmax(logits) if s is None or s.greedy else S.sample(logits, s, position)
@@ -444,7 +422,7 @@ class Engine:
         drafts, gate = plan.drafts, plan.gate
         tv = now()
         if drafts:
-            emitted, a = verify_accept(self.target.model, rq.cache, seq[-1], drafts, rq.sampling,
+            emitted, a = dec.verify_accept(self.target.model, rq.cache, seq[-1], drafts, rq.sampling,
                                        len(rq.out), plan.q_logits)
             prov = ["draft"] * a + ["target"]
         else:

@@ -156,16 +156,5 @@ def _verify_chain(model, cache, pending, tree, s, position) -> tuple[list[int], 
     """The tree's first path verified as a chain (no tree forward, or rejection verification)."""
     chain = tree.first_path()
     drafts = [tree.tokens[i] for i in chain]
-    logits = dec.verify(model, [pending] + drafts, cache)      # [k + 1, V]
-    if s is None or s.greedy:
-        pred = logits.argmax(dim=-1).tolist()
-        a = dec.accept(drafts, pred)
-        nxt = pred[a]
-    elif s.verify == "seeded":
-        pred = S.sample_rows(logits, s, list(range(position, position + len(drafts) + 1)))
-        a = S.accept_seeded(drafts, pred)
-        nxt = pred[a]
-    else:
-        a, nxt = S.accept_rejection(logits, None, drafts, s, position)
-    dec.rollback(cache, len(drafts) - a)
-    return drafts[:a] + [nxt], chain[:a], "chain"
+    emitted, a = dec.verify_accept(model, cache, pending, drafts, s, position)
+    return emitted, chain[:a], "chain"
