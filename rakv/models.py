@@ -219,9 +219,19 @@ def _hash_index() -> Path:
     return cache_dir() / "models" / "hashes.json"
 
 
+RACY_NS = 2_000_000_000
+
+
+def racy(mtime_ns: int) -> bool:
+    """A file written in the last RACY_NS may be written again with the same stamp (filesystems
+    stamp by a coarse clock, FAT by 2 s): its hash is not remembered (git's "racily clean")."""
+    return time.time_ns() - mtime_ns < RACY_NS
+
+
 def file_hash(path: Path) -> str:
     """The content hash of a file (BLAKE2b, 128 bits, hex), read in chunks with a progress line;
-    remembered by (path, size, mtime_ns, inode) so a second call on the same file reads nothing."""
+    remembered by (path, size, mtime_ns, inode) so a second call on the same file reads nothing
+    (unless it was written too recently to trust its stamp: ``racy``)."""
     import json
 
     from .paths import write_atomic
@@ -249,7 +259,7 @@ def file_hash(path: Path) -> str:
             if st.st_size > 4 * HASH_CHUNK:
                 _progress(f"hashing {p.name}", done, st.st_size, state)
     digest = h.hexdigest()
-    if p.stat().st_mtime_ns == st.st_mtime_ns:          # not written to while read: remember it
+    if p.stat().st_mtime_ns == st.st_mtime_ns and not racy(st.st_mtime_ns):   # settled: remember it
         known = {k: v for k, v in known.items() if os.path.exists(k)}     # files gone: forgotten
         known[str(p)] = {"stat": stamp, "blake2b": digest}
         if len(known) > 256:                             # the oldest entries go first

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -49,12 +50,13 @@ def random_blocks(qtype: str, rows: int, cols: int, seed: int = 0, scale: float 
 
 
 def write_llama_gguf(path: Path, model, qtype: str = "F32", qtypes: dict | None = None,
-                     add_bos: bool | None = None, chat_template: str | None = None) -> None:
+                     add_bos: bool | None = None, chat_template: str | None = None, settled: bool = True) -> None:
     """Write the tiny Llama ``model`` (tests/tiny.py make_model) and the tiny tokenizer as a GGUF,
     the linear weights as ``qtype`` (F32, or a block type such as Q8_0 quantized by gguf.quants),
     norms F32, as llama.cpp's converter names and lays them out. ``qtypes``: a GGUF type per tensor
     role (attn_q, attn_v, ffn_down, output, ...) written as random raw blocks of that type instead
-    (the model is then what the file says: load it with transformers)."""
+    (the model is then what the file says: load it with transformers). ``settled``: stamped a minute
+    ago, so its hash is remembered (see ``settle``)."""
     cfg = model.config
     js = json.loads(tiny_tokenizer().backend_tokenizer.to_str())
     tokens = [t for t, _ in sorted(js["model"]["vocab"].items(), key=lambda x: x[1])]
@@ -115,6 +117,8 @@ def write_llama_gguf(path: Path, model, qtype: str = "F32", qtypes: dict | None 
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if settled:
+        settle(path)
 
 
 def _tiny_gguf(dirpath: Path, qtype: str = "F32", seed: int = 0) -> tuple[Path, torch.nn.Module]:
@@ -123,6 +127,12 @@ def _tiny_gguf(dirpath: Path, qtype: str = "F32", seed: int = 0) -> tuple[Path, 
     f = dirpath / f"tiny-{qtype.lower()}-{seed}.gguf"
     write_llama_gguf(f, m, qtype)
     return f, m
+
+
+def settle(f: Path) -> None:
+    """Stamp ``f`` a minute ago: a hash of it is then remembered (one written just now is racy)."""
+    t = time.time_ns() - 60_000_000_000
+    os.utime(f, ns=(t, t))
 
 
 def _hf_gguf(f: Path):

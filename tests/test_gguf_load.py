@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 
 from rakv import models as M
 
-from .test_gguf import PROMPT, _count_conversions, _same_weights, _tiny_gguf, write_llama_gguf
+from .test_gguf import PROMPT, _count_conversions, _same_weights, _tiny_gguf, settle, write_llama_gguf
 from .tiny import CHAT_TEMPLATE, make_model, oracle
 
 gguf = pytest.importorskip("gguf")
@@ -252,15 +253,31 @@ def test_a_changed_file_is_converted_again_a_touched_one_is_hashed_again_only(tm
     M.load_model(str(f), fast=False)
     assert not hashed                                         # remembered again
     big = make_model("llama", seed=5, hidden=96)               # another size at the same path
-    write_llama_gguf(f, big)
+    write_llama_gguf(f, big, settled=False)                   # written just now: its stamp is racy
+    written = f.stat()
     c = M.load_model(str(f), fast=False)
     assert len(calls) == 2 and c.key != a.key
     _same_weights(c.model, big)
-    data = bytearray(f.read_bytes())                          # same size, other bytes
-    data[-1] ^= 1
+    data = bytearray(f.read_bytes())                          # same size, other bytes, written at once:
+    data[-1] ^= 1                                             # maybe the same stamp (a coarse clock's tick)
     f.write_bytes(bytes(data))
+    os.utime(f, ns=(written.st_atime_ns, written.st_mtime_ns))
     d = M.load_model(str(f), fast=False)
     assert len(calls) == 3 and d.key not in (a.key, c.key)
+
+
+def test_a_file_written_just_now_is_hashed_on_every_load(tmp_path):
+    """Rewritten within one tick of the filesystem's clock, a file of the same size keeps its stamp:
+    a hash taken that close to its writing is not remembered, so the new bytes are found."""
+    f, _ = _tiny_gguf(tmp_path / "src")
+    t = time.time_ns()
+    os.utime(f, ns=(t, t))
+    h = M.file_hash(f)
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(t, t))                                    # the very same stamp, as a coarse clock gives
+    assert M.file_hash(f) != h
 
 
 def test_a_damaged_hash_index_is_rebuilt(tmp_path):
@@ -274,10 +291,13 @@ def test_a_damaged_hash_index_is_rebuilt(tmp_path):
     assert json.loads(index.read_text())[str(f.resolve())]["blake2b"] == h
     gone = tmp_path / "gone.gguf"                              # entries of files that no longer exist are dropped
     gone.write_bytes(f.read_bytes())
+    settle(gone)
     M.file_hash(gone)
+    assert str(gone.resolve()) in json.loads(index.read_text())
     gone.unlink()
     g = tmp_path / "other.gguf"
     g.write_bytes(f.read_bytes() + b"\0")
+    settle(g)
     M.file_hash(g)
     assert str(gone.resolve()) not in json.loads(index.read_text())
 

@@ -427,31 +427,53 @@ def test_priced_keeps_the_likeliest_nodes_while_they_pay():
     assert sub.tokens == [1, 2, 4] and sub.parents == [-1, 0, 1]
 
 
+class ConfidentOracle(OracleTree):
+    """An oracle tree with the source's confidences adaptive:tree prices by: every proposal holds
+    the true continuation, so a round always has a tree to price, whatever the sampled text repeats."""
+
+    def propose_tree(self, seq, budget, depth):
+        tree, ms = super().propose_tree(seq, budget, depth)
+        true = self.truth(seq)
+        tree.conf = [0.9 if true and t == true[0] else 0.3 for t in tree.tokens]
+        return tree, ms
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("s", [Sampling(), SETTINGS[0]], ids=lambda s: s.key())
 def test_adaptive_tree_is_exact_and_prices_each_round(arch, s):
+    """adaptive:tree with the n-gram source (exact whatever it finds), then with a source that always
+    proposes (every round priced: verified where a verify is nearly as cheap as a step, a plain step
+    where it is steep). The n-gram source alone need not propose at all: whether a tiny random model's
+    sampled text repeats itself is chance."""
     from .tiny import reference_model, synthetic_profile
 
     target, _ = make_pair(arch)
     ref, eos = reference_model(target), set(target.eos_ids)
     for V, pays in (({str(k): 1.0 + 0.02 * k for k in range(1, 17)}, True),
                     ({str(k): 1.0 + 2.0 * k for k in range(1, 17)}, False)):
-        rounds = []
-        eng = Engine(target, NgramDraft(), RakvConfig(policy="adaptive:tree", sampling=s),
-                     profile=synthetic_profile(V=V), callback=rounds.append)
-        for i, p in enumerate(PROMPTS):
-            end = eng.generate(p, N_OUT)
-            if s.greedy:
-                assert_exact(end, target, p, N_OUT, arch)
-            else:
-                assert end.output_ids == sampled_reference(ref, p, N_OUT, s.for_request(i), eos)
-        priced_rounds = [r for r in rounds if getattr(r, "type", "") == "round" and r.tree_expected is not None]
-        assert priced_rounds
-        verified = [r for r in priced_rounds if r.tree_tokens]
-        if pays:
-            assert verified and any(r.accepted for r in verified)
-        else:                                         # a steep verify: every round a plain step
-            assert not verified and all(r.tree_predicted_ms == 1.0 for r in priced_rounds)
+        for source in ("ngram", "oracle"):
+            rounds = []
+            eng = Engine(target, NgramDraft(), RakvConfig(policy="adaptive:tree", sampling=s),
+                         profile=synthetic_profile(V=V), callback=rounds.append)
+            for i, p in enumerate(PROMPTS):
+                want = (oracle(target, p, N_OUT) if s.greedy
+                        else sampled_reference(ref, p, N_OUT, s.for_request(i), eos))
+                full = p + want
+                if source == "oracle":
+                    eng.planner.lookup = ConfidentOracle(
+                        lambda seq, full=full: full[len(seq):] if seq == full[: len(seq)] else [])
+                assert eng.generate(p, N_OUT).output_ids == want, (source, i)
+            if source == "ngram":
+                continue
+            spec = [r for r in rounds if getattr(r, "type", "") == "round" and r.index > 0
+                    and r.context - len(PROMPTS[r.request_id]) < N_OUT - 1]    # > 1 token left: a tree
+            priced_rounds = [r for r in spec if r.tree_expected is not None]
+            assert priced_rounds and len(priced_rounds) == len(spec)
+            verified = [r for r in priced_rounds if r.tree_tokens]
+            if pays:
+                assert verified and any(r.accepted for r in verified)
+            else:                                         # a steep verify: every round a plain step
+                assert not verified and all(r.tree_predicted_ms == 1.0 for r in priced_rounds)
 
 
 def test_adaptive_tree_on_hf_forward_learns_only_from_the_chain_it_verified():
