@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -484,32 +485,41 @@ def _convert_demo(base: Path, out: Path) -> None:
     gguf.unlink(missing_ok=True)
 
 
+_GGUF_PATCH = threading.RLock()
+
+
 @contextlib.contextmanager
 def _gguf_read_once():
     """While converting: one ``GGUFReader`` per file and one tensor-name map per (arch, layers).
     transformers' loader parses the file's header (the whole vocabulary, in Python) three times
     (config, weights, tokenizer) and builds the name map once per module (~400 times on a small
-    model): most of a conversion's time. Both are pure functions of their arguments here."""
+    model): most of a conversion's time. Both are pure functions of their arguments here.
+
+    The patch is the ``gguf`` module's, so one conversion at a time holds it (``_GGUF_PATCH``): two
+    threads nesting it would restore each other's patch and leave a reader cache that outlives its
+    conversion (a file rewritten at the same path would then be read as it was)."""
     try:
         import gguf as G
     except ImportError:
         yield
         return
-    reader, name_map = G.GGUFReader, G.get_tensor_name_map
-    readers: dict = {}
+    with _GGUF_PATCH:
+        reader, name_map = G.GGUFReader, G.get_tensor_name_map
+        readers: dict = {}
 
-    def one_reader(path, mode="r"):
-        key = (os.path.realpath(str(path)), mode)
-        if key not in readers:
-            readers[key] = reader(path, mode)
-        return readers[key]
+        def one_reader(path, mode="r"):
+            st = os.stat(path)
+            key = (os.path.realpath(str(path)), mode, st.st_size, st.st_mtime_ns, st.st_ino)
+            if key not in readers:
+                readers[key] = reader(path, mode)
+            return readers[key]
 
-    G.GGUFReader, G.get_tensor_name_map = one_reader, functools.lru_cache(maxsize=None)(name_map)
-    try:
-        yield
-    finally:
-        G.GGUFReader, G.get_tensor_name_map = reader, name_map
-        readers.clear()
+        G.GGUFReader, G.get_tensor_name_map = one_reader, functools.lru_cache(maxsize=None)(name_map)
+        try:
+            yield
+        finally:
+            G.GGUFReader, G.get_tensor_name_map = reader, name_map
+            readers.clear()
 
 
 def _load_gguf(path: Path):

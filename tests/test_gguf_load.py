@@ -370,3 +370,36 @@ def test_the_first_use_shows_progress_and_the_second_shows_none(tmp_path, monkey
     M.load_model(str(f), fast=False)
     err = capsys.readouterr().err
     assert "hashing" not in err and "convert" not in err and "loaded" in err
+
+
+def test_two_conversions_at_once_leave_the_gguf_module_as_it_was():
+    """Two threads converting at once (two first uses of two files): each patches the gguf module
+    while it reads; interleaved, the later one restored the earlier one's patch and a reader cache
+    outlived its conversion (a file rewritten at the same path was then read as it had been)."""
+    import threading
+
+    import gguf as G
+
+    original = G.GGUFReader
+    inside, release, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with M._gguf_read_once():
+            inside.set()
+            release.wait(10)
+        first_done.set()
+
+    def second():                       # enters while the first is inside, leaves after it
+        inside.wait(10)
+        with M._gguf_read_once():
+            first_done.wait(10)
+
+    a, b = threading.Thread(target=first), threading.Thread(target=second)
+    a.start()
+    b.start()
+    inside.wait(10)
+    time.sleep(0.2)                     # the second thread is now at the door
+    release.set()
+    a.join(10)
+    b.join(10)
+    assert G.GGUFReader is original
