@@ -441,3 +441,55 @@ def test_the_narrower_builds_give_the_same_bits(kernel, tmp_path, monkeypatch):
         monkeypatch.setattr(blockq._Lib, "handle", lib)
         b = outputs()
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------------------- every layer of a step in C
+@needs_onednn
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_a_step_runs_every_layer_in_c_and_keeps_its_tokens(kernel, arch, monkeypatch):
+    """A decode or verify step of a block-coded Llama-family model runs all its layers in one C call
+    (``blockq.decode_layers``: norms, rotary, KV write, attention, MLP); its logits are the Python
+    layers' to float rounding, a verify row is still its decode step bit for bit, and every policy
+    still gives transformers' greedy ids (Mistral: a sliding window; Qwen2: q, k, v biases)."""
+    from rakv import decoding as dec
+
+    target, draft, _ = _block_pair(arch)
+    m = target.model
+    calls = []
+    real = blockq.decode_layers
+    monkeypatch.setattr(blockq, "decode_layers", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    prompt = [(5 * i + 3) % 300 for i in range(24)]
+    steps = {}
+    for c_layers in ("1", "0"):
+        monkeypatch.setenv("RAKV_C_LAYERS", c_layers)
+        cache = dec.DynamicCache()
+        dec.prefill(m, prompt, cache)
+        one = [dec.forward(m, [t], cache)[-1] for t in (7, 8, 9)]
+        cache = dec.DynamicCache()
+        dec.prefill(m, prompt, cache)
+        rows = dec.forward(m, [7, 8, 9], cache)                 # [3, V]
+        steps[c_layers] = (one, rows)
+        if c_layers == "1":
+            assert calls == [1, 1, 1, 3]                          # three decode steps, one verify of 3
+            assert all(torch.equal(a, b) for a, b in zip(one, rows))
+    for a, b in zip(steps["1"][0], steps["0"][0]):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+    monkeypatch.setenv("RAKV_C_LAYERS", "1")
+    for policy in ("ar", "spec:4", "joint:2"):
+        eng = Engine(target, ModelDraft(draft) if policy != "ar" else None, RakvConfig(policy=policy))
+        for p in (prompt, prompt[:10] + [1, 2, 3] * 5):
+            assert_exact(eng.generate(p, 16), target, p, 16, (arch, policy))
+
+
+def test_a_model_the_c_layers_cannot_run_keeps_the_python_ones(kernel, monkeypatch):
+    """GPT-2, a model without block codes: no C layers (they would be wrong maths, not slower)."""
+    from rakv import decoding as dec
+
+    calls = []
+    real = blockq.decode_layers
+    monkeypatch.setattr(blockq, "decode_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for t in (_block_pair("gpt2")[0], wrap_tiny(make_model("llama"), tiny_tokenizer(), name="tiny-llama-fp32")):
+        cache = dec.DynamicCache()
+        dec.prefill(t.model, [3, 4, 5, 6], cache)
+        dec.forward(t.model, [7], cache)
+    assert calls == []

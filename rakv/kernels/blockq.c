@@ -738,3 +738,93 @@ int rakv_blockq_avx512(void) {
     return 0;
 #endif
 }
+
+/* ---- whole decoder layers of a decode or verify step (Llama, Mistral, Qwen2: RMSNorm, rotary q / k
+   over all of the head, SiLU-gated MLP), the glue between the kernel calls in C as well: one call
+   runs all the layers, where the Python forward spends most of a one-token step dispatching ~20
+   small torch operations per layer.
+
+   x [n, H] in place (the residual stream after the embedding -> after the last layer). Per layer,
+   per row, each step alone and in an order that does not depend on n:
+     xn = (x * r) * w1, r = 1 / sqrtf(sum_j x_j^2 / H + eps) (the squares added in order of j)
+     h = qkv(xn) (+ bias); q, k rotated: y_d = x_d cos_d + x_(d + D/2 mod D) sin_d (sin carries
+         rotate_half's sign); k, v written to the layer's buffers at positions past .. past + n - 1
+     a = attention (rakv_attend); x = x + o(a)
+     xn = (x * r) * w2; g | u = gate_up(xn); x = x + down(g / (1 + expf(-g)) * u)
+   so a verify row equals the decode step of the same token, bit for bit. ``path`` (not NULL): the
+   n rows are a token tree (rakv_attend_tree's path, path_rs and depth; cos and sin rows then at
+   each row's own position), each row equal to the decode step of its token after its ancestry. */
+typedef struct {
+    const rakv_layer *qkv, *o, *gate_up, *down;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;     /* or NULL */
+    const float *ln1, *ln2;                                          /* RMSNorm weights [H] */
+    float *k, *v;                                                    /* [Hk, cap, D] buffers */
+    int64_t cap, window;
+} rakv_dlayer;
+
+static void rms_rows(const float *x, int64_t n, int64_t H, const float *w, float eps, float *y) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *xi = x + i * H;
+        float ss = 0.0f;
+        for (int64_t j = 0; j < H; j++) ss += xi[j] * xi[j];
+        const float r = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int64_t j = 0; j < H; j++) y[i * H + j] = (xi[j] * r) * w[j];
+    }
+}
+
+static void rotate_heads(float *h, int64_t heads, int64_t D, const float *cos, const float *sin, float *tmp) {
+    for (int64_t g = 0; g < heads; g++) {
+        float *x = h + g * D;
+        for (int64_t d = 0; d < D; d++) tmp[d] = x[d] * cos[d] + x[(d + D / 2) % D] * sin[d];
+        memcpy(x, tmp, sizeof(float) * D);
+    }
+}
+
+int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, int64_t H, int64_t Hq,
+                       int64_t Hk, int64_t D, int64_t I, int64_t past, const float *cos, const float *sin,
+                       float eps, float scale, int threads, const int64_t *path, int64_t path_rs,
+                       const int64_t *depth) {
+    const int64_t sq = Hq * D, sk = Hk * D, W = sq + 2 * sk;
+    float *xn = (float *)malloc(sizeof(float) * n * H);
+    float *h = (float *)malloc(sizeof(float) * n * W);
+    float *a = (float *)malloc(sizeof(float) * n * sq);
+    float *y = (float *)malloc(sizeof(float) * n * (2 * I > H ? 2 * I : H));
+    float *m = (float *)malloc(sizeof(float) * n * I);
+    float *tmp = (float *)malloc(sizeof(float) * D);
+    if (!xn || !h || !a || !y || !m || !tmp) {
+        free(xn); free(h); free(a); free(y); free(m); free(tmp);
+        return 1;
+    }
+    for (int64_t l = 0; l < nL; l++) {
+        const rakv_dlayer *L = Ls + l;
+        rms_rows(x, n, H, L->ln1, eps, xn);
+        rakv_linear(L->qkv, xn, n, h, L->qkv_bias, threads);
+        for (int64_t i = 0; i < n; i++) {
+            float *hi = h + i * W;
+            rotate_heads(hi, Hq + Hk, D, cos + i * D, sin + i * D, tmp);      /* q, then k: adjacent */
+            for (int64_t g = 0; g < Hk; g++) {
+                memcpy(L->k + (g * L->cap + past + i) * D, hi + sq + g * D, sizeof(float) * D);
+                memcpy(L->v + (g * L->cap + past + i) * D, hi + sq + sk + g * D, sizeof(float) * D);
+            }
+        }
+        if (path)           /* a token tree: row i at position past + depth[i] (cos, sin given so) */
+            rakv_attend_tree(h, n, Hq, D, W, L->k, L->cap * D, L->v, L->cap * D, Hk, past, scale, a, threads,
+                             L->window, 0.0f, path, path_rs, depth);
+        else
+            rakv_attend(h, n, Hq, D, W, L->k, L->cap * D, L->v, L->cap * D, Hk, past, scale, a, threads,
+                        L->window, 0.0f);
+        rakv_linear(L->o, a, n, y, L->o_bias, threads);
+        for (int64_t j = 0; j < n * H; j++) x[j] = x[j] + y[j];
+        rms_rows(x, n, H, L->ln2, eps, xn);
+        rakv_linear(L->gate_up, xn, n, y, L->gate_up_bias, threads);
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = 0; j < I; j++) {
+                const float g = y[i * 2 * I + j], u = y[i * 2 * I + I + j];
+                m[i * I + j] = g / (1.0f + expf(-g)) * u;
+            }
+        rakv_linear(L->down, m, n, y, L->down_bias, threads);
+        for (int64_t j = 0; j < n * H; j++) x[j] = x[j] + y[j];
+    }
+    free(xn); free(h); free(a); free(y); free(m); free(tmp);
+    return 0;
+}

@@ -165,6 +165,9 @@ def _load(path: Path):
     lib.rakv_check.restype = i64
     lib.rakv_blockq_avx512.restype = i32
     lib.rakv_blockq_simd.restype = i32
+    lib.rakv_decode_layers.argtypes = [vp, i64, vp, i64, i64, i64, i64, i64, i64, i64, vp, vp,
+                                       ctypes.c_float, ctypes.c_float, i32, vp, i64, vp]
+    lib.rakv_decode_layers.restype = i32
     return lib
 
 
@@ -245,6 +248,40 @@ def _solve(w: torch.Tensor, kind: str, chunk: int = 1 << 16):
 
 
 KIND_CODES = {"q4": 4, "q8": 8, "q8x": 9}     # rakv_layer.kind in blockq.c
+
+
+class DecoderLayerDesc(ctypes.Structure):
+    """``rakv_dlayer`` in kernels/blockq.c: one decoder layer for ``decode_layers``."""
+    _fields_ = [("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
+                ("down", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p), ("o_bias", ctypes.c_void_p),
+                ("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p),
+                ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("k", ctypes.c_void_p),
+                ("v", ctypes.c_void_p), ("cap", ctypes.c_int64), ("window", ctypes.c_int64)]
+
+
+def layer_ref(bw: "BlockWeight") -> int:
+    """The address of ``bw``'s ``rakv_layer`` description (made once, kept by ``bw``)."""
+    if bw._fn is None:
+        bw._bind()
+    return ctypes.addressof(bw._desc)
+
+
+def decode_layers(descs, n_layers: int, x: torch.Tensor, n: int, H: int, Hq: int, Hk: int, D: int, I: int,
+                  past: int, cos: torch.Tensor, sin: torch.Tensor, eps: float, scale: float,
+                  path: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> None:
+    """Run ``n_layers`` decoder layers (``descs``: a ctypes array of DecoderLayerDesc) on x [n, H]
+    in place, the n rows at positions past .. past + n - 1 (cos, sin [n, D] contiguous: each row's
+    own), their KV written into the layers' buffers at past + row (``kernels/blockq.c``
+    rakv_decode_layers). ``path``, ``depth``: the rows are a token tree (see ``attend_tree``)."""
+    if path is not None:
+        path, depth = path.contiguous(), depth.contiguous()
+    rc = _Lib.handle.rakv_decode_layers(ctypes.addressof(descs), n_layers, x.data_ptr(), n, H, Hq, Hk, D, I,
+                                        past, cos.data_ptr(), sin.data_ptr(), eps, scale,
+                                        torch.get_num_threads(), None if path is None else path.data_ptr(),
+                                        0 if path is None else path.stride(0),
+                                        None if depth is None else depth.data_ptr())
+    if rc:
+        raise MemoryError("decode_layers: out of memory")
 
 
 class _LayerDesc(ctypes.Structure):

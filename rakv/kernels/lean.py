@@ -46,6 +46,11 @@ def env_enabled() -> bool:
     return os.environ.get("RAKV_LEAN", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+def fused_env_enabled() -> bool:
+    """``RAKV_C_LAYERS=0`` keeps every layer of a step in Python (for comparison)."""
+    return os.environ.get("RAKV_C_LAYERS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def kind(model: nn.Module) -> str:
     """Which lean forward fits ``model``'s architecture: "llama" (Llama, Mistral, Qwen2), "qwen3",
     "gemma2", "gemma3", "phi3" or "gpt2" ("" for none)."""
@@ -428,6 +433,7 @@ class LeanLlama:
         self.layers = layers if layers is not None else [self._layer(i, L) for i, L in enumerate(base.layers)]
         self.head = _Op(self.lm_head)
         self.final_norm = _Norm(base.norm, self.gemma)
+        self._descs = None
         self._watch(model)
 
     def _watch(self, model: nn.Module) -> None:
@@ -479,6 +485,7 @@ class LeanLlama:
             for nm in getattr(self, "norms", ()):
                 nm.refresh()
             self.state = state
+            self._descs = None
 
     def truncated(self, model: nn.Module) -> "LeanLlama":
         """The lean forward of ``model``, a layer-truncated copy sharing this model's first layers
@@ -546,6 +553,68 @@ class LeanLlama:
         p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(p, v).transpose(1, 2).reshape(1, n, Hq * D)
 
+    # ---- every layer in C (decode and verify steps)
+    def _c_layers(self):
+        """The layers' descriptions for ``blockq.decode_layers`` (made once, again after ``_sync``
+        saw a change), or False where a layer is not plain Llama maths on block codes (q / k norms,
+        Gemma's norms, soft-capping, partial rotary, another activation, a layer without codes)."""
+        if getattr(self, "_descs", None) is not None:
+            return self._descs
+        self._descs = False
+        H, D = self.embed.weight.shape[1], self.head_dim
+        Hq, Hk = self.n_heads, self.n_kv
+        if not (self.family == "llama" and not self.gemma and not self.softcap
+                and len(self.ropes) == 1 and self.ropes[""].dim == D and self.act is F.silu
+                and self.embed_scale is None and self.dtype == torch.float32
+                and all(isinstance(L, _Layer) for L in self.layers) and blockq.library() is not None
+                and hasattr(blockq.library(), "rakv_decode_layers")):
+            return False
+        L0 = self.layers[0]
+        coded = isinstance(getattr(L0.down, "block", None), blockq.BlockWeight)
+        eps, I = L0.ln1.eps, L0.down.block.K if coded else 0
+        shapes = {"qkv": ((Hq + 2 * Hk) * D, H), "o": (H, Hq * D), "gate_up": (2 * I, H), "down": (H, I)}
+        descs = (blockq.DecoderLayerDesc * len(self.layers))()
+        keep = []
+        for d, L in zip(descs, self.layers):
+            if L.q_norm is not None or L.post_attn is not None or L.post_ff is not None:
+                return False
+            for name, (N, K) in shapes.items():
+                op = getattr(L, name)
+                if (op.fn is not None or not isinstance(getattr(op, "block", None), blockq.BlockWeight)
+                        or (op.block.N, op.block.K) != (N, K)):
+                    return False
+                bias = op.bias
+                if bias is not None:
+                    bias = bias.detach().float().contiguous()
+                    keep.append(bias)
+                setattr(d, name, blockq.layer_ref(op.block))
+                setattr(d, f"{name}_bias", bias.data_ptr() if bias is not None else None)
+            for name, nm in (("ln1", L.ln1), ("ln2", L.ln2)):
+                if nm.eps != eps or nm.w.dtype != torch.float32 or not nm.w.is_contiguous():
+                    return False
+                setattr(d, name, nm.w.data_ptr())
+            d.window = int(L.window or 0)
+        self._descs, self._descs_keep, self._eps, self._I = descs, keep, eps, I
+        return descs
+
+    def _c_forward(self, descs, x: torch.Tensor, cache, past: int, n: int, rope,
+                   tree: TreeLayout | None = None) -> torch.Tensor:
+        """x [1, n, H] through every layer in ``blockq.decode_layers``, the KV written into each
+        layer's growing buffer (``_reserve``) and the layers' views moved past the new rows."""
+        layers = cache.layers
+        for d, L in zip(descs, layers):
+            bk, bv = _reserve(L, n)
+            d.k, d.v, d.cap = bk.data_ptr(), bv.data_ptr(), bk.shape[-2]
+        cos, sin = (t.contiguous() for t in rope)                   # [n, 1, D]: each row's position
+        x = x.contiguous()
+        blockq.decode_layers(descs, len(descs), x, n, x.shape[-1], self.n_heads, self.n_kv, self.head_dim,
+                             self._I, past, cos, sin, self._eps, self.scale,
+                             None if tree is None else tree.path, None if tree is None else tree.depth)
+        for L in layers[: len(descs)]:
+            bk, bv = L._rakv_buf
+            L.keys, L.values = bk[..., : past + n, :], bv[..., : past + n, :]
+        return x
+
     # ---- the forward
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache, keep: int = 0, tree: TreeLayout | None = None) -> torch.Tensor:
@@ -567,7 +636,10 @@ class LeanLlama:
         if tree is not None and not own_attention:                   # torch's attention: the tree's masks
             masks = {w: tree.mask(past, w) for w in {L.window for L in self.layers}}
         act = self.act
-        for i, L in enumerate(self.layers):
+        descs = self._c_layers() if own_attention and fused_env_enabled() else None
+        if descs:                                                    # every layer in one C call
+            x = self._c_forward(descs, x, cache, past, n, ropes[""], tree)
+        for i, L in enumerate(self.layers if not descs else ()):
             h = L.qkv(L.ln1(x))                                      # [1, n, (Hq + 2 Hk) D]
             cos, sin = ropes[L.rope]
             if L.q_norm is None:
@@ -633,6 +705,18 @@ def _append(cache, i: int, k: torch.Tensor, v: torch.Tensor):
         return cache.update(k, v, i)
     L = cache.layers[i]
     n0, n = L.keys.shape[-2], k.shape[-2]
+    bk, bv = _reserve(L, n)
+    bk[..., n0:n0 + n, :] = k
+    bv[..., n0:n0 + n, :] = v
+    L.keys, L.values = bk[..., :n0 + n, :], bv[..., :n0 + n, :]
+    return L.keys, L.values
+
+
+def _reserve(L, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's growing KV buffers (k, v [1, Hk, capacity, D], contiguous) with room for n more
+    positions after what ``L`` holds; a new pair (holding L's positions) when L's KV is not a view
+    of them or they are full."""
+    n0 = L.keys.shape[-2]
     buf = getattr(L, "_rakv_buf", None)
     if buf is None or L.keys.data_ptr() != buf[0].data_ptr() or n0 + n > buf[0].shape[-2]:
         cap = max(KV_MIN_CAPACITY, 1 << (2 * (n0 + n) - 1).bit_length())
@@ -641,11 +725,7 @@ def _append(cache, i: int, k: torch.Tensor, v: torch.Tensor):
         bk[..., :n0, :] = L.keys
         bv[..., :n0, :] = L.values
         L._rakv_buf = buf = (bk, bv)
-    bk, bv = buf
-    bk[..., n0:n0 + n, :] = k
-    bv[..., n0:n0 + n, :] = v
-    L.keys, L.values = bk[..., :n0 + n, :], bv[..., :n0 + n, :]
-    return L.keys, L.values
+    return buf
 
 
 class LeanGPT2(LeanLlama):
