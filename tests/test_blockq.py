@@ -434,6 +434,10 @@ def test_the_narrower_builds_give_the_same_bits(kernel, tmp_path, monkeypatch):
         qk = torch.randn(1, 5, 8, 32)
         k, v = torch.randn(1, 2, 64, 32)[:, :, :26], torch.randn(1, 2, 64, 32)[:, :, :26]
         res.append(blockq.attend(qk, 8 * 32, k, v, 5, 6, 2, 32, 0.2))
+        res.append(blockq.attend(qk, 8 * 32, k, v, 5, 6, 2, 32, 0.2, window=7, softcap=3.0))
+        path = torch.tensor([[0, 0, 0], [0, 1, 0], [0, 2, 0], [0, 1, 3], [4, 0, 0]])
+        depth = torch.tensor([0, 1, 1, 2, 0])
+        res.append(blockq.attend_tree(qk, 8 * 32, k, v, 5, 6, 2, 32, 0.2, path, depth))
         return res
 
     a = outputs()

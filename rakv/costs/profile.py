@@ -42,11 +42,22 @@ def pair_fingerprint(target, draft) -> dict:
                      device=str(model_device(target.model)), fast=is_enabled(target.model))
     if one_row_kernel(target.model) == "packed":     # a step on the other kernel is another machine
         fp["one_row"] = "packed"
-    if getattr(target.model, "_rakv_lean", None) is not None:    # so is a step on the lean forward
+    lean = getattr(target.model, "_rakv_lean", None)
+    if lean is not None:                                          # so is a step on the lean forward
         fp["lean"] = True
+        if c_layers(lean):                                        # and one with every layer in C
+            fp["c_layers"] = True
     if target.blockq.get("layers"):                               # and one from exact block codes
         fp["blockq"] = int(target.blockq["layers"])
     return fp
+
+
+def c_layers(lean) -> bool:
+    """Whether the lean forward runs a step's layers in one C call (``LeanLlama._c_layers``)."""
+    from ..kernels.lean import fused_env_enabled
+
+    probe = getattr(lean, "_c_layers", None)
+    return bool(probe is not None and fused_env_enabled() and probe())
 
 
 def fingerprint_id(fp: dict) -> str:

@@ -575,15 +575,47 @@ int rakv_blockq_simd(void) {
    tanh(s / softcap) softcap, as HF's eager attention caps them. */
 #define ATT_STACK 8192
 
+/* q . k over D (a multiple of 16): 16 lanes (lane l adds q[c + l] k[c + l], c = 0, 16, ...), then
+   tree16; and o += p v over D: element by element, one fma each. The AVX-512 forms are the same
+   operations in the same order (the same bits). */
+#ifdef RAKV_AVX512
+static inline float tree_reg(__m512 acc) {
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+static inline float dot_lanes(const float *q, const float *k, int64_t D) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), acc);
+    return tree_reg(acc);
+}
+
+static inline void axpy(float p, const float *v, float *o, int64_t D) {
+    const __m512 vp = _mm512_set1_ps(p);
+    for (int64_t c = 0; c < D; c += LANES)
+        _mm512_storeu_ps(o + c, _mm512_fmadd_ps(vp, _mm512_loadu_ps(v + c), _mm512_loadu_ps(o + c)));
+}
+#else
+static inline float dot_lanes(const float *q, const float *k, int64_t D) {
+    float acc[LANES] = {0};
+    for (int64_t c = 0; c < D; c += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(q[c + l], k[c + l], acc[l]);
+    return tree16(acc);
+}
+
+static inline void axpy(float p, const float *v, float *o, int64_t D) {
+    for (int64_t c = 0; c < D; c++) o[c] = fmaf(p, v[c], o[c]);
+}
+#endif
+
 static void attend_one(const float *qi, const float *kg, const float *vg, int64_t j0, int64_t T,
                        int64_t D, float scale, float softcap, float *o, float *s) {
     float mx = -INFINITY;
     for (int64_t j = j0; j < T; j++) {
-        const float *kj = kg + j * D;
-        float acc[LANES] = {0};
-        for (int64_t c = 0; c < D; c += LANES)
-            for (int l = 0; l < LANES; l++) acc[l] = fmaf(qi[c + l], kj[c + l], acc[l]);
-        s[j] = tree16(acc) * scale;
+        s[j] = dot_lanes(qi, kg + j * D, D) * scale;
         if (softcap > 0.0f) s[j] = tanhf(s[j] / softcap) * softcap;
         if (s[j] > mx) mx = s[j];
     }
@@ -592,8 +624,7 @@ static void attend_one(const float *qi, const float *kg, const float *vg, int64_
     for (int64_t j = j0; j < T; j++) {
         const float p = expf(s[j] - mx);
         sum += p;
-        const float *vj = vg + j * D;
-        for (int64_t c = 0; c < D; c++) o[c] = fmaf(p, vj[c], o[c]);
+        axpy(p, vg + j * D, o, D);
     }
     const float inv = 1.0f / sum;
     for (int64_t c = 0; c < D; c++) o[c] *= inv;
@@ -634,11 +665,7 @@ static void attend_tree_one(const float *qi, const float *kg, const float *vg, i
     float mx = -INFINITY;
     for (int64_t j = j0; j < T; j++) {
         const int64_t pos = j < past ? j : past + path[j - past];
-        const float *kj = kg + pos * D;
-        float acc[LANES] = {0};
-        for (int64_t c = 0; c < D; c += LANES)
-            for (int l = 0; l < LANES; l++) acc[l] = fmaf(qi[c + l], kj[c + l], acc[l]);
-        s[j] = tree16(acc) * scale;
+        s[j] = dot_lanes(qi, kg + pos * D, D) * scale;
         if (softcap > 0.0f) s[j] = tanhf(s[j] / softcap) * softcap;
         if (s[j] > mx) mx = s[j];
     }
@@ -648,8 +675,7 @@ static void attend_tree_one(const float *qi, const float *kg, const float *vg, i
         const int64_t pos = j < past ? j : past + path[j - past];
         const float p = expf(s[j] - mx);
         sum += p;
-        const float *vj = vg + pos * D;
-        for (int64_t c = 0; c < D; c++) o[c] = fmaf(p, vj[c], o[c]);
+        axpy(p, vg + pos * D, o, D);
     }
     const float inv = 1.0f / sum;
     for (int64_t c = 0; c < D; c++) o[c] *= inv;
@@ -762,7 +788,8 @@ typedef struct {
     int64_t cap, window;
 } rakv_dlayer;
 
-static void rms_rows(const float *x, int64_t n, int64_t H, const float *w, float eps, float *y) {
+static void rms_rows(const float *x, int64_t n, int64_t H, const float *w, float eps, float *y, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (n > 1)
     for (int64_t i = 0; i < n; i++) {
         const float *xi = x + i * H;
         float ss = 0.0f;
@@ -772,12 +799,20 @@ static void rms_rows(const float *x, int64_t n, int64_t H, const float *w, float
     }
 }
 
-static void rotate_heads(float *h, int64_t heads, int64_t D, const float *cos, const float *sin, float *tmp) {
+static void rotate_heads(float *h, int64_t heads, int64_t D, const float *cos, const float *sin) {
+    const int64_t R = D / 2;
+    float tmp[D];
     for (int64_t g = 0; g < heads; g++) {
         float *x = h + g * D;
-        for (int64_t d = 0; d < D; d++) tmp[d] = x[d] * cos[d] + x[(d + D / 2) % D] * sin[d];
+        for (int64_t d = 0; d < R; d++) tmp[d] = x[d] * cos[d] + x[d + R] * sin[d];
+        for (int64_t d = R; d < D; d++) tmp[d] = x[d] * cos[d] + x[d - R] * sin[d];
         memcpy(x, tmp, sizeof(float) * D);
     }
+}
+
+static float *aligned_floats(int64_t n) {
+    const size_t bytes = ((size_t)n * sizeof(float) + 63) / 64 * 64;
+    return (float *)aligned_alloc(64, bytes ? bytes : 64);
 }
 
 int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, int64_t H, int64_t Hq,
@@ -785,23 +820,21 @@ int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, i
                        float eps, float scale, int threads, const int64_t *path, int64_t path_rs,
                        const int64_t *depth) {
     const int64_t sq = Hq * D, sk = Hk * D, W = sq + 2 * sk;
-    float *xn = (float *)malloc(sizeof(float) * n * H);
-    float *h = (float *)malloc(sizeof(float) * n * W);
-    float *a = (float *)malloc(sizeof(float) * n * sq);
-    float *y = (float *)malloc(sizeof(float) * n * (2 * I > H ? 2 * I : H));
-    float *m = (float *)malloc(sizeof(float) * n * I);
-    float *tmp = (float *)malloc(sizeof(float) * D);
-    if (!xn || !h || !a || !y || !m || !tmp) {
-        free(xn); free(h); free(a); free(y); free(m); free(tmp);
+    /* 64-byte aligned, as torch's own tensors: the kernel's row loads then never straddle lines */
+    float *xn = aligned_floats(n * H), *h = aligned_floats(n * W), *a = aligned_floats(n * sq);
+    float *y = aligned_floats(n * (2 * I > H ? 2 * I : H)), *m = aligned_floats(n * I);
+    if (!xn || !h || !a || !y || !m) {
+        free(xn); free(h); free(a); free(y); free(m);
         return 1;
     }
     for (int64_t l = 0; l < nL; l++) {
         const rakv_dlayer *L = Ls + l;
-        rms_rows(x, n, H, L->ln1, eps, xn);
+        rms_rows(x, n, H, L->ln1, eps, xn, threads);
         rakv_linear(L->qkv, xn, n, h, L->qkv_bias, threads);
+        #pragma omp parallel for num_threads(threads) schedule(static) if (n > 1)
         for (int64_t i = 0; i < n; i++) {
             float *hi = h + i * W;
-            rotate_heads(hi, Hq + Hk, D, cos + i * D, sin + i * D, tmp);      /* q, then k: adjacent */
+            rotate_heads(hi, Hq + Hk, D, cos + i * D, sin + i * D);            /* q, then k: adjacent */
             for (int64_t g = 0; g < Hk; g++) {
                 memcpy(L->k + (g * L->cap + past + i) * D, hi + sq + g * D, sizeof(float) * D);
                 memcpy(L->v + (g * L->cap + past + i) * D, hi + sq + sk + g * D, sizeof(float) * D);
@@ -815,8 +848,9 @@ int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, i
                         L->window, 0.0f);
         rakv_linear(L->o, a, n, y, L->o_bias, threads);
         for (int64_t j = 0; j < n * H; j++) x[j] = x[j] + y[j];
-        rms_rows(x, n, H, L->ln2, eps, xn);
+        rms_rows(x, n, H, L->ln2, eps, xn, threads);
         rakv_linear(L->gate_up, xn, n, y, L->gate_up_bias, threads);
+        #pragma omp parallel for num_threads(threads) schedule(static) if (n > 1)
         for (int64_t i = 0; i < n; i++)
             for (int64_t j = 0; j < I; j++) {
                 const float g = y[i * 2 * I + j], u = y[i * 2 * I + I + j];
@@ -825,6 +859,6 @@ int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, i
         rakv_linear(L->down, m, n, y, L->down_bias, threads);
         for (int64_t j = 0; j < n * H; j++) x[j] = x[j] + y[j];
     }
-    free(xn); free(h); free(a); free(y); free(m); free(tmp);
+    free(xn); free(h); free(a); free(y); free(m);
     return 0;
 }

@@ -295,13 +295,13 @@ def fuse_for_quantization(model: nn.Module) -> None:
         for parent, name, mods in ((a, FUSED_QKV, [a.q_proj, a.k_proj, a.v_proj]),
                                    (m, FUSED_GATE_UP, [m.gate_proj, m.up_proj])):
             w = torch.cat([x.weight.detach() for x in mods], 0)
-            lin = nn.Linear(w.shape[1], w.shape[0], bias=any(x.bias is not None for x in mods),
-                            dtype=w.dtype, device=w.device)
-            with torch.no_grad():
-                lin.weight.copy_(w)
-                if lin.bias is not None:
-                    lin.bias.copy_(torch.cat([x.bias.detach() if x.bias is not None else w.new_zeros(x.weight.shape[0])
-                                              for x in mods]))
+            with torch.device("meta"):                           # no random init of what is replaced at once
+                lin = nn.Linear(w.shape[1], w.shape[0], bias=any(x.bias is not None for x in mods), dtype=w.dtype)
+            lin.weight = nn.Parameter(w, requires_grad=False)
+            if lin.bias is not None:
+                lin.bias = nn.Parameter(torch.cat([x.bias.detach() if x.bias is not None
+                                                   else w.new_zeros(x.weight.shape[0]) for x in mods]),
+                                        requires_grad=False)
             setattr(parent, name, lin)
 
 
@@ -731,6 +731,9 @@ def _reserve(L, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 class LeanGPT2(LeanLlama):
     """The lean forward of a GPT-2 model: learned positions, LayerNorm with bias, the fused c_attn
     (q|k|v) and c_fc / c_proj through the fast path's kernels, the model's own activation."""
+
+    def _c_layers(self):
+        return False                   # LayerNorm, biases, GELU: the Python layers
 
     def __init__(self, model: nn.Module, layers: list | None = None):
         cfg = model.config
