@@ -99,8 +99,10 @@ def load_pair(args, config: RakvConfig):
     if args.threads:
         torch.set_num_threads(args.threads)      # range checked by argparse
     target = load_model(args.target, args.dtype, args.revision, config.device, fast=config.fast)
-    if (args.draft or "").strip() == "int8" and not getattr(args, "recalibrate", False) and not _drafts(config):
-        # a policy that never drafts (ar, kv): the int8 copy is made only if something uses it
+    if (args.draft or "").strip() == "int8" and not getattr(args, "recalibrate", False) and (
+            not _drafts(config) or config.policy.startswith("adaptive")):
+        # a policy that never drafts (ar, kv), or one that drafts only where its measured costs say it
+        # pays (adaptive; a first calibration measures it): the int8 copy is made when first used
         from .drafts import ModelDraft
         from .models import int8_copy
 

@@ -439,7 +439,7 @@ class Engine:
             rq.drafted += m
             rq.accepted += a
         rq.rounds += 1
-        round_ms = (now() - t_round) * 1e3
+        round_ms = (now() - t_round) * 1e3 - plan.setup_ms
         explore = self.planner.told(rq, plan, a, len(emitted), verify_ms, round_ms, len(seq))
         rq.explore_ms += explore
         fwd = verify_ms + (plan.draft_ms if rq.draft_model else 0.0)

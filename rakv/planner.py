@@ -41,6 +41,7 @@ class RoundPlan:
     forward_ms: float = 0.0                 # ... their ms alone (no prompt prefill)
     prefill: object = None                  # the draft's prompt prefill, when this round paid it
     q_logits: object = None                 # [len(drafts), V] the model draft's rows (rejection verify)
+    setup_ms: float = 0.0                   # making a lazy draft (kept out of the round's measured time)
 
     @property
     def lookup(self) -> bool:
@@ -114,6 +115,7 @@ class RoundPlanner:
                 plan.drafts, plan.draft_ms, gate = lk, lk_ms, lk_gate
                 plan.source = "lookup" if lk else ""
         if k > 0 and not lookup:
+            plan.setup_ms = self.draft.prepare()
             prop = self.draft.propose(seq, gate.k_max if gate else k, gate)
             plan.drafts, plan.draft_ms = prop.tokens, prop.ms
             plan.catchup_tokens, plan.catchup_ms = prop.catchup_tokens, prop.catchup_ms

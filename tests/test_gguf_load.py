@@ -309,6 +309,8 @@ def _args(policy_draft: str = "int8", recalibrate: bool = False):
 
 
 def test_a_policy_that_never_drafts_does_not_make_the_int8_draft(monkeypatch):
+    """ar and kv never draft; adaptive drafts only where its measured costs say it pays: the int8
+    copy is made when first used (a fixed k > 0 makes it at once; so does calibrating)."""
     from rakv import common
     from rakv.config import RakvConfig
 
@@ -319,7 +321,8 @@ def test_a_policy_that_never_drafts_does_not_make_the_int8_draft(monkeypatch):
     made = []
     real = M._quantized
     monkeypatch.setattr(M, "_quantized", lambda t: made.append(1) or real(t))
-    for policy, eager in (("ar", False), ("kv", False), ("spec:2", True), ("joint:4", True), ("adaptive", True)):
+    for policy, eager in (("ar", False), ("kv", False), ("spec:2", True), ("joint:4", True), ("adaptive", False),
+                          ("adaptive:gate", False)):
         made.clear()
         _, draft = common.load_pair(_args(), RakvConfig(target="x", draft="int8", policy=policy, fast=False))
         assert len(made) == (1 if eager else 0), policy
@@ -403,3 +406,34 @@ def test_two_conversions_at_once_leave_the_gguf_module_as_it_was():
     a.join(10)
     b.join(10)
     assert G.GGUFReader is original
+
+
+def test_the_adaptive_policy_makes_the_int8_draft_only_when_it_drafts_and_times_rounds_without_it(monkeypatch):
+    """A profile where no k pays: the adaptive policy never makes the int8 draft. One where drafting
+    pays: the first drafting round makes it, and the round's draft and round times leave the making
+    out (a cost model that learned a 0.4 s draft step would never draft again)."""
+    from rakv.config import RakvConfig
+    from rakv.drafts import ModelDraft
+    from rakv.engine import Engine
+    from rakv.records import Round
+
+    from .tiny import synthetic_profile, tiny_tokenizer
+
+    target = M.wrap(make_model("llama"), tiny_tokenizer(), name="tiny", fast=False)
+    made = []
+    real = M._quantized
+    monkeypatch.setattr(M, "_quantized", lambda t: made.append(1) or time.sleep(0.4) or real(t))
+    prompt = [(5 * i + 3) % 300 for i in range(20)]
+    for d, drafts in ((5.0, False), (0.01, True)):               # d/t: a draft step 5x a target step, or free
+        made.clear()
+        rounds = []
+        lazy = ModelDraft(M.int8_copy(target, lazy=True))
+        eng = Engine(target, lazy, RakvConfig(policy="adaptive", k_set=(0, 2, 4)),
+                     profile=synthetic_profile(d=d, alpha0=0.9), callback=rounds.append)
+        for _ in range(2):
+            eng.generate(prompt, 12)
+        spec = [r for r in rounds if isinstance(r, Round) and r.kind == "spec" and r.drafted
+                and r.draft_source != "lookup"]                      # the model draft's rounds
+        assert bool(made) == drafts == bool(spec), d
+        if drafts:
+            assert made == [1] and max(r.draft_ms for r in spec) < 300 and max(r.round_ms for r in spec) < 300
