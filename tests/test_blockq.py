@@ -497,3 +497,14 @@ def test_a_model_the_c_layers_cannot_run_keeps_the_python_ones(kernel, monkeypat
         dec.prefill(t.model, [3, 4, 5, 6], cache)
         dec.forward(t.model, [7], cache)
     assert calls == []
+
+
+def test_the_floor_of_a_coded_model_is_the_kernels_own_pass(kernel):
+    """On block codes the weight-streaming floor times the kernel calls the lean forward makes
+    (q|k|v, o, gate|up, down a layer, and the head), not every HF module through Python."""
+    target, _, _ = _block_pair("llama")
+    m = target.model
+    ops = fastpath._coded_ops(m)
+    assert len(ops) == 4 * m.config.num_hidden_layers + 1
+    assert fastpath.linear_floor_ms(m, rows=1, reps=2) > 0
+    assert fastpath._coded_ops(wrap_tiny(make_model("llama"), tiny_tokenizer(), name="tiny-fp32").model) == []

@@ -288,23 +288,46 @@ def linear_floor_ms(model: nn.Module, rows: int = 1, reps: int = 5) -> float:
     """
     from ..device import clock, model_device
 
-    layers = linear_layers(model)
-    if not layers:
-        return 0.0
-    dev = model_device(model)
-    p = next((q for q in model.parameters() if q.is_floating_point()), None)
-    dtype = p.dtype if p is not None and not any(type(m).__name__ == "Linear" and hasattr(m, "_packed_params")
-                                                 for m in layers) else torch.float32
-    xs = {n: torch.randn(1, rows, n, device=dev, dtype=dtype) for n in {_in_features(m) for m in layers}}
-    for m in layers:                      # warm-up (first-call kernel selection), excluded
-        m(xs[_in_features(m)])
+    coded = _coded_ops(model)
+    if coded:                             # the block kernel's calls as the lean forward makes them
+        dev, dtype = torch.device("cpu"), torch.float32
+        layers = [(fn, k) for fn, k in coded]
+    else:
+        mods = linear_layers(model)
+        if not mods:
+            return 0.0
+        dev = model_device(model)
+        p = next((q for q in model.parameters() if q.is_floating_point()), None)
+        dtype = p.dtype if p is not None and not any(type(m).__name__ == "Linear" and hasattr(m, "_packed_params")
+                                                     for m in mods) else torch.float32
+        layers = [(m, _in_features(m)) for m in mods]
+    xs = {n: torch.randn(1, rows, n, device=dev, dtype=dtype) for n in {k for _, k in layers}}
+    for fn, k in layers:                  # warm-up (first-call kernel selection), excluded
+        fn(xs[k])
     times = []
     for _ in range(reps):
         t0 = clock()
-        for m in layers:
-            m(xs[_in_features(m)])
+        for fn, k in layers:
+            fn(xs[k])
         times.append((clock() - t0) * 1e3)
     return statistics.median(times)
+
+
+def _coded_ops(model: nn.Module) -> list:
+    """(call, inputs) of every linear the lean forward runs from block codes (q|k|v and gate|up
+    fused, the head), when all of them are: the floor is then the kernel's own pass, not 200-odd
+    module calls (whose Python overhead made it exceed a step that runs its layers in C)."""
+    from .blockq import BlockWeight
+
+    lean = getattr(model, "_rakv_lean", None)
+    ops = getattr(lean, "ops", None) or []
+    out = []
+    for op in ops:
+        b = getattr(op, "block", None)
+        if getattr(op, "fn", None) is not None or not isinstance(b, BlockWeight):
+            return []
+        out.append(((lambda x, b=b, bias=op.bias: b(x, bias)), b.K))
+    return out
 
 
 ONE_ROW_MIN_PARAMS = 10_000_000   # smaller models (the tests' tiny ones) keep the default: nothing to gain
