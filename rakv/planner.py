@@ -221,7 +221,7 @@ class RoundPlanner:
 
     def _V(self, ctx: int, k: int) -> list[float]:
         """V(j) for j = 0..k at context ctx (V(0) = t: a plain step), as the gate reads them."""
-        return [self.profile.step(ctx)] + [self.profile.verify(j, ctx) for j in range(1, k + 1)]
+        return self.profile.verifies(k, ctx)
 
     def _lookup(self, rq, seq: list[int], remaining: int) -> tuple[list[int], float, RoundGate | None]:
         """A k = 0 round under the gate: the n-gram continuation costs ~nothing to look up, so verify

@@ -670,3 +670,16 @@ def test_an_engine_starts_its_output_share_fresh():
     assert c.out_frac == 1.0
     c.end_request(produced=17, max_new=65, stopped="eos")
     assert c.out_frac < 1.0 and prof.out_frac == pytest.approx(c.out_frac, abs=1e-4)
+
+
+def test_the_gate_s_verify_list_is_verify_of_each_k():
+    """``verifies`` (what the gate reads every round) gives verify(k) for every k, measured or
+    interpolated between measured neighbours, with learned scales, at any context."""
+    from rakv.costs import CostProfile
+
+    p = CostProfile(T_pf=[[8, 1.0], [64, 4.0]], D_pf=[], t=[[16, 1.0], [256, 1.6]], d=[],
+                    V={"1": 1.1, "2": 1.3, "4": 1.9, "8": 3.0}, alpha0=0.7)
+    p.scale = {"R2": 1.2, "R4": 0.9, "machine": 1.05}
+    for ctx in (10, 128, 600):
+        assert p.verifies(12, ctx) == [p.step(ctx)] + [p.verify(k, ctx) for k in range(1, 13)]
+    assert p.verifies(0, 128) == [p.step(128)]

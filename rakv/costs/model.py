@@ -160,6 +160,23 @@ class CostProfile:
         d, d2x, v = self.round_terms(m, ctx)
         return n_fwd * d + (d2x if fed == 2 and n_fwd > 0 else 0.0) + v
 
+    def verifies(self, k_max: int, ctx: float) -> list[float]:
+        """[V(0) = t, V(1), ..., V(k_max)] at ctx: ``verify`` of each k, the context's scale made once
+        (the gate reads this list every round)."""
+        out = [self.step(ctx)]
+        if k_max < 1:
+            return out
+        ctx_factor = interp(self.t, ctx) / max(1e-9, interp(self.t, self.V_ctx))
+        pts = None
+        for k in range(1, k_max + 1):
+            base = self.V.get(str(k))
+            if base is None:
+                if pts is None:
+                    pts = [[0, interp(self.t, self.V_ctx)]] + [[kk, self.V[str(kk)]] for kk in sorted(int(x) for x in self.V)]
+                base = interp(pts, k)
+            out.append(base * ctx_factor * self.factor(f"R{k}"))
+        return out
+
     def verify(self, k: int, ctx: float) -> float:
         """V(k) at context ctx: measured at V_ctx, scaled with context like a step."""
         if k == 0:

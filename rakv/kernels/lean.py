@@ -23,6 +23,7 @@ Shapes: x [1, n, H]; q [1, Hq, n, D]; k, v [1, Hkv, n, D] (the cache: [1, Hkv, p
 
 from __future__ import annotations
 
+import operator
 import os
 from functools import partial
 
@@ -281,6 +282,7 @@ def _pointwise():
 _POINTWISE = _pointwise()
 BLOCK_ROWS = blockq.MAX_ROWS   # read once: _Op.__call__ is the hot path
 FUSED_QKV, FUSED_GATE_UP = "rakv_qkv", "rakv_gate_up"
+_VERSION = operator.attrgetter("_version")     # a parameter's in-place change counter (``_sync``)
 
 
 def fuse_for_quantization(model: nn.Module) -> None:
@@ -473,7 +475,7 @@ class LeanLlama:
         return out
 
     def _state(self) -> tuple:
-        return (sum(p._version for p in self.params), getattr(self.probe, "one_row_plain", None))
+        return (sum(map(_VERSION, self.params)), getattr(self.probe, "one_row_plain", None))
 
     def _sync(self) -> None:
         """Re-read the linears (and the norms' effective weights) when a weight changed in place or
