@@ -182,17 +182,17 @@ def context_match(ids, k: int, sizes=(3, 2)) -> tuple[list[int], int]:
     """ngram_match within ``ids`` alone (prompt lookup)."""
     a = np.asarray(ids, dtype=np.int64)
     L = len(a)
+    if L < 2:
+        return [], 0
+    ends = np.flatnonzero(a[: L - 1] == a[L - 1])     # earlier positions of the last token
     for n in sizes:
-        if L <= n:
+        if L <= n or not ends.size:
             continue
-        pat = a[L - n:]
-        # candidate starts i with a[i:i+n] == pat and i+n < L (something follows), i < L-n
-        hay = a[: L - 1]
-        if len(hay) < n:
-            continue
-        win = np.lib.stride_tricks.sliding_window_view(hay, n)
-        starts = np.flatnonzero((win == pat).all(axis=1))
-        starts = starts[starts < L - n]
+        # candidate starts i with a[i:i+n] == a[L-n:] and i+n < L (something follows)
+        starts = ends - (n - 1)
+        starts = starts[starts >= 0]
+        for o in range(n - 1):
+            starts = starts[a[starts + o] == a[L - n + o]]
         if starts.size:
             i = int(starts[-1]) + n
             m = n

@@ -493,3 +493,31 @@ def test_adaptive_tree_on_hf_forward_learns_only_from_the_chain_it_verified():
     assert chains and {r.tree_verify for r in chains} == {"chain"}
     # one trial per accepted node plus at most one rejected: never a sibling the chain did not judge
     assert len(trials) <= sum(r.accepted + 1 for r in chains)
+
+
+def test_context_match_is_the_latest_earlier_occurrence():
+    """ngram's in-context lookup against a brute-force search, on random short-alphabet sequences
+    (many repeats, overlaps, a match running into the present)."""
+    import random
+
+    from rakv.drafts import MAX_MATCH, context_match, periodic
+
+    def brute(ids, k, sizes):
+        L = len(ids)
+        for n in sizes:
+            if L <= n:
+                continue
+            pat = ids[L - n:]
+            for i in range(L - n - 1, -1, -1):
+                if ids[i:i + n] == pat:
+                    j, m = i + n, n
+                    while m < MAX_MATCH and j - m - 1 >= 0 and ids[j - m - 1] == ids[L - m - 1]:
+                        m += 1
+                    return periodic(ids[j:L], k), m
+        return [], 0
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        ids = [rng.randrange(rng.choice((2, 4, 30))) for _ in range(rng.randrange(0, 60))]
+        for sizes in ((3, 2), (2,), (4, 3, 2)):
+            assert context_match(ids, 5, sizes) == brute(ids, 5, sizes), (ids, sizes)
