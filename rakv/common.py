@@ -99,8 +99,7 @@ def load_pair(args, config: RakvConfig):
     if args.threads:
         torch.set_num_threads(args.threads)      # range checked by argparse
     target = load_model(args.target, args.dtype, args.revision, config.device, fast=config.fast)
-    if (args.draft or "").strip() == "int8" and not getattr(args, "recalibrate", False) and (
-            not _drafts(config) or config.policy.startswith("adaptive")):
+    if (args.draft or "").strip() == "int8" and not getattr(args, "recalibrate", False) and not _drafts_at_once(config):
         # a policy that never drafts (ar, kv), or one that drafts only where its measured costs say it
         # pays (adaptive; a first calibration measures it): the int8 copy is made when first used
         from .drafts import ModelDraft
@@ -111,15 +110,16 @@ def load_pair(args, config: RakvConfig):
     return target, draft
 
 
-def _drafts(config: RakvConfig) -> bool:
-    """Can a run with this config's policy draft (adaptive, or a fixed k > 0)?"""
+def _drafts_at_once(config: RakvConfig) -> bool:
+    """Does this config's policy draft from its first round (a fixed k > 0)? An unparsable policy
+    counts as one (the engine reports it)."""
     from .config import Policy
 
     try:
         p = Policy.parse(config.policy)
     except ValueError:
         return True
-    return p.adaptive or p.k > 0
+    return not p.adaptive and p.k > 0
 
 
 def get_profile(target, draft, k_max: int, force: bool = False, quick: bool = False, progress=None,

@@ -163,32 +163,26 @@ class CostProfile:
     def verifies(self, k_max: int, ctx: float) -> list[float]:
         """[V(0) = t, V(1), ..., V(k_max)] at ctx: ``verify`` of each k, the context's scale made once
         (the gate reads this list every round)."""
-        out = [self.step(ctx)]
-        if k_max < 1:
-            return out
-        ctx_factor = interp(self.t, ctx) / max(1e-9, interp(self.t, self.V_ctx))
-        pts = None
-        for k in range(1, k_max + 1):
-            base = self.V.get(str(k))
-            if base is None:
-                if pts is None:
-                    pts = [[0, interp(self.t, self.V_ctx)]] + [[kk, self.V[str(kk)]] for kk in sorted(int(x) for x in self.V)]
-                base = interp(pts, k)
-            out.append(base * ctx_factor * self.factor(f"R{k}"))
-        return out
+        scale = self._v_ctx_scale(ctx)
+        return [self.step(ctx)] + [self._v_base(k) * scale * self.factor(f"R{k}") for k in range(1, k_max + 1)]
 
     def verify(self, k: int, ctx: float) -> float:
         """V(k) at context ctx: measured at V_ctx, scaled with context like a step."""
         if k == 0:
             return self.step(ctx)
+        return self._v_base(k) * self._v_ctx_scale(ctx) * self.factor(f"R{k}")
+
+    def _v_base(self, k: int) -> float:
+        """V(k) at V_ctx: measured, or interpolated between measured neighbours (V(0) = t)."""
         base = self.V.get(str(k))
-        if base is None:   # unmeasured k: interpolate between measured neighbours
-            ks = sorted(int(x) for x in self.V)
-            pts = [[kk, self.V[str(kk)]] for kk in ks]
-            pts.insert(0, [0, interp(self.t, self.V_ctx)])
+        if base is None:
+            pts = [[0, interp(self.t, self.V_ctx)]] + [[kk, self.V[str(kk)]] for kk in sorted(int(x) for x in self.V)]
             base = interp(pts, k)
-        ctx_factor = interp(self.t, ctx) / max(1e-9, interp(self.t, self.V_ctx))
-        return base * ctx_factor * self.factor(f"R{k}")
+        return base
+
+    def _v_ctx_scale(self, ctx: float) -> float:
+        """How a verify scales from V_ctx to ctx: like a step."""
+        return interp(self.t, ctx) / max(1e-9, interp(self.t, self.V_ctx))
 
     # --------------------------------------------------------------- online refinement
     def observe(self, term: str, predicted: float, measured: float) -> None:

@@ -45,19 +45,11 @@ def pair_fingerprint(target, draft) -> dict:
     lean = getattr(target.model, "_rakv_lean", None)
     if lean is not None:                                          # so is a step on the lean forward
         fp["lean"] = True
-        if c_layers(lean):                                        # and one with every layer in C
+        if getattr(lean, "c_layers_on", lambda: False)():        # and one with every layer in C
             fp["c_layers"] = True
     if target.blockq.get("layers"):                               # and one from exact block codes
         fp["blockq"] = int(target.blockq["layers"])
     return fp
-
-
-def c_layers(lean) -> bool:
-    """Whether the lean forward runs a step's layers in one C call (``LeanLlama._c_layers``)."""
-    from ..kernels.lean import fused_env_enabled
-
-    probe = getattr(lean, "_c_layers", None)
-    return bool(probe is not None and fused_env_enabled() and probe())
 
 
 def fingerprint_id(fp: dict) -> str:

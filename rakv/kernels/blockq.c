@@ -51,12 +51,16 @@ static inline float tree16(const float *a) {
 
 #ifdef RAKV_AVX512
 /* tree16 on a register: the same additions in the same order */
-static inline void store_out(__m512 acc, float *dst, const float *bias, int64_t n) {
+static inline float tree_reg(__m512 acc) {
     const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc),
                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    float s = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+static inline void store_out(__m512 acc, float *dst, const float *bias, int64_t n) {
+    float s = tree_reg(acc);
     if (bias) s += bias[n];
     *dst = s;
 }
@@ -579,14 +583,6 @@ int rakv_blockq_simd(void) {
    tree16; and o += p v over D: element by element, one fma each. The AVX-512 forms are the same
    operations in the same order (the same bits). */
 #ifdef RAKV_AVX512
-static inline float tree_reg(__m512 acc) {
-    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc),
-                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-
 static inline float dot_lanes(const float *q, const float *k, int64_t D) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t c = 0; c < D; c += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), acc);

@@ -43,13 +43,17 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")      # rope types whose fr
 SEPARATE_QKV = ("llama", "qwen3", "gemma2", "gemma3")       # q, k, v and gate, up as separate linears (Phi-3 fuses them)
 
 
+def _switch(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def env_enabled() -> bool:
-    return os.environ.get("RAKV_LEAN", "1").strip().lower() not in ("0", "false", "off", "no")
+    return _switch("RAKV_LEAN")
 
 
 def fused_env_enabled() -> bool:
     """``RAKV_C_LAYERS=0`` keeps every layer of a step in Python (for comparison)."""
-    return os.environ.get("RAKV_C_LAYERS", "1").strip().lower() not in ("0", "false", "off", "no")
+    return _switch("RAKV_C_LAYERS")
 
 
 def kind(model: nn.Module) -> str:
@@ -560,7 +564,7 @@ class LeanLlama:
         """The layers' descriptions for ``blockq.decode_layers`` (made once, again after ``_sync``
         saw a change), or False where a layer is not plain Llama maths on block codes (q / k norms,
         Gemma's norms, soft-capping, partial rotary, another activation, a layer without codes)."""
-        if getattr(self, "_descs", None) is not None:
+        if self._descs is not None:
             return self._descs
         self._descs = False
         H, D = self.embed.weight.shape[1], self.head_dim
@@ -569,11 +573,11 @@ class LeanLlama:
                 and len(self.ropes) == 1 and self.ropes[""].dim == D and self.act is F.silu
                 and self.embed_scale is None and self.dtype == torch.float32
                 and all(isinstance(L, _Layer) for L in self.layers) and blockq.library() is not None
-                and hasattr(blockq.library(), "rakv_decode_layers")):
+                and hasattr(blockq.library(), "rakv_decode_layers")
+                and isinstance(getattr(self.layers[0].down, "block", None), blockq.BlockWeight)):
             return False
         L0 = self.layers[0]
-        coded = isinstance(getattr(L0.down, "block", None), blockq.BlockWeight)
-        eps, I = L0.ln1.eps, L0.down.block.K if coded else 0
+        eps, I = L0.ln1.eps, L0.down.block.K
         shapes = {"qkv": ((Hq + 2 * Hk) * D, H), "o": (H, Hq * D), "gate_up": (2 * I, H), "down": (H, I)}
         descs = (blockq.DecoderLayerDesc * len(self.layers))()
         keep = []
@@ -598,6 +602,11 @@ class LeanLlama:
             d.window = int(L.window or 0)
         self._descs, self._descs_keep, self._eps, self._I = descs, keep, eps, I
         return descs
+
+    def c_layers_on(self):
+        """The layers' descriptions when this forward runs a step's layers in C (switch and model
+        both allow it), else False."""
+        return fused_env_enabled() and self._c_layers()
 
     def _c_forward(self, descs, x: torch.Tensor, cache, past: int, n: int, rope,
                    tree: TreeLayout | None = None) -> torch.Tensor:
@@ -638,7 +647,7 @@ class LeanLlama:
         if tree is not None and not own_attention:                   # torch's attention: the tree's masks
             masks = {w: tree.mask(past, w) for w in {L.window for L in self.layers}}
         act = self.act
-        descs = self._c_layers() if own_attention and fused_env_enabled() else None
+        descs = self.c_layers_on() if own_attention else None
         if descs:                                                    # every layer in one C call
             x = self._c_forward(descs, x, cache, past, n, ropes[""], tree)
         for i, L in enumerate(self.layers if not descs else ()):
