@@ -9,6 +9,7 @@ it drafts, and that cost is reported as catch-up. The n-gram draft needs no mode
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import numpy as np
@@ -142,7 +143,7 @@ def ngram_match(ids, k: int, sizes=(3, 2), history: TokenHistory | None = None) 
         return [], 0
     toks, m = context_match(ids, k, sizes)
     if history is not None and len(history):
-        h_toks, h_m = history_match(ids, k, sizes, history.tokens)
+        h_toks, h_m = history_match_indexed(ids, k, sizes, history)
         if h_m > m:
             return h_toks, h_m
     return toks, m
@@ -178,27 +179,70 @@ def history_match(ids, k: int, sizes, h: np.ndarray) -> tuple[list[int], int]:
     return [], 0
 
 
+PY_CANDIDATES = 32         # up to this many occurrences, their contexts are compared in plain Python
+
+
+def history_match_indexed(ids, k: int, sizes, history: TokenHistory) -> tuple[list[int], int]:
+    """``history_match`` through the history's n-gram index: the same tokens and match length,
+    without numpy when few occurrences are compared (most rounds)."""
+    ix = history.grams()
+    seq, base = ix.seq, ix.base
+    a = list(ids[-MAX_MATCH:])
+    L, H = len(a), len(seq)
+    for n in sizes:
+        if L < n or H <= n:
+            continue
+        ends = ix.table(n).get(tuple(a[L - n:]))
+        if not ends:
+            continue
+        lo = max(bisect_left(ends, base + n), len(ends) - HISTORY_CANDIDATES)   # live, the latest
+        if lo >= len(ends):
+            continue
+        if len(ends) - lo > PY_CANDIDATES:
+            return history_match(ids, k, sizes, history.tokens)
+        best_m, best = -1, 0
+        for e in ends[lo:]:
+            p, m = e - base - 1, 0
+            while m < L and p - m >= 0 and seq[p - m] == a[L - 1 - m]:
+                m += 1
+            if m >= best_m:                       # the latest among equals
+                best_m, best = m, e - base
+        follow = seq[best: best + k]
+        if -1 in follow:
+            follow = follow[: follow.index(-1)]
+        return follow, best_m
+    return [], 0
+
+
 def context_match(ids, k: int, sizes=(3, 2)) -> tuple[list[int], int]:
-    """ngram_match within ``ids`` alone (prompt lookup)."""
-    a = np.asarray(ids, dtype=np.int64)
+    """ngram_match within ``ids`` alone (prompt lookup). Plain list work, no numpy: the earlier
+    positions of the last token come latest first from ``list.index`` on the reversed sequence
+    (a round's first numpy call after a forward costs tens of microseconds on a cold core)."""
+    a = ids if isinstance(ids, list) else [int(x) for x in ids]
     L = len(a)
     if L < 2:
         return [], 0
-    ends = np.flatnonzero(a[: L - 1] == a[L - 1])     # earlier positions of the last token
+    r = a[::-1]                                           # r[j] = a[L - 1 - j]
+    last = r[0]
     for n in sizes:
-        if L <= n or not ends.size:
+        if L <= n:
             continue
-        # candidate starts i with a[i:i+n] == a[L-n:] and i+n < L (something follows)
-        starts = ends - (n - 1)
-        starts = starts[starts >= 0]
-        for o in range(n - 1):
-            starts = starts[a[starts + o] == a[L - n + o]]
-        if starts.size:
-            i = int(starts[-1]) + n
-            m = n
-            while m < MAX_MATCH and i - m - 1 >= 0 and a[i - m - 1] == a[L - m - 1]:
-                m += 1
-            return periodic(a[i:L].tolist(), k), m
+        tail = r[1:n]                                     # the n-gram's tokens before the last, backwards
+        j = 0
+        while True:
+            try:
+                j = r.index(last, j + 1)                  # an earlier occurrence of the last token, latest first
+            except ValueError:
+                break
+            e = L - 1 - j                                 # where the candidate n-gram ends
+            if e < n - 1:
+                break
+            if r[j + 1: j + n] == tail:
+                i = e + 1                                 # what followed it
+                m = n
+                while m < MAX_MATCH and i - m - 1 >= 0 and a[i - m - 1] == a[L - m - 1]:
+                    m += 1
+                return periodic(a[i:L], k), m
     return [], 0
 
 

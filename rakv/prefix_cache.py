@@ -104,11 +104,13 @@ class TokenHistory:
     """Earlier requests' tokens (prompt + output), oldest first, for n-gram lookup across requests
     (a repeated or related request copies what an earlier one generated): one flat array with -1
     between sequences (never a token id), the oldest sequences dropped past ``max_tokens``.
-    The array is replaced, never written in place, so a snapshot can share it."""
+    The array is replaced, never written in place, so a snapshot can share it. ``grams()`` is an
+    index of its n-grams kept up to date as sequences are added (a lookup without numpy)."""
 
     def __init__(self, max_tokens: int = HISTORY_TOKENS):
         self.max_tokens = max(0, int(max_tokens))
         self.tokens = np.empty(0, dtype=np.int64)
+        self._ix: GramIndex | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -119,14 +121,73 @@ class TokenHistory:
             return
         a = a[-(self.max_tokens - 1):]
         t = np.concatenate([self.tokens, np.array([-1], dtype=np.int64), a])
+        whole = len(t)
         if len(t) > self.max_tokens:
             t = t[len(t) - self.max_tokens:]
             seps = np.flatnonzero(t == -1)
             t = t[seps[0]:] if seps.size else t      # drop the cut sequence's remains
+        ix = self._ix
+        if ix is not None and ix.of is self.tokens:
+            ix.advance(t, a.tolist(), whole - len(t))
         self.tokens = t
 
     def clear(self) -> None:
         self.tokens = np.empty(0, dtype=np.int64)
+
+    def grams(self) -> "GramIndex":
+        """The n-gram index of ``tokens`` as they are now (rebuilt after a ``clear`` or a restore)."""
+        ix = self._ix
+        if ix is None or ix.of is not self.tokens:
+            ix = self._ix = GramIndex(self.tokens)
+        return ix
+
+
+class GramIndex:
+    """Where each n-gram of a history occurs: n -> {gram: [end, ...]} with ``end`` the absolute
+    position of the token that follows it (never a separator), ascending. Positions are absolute
+    (``base`` is seq[0]'s), so dropping the oldest sequences only leaves stale ends at the front
+    of each list; the tables are rebuilt once the stale ones outnumber the live tokens."""
+
+    def __init__(self, tokens: np.ndarray):
+        self.of = tokens                  # the array this indexes (TokenHistory replaces, never writes)
+        self.seq: list[int] = tokens.tolist()
+        self.base = 0
+        self.stale = 0
+        self._tables: dict[int, dict[tuple, list[int]]] = {}
+
+    def table(self, n: int) -> dict[tuple, list[int]]:
+        t = self._tables.get(n)
+        if t is None:
+            t = self._tables[n] = {}
+            self._index(t, n, 0)
+        return t
+
+    def _index(self, t: dict, n: int, first: int) -> None:
+        """Add the n-grams whose follower sits at seq[e], e >= first + n (none holds a separator)."""
+        seq, base = self.seq, self.base
+        for e in range(first + n, len(seq)):
+            if seq[e] < 0:
+                continue
+            g = tuple(seq[e - n: e])
+            if -1 in g:
+                continue
+            t.setdefault(g, []).append(base + e)
+
+    def advance(self, tokens: np.ndarray, added: list[int], cut: int) -> None:
+        """The history became ``tokens``: ``added`` after a separator, then ``cut`` oldest dropped."""
+        first = len(self.seq) + 1                 # seq index of the added sequence's first token
+        self.seq.append(-1)
+        self.seq.extend(added)
+        for n, t in self._tables.items():
+            self._index(t, n, first)
+        if cut:
+            del self.seq[:cut]
+            self.base += cut
+            self.stale += cut
+            if self.stale > len(self.seq):        # rebuild on next use
+                self._tables.clear()
+                self.stale = 0
+        self.of = tokens
 
 
 class PrefixCache:

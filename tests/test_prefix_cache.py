@@ -359,3 +359,32 @@ def test_the_controller_knows_an_exact_repeat_will_copy_its_earlier_output():
     assert [d.copy for d in decisions] == [False, True, False]
     assert decisions[1].alpha == 0.99 and decisions[1].action["k"] == max(eng.k_set)
     assert shorter.output_ids == Engine(target, None, RakvConfig(policy="ar")).generate(p[:30] + [7, 8], 24).output_ids
+
+
+def test_the_indexed_history_match_is_the_numpy_one():
+    """The n-gram index (kept up to date as requests are added, oldest dropped, restored, cleared)
+    finds what the numpy search over the whole array finds, on random small-vocabulary histories
+    (few and many occurrences: both the plain-Python and the numpy comparison of contexts)."""
+    import random
+
+    from rakv.drafts import history_match, history_match_indexed
+    from rakv.prefix_cache import TokenHistory
+
+    rng = random.Random(5)
+    for trial in range(60):
+        vocab = rng.choice((3, 6, 40))
+        h = TokenHistory(max_tokens=rng.choice((50, 400, 5000)))
+        snaps = []
+        for _ in range(rng.randrange(1, 25)):
+            h.add([rng.randrange(vocab) for _ in range(rng.randrange(1, 120))])
+            if rng.random() < 0.2:
+                snaps.append(h.tokens)
+            if snaps and rng.random() < 0.1:
+                h.tokens = snaps.pop()                 # what PrefixCache.restore does
+            if rng.random() < 0.03:
+                h.clear()
+            for _ in range(4):
+                ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+                k = rng.randrange(1, 20)
+                sizes = rng.choice(((3, 2), (2,), (4, 3, 2)))
+                assert history_match_indexed(ids, k, sizes, h) == history_match(ids, k, sizes, h.tokens), trial

@@ -160,11 +160,10 @@ class CostProfile:
         d, d2x, v = self.round_terms(m, ctx)
         return n_fwd * d + (d2x if fed == 2 and n_fwd > 0 else 0.0) + v
 
-    def verifies(self, k_max: int, ctx: float) -> list[float]:
-        """[V(0) = t, V(1), ..., V(k_max)] at ctx: ``verify`` of each k, the context's scale made once
-        (the gate reads this list every round)."""
-        scale = self._v_ctx_scale(ctx)
-        return [self.step(ctx)] + [self._v_base(k) * scale * self.factor(f"R{k}") for k in range(1, k_max + 1)]
+    def verifies(self, k_max: int, ctx: float) -> "Verifies":
+        """[V(0) = t, V(1), ..., V(k_max)] at ctx: ``verify`` of each k, each made when first read
+        (the gate asks every round; most rounds read none or two of them)."""
+        return Verifies(self, k_max, ctx)
 
     def verify(self, k: int, ctx: float) -> float:
         """V(k) at context ctx: measured at V_ctx, scaled with context like a step."""
@@ -249,3 +248,42 @@ def drafting_ks(ks: list[int]) -> list[int]:
         if [k for k in ks if k > m] == lookup_vs(m) and lookup_vs(m):
             return [k for k in ks if k <= m]
     return ks
+
+
+class Verifies:
+    """The sequence [V(0) = t, V(1), ..., V(k_max)] of one profile at one context, each value made
+    on first read and kept (the context's scale made once): a lookup that finds no match reads none."""
+
+    __slots__ = ("_p", "_ctx", "_v", "_scale")
+
+    def __init__(self, profile: "CostProfile", k_max: int, ctx: float):
+        self._p, self._ctx = profile, ctx
+        self._v: list[float | None] = [None] * (max(0, int(k_max)) + 1)
+        self._scale: float | None = None
+
+    def __len__(self) -> int:
+        return len(self._v)
+
+    def __getitem__(self, j: int) -> float:
+        v = self._v[j]
+        if v is None:
+            p = self._p
+            if j == 0:
+                v = p.step(self._ctx)
+            else:
+                if self._scale is None:
+                    self._scale = p._v_ctx_scale(self._ctx)
+                v = p._v_base(j) * self._scale * p.factor(f"R{j}")
+            self._v[j] = v
+        return v
+
+    def __iter__(self):
+        return (self[j] for j in range(len(self._v)))
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Verifies({list(self)!r})"
