@@ -428,3 +428,35 @@ def test_accept_rejection_edges():
     assert accept_rejection(*args) == accept_rejection(*args)
     with pytest.raises(ValueError):
         accept_rejection(torch.randn(3, V), None, [1, 2, 3], s, 0)
+
+
+def test_the_kernel_sampler_gives_the_torch_ops_token(monkeypatch):
+    """The kernel library's one-call sampler (RAKV_C_SAMPLER=1, the default on CPU) and torch's ops
+    give the same token for every row: random, peaked and flat logits, -inf entries, V around block
+    edges, temperatures, filters, several rows at once, and the rejection mode's residual stream."""
+    from rakv.kernels import blockq
+    from rakv.sampling import _residual_sample
+
+    if blockq.library() is None:
+        pytest.skip(f"no kernel library here: {blockq.reason()}")
+    g = gen(11)
+    cases = []
+    for trial in range(240):
+        V = (1, 5, 63, 64, 65, 700, 1024, 1025, 4097, 49152)[trial % 10]
+        n = 1 + trial % 3
+        z = torch.randn(n, V, generator=g) * (0.3, 2.0, 8.0, 30.0)[trial % 4]
+        if trial % 7 == 0 and V > 2:
+            z[:, : V // 2] = -math.inf
+        s = Sampling((0.2, 0.7, 1.0, 1.5, 3.0)[trial % 5], (0, 0, 3, 40)[trial % 4],
+                     (1.0, 0.95, 1.0, 0.5)[trial % 4], (0.0, 0.0, 0.1)[trial % 3], seed=977 * trial + 1)
+        cases.append((z, s, list(range(trial, trial + n))))
+    resid = [torch.rand(V, generator=g) * (torch.rand(V, generator=g) < 0.3) for V in (10, 999, 49152)]
+
+    def run():
+        rows = [sample_rows(z, s, pos) for z, s, pos in cases]
+        return rows, [_residual_sample(r, 5, 17) for r in resid]
+
+    monkeypatch.setenv("RAKV_C_SAMPLER", "1")
+    fast = run()
+    monkeypatch.setenv("RAKV_C_SAMPLER", "0")
+    assert run() == fast

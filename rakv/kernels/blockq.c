@@ -858,3 +858,84 @@ int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, i
     free(xn); free(h); free(a); free(y); free(m);
     return 0;
 }
+
+/* ------------------------------------------------------------------ the seeded sampler
+   Gumbel-max over rows of logits with the counter-based noise rakv/sampling.py defines (its
+   docstring): the same 64-bit words, the same float64 and float32 operations in the same order,
+   log from the C library (a libm may differ from torch's vectorised log in the last bit of a
+   float64 log, which moves a float32 Gumbel with probability ~2**-29). Row r of z [n, V]:
+       argmax over {x : z_x / T >= thr[r]} of  z_x / T + G_x        (float32; ties: the lowest x)
+   with G the noise of block key kb[r] and slot key ks[r]. Block b's slots never exceed its
+   maximum Gumbel M_b, so a block whose max z / T + M_b is below the best score found cannot hold
+   the winner: the block with the largest such bound is scored first, then only the others whose
+   bound reaches the best score (on an LM's logits: a block or two of the vocabulary). */
+#define SAMPLE_BLOCK 64
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+
+static inline uint64_t mix64(uint64_t x) {
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+static inline double exp1_of(uint64_t h) {     /* -log(u), u = ((h >> 12) + 2^51 + 0.5) 2^-52 */
+    const int64_t s = ((int64_t)h) >> 12;       /* arithmetic shift, as torch's int64 >> */
+    return -log(((double)s + 2251799813685248.5) * 0x1p-52);
+}
+
+static void score_block(const float *z, int64_t V, float T, int has_thr, float thr, uint64_t ks, int64_t b,
+                        double e_over_b, float M, int64_t J, float *best, int64_t *best_x) {
+    const int64_t x0 = b * SAMPLE_BLOCK;
+    for (int64_t i = 0; i < SAMPLE_BLOCK && x0 + i < V; i++) {
+        const int64_t x = x0 + i;
+        const float zs = z[x] / T;
+        if (has_thr && zs < thr) continue;
+        float g = M;
+        if (i != J) {
+            const double e = exp1_of(mix64(ks + (uint64_t)(x + 1) * GOLDEN));
+            g = (float)(-log(e + e_over_b));
+            if (g > M) g = M;
+        }
+        const float s = zs + g;
+        if (s > *best || (s == *best && x < *best_x)) { *best = s; *best_x = x; }
+    }
+}
+
+/* z [n, V] f32, thr [n] or NULL, keys [n] each, out [n]; returns 0, or -1 when out of memory. */
+int rakv_gumbel_argmax(const float *z, int64_t n, int64_t V, float T, const float *thr,
+                       const uint64_t *kb, const uint64_t *ks, int64_t *out) {
+    const int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    const double log_block = log((double)SAMPLE_BLOCK);
+    float *up = malloc(sizeof(float) * nb), *Ms = malloc(sizeof(float) * nb);
+    double *eob = malloc(sizeof(double) * nb);
+    int64_t *Js = malloc(sizeof(int64_t) * nb);
+    if (!up || !Ms || !eob || !Js) { free(up); free(Ms); free(eob); free(Js); return -1; }
+    for (int64_t r = 0; r < n; r++) {
+        const float *zr = z + r * V;
+        const int has_thr = thr != NULL;
+        const float t = has_thr ? thr[r] : 0.0f;
+        int64_t first = 0;
+        for (int64_t b = 0; b < nb; b++) {
+            float mx = -INFINITY;
+            const int64_t end = (b + 1) * SAMPLE_BLOCK < V ? (b + 1) * SAMPLE_BLOCK : V;
+            for (int64_t x = b * SAMPLE_BLOCK; x < end; x++) mx = zr[x] > mx ? zr[x] : mx;
+            const float top = mx / T;                       /* = the block's largest z / T */
+            const uint64_t h = mix64(kb[r] + (uint64_t)(b + 1) * GOLDEN);
+            const double e = exp1_of(h);
+            eob[b] = e * (1.0 / SAMPLE_BLOCK);
+            Ms[b] = (float)(log_block - log(e));
+            Js[b] = (int64_t)(h & (SAMPLE_BLOCK - 1));
+            up[b] = (has_thr && top < t) ? -INFINITY : top + Ms[b];
+            if (up[b] > up[first]) first = b;
+        }
+        float best = -INFINITY;
+        int64_t best_x = -1;
+        score_block(zr, V, T, has_thr, t, ks[r], first, eob[first], Ms[first], Js[first], &best, &best_x);
+        for (int64_t b = 0; b < nb; b++)
+            if (b != first && up[b] >= best)
+                score_block(zr, V, T, has_thr, t, ks[r], b, eob[b], Ms[b], Js[b], &best, &best_x);
+        out[r] = best_x;
+    }
+    free(up); free(Ms); free(eob); free(Js);
+    return 0;
+}

@@ -98,7 +98,7 @@ def _build(cc: str, out: Path, extra: tuple = (), source: Path = SOURCE) -> str:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     cmd = [cc, "-O3", "-march=native", *extra, "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared",
-           "-o", str(tmp), str(source)]
+           "-o", str(tmp), str(source), "-lm"]
     if sys.platform == "darwin":           # Apple clang: OpenMP through torch's libomp is not assumed
         cmd = [c for c in cmd if c != "-fopenmp"]
     try:
@@ -168,6 +168,8 @@ def _load(path: Path):
     lib.rakv_decode_layers.argtypes = [vp, i64, vp, i64, i64, i64, i64, i64, i64, i64, vp, vp,
                                        ctypes.c_float, ctypes.c_float, i32, vp, i64, vp]
     lib.rakv_decode_layers.restype = i32
+    lib.rakv_gumbel_argmax.argtypes = [vp, i64, i64, ctypes.c_float, vp, vp, vp, vp]
+    lib.rakv_gumbel_argmax.restype = i32
     return lib
 
 
