@@ -11,6 +11,7 @@ Qt-free; knows nothing of the prefix cache or the records' transport (it emits t
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from .acceptance import judged
@@ -23,6 +24,18 @@ from .prefix_cache import PrefixCache
 from .records import Candidate, Decision
 
 now = clock
+
+LOOKUP_COST_WEIGHT = 0.2    # a lookup verify's measured / predicted ms: weight of each new round (log space)
+LOOKUP_COST_CLIP = 2.0      # one round moves that ratio by at most this factor
+
+
+def lookup_cost_scale(scale: float, measured_ms: float, predicted_ms: float) -> float:
+    """A lookup's verify runs a path the plain steps around it do not (in a k = 0 round it is
+    rare and runs cold), so its V(j) is learned as its own multiple of the profile's."""
+    if predicted_ms <= 0 or measured_ms <= 0 or not math.isfinite(measured_ms):
+        return scale
+    r = min(LOOKUP_COST_CLIP, max(1.0 / LOOKUP_COST_CLIP, measured_ms / predicted_ms))
+    return math.exp((1 - LOOKUP_COST_WEIGHT) * math.log(scale) + LOOKUP_COST_WEIGHT * math.log(r))
 
 
 @dataclass
@@ -83,6 +96,7 @@ class RoundPlanner:
         self.lookup = draft if isinstance(draft, NgramDraft) else NgramDraft()
         self.lookup_map = self.accept_map if self.lookup is draft else AcceptMap(LOOKUP_ALPHA)
         self.last_k = 0
+        self.lookup_scale = 1.0                 # a lookup verify's measured ms over the profile's V(j)
         self.decide_ms_total = 0.0
         self.setting = "greedy"                 # the sampling setting the maps below are for
         self._maps: dict[str, tuple] = {}       # the other settings' (accept_map, lookup_map)
@@ -147,6 +161,8 @@ class RoundPlanner:
                     rq.lk_pred += self.lookup_map.p(c)
                     rq.lk_hits += ok
             (self.lookup_map if lookup else self.accept_map).observe(gate.confs[:m], gate.preds[:m], a)
+            if lookup and self.profile is not None:
+                self.lookup_scale = lookup_cost_scale(self.lookup_scale, verify_ms, self.profile.verify(m, ctx))
         if self.controller is None:
             self.alpha.update(a, m)
             return 0.0
@@ -231,7 +247,7 @@ class RoundPlanner:
         if not (rq.policy.gate and p is not None and rq.force is None and k_max >= 1):
             return [], 0.0, None
         gate = RoundGate(Trusted(self.lookup_map, request_trust(rq.lk_hits, rq.lk_pred)), k_max, 0.0,
-                         self._V(len(seq), k_max))
+                         p.verifies(k_max, len(seq), self.lookup_scale))
         prop = self.lookup.propose(seq, k_max, gate)
         if not prop.tokens:
             return [], prop.ms, None

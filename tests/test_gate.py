@@ -262,3 +262,25 @@ def test_an_ngram_drafts_failed_copies_lower_its_trust_in_later_rounds():
         assert isinstance(g.amap, Trusted) == scaled
         if scaled:
             assert g.amap.p(0.9) == pytest.approx(eng.accept_map.p(0.9) * 0.25)
+
+
+def test_a_lookup_verify_learns_its_own_cost_and_the_gate_reads_it():
+    """A lookup's verify runs a path the plain steps around it do not: its measured / predicted
+    ms is learned (a log-space average, each round clipped) and scales V(j >= 1) in the lookup
+    gate, so a copy worth verifying at the profile's V(1) is not once verifies cost 1.6x that."""
+    from rakv.planner import LOOKUP_COST_CLIP, lookup_cost_scale
+
+    s = 1.0
+    for _ in range(40):
+        s = lookup_cost_scale(s, 13.0, 10.0)
+    assert s == pytest.approx(1.3, rel=1e-3)
+    assert lookup_cost_scale(1.0, 1e6, 1.0) < LOOKUP_COST_CLIP ** 0.21       # one round: clipped
+    assert lookup_cost_scale(1.2, 0.0, 1.0) == 1.2                            # nothing measured
+    p = profile(V={str(k): 1.0 + 0.1 * k for k in range(1, 9)})
+    amap = AcceptMap(0.5)
+    conf = 0.45                                          # the map's chance for it: ~0.4 (E_1 = 1.4)
+    for over, verified in ((1.0, 1), (1.6, 0)):
+        g = RoundGate(amap, 1, 0.0, p.verifies(1, 64, over))
+        g.keep_going(conf)
+        assert g.verify_length(1) == verified, over
+        assert g.V[1] == pytest.approx(p.verify(1, 64) * over)

@@ -160,10 +160,10 @@ class CostProfile:
         d, d2x, v = self.round_terms(m, ctx)
         return n_fwd * d + (d2x if fed == 2 and n_fwd > 0 else 0.0) + v
 
-    def verifies(self, k_max: int, ctx: float) -> "Verifies":
-        """[V(0) = t, V(1), ..., V(k_max)] at ctx: ``verify`` of each k, each made when first read
-        (the gate asks every round; most rounds read none or two of them)."""
-        return Verifies(self, k_max, ctx)
+    def verifies(self, k_max: int, ctx: float, over: float = 1.0) -> "Verifies":
+        """[V(0) = t, V(1), ..., V(k_max)] at ctx: ``verify`` of each k (times ``over`` for k >= 1),
+        each made when first read (the gate asks every round; most rounds read none or two)."""
+        return Verifies(self, k_max, ctx, over)
 
     def verify(self, k: int, ctx: float) -> float:
         """V(k) at context ctx: measured at V_ctx, scaled with context like a step."""
@@ -254,10 +254,10 @@ class Verifies:
     """The sequence [V(0) = t, V(1), ..., V(k_max)] of one profile at one context, each value made
     on first read and kept (the context's scale made once): a lookup that finds no match reads none."""
 
-    __slots__ = ("_p", "_ctx", "_v", "_scale")
+    __slots__ = ("_p", "_ctx", "_v", "_scale", "_over")
 
-    def __init__(self, profile: "CostProfile", k_max: int, ctx: float):
-        self._p, self._ctx = profile, ctx
+    def __init__(self, profile: "CostProfile", k_max: int, ctx: float, over: float = 1.0):
+        self._p, self._ctx, self._over = profile, ctx, over
         self._v: list[float | None] = [None] * (max(0, int(k_max)) + 1)
         self._scale: float | None = None
 
@@ -273,7 +273,7 @@ class Verifies:
             else:
                 if self._scale is None:
                     self._scale = p._v_ctx_scale(self._ctx)
-                v = p._v_base(j) * self._scale * p.factor(f"R{j}")
+                v = p._v_base(j) * self._scale * p.factor(f"R{j}") * self._over
             self._v[j] = v
         return v
 
