@@ -161,7 +161,7 @@ class RoundPlanner:
                     rq.lk_pred += self.lookup_map.p(c)
                     rq.lk_hits += ok
             (self.lookup_map if lookup else self.accept_map).observe(gate.confs[:m], gate.preds[:m], a)
-            if lookup and self.profile is not None:
+            if (lookup or self.lookup is self.draft) and self.profile is not None:    # a copy's verify
                 self.lookup_scale = lookup_cost_scale(self.lookup_scale, verify_ms, self.profile.verify(m, ctx))
         if self.controller is None:
             self.alpha.update(a, m)
@@ -227,17 +227,14 @@ class RoundPlanner:
         amap = self.accept_map
         if self.lookup is self.draft:      # an n-gram draft: this request's judged copies scale the map
             amap = Trusted(amap, request_trust(rq.lk_hits, rq.lk_pred))
-        return RoundGate(amap, k, p.draft_step(ctx) if rq.draft_model else 0.0, self._V(ctx, k),
+        over = self.lookup_scale if self.lookup is self.draft else 1.0      # an n-gram draft verifies copies
+        return RoundGate(amap, k, p.draft_step(ctx) if rq.draft_model else 0.0, p.verifies(k, ctx, over),
                          sunk=self.controller.catchup_ms(behind, rq.draft_model, ctx))
 
     def _k_top(self, rq, source) -> int:
         """The longest draft a gated round may verify: max(K), or lookup_k for n-gram lookup."""
         top = max(rq.k_set)
         return max(top, self.lookup_k) if isinstance(source, NgramDraft) else top
-
-    def _V(self, ctx: int, k: int) -> list[float]:
-        """V(j) for j = 0..k at context ctx (V(0) = t: a plain step), as the gate reads them."""
-        return self.profile.verifies(k, ctx)
 
     def _lookup(self, rq, seq: list[int], remaining: int) -> tuple[list[int], float, RoundGate | None]:
         """A k = 0 round under the gate: the n-gram continuation costs ~nothing to look up, so verify
