@@ -5,9 +5,9 @@ Every default lives here, in one place.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 
+from .paths import env_on
 from .sampling import Sampling
 
 DEFAULT_K_SET: tuple[int, ...] = (0, 1, 2, 4, 6, 8)
@@ -20,7 +20,7 @@ GATE_BY_DEFAULT = True    # plain "adaptive" = adaptive:gate: it measured at lea
 
 def env_fast() -> bool:
     """The fast forward path's default: on unless ``RAKV_FAST`` is 0 / false / off / no."""
-    return os.environ.get("RAKV_FAST", "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_on("RAKV_FAST")
 
 
 @dataclass(frozen=True)

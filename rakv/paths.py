@@ -27,6 +27,11 @@ def write_atomic(path: Path, text: str) -> None:
         raise
 
 
+def env_on(name: str) -> bool:
+    """A switch that is on unless the environment sets ``name`` to 0 / false / off / no."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def log(msg: str) -> None:
     print(f"[rakv] {msg}", file=sys.stderr, flush=True)
 

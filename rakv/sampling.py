@@ -83,6 +83,7 @@ import torch
 from torch import Tensor
 
 from .ids import lcp
+from .paths import env_on
 
 VERIFY_MODES = ("seeded", "rejection")
 SEED_LIMIT = 2**63                # seeds are in [0, 2**63)
@@ -267,10 +268,16 @@ def _keys(seed: int, positions: list[int], stream: str, level: int, device) -> T
     return torch.tensor([[_signed(stream_key(seed, p, stream, level))] for p in positions], device=device)
 
 
+def _key_words(seed: int, positions: list[int], stream: str) -> tuple[list[int], list[int]]:
+    """The block-level and the slot-level 64-bit keys of (seed, position, stream), per position."""
+    return ([stream_key(seed, p, stream, _BLOCK_LEVEL) for p in positions],
+            [stream_key(seed, p, stream, _SLOT) for p in positions])
+
+
 def _key_pairs(seed: int, positions: list[int], stream: str, device) -> tuple[Tensor, Tensor]:
     """([n, 1], [n, 1]) int64 block-level and slot-level keys of (seed, position, stream)."""
-    both = torch.tensor([[_signed(stream_key(seed, p, stream, _BLOCK_LEVEL)),
-                          _signed(stream_key(seed, p, stream, _SLOT))] for p in positions], device=device)
+    kb, ks = _key_words(seed, positions, stream)
+    both = torch.tensor([[_signed(b), _signed(s)] for b, s in zip(kb, ks)], device=device)
     return both[:, :1], both[:, 1:]
 
 
@@ -510,8 +517,8 @@ def _argmax(z: Tensor, T: float, thr: Tensor | None, seed: int, positions: list[
     if lib is None:
         return _gumbel_argmax(z, T, thr, *_key_pairs(seed, positions, stream, z.device))
     n, V = z.shape
-    keys = (ctypes.c_uint64 * (2 * n))(*[stream_key(seed, p, stream, _BLOCK_LEVEL) for p in positions],
-                                       *[stream_key(seed, p, stream, _SLOT) for p in positions])
+    kb, ks = _key_words(seed, positions, stream)
+    keys = (ctypes.c_uint64 * (2 * n))(*kb, *ks)
     out = (ctypes.c_int64 * n)()
     if thr is not None:
         thr = thr.reshape(n).contiguous()
@@ -525,9 +532,10 @@ def _argmax(z: Tensor, T: float, thr: Tensor | None, seed: int, positions: list[
 def _c_sampler():
     """The kernel library (rakv.kernels.blockq) when its sampler may run, else None;
     ``RAKV_C_SAMPLER=0`` keeps torch's ops (for comparison)."""
-    if os.environ.get("RAKV_C_SAMPLER", "1").strip().lower() in ("0", "false", "off", "no"):
-        return None
     from .kernels import blockq
+
+    if not env_on("RAKV_C_SAMPLER"):
+        return None
 
     return blockq.library()
 

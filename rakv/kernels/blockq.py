@@ -45,7 +45,9 @@ SOURCE = Path(__file__).with_name("blockq.c")
 
 
 def env_enabled() -> bool:
-    return os.environ.get("RAKV_BLOCKQ", "1").strip().lower() not in ("0", "false", "off", "no")
+    from ..paths import env_on
+
+    return env_on("RAKV_BLOCKQ")
 
 
 # ----------------------------------------------------------------------------- the compiled kernel

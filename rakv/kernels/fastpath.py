@@ -291,7 +291,7 @@ def linear_floor_ms(model: nn.Module, rows: int = 1, reps: int = 5) -> float:
     coded = _coded_ops(model)
     if coded:                             # the block kernel's calls as the lean forward makes them
         dev, dtype = torch.device("cpu"), torch.float32
-        layers = [(fn, k) for fn, k in coded]
+        layers = coded
     else:
         mods = linear_layers(model)
         if not mods:

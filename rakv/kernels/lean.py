@@ -24,13 +24,13 @@ Shapes: x [1, n, H]; q [1, Hq, n, D]; k, v [1, Hkv, n, D] (the cache: [1, Hkv, p
 from __future__ import annotations
 
 import operator
-import os
 from functools import partial
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..paths import env_on
 from . import blockq
 
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
@@ -43,17 +43,13 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")      # rope types whose fr
 SEPARATE_QKV = ("llama", "qwen3", "gemma2", "gemma3")       # q, k, v and gate, up as separate linears (Phi-3 fuses them)
 
 
-def _switch(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
 def env_enabled() -> bool:
-    return _switch("RAKV_LEAN")
+    return env_on("RAKV_LEAN")
 
 
 def fused_env_enabled() -> bool:
     """``RAKV_C_LAYERS=0`` keeps every layer of a step in Python (for comparison)."""
-    return _switch("RAKV_C_LAYERS")
+    return env_on("RAKV_C_LAYERS")
 
 
 def kind(model: nn.Module) -> str:
@@ -573,7 +569,6 @@ class LeanLlama:
                 and len(self.ropes) == 1 and self.ropes[""].dim == D and self.act is F.silu
                 and self.embed_scale is None and self.dtype == torch.float32
                 and all(isinstance(L, _Layer) for L in self.layers) and blockq.library() is not None
-                and hasattr(blockq.library(), "rakv_decode_layers")
                 and isinstance(getattr(self.layers[0].down, "block", None), blockq.BlockWeight)):
             return False
         L0 = self.layers[0]
