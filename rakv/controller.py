@@ -79,6 +79,24 @@ def prefer_reuse(best: Candidate, feas: list[Candidate]) -> Candidate:
     return min(alt, key=lambda c: c.predicted_ms) if alt else best
 
 
+ROOT_STEPS = 9      # bisection steps before the interpolation: alpha* is shown and recorded, not optimised over
+
+
+def root_falling(f) -> float:
+    """The x in [0, 1] where f, falling with f(0) > 0 >= f(1), crosses 0: ROOT_STEPS halvings,
+    then the chord across the last bracket (1/512 wide; within ~1e-5 on a round's costs) instead
+    of 16 halvings (this runs for every k of every request's decision)."""
+    lo, hi, flo, fhi = 0.0, 1.0, f(0.0), f(1.0)
+    for _ in range(ROOT_STEPS):
+        mid = (lo + hi) / 2
+        fm = f(mid)
+        if fm <= 0:
+            hi, fhi = mid, fm
+        else:
+            lo, flo = mid, fm
+    return hi if flo == fhi else lo + (hi - lo) * flo / (flo - fhi)
+
+
 def E(k: int, alpha: float) -> float:
     """Expected tokens per round with k drafts at per-token acceptance alpha."""
     if k == 0:
@@ -120,8 +138,11 @@ def overshoot(k: int, alpha: float) -> float:
         return 0.0
     a = min(max(alpha, 0.0), 1.0)
     m = E(k, a)
-    x2 = sum(j * j * a ** (j - 1) * (1 - a) for j in range(1, k + 1)) + (k + 1) ** 2 * a ** k
-    return (x2 - m) / (2 * m * m)
+    x2, p = 0.0, 1.0 - a                   # p = a^(j - 1) (1 - a): P(X = j), j = 1..k
+    for j in range(1, k + 1):
+        x2 += j * j * p
+        p *= a
+    return (x2 + (k + 1) ** 2 * a ** k - m) / (2 * m * m)
 
 
 class AlphaEWMA:
@@ -289,22 +310,17 @@ class Controller:
                 return False, f"prompt KV {need / 2**20:.2f} MiB > budget {s.budget / 2**20:.2f} MiB"
         return True, ""
 
-    def alpha_star(self, s: Situation, r: int, k: int) -> float | None:
-        """Smallest alpha with C(k, r) <= C(0, r) (bisection: C(k) falls as alpha rises)."""
-        c0 = self.cost(s, r, 0, 0.0)
-        ck = self.cost_of_alpha(s, r, k)
+    def alpha_star(self, s: Situation, r: int, k: int, costs: dict | None = None) -> float | None:
+        """Smallest alpha with C(k, r) <= C(0, r) (C(k) falls as alpha rises); ``costs``: the
+        decision's C(k, r) of alpha by (r, k), made once."""
+        costs = costs or {}
+        c0 = (costs.get((r, 0)) or self.cost_of_alpha(s, r, 0))(0.0)
+        ck = costs.get((r, k)) or self.cost_of_alpha(s, r, k)
         if ck(1.0) > c0:
             return None
         if ck(0.0) <= c0:
             return 0.0
-        lo, hi = 0.0, 1.0
-        for _ in range(16):     # to 1.5e-5: alpha* is shown and recorded, not optimised over
-            mid = (lo + hi) / 2
-            if ck(mid) <= c0:
-                hi = mid
-            else:
-                lo = mid
-        return hi
+        return root_falling(lambda a: ck(a) - c0)
 
     # ------------------------------------------------------------------ decisions
     def decide(self, s: Situation, k_set=None, force: tuple[int, int] | None = None) -> Choice:
@@ -314,11 +330,12 @@ class Controller:
         self._copy = s.copy
         cands: list[Candidate] = []
         best = None
+        fns = {}
         for r in (0, 1):
             for k in ks:
                 ok, why = self.feasible(s, r, k)
-                c = self.cost(s, r, k, a)
-                cands.append(Candidate(reuse=r, k=k, predicted_ms=round(c, 3), feasible=ok, reason=why))
+                fns[r, k] = self.cost_of_alpha(s, r, k)
+                cands.append(Candidate(reuse=r, k=k, predicted_ms=round(fns[r, k](a), 3), feasible=ok, reason=why))
         # argmin over feasible actions; r = 1 wins a near-tie, before and after the spec margin
         feas = [c for c in cands if c.feasible]
         best = min(feas, key=lambda c: c.predicted_ms) if feas else None
@@ -338,7 +355,7 @@ class Controller:
         if best is None:    # nothing feasible (cannot happen: (0, 0) is always feasible)
             best = Candidate(0, 0, self.cost(s, 0, 0, a))
         r = best.reuse
-        stars = {str(k): self.alpha_star(s, r, k) for k in ks if k > 0}
+        stars = {str(k): self.alpha_star(s, r, k, fns) for k in ks if k > 0}
         return Choice(best.reuse, best.k, best.predicted_ms, cands, a, stars, reason, (now() - t0) * 1e3, s.copy)
 
     def decide_round(self, ctx: int, remaining: int, k_set=None, catchup_tokens: int = 0,

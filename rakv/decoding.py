@@ -170,7 +170,7 @@ def verify_accept(model, cache, pending: int, drafts: list[int], s=None,
         a = accept(drafts, pred)
         nxt = pred[a]
     elif s.verify == "seeded":
-        pred = sample_rows(logits, s, list(range(position, position + len(drafts) + 1)))
+        pred = sample_rows(logits, s, list(range(position, position + len(drafts) + 1)), drafts)
         a = accept_seeded(drafts, pred)
         nxt = pred[a]
     else:

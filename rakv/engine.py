@@ -367,13 +367,13 @@ class Engine:
                 stars = {str(k): ctl.alpha_star(s, r, k)} if k > 0 else {}
                 choice = Choice(r, k, c, [Candidate(r, k, c, ok, why)], self.alpha.value, stars, "fixed")
             rq.reuse, rq.k = choice.reuse, choice.k
-            self._emit(Decision(request_id=rq.rid, candidates=[asdict(c) for c in choice.candidates],
+            self._emit(Decision(request_id=rq.rid, candidates=[c.to_dict() for c in choice.candidates],
                                 action={"reuse": rq.reuse, "k": rq.k}, alpha=choice.alpha,
                                 alpha_star=choice.alpha_star, reason=choice.reason, decide_ms=choice.decide_ms,
                                 explore_balance_ms=round(ctl.explore_balance, 3), copy=choice.copy))
         else:
             rq.reuse, rq.k = int(policy.reuse), policy.k
-            self._emit(Decision(request_id=rq.rid, candidates=[asdict(Candidate(rq.reuse, rq.k, 0.0))],
+            self._emit(Decision(request_id=rq.rid, candidates=[Candidate(rq.reuse, rq.k, 0.0).to_dict()],
                                 action={"reuse": rq.reuse, "k": rq.k}, alpha=self.alpha.value, reason="fixed"))
         if rq.k > 0 and not rq.has_draft and not policy.tree:     # (a tree's source is the n-gram lookup)
             raise EngineError(f"k={rq.k} needs a draft (--draft is 'none')")

@@ -12,7 +12,7 @@ Qt-free; knows nothing of the prefix cache or the records' transport (it emits t
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from .acceptance import judged
 from .controller import AlphaEWMA, Controller
@@ -27,6 +27,7 @@ now = clock
 
 LOOKUP_COST_WEIGHT = 0.2    # a lookup verify's measured / predicted ms: weight of each new round (log space)
 LOOKUP_COST_CLIP = 2.0      # one round moves that ratio by at most this factor
+LOOKUP_STEPS = 4.0          # a gated lookup verifies at most what a verify of this many steps holds
 
 
 def lookup_cost_scale(scale: float, measured_ms: float, predicted_ms: float) -> float:
@@ -36,6 +37,21 @@ def lookup_cost_scale(scale: float, measured_ms: float, predicted_ms: float) -> 
         return scale
     r = min(LOOKUP_COST_CLIP, max(1.0 / LOOKUP_COST_CLIP, measured_ms / predicted_ms))
     return math.exp((1 - LOOKUP_COST_WEIGHT) * math.log(scale) + LOOKUP_COST_WEIGHT * math.log(r))
+
+
+def lookup_top(profile: CostProfile | None, lookup_k: int, floor: int) -> int:
+    """The longest n-gram lookup a gated round verifies: lookup_k, cut to the longest verify that
+    costs at most LOOKUP_STEPS steps (never below max(K)): a long copy's tokens fail together, more
+    often than their confident one-token chances say, and where a long verify costs many steps the
+    misses cost more than the hits gain (docs/controller.md#constants)."""
+    if profile is None:
+        return lookup_k
+    ctx = profile.V_ctx
+    t = profile.step(ctx)
+    j = lookup_k
+    while j > floor and profile.verify(j, ctx) > LOOKUP_STEPS * t:
+        j -= 1
+    return j
 
 
 @dataclass
@@ -88,6 +104,7 @@ class RoundPlanner:
         self.profile = profile
         self.alpha = alpha
         self.lookup_k = lookup_k
+        self.lookup_top = lookup_k              # lookup_k as this machine's verify costs allow (per request)
         self.emit = emit                        # records out (the engine stamps and forwards them)
         self.k_set_now = k_set_now              # () -> the K allowed now (changes between rounds)
         # draft confidence -> chance of acceptance, for the gate (prior: the calibration's counts)
@@ -175,6 +192,7 @@ class RoundPlanner:
     def begin(self, rq) -> None:
         """A request's per-request action is set: per-round decisions start from its k."""
         self.last_k = rq.k
+        self.lookup_top = lookup_top(self.profile, self.lookup_k, max(rq.k_set))
 
     # ------------------------------------------------------------------ rules of one round
     def _round_k(self, rq, seq: list[int], remaining: int) -> int:
@@ -209,7 +227,7 @@ class RoundPlanner:
         self.decide_ms_total += dms
         if reason == "probe" or k_new != self.last_k:
             self.emit(Decision(request_id=rq.rid, round=rq.rounds + 1,
-                               candidates=[asdict(Candidate(int(rq.reuse), kk, round(v * remaining, 3)))
+                               candidates=[Candidate(int(rq.reuse), kk, round(v * remaining, 3)).to_dict()
                                            for kk, v in costs.items()],
                                action={"reuse": int(rq.reuse), "k": k_new}, alpha=self.alpha.value,
                                alpha_star=self.controller.round_alpha_star(len(seq), ks_now),
@@ -232,9 +250,9 @@ class RoundPlanner:
                          sunk=self.controller.catchup_ms(behind, rq.draft_model, ctx))
 
     def _k_top(self, rq, source) -> int:
-        """The longest draft a gated round may verify: max(K), or lookup_k for n-gram lookup."""
+        """The longest draft a gated round may verify: max(K), or lookup_top for n-gram lookup."""
         top = max(rq.k_set)
-        return max(top, self.lookup_k) if isinstance(source, NgramDraft) else top
+        return max(top, self.lookup_top) if isinstance(source, NgramDraft) else top
 
     def _lookup(self, rq, seq: list[int], remaining: int) -> tuple[list[int], float, RoundGate | None]:
         """A k = 0 round under the gate: the n-gram continuation costs ~nothing to look up, so verify

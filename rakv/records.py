@@ -81,6 +81,11 @@ class Candidate:
     feasible: bool = True
     reason: str = ""
 
+    def to_dict(self) -> dict:
+        """= dataclasses.asdict (flat fields), without its recursive copy (12 a decision)."""
+        return {"reuse": self.reuse, "k": self.k, "predicted_ms": self.predicted_ms,
+                "feasible": self.feasible, "reason": self.reason}
+
 
 @dataclass
 class Decision:

@@ -495,38 +495,51 @@ def _stage2(z, T, thr, rest, ks, weyl, e_over_b, m, slot_of_max, best1, tokens) 
     return torch.tensor(best, device=z.device)[:, None], torch.tensor(out, device=z.device)[:, None]
 
 
-def _sample_rows(logits: Tensor, s: Sampling, positions: list[int], stream: str) -> list[int]:
+def _sample_rows(logits: Tensor, s: Sampling, positions: list[int], stream: str,
+                 drafts: list[int] | None = None) -> list[int]:
     if logits.dim() != 2 or logits.shape[0] != len(positions):
         raise ValueError(f"logits [n, V] with one position per row, got {tuple(logits.shape)} "
                          f"and {len(positions)} positions")
     if s.greedy:
-        return logits.argmax(-1).tolist()
+        return until_miss(logits.argmax(-1).tolist(), drafts)
     if s.seed is None:
         raise ValueError("sampling needs a seed: draw one with draw_seed()")
     z = logits.float().contiguous()
     t = None
     if _filters_on(s):
         t = _thresholds(z, s)
-    return _argmax(z, float(s.temperature), t, s.seed, positions, stream)
+    return _argmax(z, float(s.temperature), t, s.seed, positions, stream, drafts)
 
 
-def _argmax(z: Tensor, T: float, thr: Tensor | None, seed: int, positions: list[int], stream: str) -> list[int]:
+def until_miss(tokens: list[int], drafts: list[int] | None) -> list[int]:
+    """A verify's row tokens up to the first that differs from its draft (the rows after it are
+    never used); all of them without drafts."""
+    if drafts is None:
+        return tokens
+    return tokens[: lcp(drafts, tokens) + 1]
+
+
+def _argmax(z: Tensor, T: float, thr: Tensor | None, seed: int, positions: list[int], stream: str,
+            drafts: list[int] | None = None) -> list[int]:
     """``_gumbel_argmax`` with the keys of (seed, positions, stream): in one call of the kernel
-    library's sampler where it runs (CPU), else in torch's ops."""
+    library's sampler where it runs (CPU), else in torch's ops. With a verify's ``drafts``
+    (len(positions) - 1 of them), only the rows up to the first token that differs from its draft."""
     lib = _c_sampler() if z.device.type == "cpu" else None
     if lib is None:
-        return _gumbel_argmax(z, T, thr, *_key_pairs(seed, positions, stream, z.device))
+        return until_miss(_gumbel_argmax(z, T, thr, *_key_pairs(seed, positions, stream, z.device)), drafts)
     n, V = z.shape
     kb, ks = _key_words(seed, positions, stream)
     keys = (ctypes.c_uint64 * (2 * n))(*kb, *ks)
     out = (ctypes.c_int64 * n)()
+    expect = None if drafts is None else (ctypes.c_int64 * max(1, n - 1))(*drafts[: n - 1])
     if thr is not None:
         thr = thr.reshape(n).contiguous()
     rc = lib.rakv_gumbel_argmax(z.data_ptr(), n, V, T, None if thr is None else thr.data_ptr(),
-                                ctypes.addressof(keys), ctypes.addressof(keys) + 8 * n, out)
+                                ctypes.addressof(keys), ctypes.addressof(keys) + 8 * n, out, expect)
     if rc != 0:
         raise MemoryError("the sampler could not allocate its block tables")
-    return [x if x >= 0 else int(z[r].argmax()) for r, x in enumerate(out)]     # -1: every score -inf
+    # -1: every score -inf (the argmax then); -2: a row past the first miss, not sampled
+    return [x if x >= 0 else int(z[r].argmax()) for r, x in enumerate(out) if x != -2]
 
 
 def _c_sampler():
@@ -548,10 +561,13 @@ def sample(logits: Tensor, s: Sampling, position: int) -> int:
     return _sample_rows(logits.reshape(1, -1), s, [position], "sample")[0]
 
 
-def sample_rows(logits: Tensor, s: Sampling, positions: list[int]) -> list[int]:
+def sample_rows(logits: Tensor, s: Sampling, positions: list[int], drafts: list[int] | None = None) -> list[int]:
     """[n, V] logits -> row j's token at positions[j] (a verify's k + 1 rows); each row exactly
-    what ``sample`` gives for it."""
-    return _sample_rows(logits, s, list(positions), "sample")
+    what ``sample`` gives for it. With the verify's k ``drafts``: the rows up to the first whose
+    token differs from its draft (seeded acceptance needs no more; the sampler skips the rest)."""
+    if drafts is not None and len(drafts) != len(positions) - 1:
+        raise ValueError(f"{len(positions)} rows verify {len(positions) - 1} drafts, got {len(drafts)}")
+    return _sample_rows(logits, s, list(positions), "sample", drafts)
 
 
 def propose(draft_logits: Tensor, s: Sampling, position: int, verify: str | None = None) -> int:

@@ -26,8 +26,9 @@ import sys
 from types import SimpleNamespace
 
 
-def outputs(seeds, n_prompts, gen, workloads):
-    """{seed:stream: [(prompt ids, greedy output, max new tokens)]} from one kv run per stream."""
+def outputs(seeds, n_prompts, gen, workloads, sampling=None):
+    """{seed:stream: [(prompt ids, output, max new tokens)]} from one kv run per stream (greedy, or
+    seeded sampling: the output is the same under every policy, so it fixes acceptance too)."""
     import torch
 
     from rakv.bench import build_streams
@@ -36,7 +37,7 @@ def outputs(seeds, n_prompts, gen, workloads):
     from rakv.engine import Engine
 
     torch.set_num_threads(2)
-    cfg = RakvConfig(target="demo", draft="ngram")
+    cfg = RakvConfig(target="demo", draft="ngram", sampling=sampling)
     target = None
     out = {}
     for seed in seeds:
@@ -51,6 +52,31 @@ def outputs(seeds, n_prompts, gen, workloads):
     return out, target
 
 
+def rate_length(S: list[float], V: list[float], lam: float) -> int:
+    """The verify length with the most expected tokens less their cost at the long-run rate lam
+    (tokens per ms): E_j - lam C_j (Dinkelbach) instead of the round's own best E_j / C_j."""
+    best_j, best, e = 0, 1.0 - lam * V[0], 1.0
+    for j, s in enumerate(S, start=1):
+        e += s
+        if e - lam * V[j] > best:
+            best_j, best = j, e - lam * V[j]
+    return best_j
+
+
+def trusted(p: float, trust: float, arm: str) -> float:
+    """A pooled chance p corrected by the request's trust: scaled and capped at 1 (the engine's
+    rule), or, in the "odds" arm, its odds scaled (never certain), or in the "miss" arm its chance
+    of a miss divided by a trust above 1."""
+    if "odds" in arm:
+        if p >= 1.0:
+            return 1.0
+        o = p / (1.0 - p) * trust
+        return o / (1.0 + o)
+    if "miss" in arm and trust > 1.0:
+        return 1.0 - (1.0 - p) / trust
+    return min(1.0, p * trust)
+
+
 def replay(reqs, arm: str, prof, prior, lookup_k: int) -> float:
     """Rounds' ms of one stream under ``arm`` (see the module docstring)."""
     from gate_ceiling import proposal_at
@@ -62,32 +88,40 @@ def replay(reqs, arm: str, prof, prior, lookup_k: int) -> float:
     def V(j, ctx):
         return prof.step(ctx) if j == 0 else prof.verify(j, ctx)
 
-    hist, amap, total = TokenHistory(), AcceptMap(1.0, prior), 0.0
+    fixed = arm.startswith("joint:")
+    last = arm.split()[-1]
+    cap = int(arm.split(":")[1]) if fixed else (int(last) if last.isdigit() else lookup_k)
+    hist, amap, total, tokens = TokenHistory(), AcceptMap(1.0, prior), 0.0, 0
     for ids, out, N in reqs:
         h = hist if len(hist) else None
         n, i, hits, pred = len(out), 0, 0.0, 0.0
         while i < n - 1:
-            toks, m, a = proposal_at(ids, out, i, N, 8 if arm == "joint:8" else lookup_k, (3, 2), h)
+            toks, m, a = proposal_at(ids, out, i, N, cap, (3, 2), h)
             ctx = len(ids) + i + 1
-            if not toks or arm == "joint:8":
+            if not toks or fixed:
                 j = len(toks)
             elif arm == "oracle":
                 j = a
             else:
                 confs = [ngram_confidence(m + t) for t in range(len(toks))]
-                trust = request_trust(hits, pred) if arm == "gate" else 1.0
-                ps = [min(1.0, amap.p(c) * trust) for c in confs]
+                trust = 1.0 if arm == "gate, no trust" else request_trust(hits, pred)
+                ps = [trusted(amap.p(c), trust, arm) for c in confs]
                 S, s = [], 1.0
                 for p in ps:
                     s *= p
                     S.append(s)
-                j = best_verify_length(S, [V(x, ctx) for x in range(len(toks) + 1)], 0.0)
+                Vs = [V(x, ctx) for x in range(len(toks) + 1)]
+                if arm.startswith("gate, rate"):
+                    j = rate_length(S, Vs, max(1.0 / Vs[0], tokens / total if total else 0.0))
+                else:
+                    j = best_verify_length(S, Vs, 0.0)
                 if j:
                     for c, ok in judged(confs[:j], j, min(a, j)):
                         pred += amap.p(c)
                         hits += ok
                     amap.observe(confs[:j], ps[:j], min(a, j))
             total += V(j, ctx)
+            tokens += min(j, a) + 1
             i += min(j, a) + 1
         hist.add(ids + out)
     return total
@@ -100,14 +134,21 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--workload", default="mixed,repetitive,chat,chat-heldout")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--sample-seed", type=int, default=7)
+    ap.add_argument("--arms", default="joint:2;joint:4;joint:8;oracle;gate;gate 8;gate, no trust;gate, rate;gate, rate 8",
+                    help="arms, separated by semicolons")
     a = ap.parse_args()
     from rakv.cli import get_profile
     from rakv.config import LOOKUP_K
     from rakv.drafts import NgramDraft
 
-    data, target = outputs([int(x) for x in a.seeds.split(",")], a.n_prompts, a.max_new_tokens, a.workload.split(","))
+    from rakv.sampling import Sampling
+
+    smp = Sampling(temperature=a.temperature, seed=a.sample_seed) if a.temperature > 0 else Sampling()
+    data, target = outputs([int(x) for x in a.seeds.split(",")], a.n_prompts, a.max_new_tokens, a.workload.split(","), smp)
     prof = get_profile(target, NgramDraft(), 8)
-    arms = ("joint:8", "oracle", "gate", "gate, no trust")
+    arms = ["joint:8"] + [x for x in a.arms.split(";") if x != "joint:8"]
     groups: dict[str, list[str]] = {}
     for key in data:
         seed, stream = key.split(":", 1)

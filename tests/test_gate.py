@@ -205,6 +205,30 @@ def test_ngram_lookup_may_verify_past_the_largest_k(arch):
     assert all(r.accepted == r.drafted for r in rounds) and end.accepted == 36
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_lookup_verifies_no_longer_than_lookup_steps_of_cost(arch):
+    """``lookup_top``: lookup_k where every verify up to it costs at most LOOKUP_STEPS steps; where
+    long verifies cost more (V(j)/t 1 + 0.5 j: V(6) = 4 t), the longest lookup is cut to the last
+    length within them, never below max(K); and a gated n-gram round then drafts no further."""
+    from rakv.planner import LOOKUP_STEPS, lookup_top
+
+    cheap = profile(V={str(k): 1.0 + 0.01 * k for k in range(1, 17)})
+    dear = profile(V={str(k): 1.0 + 0.5 * k for k in range(1, 17)})
+    assert LOOKUP_STEPS == 4.0
+    assert lookup_top(cheap, 16, 8) == 16 and lookup_top(None, 16, 8) == 16
+    assert lookup_top(dear, 16, 4) == 6 and lookup_top(dear, 16, 8) == 8 and lookup_top(dear, 5, 2) == 5
+    target, _ = make_pair(arch, "mostly")
+    target.eos_ids = frozenset()
+    p = list(range(5, 40))
+    recs = []
+    eng = Engine(target, NgramDraft(), RakvConfig(policy="adaptive:gate", k_set=(0, 2, 4), lookup_k=16),
+                 callback=recs.append, profile=dear)
+    eng.lookup_map = eng.accept_map = AcceptMap(alpha=1.0)
+    for _ in range(2):
+        assert_exact(eng.generate(p, 40), target, p, 40)
+    assert max(r.drafted for r in recs if isinstance(r, Round)) == 6
+
+
 def test_ngram_copy_runs_past_the_present_as_a_period():
     from rakv.drafts import ngram_match
 

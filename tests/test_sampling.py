@@ -460,3 +460,29 @@ def test_the_kernel_sampler_gives_the_torch_ops_token(monkeypatch):
     fast = run()
     monkeypatch.setenv("RAKV_C_SAMPLER", "0")
     assert run() == fast
+
+
+def test_a_verify_samples_its_rows_up_to_the_first_miss(monkeypatch):
+    """Given a verify's drafts, the sampler stops after the first row whose token differs from its
+    draft: the rows it gives are the full call's up to and including that one, on both samplers,
+    for drafts that all match, miss at the first row, and miss in between."""
+    from rakv.kernels import blockq
+
+    g = gen(12)
+    ways = ["0"] + (["1"] if blockq.library() is not None else [])
+    for trial in range(60):
+        n = 2 + trial % 5
+        z = torch.randn(n, 1000, generator=g) * (0.5, 3.0, 12.0)[trial % 3]
+        s = Sampling((0.3, 0.7, 1.0)[trial % 3], (0, 5)[trial % 2], seed=31 * trial + 2)
+        pos = list(range(trial, trial + n))
+        for way in ways:
+            monkeypatch.setenv("RAKV_C_SAMPLER", way)
+            full = sample_rows(z, s, pos)
+            miss = trial % (n + 1)                    # the first row whose draft differs (n: none)
+            drafts = [full[j] if j != miss else (full[j] + 1) % 1000 for j in range(n - 1)]
+            rows = sample_rows(z, s, pos, drafts)
+            a = min(miss, n - 1)
+            assert rows == full[: a + 1], (trial, way)
+            assert accept_seeded(drafts, rows) == accept_seeded(drafts, full) == a
+    with pytest.raises(ValueError, match="verify"):
+        sample_rows(torch.zeros(3, 10), Sampling(1.0, seed=1), [0, 1, 2], [1])

@@ -324,7 +324,7 @@ def _accept_rounds(target, draft, prompt, k: int, rounds: int, amap=None, sampli
             pred = torch.argmax(logits, dim=-1).tolist()
             a = dec.accept(prop, pred)
         elif s.verify == "seeded":
-            pred = S.sample_rows(logits, s, list(range(pos, pos + len(prop) + 1)))
+            pred = S.sample_rows(logits, s, list(range(pos, pos + len(prop) + 1)), prop)
             a = S.accept_seeded(prop, pred)
         else:
             a, nxt = S.accept_rejection(logits, proposal.q_logits, prop, s, pos)

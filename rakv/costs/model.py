@@ -175,8 +175,12 @@ class CostProfile:
         """V(k) at V_ctx: measured, or interpolated between measured neighbours (V(0) = t)."""
         base = self.V.get(str(k))
         if base is None:
-            pts = [[0, interp(self.t, self.V_ctx)]] + [[kk, self.V[str(kk)]] for kk in sorted(int(x) for x in self.V)]
-            base = interp(pts, k)
+            key = (self.V_ctx, tuple(self.V.items()), id(self.t), len(self.t))
+            if getattr(self, "_v_pts_key", None) != key:        # made again when V or t changed
+                self._v_pts_key = key
+                self._v_pts = [[0, interp(self.t, self.V_ctx)]] + [[kk, self.V[str(kk)]]
+                                                                   for kk in sorted(int(x) for x in self.V)]
+            base = interp(self._v_pts, k)
         return base
 
     def _v_ctx_scale(self, ctx: float) -> float:
@@ -207,10 +211,10 @@ class CostProfile:
             return True
         if not term.startswith("R") or not term[1:].isdigit():
             return False
-        key = tuple(self.V)
-        if getattr(self, "_own_key", None) != key:
+        if getattr(self, "_own_of", None) is not self.V or self._own_n != len(self.V):   # new or grown V
             ks = sorted(int(k) for k in self.V)
-            self._own_key, self._own_ks = key, {f"R{k}" for k in ks if k not in drafting_ks(ks)}
+            self._own_of, self._own_n = self.V, len(self.V)
+            self._own_ks = {f"R{k}" for k in ks if k not in drafting_ks(ks)}
         return term in self._own_ks
 
     def _weight(self, key: str) -> float:

@@ -901,9 +901,11 @@ static void score_block(const float *z, int64_t V, float T, int has_thr, float t
     }
 }
 
-/* z [n, V] f32, thr [n] or NULL, keys [n] each, out [n]; returns 0, or -1 when out of memory. */
+/* z [n, V] f32, thr [n] or NULL, keys [n] each, out [n]; returns 0, or -1 when out of memory.
+   expect [n - 1] or NULL: a verify's drafts; the rows stop after the first whose token differs
+   from its draft (the rows past it are never used: out = -2 there). */
 int rakv_gumbel_argmax(const float *z, int64_t n, int64_t V, float T, const float *thr,
-                       const uint64_t *kb, const uint64_t *ks, int64_t *out) {
+                       const uint64_t *kb, const uint64_t *ks, int64_t *out, const int64_t *expect) {
     const int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
     const double log_block = log((double)SAMPLE_BLOCK);
     float *up = malloc(sizeof(float) * nb), *Ms = malloc(sizeof(float) * nb);
@@ -935,6 +937,10 @@ int rakv_gumbel_argmax(const float *z, int64_t n, int64_t V, float T, const floa
             if (b != first && up[b] >= best)
                 score_block(zr, V, T, has_thr, t, ks[r], b, eob[b], Ms[b], Js[b], &best, &best_x);
         out[r] = best_x;
+        if (expect && r + 1 < n && best_x != expect[r]) {
+            for (int64_t q = r + 1; q < n; q++) out[q] = -2;
+            break;
+        }
     }
     free(up); free(Ms); free(eob); free(Js);
     return 0;

@@ -170,7 +170,7 @@ def _load(path: Path):
     lib.rakv_decode_layers.argtypes = [vp, i64, vp, i64, i64, i64, i64, i64, i64, i64, vp, vp,
                                        ctypes.c_float, ctypes.c_float, i32, vp, i64, vp]
     lib.rakv_decode_layers.restype = i32
-    lib.rakv_gumbel_argmax.argtypes = [vp, i64, i64, ctypes.c_float, vp, vp, vp, vp]
+    lib.rakv_gumbel_argmax.argtypes = [vp, i64, i64, ctypes.c_float, vp, vp, vp, vp, vp]
     lib.rakv_gumbel_argmax.restype = i32
     return lib
 
