@@ -82,11 +82,11 @@ def prefer_reuse(best: Candidate, feas: list[Candidate]) -> Candidate:
 ROOT_STEPS = 9      # bisection steps before the interpolation: alpha* is shown and recorded, not optimised over
 
 
-def root_falling(f) -> float:
-    """The x in [0, 1] where f, falling with f(0) > 0 >= f(1), crosses 0: ROOT_STEPS halvings,
-    then the chord across the last bracket (1/512 wide; within ~1e-5 on a round's costs) instead
-    of 16 halvings (this runs for every k of every request's decision)."""
-    lo, hi, flo, fhi = 0.0, 1.0, f(0.0), f(1.0)
+def root_falling(f, f0: float, f1: float) -> float:
+    """The x in [0, 1] where f, falling with f(0) = f0 > 0 >= f(1) = f1, crosses 0: ROOT_STEPS
+    halvings, then the chord across the last bracket (1/512 wide; within ~1e-5 on a round's costs)
+    instead of 16 halvings (this runs for every k of every request's decision)."""
+    lo, hi, flo, fhi = 0.0, 1.0, f0, f1
     for _ in range(ROOT_STEPS):
         mid = (lo + hi) / 2
         fm = f(mid)
@@ -316,11 +316,12 @@ class Controller:
         costs = costs or {}
         c0 = (costs.get((r, 0)) or self.cost_of_alpha(s, r, 0))(0.0)
         ck = costs.get((r, k)) or self.cost_of_alpha(s, r, k)
-        if ck(1.0) > c0:
+        c1, cz = ck(1.0), ck(0.0)
+        if c1 > c0:
             return None
-        if ck(0.0) <= c0:
+        if cz <= c0:
             return 0.0
-        return root_falling(lambda a: ck(a) - c0)
+        return root_falling(lambda a: ck(a) - c0, cz - c0, c1 - c0)
 
     # ------------------------------------------------------------------ decisions
     def decide(self, s: Situation, k_set=None, force: tuple[int, int] | None = None) -> Choice:

@@ -28,6 +28,8 @@ now = clock
 LOOKUP_COST_WEIGHT = 0.2    # a lookup verify's measured / predicted ms: weight of each new round (log space)
 LOOKUP_COST_CLIP = 2.0      # one round moves that ratio by at most this factor
 LOOKUP_STEPS = 4.0          # a gated lookup verifies at most what a verify of this many steps holds
+COPY_GAIN_WEIGHT = 0.05     # a copy round's net gain (ms): weight of each new round
+COPY_RETRY = 8              # while copies do not pay, every 8th copy round still tries one
 
 
 def lookup_cost_scale(scale: float, measured_ms: float, predicted_ms: float) -> float:
@@ -37,6 +39,20 @@ def lookup_cost_scale(scale: float, measured_ms: float, predicted_ms: float) -> 
         return scale
     r = min(LOOKUP_COST_CLIP, max(1.0 / LOOKUP_COST_CLIP, measured_ms / predicted_ms))
     return math.exp((1 - LOOKUP_COST_WEIGHT) * math.log(scale) + LOOKUP_COST_WEIGHT * math.log(r))
+
+
+def copy_gain(avg: float, accepted: int, t_ms: float, extra_ms: float, plan_ms: float) -> float:
+    """A copy round's net gain folded into the average: the steps its accepted copies saved, less
+    what its verify costs over a plain step and what looking up and gating them took."""
+    gain = accepted * t_ms - extra_ms - plan_ms
+    return (1 - COPY_GAIN_WEIGHT) * avg + COPY_GAIN_WEIGHT * gain
+
+
+def copies_pay(avg_gain: float, skipped: int) -> bool:
+    """Look up n-gram copies while copy rounds gain on average, and every COPY_RETRY-th round when
+    they do not (to notice when they pay again): where almost no copy is accepted (T = 1.0) the
+    lookup's planning on every round and its rejected verifies cost more than the few it gains."""
+    return avg_gain >= 0.0 or skipped + 1 >= COPY_RETRY
 
 
 def lookup_top(profile: CostProfile | None, lookup_k: int, floor: int) -> int:
@@ -71,6 +87,8 @@ class RoundPlan:
     prefill: object = None                  # the draft's prompt prefill, when this round paid it
     q_logits: object = None                 # [len(drafts), V] the model draft's rows (rejection verify)
     setup_ms: float = 0.0                   # making a lazy draft (kept out of the round's measured time)
+    copy: bool = False                      # a gated round of n-gram copies (lookup, or the n-gram draft)
+    plan_ms: float = 0.0                    # ... its planning (lookup, gate), for its net gain
 
     @property
     def lookup(self) -> bool:
@@ -116,26 +134,35 @@ class RoundPlanner:
         self.lookup_scale = 1.0                 # a lookup verify's measured ms over the profile's V(j)
         self.decide_ms_total = 0.0
         self.setting = "greedy"                 # the sampling setting the maps below are for
-        self._maps: dict[str, tuple] = {}       # the other settings' (accept_map, lookup_map)
+        self._maps: dict[str, tuple] = {}       # the other settings' (accept_map, lookup_map, copy_gain)
+        self.copy_gain = 0.0                    # copy rounds' average net gain (ms), this setting
+        self.copy_skipped = 0                   # copy rounds made plain steps since the last one tried
 
     def use_setting(self, key: str, prior: float) -> None:
         """The gate's tables for sampling setting ``key`` (a draft's confidence means another
         chance of acceptance at another temperature); a new setting's start from ``prior``."""
         if key == self.setting:
             return
-        self._maps[self.setting] = (self.accept_map, self.lookup_map)
+        self._maps[self.setting] = (self.accept_map, self.lookup_map, self.copy_gain)
         if key in self._maps:
-            self.accept_map, self.lookup_map = self._maps.pop(key)
+            self.accept_map, self.lookup_map, self.copy_gain = self._maps.pop(key)
         else:
             self.accept_map = AcceptMap(prior)
             self.lookup_map = self.accept_map if self.lookup is self.draft else AcceptMap(LOOKUP_ALPHA)
+            self.copy_gain = 0.0
+        self.copy_skipped = 0
         self.setting = key
 
     # ------------------------------------------------------------------ the question
     def plan(self, rq, seq: list[int], remaining: int) -> RoundPlan:
         """This round's k, source and drafted tokens (a model draft is run here, gate and all)."""
         k = min(self._round_k(rq, seq, remaining), remaining - 1)
-        plan = RoundPlan(k=k)
+        copy = self._copy_round(rq, k, remaining)
+        if copy and not copies_pay(self.copy_gain, self.copy_skipped):
+            self.copy_skipped += 1
+            return RoundPlan(k=0)                 # a plain step
+        tp = now()
+        plan = RoundPlan(k=k, copy=copy)
         gate = self._gate(rq, seq, gate_k_max(k, rq, remaining, self._k_top(rq, self.draft))) if k > 0 else None
         lookup = k == 0 and rq.policy.gate
         # (a probe keeps the model draft: it is there to measure the model draft's acceptance)
@@ -163,6 +190,9 @@ class RoundPlanner:
         plan.gate = gate
         if lookup and not plan.drafts:
             plan.source = ""
+        if copy:
+            self.copy_skipped = 0
+            plan.plan_ms = (now() - tp) * 1e3
         return plan
 
     # ------------------------------------------------------------------ the outcome
@@ -180,6 +210,10 @@ class RoundPlanner:
             (self.lookup_map if lookup else self.accept_map).observe(gate.confs[:m], gate.preds[:m], a)
             if (lookup or self.lookup is self.draft) and self.profile is not None:    # a copy's verify
                 self.lookup_scale = lookup_cost_scale(self.lookup_scale, verify_ms, self.profile.verify(m, ctx))
+        if plan.copy and self.profile is not None:
+            t_ms = self.profile.step(ctx)         # (a copy's verify at its learned cost, as the gate prices it)
+            extra = self.profile.verify(m, ctx) * self.lookup_scale - t_ms if m else 0.0
+            self.copy_gain = copy_gain(self.copy_gain, a, t_ms, extra, plan.plan_ms)
         if self.controller is None:
             self.alpha.update(a, m)
             return 0.0
@@ -193,8 +227,16 @@ class RoundPlanner:
         """A request's per-request action is set: per-round decisions start from its k."""
         self.last_k = rq.k
         self.lookup_top = lookup_top(self.profile, self.lookup_k, max(rq.k_set))
+        self.copy_skipped = COPY_RETRY - 1      # a request's first copy round is tried (a new prompt may copy)
 
     # ------------------------------------------------------------------ rules of one round
+    def _copy_round(self, rq, k: int, remaining: int) -> bool:
+        """Would this round verify n-gram copies under the gate: a k = 0 round's lookup, or a
+        round of the request's k with the n-gram draft (a probe is not: it measures the draft)."""
+        if not (rq.policy.gate and self.profile is not None and rq.force is None and remaining > 1):
+            return False
+        return k == 0 or (self.lookup is self.draft and rq.k > 0)
+
     def _round_k(self, rq, seq: list[int], remaining: int) -> int:
         """This round's k: the request's, a per-round decision, or a priced probe at k = 0."""
         if rq.per_round:

@@ -74,6 +74,32 @@ def test_leviathan_crossover_alpha_star_1_is_d_over_t():
     assert c.alpha_star(situation(P=0, q=0, N=9), 0, 1) > d / t + 0.01
 
 
+def test_alpha_star_is_the_crossing_of_the_cost_curves():
+    """alpha* (halvings, then a chord) is within 1e-5 of the exact crossing C(k, r) = C(0, r) (40
+    halvings) on profiles with cheap and dear drafts and verifies, short and long requests, and is
+    the same whether the decision's cost functions are passed in or made again."""
+    import random
+
+    rng = random.Random(3)
+    for trial in range(200):
+        t = rng.uniform(2, 8)
+        c = Controller(profile(t=t, d=t * rng.uniform(0, 1.2), V={k: t * (1 + rng.uniform(0.05, 0.4) * k)
+                                                              for k in range(1, 9)}))
+        s = situation(P=rng.randrange(0, 400), q=0, N=rng.randrange(4, 300))
+        for k in (1, 2, 4, 8):
+            star = c.alpha_star(s, 0, k)
+            ck, c0 = c.cost_of_alpha(s, 0, k), c.cost(s, 0, 0, 0.0)
+            if star is None:
+                assert ck(1.0) > c0
+                continue
+            lo, hi = 0.0, 1.0
+            for _ in range(40):
+                lo, hi = (lo, (lo + hi) / 2) if ck((lo + hi) / 2) <= c0 else ((lo + hi) / 2, hi)
+            assert star == pytest.approx(hi, abs=1e-5), (trial, k)
+            fns = {(0, 0): c.cost_of_alpha(s, 0, 0), (0, k): ck}
+            assert c.alpha_star(s, 0, k, fns) == star
+
+
 def test_infeasible_actions_never_chosen():
     c = Controller(profile(T=(50.0, 5.0)), alpha_prior=0.9)
     s = situation(q=90, budget=1000, entry_bytes=2000)   # the prompt KV does not fit

@@ -229,6 +229,22 @@ def test_a_lookup_verifies_no_longer_than_lookup_steps_of_cost(arch):
     assert max(r.drafted for r in recs if isinstance(r, Round)) == 6
 
 
+def test_copy_rounds_stop_where_copies_do_not_pay():
+    """``copies_pay``: look up while copy rounds gain on average, else only every COPY_RETRY-th
+    round; ``copy_gain``: a round's saved steps less its verify's extra cost and its planning."""
+    from rakv.planner import COPY_GAIN_WEIGHT, COPY_RETRY, copies_pay, copy_gain
+
+    assert copies_pay(0.0, 0) and copies_pay(3.0, 0)
+    assert not copies_pay(-0.01, 0) and not copies_pay(-0.01, COPY_RETRY - 2) and copies_pay(-0.01, COPY_RETRY - 1)
+    assert copy_gain(0.0, 2, 4.0, 1.0, 0.1) == pytest.approx(COPY_GAIN_WEIGHT * (8.0 - 1.0 - 0.1))
+    avg = 0.0
+    for _ in range(40):                        # rejected copies: each verify costs 1 ms more than a step
+        avg = copy_gain(avg, 0, 4.0, 1.0, 0.05)
+    assert avg < 0 and not copies_pay(avg, 0)
+    avg = copy_gain(avg, 3, 4.0, 1.0, 0.05)                     # two tries that pay bring the lookups back
+    assert not copies_pay(avg, 0) and copies_pay(copy_gain(avg, 3, 4.0, 1.0, 0.05), 0)
+
+
 def test_ngram_copy_runs_past_the_present_as_a_period():
     from rakv.drafts import ngram_match
 
