@@ -483,11 +483,10 @@ class Controller:
             if t <= 0 or (round_draft_ms(k, 1.0, d, d2x) + v) / t > k + 1:
                 out[str(k)] = None
                 continue
-            lo, hi = 0.0, 1.0
-            for _ in range(25):
-                mid = (lo + hi) / 2
-                lo, hi = (lo, mid) if E(k, mid) * t >= round_draft_ms(k, mid, d, d2x) + v else (mid, hi)
-            out[str(k)] = round(hi, 4)
+            def f(a, k=k, d=d, d2x=d2x, v=v):     # a round's cost over what its tokens save: falls with a
+                return round_draft_ms(k, a, d, d2x) + v - E(k, a) * t
+            f0, f1 = f(0.0), f(1.0)
+            out[str(k)] = 0.0 if f0 <= 0 else round(root_falling(f, f0, f1), 4)
         return out
 
     def observe_round(self, drafted: int, accepted: int, round_ms: float = 0.0, emitted: int = 0,
