@@ -6,15 +6,24 @@ it the target accepts; each variant's rounds are then priced with the profile's 
 
   joint:8           every round verifies min(8, proposal)
   oracle            each round verifies exactly the tokens that will be accepted (greedy foresight)
-  gate              the engine's rule: per-token confidence from the match length, the pooled
+  gate              the engine's rule before ``lookup_top`` (lookups up to lookup_k): per-token confidence from the match length, the pooled
                     per-bin map learned online, the best expected tokens per ms (best_verify_length)
   gate, no trust    the same without the request's own trust in its copies (the earlier gate)
 
-Ratios are joint:8's time over the arm's (above 1: faster than joint:8). Seed 0 is the bench's
-stream; seed 7 is held out.
+  joint:K           every round verifies min(K, proposal)
+  gate N            the gate with lookups cut to N tokens (``lookup_top``'s cap)
+  gate, rate        the length with the most E_j - lam C_j at the stream's rate so far (Dinkelbach)
+  gate, odds        a request's trust scales the odds of a copy, never making it certain
+  gate, miss        ... or divides its chance of a miss when above 1
+
+With ``--temperature T`` the outputs are seeded samples (the same under every policy, so they fix
+acceptance as a greedy output does). Ratios are joint:8's time over the arm's (above 1: faster
+than joint:8). Seed 0 is the bench's stream; seed 7 is held out.
 
     RAKV_WIKITEXT=../shared/data/wikitext-2-raw/wiki.test.raw \\
         python scripts/gate_replay.py --seeds 0,7 --out out/gate_replay.json
+    python scripts/gate_replay.py --seeds 0,7 --n-prompts 20 --workload repetitive,chat-heldout \\
+        --temperature 0.3 --arms "joint:2;gate 8;gate"
 """
 
 from __future__ import annotations
