@@ -150,7 +150,6 @@ class RoundPlanner:
             self.accept_map = AcceptMap(prior)
             self.lookup_map = self.accept_map if self.lookup is self.draft else AcceptMap(LOOKUP_ALPHA)
             self.copy_gain = 0.0
-        self.copy_skipped = 0
         self.setting = key
 
     # ------------------------------------------------------------------ the question
@@ -202,17 +201,20 @@ class RoundPlanner:
         m, a, gate, lookup = len(plan.drafts), accepted, plan.gate, plan.lookup
         if plan.source == "draft":
             self.draft.commit(rq.ids + rq.out)
+        copied = gate is not None and m > 0 and (lookup or self.lookup is self.draft)   # n-gram copies verified
         if gate is not None and m:
-            if lookup or self.lookup is self.draft:      # n-gram copies: the request's trust in them
+            if copied:                                   # the request's trust in its copies
                 for c, ok in judged(gate.confs, m, a):
                     rq.lk_pred += self.lookup_map.p(c)
                     rq.lk_hits += ok
             (self.lookup_map if lookup else self.accept_map).observe(gate.confs[:m], gate.preds[:m], a)
-            if (lookup or self.lookup is self.draft) and self.profile is not None:    # a copy's verify
-                self.lookup_scale = lookup_cost_scale(self.lookup_scale, verify_ms, self.profile.verify(m, ctx))
-        if plan.copy and self.profile is not None:
-            t_ms = self.profile.step(ctx)         # (a copy's verify at its learned cost, as the gate prices it)
-            extra = self.profile.verify(m, ctx) * self.lookup_scale - t_ms if m else 0.0
+        p = self.profile
+        v_m = p.verify(m, ctx) if copied and p is not None else 0.0      # (a copy round with drafts is copied)
+        if copied and p is not None:                     # a copy's verify learns its own cost
+            self.lookup_scale = lookup_cost_scale(self.lookup_scale, verify_ms, v_m)
+        if plan.copy and p is not None:
+            t_ms = p.step(ctx)                           # (its verify at its learned cost, as the gate prices it)
+            extra = v_m * self.lookup_scale - t_ms if m else 0.0
             self.copy_gain = copy_gain(self.copy_gain, a, t_ms, extra, plan.plan_ms)
         if self.controller is None:
             self.alpha.update(a, m)

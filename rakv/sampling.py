@@ -545,10 +545,9 @@ def _argmax(z: Tensor, T: float, thr: Tensor | None, seed: int, positions: list[
 def _c_sampler():
     """The kernel library (rakv.kernels.blockq) when its sampler may run, else None;
     ``RAKV_C_SAMPLER=0`` keeps torch's ops (for comparison)."""
-    from .kernels import blockq
-
     if not env_on("RAKV_C_SAMPLER"):
         return None
+    from .kernels import blockq
 
     return blockq.library()
 
