@@ -228,7 +228,8 @@ class Controller:
         # trials behind the acceptance estimate (this session's, plus what the profile saw before)
         self.evidence = min(MAX_EVIDENCE, float(profile.alpha_trials or 0.0))
         self._probe: tuple[int, float] | None = None     # (k, predicted excess ms) of a pending probe
-        self._pk_key, self._pk = None, []                 # probe_ks's cache
+        self._pk_key, self._pk = None, []                 # probe_ks's cache (per acceptance estimate)
+        self._can_key, self._can = None, []               # ... the k that pay at all (per context bucket)
         self.setting = "greedy"                  # the sampling setting acceptance is learned for now
         self._by_setting: dict[str, dict] = {}   # the others' acceptance state, kept while away
 
@@ -424,13 +425,17 @@ class Controller:
         """The k that could pay at all and whose crossover alpha's optimistic bound reaches: the
         candidates of a probe. Cached per 16 tokens of context and per acceptance estimate (it is
         asked every k = 0 round once a probe is due; recomputing it cost ~2% of a step)."""
+        where = (int(ctx) // PROBE_CTX_BUCKET, tuple(ks))
+        if where != self._can_key:
+            self._can_key, self._can = where, [k for k in ks if k > 0 and self.pays_at_all(k, ctx)]
+            self._pk_key = None
+        if not self._can:                 # nothing pays even at alpha = 1 (a draft slower than the target)
+            return self._can
         a, a_hi = self.alpha_req, self.alpha_upper()
-        key = (int(ctx) // PROBE_CTX_BUCKET, tuple(ks), a, a_hi)
-        if key != self._pk_key:
-            can = [k for k in ks if k > 0 and self.pays_at_all(k, ctx)]
-            stars = self.round_alpha_star(ctx, can) if can else {}
-            self._pk_key = key
-            self._pk = [k for k in can if stars.get(str(k)) is not None and stars[str(k)] <= a_hi]
+        if (a, a_hi) != self._pk_key:
+            stars = self.round_alpha_star(ctx, self._can)
+            self._pk_key = (a, a_hi)
+            self._pk = [k for k in self._can if stars.get(str(k)) is not None and stars[str(k)] <= a_hi]
         return self._pk
 
     def probe_plan(self, ctx: float, ks, catch_ms: float) -> tuple[int, float] | None:

@@ -404,6 +404,14 @@ class _Layer:
         return iter((self.qkv, self.o, self.gate_up, self.down))
 
 
+def weights_may_change(past: int) -> bool:
+    """Look for weights changed in place at a forward from an empty cache only: a forward after
+    cached positions extends a cache those weights made (a change since cannot be served by it),
+    and reading ~270 change counters there, cold after the previous forward, cost ~0.1 ms of a
+    4 ms step (docs/engine.md)."""
+    return past == 0
+
+
 class LeanLlama:
     """The lean forward of one decoder model of the Llama lineage (see the module docstring):
     Llama, Mistral and Qwen2 as they are; Qwen3 with q / k norms; Gemma 2 and 3 with their scaled
@@ -474,13 +482,15 @@ class LeanLlama:
         out.rope = getattr(a, "layer_type", "") if len(self.ropes) > 1 else ""
         return out
 
-    def _state(self) -> tuple:
-        return (sum(map(_VERSION, self.params)), getattr(self.probe, "one_row_plain", None))
+    def _state(self, weights: bool = True) -> tuple:
+        return (sum(map(_VERSION, self.params)) if weights else self.state[0],
+                getattr(self.probe, "one_row_plain", None))
 
-    def _sync(self) -> None:
+    def _sync(self, weights: bool = True) -> None:
         """Re-read the linears (and the norms' effective weights) when a weight changed in place or
-        the one-row kernel was switched."""
-        state = self._state()
+        the one-row kernel was switched. ``weights``: look at the weights' change counters (see
+        ``weights_may_change``); the kernel switch is looked at every time."""
+        state = self._state(weights)
         if state != self.state:
             for op in self.ops:
                 op.refresh()
@@ -626,9 +636,9 @@ class LeanLlama:
     def forward(self, ids: torch.Tensor, cache, keep: int = 0, tree: TreeLayout | None = None) -> torch.Tensor:
         """ids [1, n] after what ``cache`` holds; returns logits [1, keep or n, V]. ``tree``: the n
         rows form a token tree (each row at position past + depth, seeing the cache and its ancestry)."""
-        self._sync()
         n = ids.shape[1]
         past = cache.get_seq_length()
+        self._sync(weights_may_change(past))
         x = F.embedding(ids, self.embed.weight)                      # [1, n, H]
         if self.embed_scale is not None:                             # Gemma: times sqrt(hidden), as HF
             x = x * self.embed_scale.to(x.dtype)
@@ -774,9 +784,9 @@ class LeanGPT2(LeanLlama):
     def forward(self, ids: torch.Tensor, cache, keep: int = 0, tree: TreeLayout | None = None) -> torch.Tensor:
         """ids [1, n] after what ``cache`` holds; returns logits [1, keep or n, V]. ``tree``: the n
         rows form a token tree (each row at position past + depth, seeing the cache and its ancestry)."""
-        self._sync()
         n = ids.shape[1]
         past = cache.get_seq_length()
+        self._sync(weights_may_change(past))
         pos = torch.arange(past, past + n) if tree is None else past + tree.depth
         x = F.embedding(ids, self.embed.weight) + F.embedding(pos, self.wpe.weight)    # [1, n, H]
         mask = self._mask(past, n) if tree is None else tree.mask(past)      # (own attention: unused)
