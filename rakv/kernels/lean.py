@@ -444,6 +444,7 @@ class LeanLlama:
         self.head = _Op(self.lm_head)
         self.final_norm = _Norm(base.norm, self.gemma)
         self._descs = None
+        self._bound = None                  # the cache views the layer descriptions point into
         self._watch(model)
 
     def _watch(self, model: nn.Module) -> None:
@@ -497,7 +498,7 @@ class LeanLlama:
             for nm in getattr(self, "norms", ()):
                 nm.refresh()
             self.state = state
-            self._descs = None
+            self._descs = self._bound = None
 
     def truncated(self, model: nn.Module) -> "LeanLlama":
         """The lean forward of ``model``, a layer-truncated copy sharing this model's first layers
@@ -617,18 +618,33 @@ class LeanLlama:
                    tree: TreeLayout | None = None) -> torch.Tensor:
         """x [1, n, H] through every layer in ``blockq.decode_layers``, the KV written into each
         layer's growing buffer (``_reserve``) and the layers' views moved past the new rows."""
-        layers = cache.layers
-        for d, L in zip(descs, layers):
-            bk, bv = _reserve(L, n)
-            d.k, d.v, d.cap = bk.data_ptr(), bv.data_ptr(), bk.shape[-2]
+        layers = cache.layers[: len(descs)]
+        views = getattr(cache, "_rakv_views", None)
+        if not buffers_hold(views, layers, past + n):
+            cap = None
+            for d, L in zip(descs, layers):
+                bk, bv = _reserve(L, n)
+                d.k, d.v, d.cap = bk.data_ptr(), bv.data_ptr(), bk.shape[-2]
+                cap = bk.shape[-2] if cap is None else min(cap, bk.shape[-2])
+            views = _Views(cap)
+            self._bound = views
+        elif self._bound is not views:       # the same buffers, last bound to another cache's
+            for d, L in zip(descs, layers):
+                bk, bv = L._rakv_buf
+                d.k, d.v, d.cap = bk.data_ptr(), bv.data_ptr(), bk.shape[-2]
+            self._bound = views
         cos, sin = (t.contiguous() for t in rope)                   # [n, 1, D]: each row's position
         x = x.contiguous()
         blockq.decode_layers(descs, len(descs), x, n, x.shape[-1], self.n_heads, self.n_kv, self.head_dim,
                              self._I, past, cos, sin, self._eps, self.scale,
                              None if tree is None else tree.path, None if tree is None else tree.depth)
-        for L in layers[: len(descs)]:
+        kv = []
+        for L in layers:
             bk, bv = L._rakv_buf
             L.keys, L.values = bk[..., : past + n, :], bv[..., : past + n, :]
+            kv += (L.keys, L.values)
+        views.kv = kv
+        cache._rakv_views = views
         return x
 
     # ---- the forward
@@ -708,6 +724,27 @@ def _windows(model: nn.Module) -> list:
 
 
 KV_MIN_CAPACITY = 256
+
+
+class _Views:
+    """What the C forward last put in a cache's layers: their KV views (of the buffers, in layer
+    order, keys then values) and the smallest buffer capacity."""
+
+    __slots__ = ("cap", "kv")
+
+    def __init__(self, cap: int):
+        self.cap, self.kv = cap, []
+
+
+def buffers_hold(views: "_Views | None", layers, length: int) -> bool:
+    """Can the C forward write up to ``length`` positions into the buffers it used last time,
+    without looking at each layer's buffer again: every layer still holds the very views it left
+    (nothing cropped or replaced them) and the smallest buffer has room (each look costs ~2 us a
+    layer and is cold after a forward)."""
+    if views is None or length > views.cap or len(views.kv) != 2 * len(layers):
+        return False
+    kv = views.kv
+    return all(L.keys is kv[2 * i] and L.values is kv[2 * i + 1] for i, L in enumerate(layers))
 
 
 def _append(cache, i: int, k: torch.Tensor, v: torch.Tensor):
