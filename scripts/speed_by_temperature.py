@@ -3,7 +3,7 @@ workload, each policy's total latency, the best fixed policy, the adaptive polic
 (total, and the paired median over requests with a 95% bootstrap interval), the A/A arm (joint:0,
 identical work to kv) and the transformers peer. The tables of docs/results.md's sampling section.
 
-    python scripts/speed_by_temperature.py DIR1 DIR2 ... [--markdown]
+    python scripts/speed_by_temperature.py DIR1 DIR2 ...   # a markdown table (--json: the rows)
 
 Each DIR is a bench --out folder (executions.csv, meta.json). ``joint:0`` is left out of the best
 fixed policy (it does kv's work: taking the luckier of two identical arms would flatter the best

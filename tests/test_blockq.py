@@ -485,6 +485,39 @@ def test_a_step_runs_every_layer_in_c_and_keeps_its_tokens(kernel, arch, monkeyp
             assert_exact(eng.generate(p, 16), target, p, 16, (arch, policy))
 
 
+def test_c_steps_on_two_caches_in_turn_and_after_crops_keep_each_caches_logits(kernel, monkeypatch):
+    """The C forward reuses its KV buffers without looking again while every layer still holds the
+    views it left (``lean.buffers_hold``): steps on two caches in turn (engines sharing a target),
+    a crop between steps and a cache grown past its buffer still give each cache's own logits, bit
+    for bit those of a cache that stepped alone."""
+    from rakv import decoding as dec
+
+    monkeypatch.setenv("RAKV_C_LAYERS", "1")
+    m = _block_pair("llama")[0].model
+    pa, pb = [(5 * i + 3) % 300 for i in range(24)], [(7 * i + 1) % 300 for i in range(30)]
+
+    def alone(p, toks, crop_after=None):
+        c = dec.DynamicCache()
+        dec.prefill(m, p, c)
+        out = []
+        for j, t in enumerate(toks):
+            out.append(dec.forward(m, [t], c)[-1])
+            if j == crop_after:
+                dec.rollback(c, 2)
+        return out
+
+    toks = [(11 * j + 2) % 300 for j in range(300)]          # past KV_MIN_CAPACITY: a buffer grows
+    want_a, want_b = alone(pa, toks, crop_after=5), alone(pb, toks)
+    ca, cb = dec.DynamicCache(), dec.DynamicCache()
+    dec.prefill(m, pa, ca)
+    dec.prefill(m, pb, cb)
+    for j, t in enumerate(toks):
+        assert torch.equal(dec.forward(m, [t], ca)[-1], want_a[j]), j
+        if j == 5:
+            dec.rollback(ca, 2)
+        assert torch.equal(dec.forward(m, [t], cb)[-1], want_b[j]), j
+
+
 def test_a_model_the_c_layers_cannot_run_keeps_the_python_ones(kernel, monkeypatch):
     """GPT-2, a model without block codes: no C layers (they would be wrong maths, not slower)."""
     from rakv import decoding as dec
