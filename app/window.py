@@ -14,6 +14,7 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, Q
                                QProgressBar, QProgressDialog, QScrollArea, QTabWidget, QToolBar)
 
 from app import icons
+from app.gcguard import GuiThreadGC
 from app.lagprobe import LagProbe
 from app.panels.acceptance import AcceptancePanel
 from app.panels.cache import CachePanel
@@ -52,6 +53,7 @@ class MainWindow(QMainWindow):
 
     def __init__(self, settings: Settings | None = None, sessions: Path | None = None):
         super().__init__()
+        self.gc_guard = GuiThreadGC(self)     # cyclic garbage collected on this thread only (app/gcguard.py)
         self.settings = settings or Settings()
         self.setWindowTitle("RAKV Explorer")
         self.setWindowIcon(icons.icon("app"))
@@ -725,6 +727,7 @@ class MainWindow(QMainWindow):
             self.thread_.quit()
             self.thread_.wait(10000)
         self.worker.close_recording()
+        self.gc_guard.stop()
 
 
 def about_text() -> str:

@@ -479,3 +479,41 @@ def test_engine_never_imports_qt():
         src = p.read_text()
         assert not re.search(r"^\s*(from|import)\s+(PySide6|PyQt|pyqtgraph|app)\b", src, re.M), p
 
+
+
+def test_garbage_cycles_are_collected_on_the_gui_thread_only(qtbot):
+    """While a window lives, automatic collection is off and a timer on the GUI thread collects
+    (app/gcguard.py): cycles a worker thread leaves, past the collector's threshold, are finalized
+    on the GUI thread, never on the worker's (where finalizing Qt objects hung a run once)."""
+    import gc
+    import threading
+
+    from app.gcguard import GuiThreadGC
+
+    seen = []
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+        def __del__(self):
+            seen.append(threading.current_thread() is threading.main_thread())
+
+    kept = []
+    g = GuiThreadGC(interval_ms=20)
+    try:
+        assert not gc.isenabled()
+
+        def work():             # a worker allocating past gen 0's threshold, as the engine's does
+            for _ in range(3):
+                Cycle()
+            kept.append([[] for _ in range(5 * gc.get_threshold()[0])])
+
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        qtbot.waitUntil(lambda: len(seen) >= 3, timeout=5000)
+        assert all(seen)
+    finally:
+        g.stop()
+    assert gc.isenabled()
