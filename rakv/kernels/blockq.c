@@ -814,7 +814,7 @@ static float *aligned_floats(int64_t n) {
 int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, int64_t H, int64_t Hq,
                        int64_t Hk, int64_t D, int64_t I, int64_t past, const float *cos, const float *sin,
                        float eps, float scale, int threads, const int64_t *path, int64_t path_rs,
-                       const int64_t *depth) {
+                       const int64_t *depth, const float *final_w) {
     const int64_t sq = Hq * D, sk = Hk * D, W = sq + 2 * sk;
     /* 64-byte aligned, as torch's own tensors: the kernel's row loads then never straddle lines */
     float *xn = aligned_floats(n * H), *h = aligned_floats(n * W), *a = aligned_floats(n * sq);
@@ -855,6 +855,9 @@ int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, i
         rakv_linear(L->down, m, n, y, L->down_bias, threads);
         for (int64_t j = 0; j < n * H; j++) x[j] = x[j] + y[j];
     }
+    /* the model's final RMSNorm (weights final_w, the layers' eps), in place: here the rows are
+       still in cache, where torch's op after the call found its code and data cold (~0.1 ms) */
+    if (final_w) rms_rows(x, n, H, final_w, eps, x, threads);
     free(xn); free(h); free(a); free(y); free(m);
     return 0;
 }

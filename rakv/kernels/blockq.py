@@ -168,7 +168,7 @@ def _load(path: Path):
     lib.rakv_blockq_avx512.restype = i32
     lib.rakv_blockq_simd.restype = i32
     lib.rakv_decode_layers.argtypes = [vp, i64, vp, i64, i64, i64, i64, i64, i64, i64, vp, vp,
-                                       ctypes.c_float, ctypes.c_float, i32, vp, i64, vp]
+                                       ctypes.c_float, ctypes.c_float, i32, vp, i64, vp, vp]
     lib.rakv_decode_layers.restype = i32
     lib.rakv_gumbel_argmax.argtypes = [vp, i64, i64, ctypes.c_float, vp, vp, vp, vp, vp]
     lib.rakv_gumbel_argmax.restype = i32
@@ -272,18 +272,21 @@ def layer_ref(bw: "BlockWeight") -> int:
 
 def decode_layers(descs, n_layers: int, x: torch.Tensor, n: int, H: int, Hq: int, Hk: int, D: int, I: int,
                   past: int, cos: torch.Tensor, sin: torch.Tensor, eps: float, scale: float,
-                  path: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> None:
+                  path: torch.Tensor | None = None, depth: torch.Tensor | None = None,
+                  final_w: torch.Tensor | None = None) -> None:
     """Run ``n_layers`` decoder layers (``descs``: a ctypes array of DecoderLayerDesc) on x [n, H]
     in place, the n rows at positions past .. past + n - 1 (cos, sin [n, D] contiguous: each row's
     own), their KV written into the layers' buffers at past + row (``kernels/blockq.c``
-    rakv_decode_layers). ``path``, ``depth``: the rows are a token tree (see ``attend_tree``)."""
+    rakv_decode_layers). ``path``, ``depth``: the rows are a token tree (see ``attend_tree``).
+    ``final_w`` [H] (float32, contiguous): then the model's final RMSNorm too, with ``eps``."""
     if path is not None:
         path, depth = path.contiguous(), depth.contiguous()
     rc = _Lib.handle.rakv_decode_layers(ctypes.addressof(descs), n_layers, x.data_ptr(), n, H, Hq, Hk, D, I,
                                         past, cos.data_ptr(), sin.data_ptr(), eps, scale,
                                         torch.get_num_threads(), None if path is None else path.data_ptr(),
                                         0 if path is None else path.stride(0),
-                                        None if depth is None else depth.data_ptr())
+                                        None if depth is None else depth.data_ptr(),
+                                        None if final_w is None else final_w.data_ptr())
     if rc:
         raise MemoryError("decode_layers: out of memory")
 

@@ -444,6 +444,7 @@ class LeanLlama:
         self.head = _Op(self.lm_head)
         self.final_norm = _Norm(base.norm, self.gemma)
         self._descs = None
+        self._final_c = False               # the final norm runs in the C call (set with the descriptions)
         self._bound = None                  # the cache views the layer descriptions point into
         self._watch(model)
 
@@ -607,6 +608,9 @@ class LeanLlama:
                 setattr(d, name, nm.w.data_ptr())
             d.window = int(L.window or 0)
         self._descs, self._descs_keep, self._eps, self._I = descs, keep, eps, I
+        fn = self.final_norm                # the final RMSNorm in the same call where it is the same maths
+        self._final_c = (isinstance(fn, _Norm) and not fn.one_plus and fn.eps == eps
+                         and fn.w.dtype == torch.float32 and fn.w.is_contiguous())
         return descs
 
     def c_layers_on(self):
@@ -617,7 +621,8 @@ class LeanLlama:
     def _c_forward(self, descs, x: torch.Tensor, cache, past: int, n: int, rope,
                    tree: TreeLayout | None = None) -> torch.Tensor:
         """x [1, n, H] through every layer in ``blockq.decode_layers``, the KV written into each
-        layer's growing buffer (``_reserve``) and the layers' views moved past the new rows."""
+        layer's growing buffer (``_reserve``) and the layers' views moved past the new rows; then
+        through the final norm too where ``_final_c`` (the caller then skips it)."""
         layers = cache.layers[: len(descs)]
         views = getattr(cache, "_rakv_views", None)
         if not buffers_hold(views, layers, past + n):
@@ -637,7 +642,8 @@ class LeanLlama:
         x = x.contiguous()
         blockq.decode_layers(descs, len(descs), x, n, x.shape[-1], self.n_heads, self.n_kv, self.head_dim,
                              self._I, past, cos, sin, self._eps, self.scale,
-                             None if tree is None else tree.path, None if tree is None else tree.depth)
+                             None if tree is None else tree.path, None if tree is None else tree.depth,
+                             self.final_norm.w if self._final_c else None)
         kv = []
         for L in layers:
             bk, bv = L._rakv_buf
@@ -671,6 +677,7 @@ class LeanLlama:
         descs = self.c_layers_on() if own_attention else None
         if descs:                                                    # every layer in one C call
             x = self._c_forward(descs, x, cache, past, n, ropes[""], tree)
+        normed = bool(descs) and self._final_c                       # (the final norm ran in it)
         for i, L in enumerate(self.layers if not descs else ()):
             h = L.qkv(L.ln1(x))                                      # [1, n, (Hq + 2 Hk) D]
             cos, sin = ropes[L.rope]
@@ -702,7 +709,7 @@ class LeanLlama:
             x = x + m
         if keep:
             x = x[:, -keep:]
-        logits = self.head(self.final_norm(x))                      # [1, keep or n, V]
+        logits = self.head(x if normed else self.final_norm(x))     # [1, keep or n, V]
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
