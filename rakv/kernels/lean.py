@@ -626,17 +626,10 @@ class LeanLlama:
         layers = cache.layers[: len(descs)]
         views = getattr(cache, "_rakv_views", None)
         if not buffers_hold(views, layers, past + n):
-            cap = None
-            for d, L in zip(descs, layers):
-                bk, bv = _reserve(L, n)
-                d.k, d.v, d.cap = bk.data_ptr(), bv.data_ptr(), bk.shape[-2]
-                cap = bk.shape[-2] if cap is None else min(cap, bk.shape[-2])
-            views = _Views(cap)
-            self._bound = views
-        elif self._bound is not views:       # the same buffers, last bound to another cache's
-            for d, L in zip(descs, layers):
-                bk, bv = L._rakv_buf
-                d.k, d.v, d.cap = bk.data_ptr(), bv.data_ptr(), bk.shape[-2]
+            views = _reserve_layers(layers, n, views)
+        if self._bound is not views:         # new buffers, or the last call wrote another cache's
+            for i, d in enumerate(descs):
+                d.k, d.v, d.cap = views.K[i].data_ptr(), views.V[i].data_ptr(), views.cap
             self._bound = views
         cos, sin = (t.contiguous() for t in rope)                   # [n, 1, D]: each row's position
         x = x.contiguous()
@@ -644,12 +637,11 @@ class LeanLlama:
                              self._I, past, cos, sin, self._eps, self.scale,
                              None if tree is None else tree.path, None if tree is None else tree.depth,
                              self.final_norm.w if self._final_c else None)
-        kv = []
-        for L in layers:
-            bk, bv = L._rakv_buf
-            L.keys, L.values = bk[..., : past + n, :], bv[..., : past + n, :]
-            kv += (L.keys, L.values)
-        views.kv = kv
+        ks = views.K[:, :, :, : past + n].unbind(0)                 # every layer's view in two ops
+        vs = views.V[:, :, :, : past + n].unbind(0)
+        for L, k, v in zip(layers, ks, vs):
+            L.keys, L.values = k, v
+        views.ks, views.vs = ks, vs
         cache._rakv_views = views
         return x
 
@@ -734,24 +726,48 @@ KV_MIN_CAPACITY = 256
 
 
 class _Views:
-    """What the C forward last put in a cache's layers: their KV views (of the buffers, in layer
-    order, keys then values) and the smallest buffer capacity."""
+    """The C forward's KV buffers of one cache: one allocation for all its layers, K and V
+    [layers, 1, Hk, cap, D], and the views of them it last put in the layers (``ks``, ``vs``)."""
 
-    __slots__ = ("cap", "kv")
+    __slots__ = ("K", "V", "cap", "ks", "vs")
 
-    def __init__(self, cap: int):
-        self.cap, self.kv = cap, []
+    def __init__(self, K: torch.Tensor, V: torch.Tensor):
+        self.K, self.V, self.cap = K, V, int(K.shape[-2])
+        self.ks = self.vs = ()
 
 
 def buffers_hold(views: "_Views | None", layers, length: int) -> bool:
     """Can the C forward write up to ``length`` positions into the buffers it used last time,
-    without looking at each layer's buffer again: every layer still holds the very views it left
-    (nothing cropped or replaced them) and the smallest buffer has room (each look costs ~2 us a
-    layer and is cold after a forward)."""
-    if views is None or length > views.cap or len(views.kv) != 2 * len(layers):
+    without looking at each layer again: every layer still holds the very views it left (nothing
+    cropped or replaced them) and the buffers have room (each look costs ~2 us a layer, cold after
+    a forward)."""
+    if views is None or length > views.cap or len(views.ks) != len(layers):
         return False
-    kv = views.kv
-    return all(L.keys is kv[2 * i] and L.values is kv[2 * i + 1] for i, L in enumerate(layers))
+    ks, vs = views.ks, views.vs
+    return all(L.keys is ks[i] and L.values is vs[i] for i, L in enumerate(layers))
+
+
+def _reserve_layers(layers, n: int, old: "_Views | None") -> "_Views":
+    """Buffers for the C forward with room for n more positions after what the layers hold: the
+    old ones when every layer's KV still starts them (a crop keeps them) and they have room, else
+    one new allocation for all layers (capacity doubling) holding each layer's positions. Each
+    layer's ``_rakv_buf`` is its part (``_append``, the Python layers, writes into the same). One
+    allocation lets a step make every layer's new views in two ops instead of two a layer."""
+    n0 = int(layers[0].keys.shape[-2])
+    if old is not None and n0 + n <= old.cap and len(old.K) == len(layers) and all(
+            L.keys.shape[-2] == n0 and L.keys.data_ptr() == old.K[i].data_ptr()
+            and L.values.data_ptr() == old.V[i].data_ptr() for i, L in enumerate(layers)):
+        return old
+    cap = max(KV_MIN_CAPACITY, 1 << (2 * (n0 + n) - 1).bit_length())
+    k0 = layers[0].keys
+    K = k0.new_empty((len(layers), *k0.shape[:-2], cap, k0.shape[-1]))
+    V = layers[0].values.new_empty(K.shape)
+    for i, L in enumerate(layers):
+        m = L.keys.shape[-2]
+        K[i, ..., :m, :] = L.keys
+        V[i, ..., :m, :] = L.values
+        L._rakv_buf = (K[i], V[i])
+    return _Views(K, V)
 
 
 def _append(cache, i: int, k: torch.Tensor, v: torch.Tensor):
