@@ -487,14 +487,17 @@ def test_a_step_runs_every_layer_in_c_and_keeps_its_tokens(kernel, arch, monkeyp
 
 def test_c_steps_on_two_caches_in_turn_and_after_crops_keep_each_caches_logits(kernel, monkeypatch):
     """The C forward reuses its KV buffers without looking again while every layer still holds the
-    views it left (``lean.buffers_hold``): steps on two caches in turn (engines sharing a target),
-    a crop between steps and a cache grown past its buffer still give each cache's own logits, bit
-    for bit those of a cache that stepped alone."""
+    views it left (``lean.buffers_hold``; one allocation for all layers): steps on two caches in
+    turn (engines sharing a target), a crop, a 20-row forward through the Python layers between
+    steps and a cache grown past its buffer still give each cache's own logits, bit for bit those
+    of a cache that stepped alone."""
     from rakv import decoding as dec
 
     monkeypatch.setenv("RAKV_C_LAYERS", "1")
     m = _block_pair("llama")[0].model
     pa, pb = [(5 * i + 3) % 300 for i in range(24)], [(7 * i + 1) % 300 for i in range(30)]
+
+    burst = [(3 * j + 1) % 300 for j in range(20)]           # 20 rows: the Python layers, same buffers
 
     def alone(p, toks, crop_after=None):
         c = dec.DynamicCache()
@@ -504,6 +507,7 @@ def test_c_steps_on_two_caches_in_turn_and_after_crops_keep_each_caches_logits(k
             out.append(dec.forward(m, [t], c)[-1])
             if j == crop_after:
                 dec.rollback(c, 2)
+                out.append(dec.forward(m, burst, c)[-1])
         return out
 
     toks = [(11 * j + 2) % 300 for j in range(300)]          # past KV_MIN_CAPACITY: a buffer grows
@@ -511,11 +515,14 @@ def test_c_steps_on_two_caches_in_turn_and_after_crops_keep_each_caches_logits(k
     ca, cb = dec.DynamicCache(), dec.DynamicCache()
     dec.prefill(m, pa, ca)
     dec.prefill(m, pb, cb)
+    got_a = []
     for j, t in enumerate(toks):
-        assert torch.equal(dec.forward(m, [t], ca)[-1], want_a[j]), j
+        got_a.append(dec.forward(m, [t], ca)[-1])
         if j == 5:
             dec.rollback(ca, 2)
+            got_a.append(dec.forward(m, burst, ca)[-1])
         assert torch.equal(dec.forward(m, [t], cb)[-1], want_b[j]), j
+    assert len(got_a) == len(want_a) and all(torch.equal(a, b) for a, b in zip(got_a, want_a))
 
 
 def test_a_model_the_c_layers_cannot_run_keeps_the_python_ones(kernel, monkeypatch):
