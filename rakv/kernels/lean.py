@@ -725,6 +725,12 @@ def _windows(model: nn.Module) -> list:
 KV_MIN_CAPACITY = 256
 
 
+def kv_capacity(length: int) -> int:
+    """A new KV buffer's positions for ``length`` held: at least twice that, a power of two
+    (capacity doubling: a growing sequence copies its KV O(log n) times)."""
+    return max(KV_MIN_CAPACITY, 1 << (2 * length - 1).bit_length())
+
+
 class _Views:
     """The C forward's KV buffers of one cache: one allocation for all its layers, K and V
     [layers, 1, Hk, cap, D], and the views of them it last put in the layers (``ks``, ``vs``)."""
@@ -758,7 +764,7 @@ def _reserve_layers(layers, n: int, old: "_Views | None") -> "_Views":
             L.keys.shape[-2] == n0 and L.keys.data_ptr() == old.K[i].data_ptr()
             and L.values.data_ptr() == old.V[i].data_ptr() for i, L in enumerate(layers)):
         return old
-    cap = max(KV_MIN_CAPACITY, 1 << (2 * (n0 + n) - 1).bit_length())
+    cap = kv_capacity(n0 + n)
     k0 = layers[0].keys
     K = k0.new_empty((len(layers), *k0.shape[:-2], cap, k0.shape[-1]))
     V = layers[0].values.new_empty(K.shape)
@@ -795,7 +801,7 @@ def _reserve(L, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     n0 = L.keys.shape[-2]
     buf = getattr(L, "_rakv_buf", None)
     if buf is None or L.keys.data_ptr() != buf[0].data_ptr() or n0 + n > buf[0].shape[-2]:
-        cap = max(KV_MIN_CAPACITY, 1 << (2 * (n0 + n) - 1).bit_length())
+        cap = kv_capacity(n0 + n)
         shape = (*L.keys.shape[:-2], cap, L.keys.shape[-1])
         bk, bv = L.keys.new_empty(shape), L.values.new_empty(shape)
         bk[..., :n0, :] = L.keys
