@@ -74,6 +74,7 @@ class Worker(QObject):
     # ------------------------------------------------------------------ models (worker thread)
     @Slot(str, str, int)
     def load_models(self, target: str, draft: str, k_max: int = 8) -> None:
+        from rakv.common import settle_heap
         from rakv.costs import load_or_calibrate
         from rakv.engine import make_draft
         from rakv.models import load_model
@@ -85,6 +86,7 @@ class Worker(QObject):
                                 **({} if self.fast is None else {"fast": self.fast}))
             t = load_model(target, config.dtype, None, config.device, fast=config.fast)
             d = make_draft(draft, t, config)
+            settle_heap(collect=False)        # (collections run on the GUI thread: app.gcguard)
             self.busy.emit("cost profile (calibrating once for this machine and pair) ...")
             prof, _ = load_or_calibrate(t, d, cache_dir(), k_max=max(1, k_max),
                                         progress=lambda f, w: self.progress.emit(f, w))

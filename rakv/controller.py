@@ -230,6 +230,8 @@ class Controller:
         self._probe: tuple[int, float] | None = None     # (k, predicted excess ms) of a pending probe
         self._pk_key, self._pk = None, []                 # probe_ks's cache (per acceptance estimate)
         self._can_key, self._can = None, []               # ... the k that pay at all (per context bucket)
+        self._ksb_key, self._ksb = None, ()               # ks_below's cache
+        self._quiet = (0, 0, None)                        # (from, below, K): no probe in that context (nothing pays)
         self.setting = "greedy"                  # the sampling setting acceptance is learned for now
         self._by_setting: dict[str, dict] = {}   # the others' acceptance state, kept while away
 
@@ -454,10 +456,32 @@ class Controller:
 
     def probe_possible(self, ctx: int, remaining: int, k_set=None) -> bool:
         """Cheap test before pricing a probe (the engine then measures the draft's catch-up)."""
+        lo, hi, quiet_ks = self._quiet
+        if lo <= ctx < hi and k_set is quiet_ks:
+            return False
         if not self.probe_due or remaining <= 2 or self.explore_balance <= 0:
             return False
-        ks = [kk for kk in sorted(set(k_set if k_set is not None else self.k_set)) if 0 < kk <= remaining - 1]
-        return bool(self.probe_ks(ctx, ks))
+        ks = self.ks_below(k_set, remaining)
+        found = self.probe_ks(ctx, ks)
+        if not self._can and k_set is not None and ks and ks[-1] == max(k_set):
+            self.quiet_until_next_bucket(ctx, k_set)
+        return bool(found)
+
+    def quiet_until_next_bucket(self, ctx: float, k_set) -> None:
+        """No k of K pays even at alpha = 1 in this context bucket: until the next one, a k = 0
+        round's probe check is one comparison (any Python after a forward runs cold, ~10x slower:
+        the full check cost ~16 us a round, docs/controller.md#constants)."""
+        lo = int(ctx) // PROBE_CTX_BUCKET * PROBE_CTX_BUCKET
+        self._quiet = (lo, lo + PROBE_CTX_BUCKET, k_set)
+
+    def ks_below(self, k_set, remaining: int) -> tuple:
+        """The k > 0 of K (default: the controller's) that fit in ``remaining - 1`` tokens, kept
+        while K and the cut stay (a k = 0 round asks every round)."""
+        ks = k_set if k_set is not None else self.k_set
+        key = (ks, min(remaining - 1, max(ks, default=0)))
+        if key != self._ksb_key:
+            self._ksb_key, self._ksb = key, tuple(kk for kk in sorted(set(ks)) if 0 < kk <= remaining - 1)
+        return self._ksb
 
     def maybe_probe(self, ctx: int, remaining: int, k_set=None, catchup_tokens: int = 0,
                     draft_model: bool = True) -> int:
@@ -465,7 +489,7 @@ class Controller:
         one is due, worth it and affordable (else 0). ``catchup_tokens`` matters only when due."""
         if not self.probe_possible(ctx, remaining, k_set):
             return 0
-        ks = [kk for kk in sorted(set(k_set if k_set is not None else self.k_set)) if 0 < kk <= remaining - 1]
+        ks = list(self.ks_below(k_set, remaining))
         plan = self.probe_plan(ctx, ks, self.catchup_ms(catchup_tokens, draft_model, ctx))
         if plan is None or plan[1] > self.explore_balance:
             return 0
@@ -513,6 +537,13 @@ class Controller:
         self.earn(round_ms)
         self._probe = None
         return spent
+
+    def observe_plain(self, round_ms: float) -> None:
+        """A plain step (no drafts, no probe): ``observe_round(0, 0, round_ms)`` in four lines."""
+        self.rounds_since_draft += 1
+        if round_ms > 0:
+            self.earned_ms += self.explore_share * round_ms
+        self._probe = None
 
     def _observe_positions(self, drafted: int, accepted: int) -> None:
         """Count the drafts a verify judged by position: 1..accepted accepted, the next one rejected."""

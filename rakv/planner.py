@@ -30,6 +30,7 @@ LOOKUP_COST_CLIP = 2.0      # one round moves that ratio by at most this factor
 LOOKUP_STEPS = 4.0          # a gated lookup verifies at most what a verify of this many steps holds
 COPY_GAIN_WEIGHT = 0.05     # a copy round's net gain (ms): weight of each new round
 COPY_RETRY = 8              # while copies do not pay, every 8th copy round still tries one
+PLAIN_BATCH = 16            # plain steps' times reach the profile this many at a time (and at a request's end)
 
 
 def lookup_cost_scale(scale: float, measured_ms: float, predicted_ms: float) -> float:
@@ -104,6 +105,12 @@ def gate_k_max(k: int, rq, remaining: int, k_top: int) -> int:
     return k
 
 
+def plain_step(plan: RoundPlan) -> bool:
+    """A round that verified no drafts and was neither a probe nor a copy round: all it teaches
+    is a step's time and one more round without drafting."""
+    return plan.k == 0 and not plan.drafts and plan.gate is None and not plan.copy
+
+
 def use_lookup(tokens: list[int], lookup: RoundGate | None, model: RoundGate, alpha: float) -> bool:
     """A gated drafting round takes the n-gram lookup instead of the model draft when the lookup's
     tokens per ms (nothing to draft: C_j = V(j)) beat what the model draft can expect at alpha."""
@@ -137,6 +144,7 @@ class RoundPlanner:
         self._maps: dict[str, tuple] = {}       # the other settings' (accept_map, lookup_map, copy_gain)
         self.copy_gain = 0.0                    # copy rounds' average net gain (ms), this setting
         self.copy_skipped = 0                   # copy rounds made plain steps since the last one tried
+        self._plain: list[tuple[int, float]] = []   # plain steps told and not yet folded: (ctx, verify ms)
 
     def use_setting(self, key: str, prior: float) -> None:
         """The gate's tables for sampling setting ``key`` (a draft's confidence means another
@@ -199,6 +207,12 @@ class RoundPlanner:
              ctx: int) -> float:
         """Learn from the verified round; returns the exploration ms it spent (a probe's excess)."""
         m, a, gate, lookup = len(plan.drafts), accepted, plan.gate, plan.lookup
+        if plain_step(plan) and self.controller is not None:
+            self.controller.observe_plain(round_ms)
+            self._plain.append((ctx, verify_ms))
+            if len(self._plain) >= PLAIN_BATCH:
+                self.fold_plain()
+            return 0.0
         if plan.source == "draft":
             self.draft.commit(rq.ids + rq.out)
         copied = gate is not None and m > 0 and (lookup or self.lookup is self.draft)   # n-gram copies verified
@@ -225,6 +239,15 @@ class RoundPlanner:
                             rq.draft_model and not lookup, plan.fed, plan.forwards)
         return explore
 
+    def fold_plain(self) -> None:
+        """The plain steps told since the last fold refine the profile's t, in order: one by one
+        after each step (Python run cold after a forward) cost ~0.02 ms a round, ~0.5% of a step."""
+        p = self.profile
+        if p is not None:
+            for ctx, ms in self._plain:
+                p.observe("t", p.step(ctx), ms)
+        self._plain.clear()
+
     def begin(self, rq) -> None:
         """A request's per-request action is set: per-round decisions start from its k."""
         self.last_k = rq.k
@@ -245,10 +268,10 @@ class RoundPlanner:
             return self._decide_round(rq, seq, remaining)
         if not (rq.policy.adaptive and rq.k == 0 and rq.has_draft):
             return rq.k
-        td = now()
         ctl = self.controller
         if not ctl.probe_possible(len(seq), remaining, rq.k_set):
             return 0
+        td = now()
         behind = self._draft_behind(seq, rq.reuse, rq.draft_model)
         k = ctl.maybe_probe(len(seq), remaining, rq.k_set, behind, rq.draft_model)
         if k:
