@@ -256,3 +256,22 @@ def test_tiny_bench_gate_arms_and_cpu_share(tmp_path):
         toks = [t.split(":") for r in gated for t in r["gate_tokens"].split()]
         assert all(0.0 <= float(p) <= 1.0 and o in ("0", "1") for p, o in toks)
         assert "Confidence gate: predicted against observed" in summary
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_arm_orders_put_every_arm_after_every_other_equally_often(n):
+    """The bench's order of arms per request is a Williams design: every arm runs in every
+    position, and right after each other arm equally often (an execution runs slower after a heavy
+    one, so a fixed predecessor biased one arm's times)."""
+    from rakv.bench.runner import arm_order, williams_orders
+
+    orders = williams_orders(n)
+    follows: dict = {}
+    for o in orders:
+        assert sorted(o) == list(range(n))
+        for a, b in zip(o, o[1:]):
+            follows[(a, b)] = follows.get((a, b), 0) + 1
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
+    assert {o[0] for o in orders} == set(range(n))
+    assert [arm_order(n, i, 0) for i in range(len(orders))] == orders
+    assert arm_order(n, 3, 2) == arm_order(n, 5, 0)

@@ -302,13 +302,36 @@ def token_exact(sampling, peer: bool) -> bool:
     return sampling is None or sampling.greedy or (not peer and sampling.verify == "seeded")
 
 
+def williams_orders(n: int) -> list[list[int]]:
+    """A Williams design: n orders of n arms (2n when n is odd) in which every arm runs right
+    after every other arm equally often. An execution runs slower after a heavy one (caches,
+    predictors and TLBs hold the other's data): with the orders merely rotated each arm always
+    followed the same one, and adaptive:gate, always after joint:4's int8 drafting, lost ~2% to
+    that alone (docs/bench.md#how-a-run-works)."""
+    base, lo, hi = [0], 1, n - 1
+    for j in range(1, n):
+        if j % 2:
+            base.append(lo)
+            lo += 1
+        else:
+            base.append(hi)
+            hi -= 1
+    orders = [[(b + r) % n for b in base] for r in range(n)]
+    return orders + [o[::-1] for o in orders] if n % 2 else orders
+
+
+def arm_order(n: int, index: int, rep: int) -> list[int]:
+    """The order of the n arms for request ``index`` of repeat ``rep``: the Williams design's
+    orders in turn (so a stream of n or 2n requests balances who runs after whom)."""
+    orders = williams_orders(n)
+    return orders[(index + rep) % len(orders)]
+
+
 def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, cell: str,
                 progress: Progress | None) -> tuple[list[dict], list[dict]]:
-    """Run every arm once on ``req`` (rotated order), then check exactness against ar."""
-    n = len(slots)
-    rot = (req.index + rep) % n
+    """Run every arm once on ``req`` (in ``arm_order``), then check exactness against ar."""
     rows, cands = [], []
-    for pos, slot in enumerate(slots[rot:] + slots[:rot]):
+    for pos, slot in enumerate(slots[i] for i in arm_order(len(slots), req.index, rep)):
         c0, w0 = cpu_clock(), now()
         if slot.arm.peer:
             row, cc = run_peer_slot(slot, req, ctx.target, ctx.draft, ctx.lookup_k, ctx.config.sampling)
