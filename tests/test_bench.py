@@ -261,8 +261,8 @@ def test_tiny_bench_gate_arms_and_cpu_share(tmp_path):
 @pytest.mark.parametrize("n", range(1, 10))
 def test_arm_orders_put_every_arm_after_every_other_equally_often(n):
     """The bench's order of arms per request is a Williams design: every arm runs in every
-    position, and right after each other arm equally often (an execution runs slower after a heavy
-    one, so a fixed predecessor biased one arm's times)."""
+    position, and right after each other arm equally often (with rotated orders each arm always
+    ran right after the same one)."""
     from rakv.bench.runner import arm_order, williams_orders
 
     orders = williams_orders(n)

@@ -304,10 +304,9 @@ def token_exact(sampling, peer: bool) -> bool:
 
 def williams_orders(n: int) -> list[list[int]]:
     """A Williams design: n orders of n arms (2n when n is odd) in which every arm runs right
-    after every other arm equally often. An execution runs slower after a heavy one (caches,
-    predictors and TLBs hold the other's data): with the orders merely rotated each arm always
-    followed the same one, and adaptive:gate, always after joint:4's int8 drafting, lost ~2% to
-    that alone (docs/bench.md#how-a-run-works)."""
+    after every other arm equally often. With the orders merely rotated each arm always ran right
+    after the same one, so whatever an execution leaves behind (caches, predictors, the allocator)
+    fell on one arm only (docs/bench.md#how-a-run-works)."""
     base, lo, hi = [0], 1, n - 1
     for j in range(1, n):
         if j % 2:
