@@ -10,6 +10,7 @@ from rakv.costs import model as costs_mod
 from rakv.costs import calibration as calibrate_mod
 from rakv.costs import profile as profile_mod
 from rakv.controller import E, AlphaEWMA, Controller, Situation
+from rakv.drafts import NoDraft
 from rakv.costs import CostProfile, interp, load_or_calibrate
 
 
@@ -195,6 +196,53 @@ def test_no_k_can_pay_means_zero_probes():
     rows = simulate(c, prof, 0.9, 60, random.Random(0), draft_model=True)
     assert all(k == 0 and probes == 0 for k, _, probes in rows)
     assert c.spent_ms == 0.0
+
+
+def test_where_nothing_pays_the_probe_check_stays_quiet_for_the_context_bucket():
+    """No k pays even at alpha = 1: the probe check says no, then answers the rest of the context
+    bucket without computing anything; a new bucket or another K is looked at again; where some k
+    could pay it never goes quiet."""
+    from rakv.controller import PROBE_CTX_BUCKET
+
+    ks = (0, 1, 2, 4)
+    c = Controller(profile(t=10.0, d=6.0, V={k: 10.0 * (1 + 0.9 * k) for k in range(1, 9)}), k_set=ks,
+                   alpha_prior=0.9, explore_share=1.0)
+    c.rounds_since_draft, c.earned_ms = 100, 1e6           # a probe is due and affordable
+    assert not c.probe_possible(100, 40, ks)
+    lo = 100 // PROBE_CTX_BUCKET * PROBE_CTX_BUCKET
+    assert c._quiet == (lo, lo + PROBE_CTX_BUCKET, ks)
+    c.pays_at_all = lambda k, ctx: 1 / 0                   # nothing is computed inside the bucket
+    assert not c.probe_possible(lo + PROBE_CTX_BUCKET - 1, 40, ks)
+    with pytest.raises(ZeroDivisionError):                  # the next bucket, or another K, looks again
+        c.probe_possible(lo + PROBE_CTX_BUCKET, 40, ks)
+    with pytest.raises(ZeroDivisionError):
+        c.probe_possible(100, 40, (0, 1, 2))
+    pays = Controller(profile(t=10.0, d=0.5, V={k: 10.0 * (1 + 0.1 * k) for k in range(1, 9)}), k_set=ks,
+                      alpha_prior=0.9, explore_share=1.0)
+    pays.rounds_since_draft, pays.earned_ms = 100, 1e6
+    assert pays.probe_possible(100, 40, ks) and pays._quiet[2] is None
+
+
+def test_plain_steps_reach_the_profile_in_order_folded():
+    """The planner folds plain steps' times into the profile 16 at a time and at a request's end:
+    the same updates, in the same order, as one observe after each step."""
+    import copy
+
+    from rakv.planner import PLAIN_BATCH, RoundPlan, RoundPlanner
+
+    prof = profile()
+    ref = copy.deepcopy(prof)
+    c = Controller(prof)
+    pl = RoundPlanner(NoDraft(), c, prof, c.alpha, None, 8, lambda r: None, lambda: (0, 2))
+    times = [(50 + i, 9.0 + (i % 5) * 0.7) for i in range(PLAIN_BATCH + 5)]
+    for i, (ctx, ms) in enumerate(times):
+        assert pl.told(None, RoundPlan(k=0), 0, 1, ms, ms + 0.1, ctx) == 0.0
+        assert len(pl._plain) == (i + 1) % PLAIN_BATCH
+    assert c.rounds_since_draft == len(times)
+    pl.fold_plain()
+    for ctx, ms in times:
+        ref.observe("t", ref.step(ctx), ms)
+    assert prof.scale == ref.scale and prof.samples == ref.samples and not pl._plain
 
 
 def test_exploration_budget_holds_over_a_long_stream():
