@@ -15,6 +15,7 @@ it the target accepts; each variant's rounds are then priced with the profile's 
   gate, rate        the length with the most E_j - lam C_j at the stream's rate so far (Dinkelbach)
   gate, odds        a request's trust scales the odds of a copy, never making it certain
   gate, miss        ... or divides its chance of a miss when above 1
+  gate, priorA      the pooled map starting from acceptance A alone (not the calibration's counts)
 
 With ``--temperature T`` the outputs are seeded samples (the same under every policy, so they fix
 acceptance as a greedy output does). Ratios are joint:8's time over the arm's (above 1: faster
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from types import SimpleNamespace
 
@@ -100,7 +102,9 @@ def replay(reqs, arm: str, prof, prior, lookup_k: int) -> float:
     fixed = arm.startswith("joint:")
     last = arm.split()[-1]
     cap = int(arm.split(":")[1]) if fixed else (int(last) if last.isdigit() else lookup_k)
-    hist, amap, total, tokens = TokenHistory(), AcceptMap(1.0, prior), 0.0, 0
+    own = re.search(r"prior([0-9.]+)", arm)           # "gate, prior0.3 10": the map starts from that alpha alone
+    amap = AcceptMap(float(own.group(1))) if own else AcceptMap(1.0, prior)
+    hist, total, tokens = TokenHistory(), 0.0, 0
     for ids, out, N in reqs:
         h = hist if len(hist) else None
         n, i, hits, pred = len(out), 0, 0.0, 0.0
