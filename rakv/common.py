@@ -105,9 +105,9 @@ def load_pair(args, config: RakvConfig):
         from .drafts import ModelDraft
         from .models import int8_copy
 
-        settle_heap()
-        return target, ModelDraft(int8_copy(target, lazy=True))
-    draft = make_draft(args.draft, target, config)
+        draft = ModelDraft(int8_copy(target, lazy=True))
+    else:
+        draft = make_draft(args.draft, target, config)
     settle_heap()
     return target, draft
 

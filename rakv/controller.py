@@ -521,28 +521,28 @@ class Controller:
     def observe_round(self, drafted: int, accepted: int, round_ms: float = 0.0, emitted: int = 0,
                       ctx: float = 0.0) -> float:
         """Fold one round in; returns the exploration it spent (ms; 0 unless it was a probe)."""
+        if drafted <= 0:
+            self.observe_plain(round_ms)
+            return 0.0
         spent = 0.0
-        if drafted > 0:
-            self._observe_positions(drafted, accepted)
-            self.alpha.update(accepted, drafted)
-            self._req_S += accepted
-            self._req_T += trials(accepted, drafted)
-            self.evidence = min(MAX_EVIDENCE, self.evidence + trials(accepted, drafted))
-            self.rounds_since_draft = 0
-            if self._probe is not None and round_ms > 0:
-                spent = round_ms - max(1, emitted) * self.profile.step(ctx)
-                self.spent_ms += spent
-        else:
-            self.rounds_since_draft += 1
+        self._observe_positions(drafted, accepted)
+        self.alpha.update(accepted, drafted)
+        self._req_S += accepted
+        self._req_T += trials(accepted, drafted)
+        self.evidence = min(MAX_EVIDENCE, self.evidence + trials(accepted, drafted))
+        self.rounds_since_draft = 0
+        if self._probe is not None and round_ms > 0:
+            spent = round_ms - max(1, emitted) * self.profile.step(ctx)
+            self.spent_ms += spent
         self.earn(round_ms)
         self._probe = None
         return spent
 
     def observe_plain(self, round_ms: float) -> None:
-        """A plain step (no drafts, no probe): ``observe_round(0, 0, round_ms)`` in four lines."""
+        """A round that verified no drafts: one more round since the last draft; its time earns
+        exploration."""
         self.rounds_since_draft += 1
-        if round_ms > 0:
-            self.earned_ms += self.explore_share * round_ms
+        self.earn(round_ms)
         self._probe = None
 
     def _observe_positions(self, drafted: int, accepted: int) -> None:
