@@ -438,6 +438,11 @@ def test_the_narrower_builds_give_the_same_bits(kernel, tmp_path, monkeypatch):
         path = torch.tensor([[0, 0, 0], [0, 1, 0], [0, 2, 0], [0, 1, 3], [4, 0, 0]])
         depth = torch.tensor([0, 1, 1, 2, 0])
         res.append(blockq.attend_tree(qk, 8 * 32, k, v, 5, 6, 2, 32, 0.2, path, depth))
+        # heads of 64 (the values' sums in registers), 9 query heads over 3, 9 rows past 41 keys
+        qk = torch.randn(1, 9, 12, 64) * 3
+        k, v = torch.randn(1, 3, 50, 64), torch.randn(1, 3, 50, 64)
+        res.append(blockq.attend(qk, 12 * 64, k, v, 9, 9, 3, 64, 0.125))
+        res.append(blockq.attend(qk[:, :1].contiguous(), 12 * 64, k[:, :, :42], v[:, :, :42], 1, 9, 3, 64, 0.125))
         return res
 
     a = outputs()

@@ -578,6 +578,7 @@ int rakv_blockq_simd(void) {
    max(0, past + i + 1 - window) .. past + i. softcap > 0 (Gemma 2): each score becomes
    tanh(s / softcap) softcap, as HF's eager attention caps them. */
 #define ATT_STACK 8192
+#define ATT_ROWS_MAX 256    /* a tree's rows up to which its ancestry positions live on the stack */
 
 /* q . k over D (a multiple of 16): 16 lanes (lane l adds q[c + l] k[c + l], c = 0, 16, ...), then
    tree16; and o += p v over D: element by element, one fma each. The AVX-512 forms are the same
@@ -607,40 +608,207 @@ static inline void axpy(float p, const float *v, float *o, int64_t D) {
 }
 #endif
 
-static void attend_one(const float *qi, const float *kg, const float *vg, int64_t j0, int64_t T,
-                       int64_t D, float scale, float softcap, float *o, float *s) {
-    float mx = -INFINITY;
-    for (int64_t j = j0; j < T; j++) {
-        s[j] = dot_lanes(qi, kg + j * D, D) * scale;
-        if (softcap > 0.0f) s[j] = tanhf(s[j] / softcap) * softcap;
-        if (s[j] > mx) mx = s[j];
+/* exp(x) of a softmax term, x = s - max s <= 0, in fp32 operations that every build does alike (the
+   AVX-512 form below runs 16 at once, each lane the same operations): x = n ln2 + r with n the
+   nearest integer to x log2(e) and r by two fmas (ln2 in a high part with few bits and a low
+   part), exp(r) by a degree-7 polynomial (Cephes' expf coefficients) in fmas, times 2^n from its
+   exponent bits. Within 1 ulp of the C library's expf (checked on every x in [EXP_LO, 0]); below
+   EXP_LO (e^x < 2^-126: nothing next to the max term's 1) 0. The C library's expf, ~40% of the
+   attention's time, is kept only for x > 0 (never a softmax term). */
+#define EXP_LO (-87.33654475f)
+static const float EXP_C[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                               1.6666665459e-1f, 5.0000001201e-1f};
+#define LOG2E_F 1.44269504088896341f
+#define LN2_HI 0.693359375f
+#define LN2_LO (-2.12194440e-4f)
+
+static inline float att_exp(float x) {
+    if (x != x) return x;
+    if (x < EXP_LO) return 0.0f;
+    if (x > 0.0f) return expf(x);
+    const float n = nearbyintf(x * LOG2E_F);
+    float r = fmaf(n, -LN2_HI, x);
+    r = fmaf(n, -LN2_LO, r);
+    float p = EXP_C[0];
+    for (int i = 1; i < 6; i++) p = fmaf(p, r, EXP_C[i]);
+    p = fmaf(p, r * r, r) + 1.0f;
+    union { uint32_t u; float f; } two_n = {.u = (uint32_t)((int32_t)n + 127) << 23};
+    return p * two_n.f;
+}
+
+#ifdef RAKV_AVX512
+/* att_exp of 16 lanes */
+static inline __m512 att_exp16(__m512 x) {
+    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
+    if (pos) {                              /* never for a softmax term: the scalar form, lane by lane */
+        float t[16];
+        _mm512_storeu_ps(t, x);
+        for (int l = 0; l < 16; l++) t[l] = att_exp(t[l]);
+        return _mm512_loadu_ps(t);
     }
-    float sum = 0.0f;
-    for (int64_t c = 0; c < D; c++) o[c] = 0.0f;
-    for (int64_t j = j0; j < T; j++) {
-        const float p = expf(s[j] - mx);
-        sum += p;
-        axpy(p, vg + j * D, o, D);
+    const __mmask16 low = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E_F)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_C[0]);
+    for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C[i]));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    y = _mm512_mask_mov_ps(y, low, _mm512_setzero_ps());
+    return _mm512_mask_mov_ps(y, nan, x);
+}
+#endif
+
+#ifdef RAKV_AVX512
+/* scores of 16 consecutive keys: lane l of key u's accumulator adds q[c + l] k_u[c + l] over c as
+   dot_lanes does; then tree16's additions for all 16 keys at once (each level adds the same two
+   lanes of the same key as tree16: the pairs are moved side by side by shuffles), the result
+   scaled; lane j = key j */
+static inline __m512 scores16(const float *qi, const float *k0, int64_t D, __m512 vscale) {
+    __m512 a[16];
+    for (int u = 0; u < 16; u++) a[u] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += LANES) {
+        const __m512 qc = _mm512_loadu_ps(qi + c);
+        for (int u = 0; u < 16; u++) a[u] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k0 + u * D + c), a[u]);
     }
-    const float inv = 1.0f / sum;
-    for (int64_t c = 0; c < D; c++) o[c] *= inv;
+    __m512 d8[8], d4[4], d2[2];
+    for (int p = 0; p < 8; p++)      /* [s8 of key 2p | s8 of key 2p + 1]: a[i] + a[i + 8] */
+        d8[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                              _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+    for (int r = 0; r < 4; r++)      /* chunk c: s4 of key 4r + c: s8[i] + s8[i + 4] */
+        d4[r] = _mm512_add_ps(_mm512_shuffle_f32x4(d8[2 * r], d8[2 * r + 1], 0x88),
+                              _mm512_shuffle_f32x4(d8[2 * r], d8[2 * r + 1], 0xDD));
+    for (int r = 0; r < 2; r++)      /* chunk c: s2 of keys 8r + c, 8r + 4 + c: s4[i] + s4[i + 2] */
+        d2[r] = _mm512_add_ps(_mm512_shuffle_ps(d4[2 * r], d4[2 * r + 1], 0x44),
+                              _mm512_shuffle_ps(d4[2 * r], d4[2 * r + 1], 0xEE));
+    /* lane 4c + i: key c + 4i, s2[0] + s2[1] */
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(d2[0], d2[1], 0x88), _mm512_shuffle_ps(d2[0], d2[1], 0xDD));
+    const __m512i to_keys = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_mul_ps(_mm512_permutexvar_ps(to_keys, s), vscale);
+}
+#endif
+
+#define ATT_HEADS 4         /* query heads of one row attended together (independent chains) */
+
+/* One row's heads h = 0 .. nh - 1 (nh <= ATT_HEADS): query q[h], keys and values kg[h], vg[h]
+   (its kv head), output o[h]; each over the same keys: cache positions a .. b - 1, then `ne` more
+   at positions extra[0 ..] (a tree row's ancestry; NULL, 0 for a decode or verify row). Each
+   head's arithmetic is attend's, alone: heads run side by side only so that their chains of
+   additions overlap. s: nh * (b - a + ne) floats. */
+static void attend_heads(int nh, const float *const *q, const float *const *kg, const float *const *vg,
+                         int64_t a, int64_t b, const int64_t *extra, int64_t ne, int64_t D, float scale,
+                         float softcap, float *const *o, float *s) {
+    const int64_t nc = b - a, nk = nc + ne;
+    float mx[ATT_HEADS], sum[ATT_HEADS];
+    for (int h = 0; h < nh; h++) {
+        float *sh = s + h * nk;
+        int64_t j = 0;
+        mx[h] = -INFINITY;
+#ifdef RAKV_AVX512
+        if (softcap <= 0.0f) {
+            const __m512 vscale = _mm512_set1_ps(scale);
+            __m512 vmx = _mm512_set1_ps(-INFINITY);
+            for (; j + 16 <= nc; j += 16) {
+                const __m512 sc = scores16(q[h], kg[h] + (a + j) * D, D, vscale);
+                _mm512_storeu_ps(sh + j, sc);
+                vmx = _mm512_max_ps(sc, vmx);        /* a NaN score is skipped, as the scalar test skips it */
+            }
+            mx[h] = _mm512_reduce_max_ps(vmx);
+        }
+#endif
+        for (; j < nk; j++) {
+            const int64_t pos = j < nc ? a + j : extra[j - nc];
+            sh[j] = dot_lanes(q[h], kg[h] + pos * D, D) * scale;
+            if (softcap > 0.0f) sh[j] = tanhf(sh[j] / softcap) * softcap;
+            if (sh[j] > mx[h]) mx[h] = sh[j];
+        }
+        j = 0;
+#ifdef RAKV_AVX512
+        for (const __m512 vm = _mm512_set1_ps(mx[h]); j + 16 <= nk; j += 16)
+            _mm512_storeu_ps(sh + j, att_exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + j), vm)));
+#endif
+        for (; j < nk; j++) sh[j] = att_exp(sh[j] - mx[h]);
+        sum[h] = 0.0f;
+    }
+    for (int64_t j = 0; j < nk; j++)                 /* each head's sum in order of j */
+        for (int h = 0; h < nh; h++) sum[h] += s[h * nk + j];
+    /* o = sum_j p_j v_j in order of j, one fma per element (axpy's), the sums kept in registers */
+    int64_t c = 0;
+#ifdef RAKV_AVX512
+    for (; c + 4 * LANES <= D; c += 4 * LANES) {
+        __m512 acc[ATT_HEADS][4];
+        for (int h = 0; h < ATT_HEADS; h++)
+            for (int r = 0; r < 4; r++) acc[h][r] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < nk; j++) {
+            const int64_t pos = j < nc ? a + j : extra[j - nc];
+            for (int h = 0; h < ATT_HEADS; h++) {
+                if (h >= nh) break;
+                const float *vj = vg[h] + pos * D + c;
+                const __m512 p = _mm512_set1_ps(s[h * nk + j]);
+                for (int r = 0; r < 4; r++) acc[h][r] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + r * LANES), acc[h][r]);
+            }
+        }
+        for (int h = 0; h < nh; h++)
+            for (int r = 0; r < 4; r++) _mm512_storeu_ps(o[h] + c + r * LANES, acc[h][r]);
+    }
+#endif
+    if (c < D)
+        for (int h = 0; h < nh; h++) {
+            for (int64_t e = c; e < D; e++) o[h][e] = 0.0f;
+            for (int64_t j = 0; j < nk; j++)
+                axpy(s[h * nk + j], vg[h] + (j < nc ? a + j : extra[j - nc]) * D + c, o[h] + c, D - c);
+        }
+    for (int h = 0; h < nh; h++) {
+        const float inv = 1.0f / sum[h];
+        for (int64_t e = 0; e < D; e++) o[h][e] *= inv;
+    }
+}
+
+/* how many head chunks each row's Hq heads run in: at most ATT_HEADS heads a chunk; a lone row
+   (a decode step) in at least `threads` chunks, so that every thread has some */
+static inline int64_t head_chunks(int64_t n, int64_t Hq, int threads) {
+    int64_t c = (Hq + ATT_HEADS - 1) / ATT_HEADS;
+    if (n == 1 && c < threads) c = threads < Hq ? threads : Hq;
+    else if (n == 1 && c % threads) c = (c / threads + 1) * threads < Hq ? (c / threads + 1) * threads : Hq;
+    return c;
+}
+
+/* one (row, head chunk) task: the row's keys j0 .. T - 1 (of its own sequence: cache positions,
+   then for a tree row its ancestry's rows at positions `pos`) */
+static void attend_task(const float *q, int64_t i, int64_t h0, int64_t h1, int64_t Hq, int64_t D,
+                        int64_t q_rs, const float *k, int64_t k_hs, const float *v, int64_t v_hs,
+                        int64_t group, int64_t a, int64_t b, const int64_t *pos, int64_t ne, float scale,
+                        float softcap, float *out, float *s) {
+    const float *qs[ATT_HEADS], *ks[ATT_HEADS], *vs[ATT_HEADS];
+    float *os[ATT_HEADS];
+    for (int64_t h = h0; h < h1; h++) {
+        const int64_t u = h - h0, g = h / group;
+        qs[u] = q + i * q_rs + h * D;
+        ks[u] = k + g * k_hs;
+        vs[u] = v + g * v_hs;
+        os[u] = out + (i * Hq + h) * D;
+    }
+    attend_heads((int)(h1 - h0), qs, ks, vs, a, b, pos, ne, D, scale, softcap, os, s);
 }
 
 void rakv_attend(const float *q, int64_t n, int64_t Hq, int64_t D, int64_t q_rs, const float *k,
                  int64_t k_hs, const float *v, int64_t v_hs, int64_t Hk, int64_t past, float scale,
                  float *out, int threads, int64_t window, float softcap) {
-    const int64_t group = Hq / Hk, tasks = n * Hq;
+    const int64_t group = Hq / Hk, C = head_chunks(n, Hq, threads), tasks = n * C;
     #pragma omp parallel num_threads(threads)
     {
         float stack[ATT_STACK];
-        const int64_t T_max = past + n;
-        float *s = T_max <= ATT_STACK ? stack : (float *)malloc(sizeof(float) * T_max);
+        const int64_t need = ATT_HEADS * (past + n);
+        float *s = need <= ATT_STACK ? stack : (float *)malloc(sizeof(float) * need);
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
-            const int64_t i = t / Hq, h = t % Hq, g = h / group, T = past + i + 1;
+            const int64_t i = t / C, c = t % C, T = past + i + 1;
             const int64_t j0 = window > 0 && T > window ? T - window : 0;
-            attend_one(q + i * q_rs + h * D, k + g * k_hs, v + g * v_hs, j0, T, D, scale, softcap,
-                       out + (i * Hq + h) * D, s);
+            attend_task(q, i, c * Hq / C, (c + 1) * Hq / C, Hq, D, q_rs, k, k_hs, v, v_hs, group, j0, T,
+                        NULL, 0, scale, softcap, out, s);
         }
         if (s != stack) free(s);
     }
@@ -652,48 +820,32 @@ void rakv_attend(const float *q, int64_t n, int64_t Hq, int64_t D, int64_t q_rs,
    root (depth 0) down, ending with i itself; its keys are positions 0 .. past - 1 of the cache,
    then those rows (row r's key at cache position past + r), in that order. That is exactly the key
    sequence a decode step of the same token sees (the committed tokens, then the accepted path one
-   token at a time), and each key is combined with attend_one's arithmetic in that order, so a
-   tree row equals the decode step bit for bit. window > 0: the row sees only its last `window`
-   keys (counted in positions: its own position is past + depth[i]). */
-static void attend_tree_one(const float *qi, const float *kg, const float *vg, int64_t past,
-                            const int64_t *path, int64_t j0, int64_t T, int64_t D, float scale,
-                            float softcap, float *o, float *s) {
-    float mx = -INFINITY;
-    for (int64_t j = j0; j < T; j++) {
-        const int64_t pos = j < past ? j : past + path[j - past];
-        s[j] = dot_lanes(qi, kg + pos * D, D) * scale;
-        if (softcap > 0.0f) s[j] = tanhf(s[j] / softcap) * softcap;
-        if (s[j] > mx) mx = s[j];
-    }
-    float sum = 0.0f;
-    for (int64_t c = 0; c < D; c++) o[c] = 0.0f;
-    for (int64_t j = j0; j < T; j++) {
-        const int64_t pos = j < past ? j : past + path[j - past];
-        const float p = expf(s[j] - mx);
-        sum += p;
-        axpy(p, vg + pos * D, o, D);
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t c = 0; c < D; c++) o[c] *= inv;
-}
-
+   token at a time), and each key is combined with attend's arithmetic in that order, so a tree
+   row equals the decode step bit for bit. window > 0: the row sees only its last `window` keys
+   (counted in positions: its own position is past + depth[i]). */
 void rakv_attend_tree(const float *q, int64_t n, int64_t Hq, int64_t D, int64_t q_rs, const float *k,
                       int64_t k_hs, const float *v, int64_t v_hs, int64_t Hk, int64_t past, float scale,
                       float *out, int threads, int64_t window, float softcap, const int64_t *path,
                       int64_t path_rs, const int64_t *depth) {
-    const int64_t group = Hq / Hk, tasks = n * Hq;
+    const int64_t group = Hq / Hk, C = head_chunks(n, Hq, threads), tasks = n * C;
     #pragma omp parallel num_threads(threads)
     {
         float stack[ATT_STACK];
-        const int64_t T_max = past + n;
-        float *s = T_max <= ATT_STACK ? stack : (float *)malloc(sizeof(float) * T_max);
+        const int64_t need = ATT_HEADS * (past + n);
+        float *s = need <= ATT_STACK ? stack : (float *)malloc(sizeof(float) * need);
+        int64_t pos_stack[ATT_ROWS_MAX];
+        int64_t *pos = n <= ATT_ROWS_MAX ? pos_stack : (int64_t *)malloc(sizeof(int64_t) * n);
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
-            const int64_t i = t / Hq, h = t % Hq, g = h / group, T = past + depth[i] + 1;
+            const int64_t i = t / C, c = t % C, T = past + depth[i] + 1;
             const int64_t j0 = window > 0 && T > window ? T - window : 0;
-            attend_tree_one(q + i * q_rs + h * D, k + g * k_hs, v + g * v_hs, past, path + i * path_rs,
-                            j0, T, D, scale, softcap, out + (i * Hq + h) * D, s);
+            const int64_t *anc = path + i * path_rs;
+            int64_t ne = 0;
+            for (int64_t jj = j0 > past ? j0 : past; jj < T; jj++) pos[ne++] = past + anc[jj - past];
+            attend_task(q, i, c * Hq / C, (c + 1) * Hq / C, Hq, D, q_rs, k, k_hs, v, v_hs, group,
+                        j0 < past ? j0 : past, past, pos, ne, scale, softcap, out, s);
         }
+        if (pos != pos_stack) free(pos);
         if (s != stack) free(s);
     }
 }
