@@ -452,6 +452,27 @@ def test_the_narrower_builds_give_the_same_bits(kernel, tmp_path, monkeypatch):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def test_the_kernels_exp_is_within_an_ulp_of_libm_and_its_lanes_agree(tmp_path):
+    """The kernel's own exp (softmax, SiLU) on a spread of 1M floats over the whole range (every
+    4099th bit pattern): within 1 ulp of the C library's expf, inf / 0 / NaN where it gives them,
+    and the 16-lane form's bits equal the scalar form's (scripts/att_exp_check.c; the script
+    without -DSTRIDE checks every float)."""
+    import subprocess
+    from pathlib import Path
+
+    cc = blockq._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = Path(__file__).resolve().parents[1] / "scripts" / "att_exp_check.c"
+    exe = tmp_path / "att_exp_check"
+    r = subprocess.run([cc, "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-DSTRIDE=4099", "-o",
+                        str(exe), str(src), "-lm"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout
+    assert "!= scalar form: 0;" in r.stdout and "max |exp_f - expf| 1 ulp" in r.stdout, r.stdout
+
+
 # ----------------------------------------------------------------------------- every layer of a step in C
 @needs_onednn
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])

@@ -608,45 +608,47 @@ static inline void axpy(float p, const float *v, float *o, int64_t D) {
 }
 #endif
 
-/* exp(x) of a softmax term, x = s - max s <= 0, in fp32 operations that every build does alike (the
-   AVX-512 form below runs 16 at once, each lane the same operations): x = n ln2 + r with n the
-   nearest integer to x log2(e) and r by two fmas (ln2 in a high part with few bits and a low
-   part), exp(r) by a degree-7 polynomial (Cephes' expf coefficients) in fmas, times 2^n from its
-   exponent bits. Within 1 ulp of the C library's expf (checked on every x in [EXP_LO, 0]); below
-   EXP_LO (e^x < 2^-126: nothing next to the max term's 1) 0. The C library's expf, ~40% of the
-   attention's time, is kept only for x > 0 (never a softmax term). */
-#define EXP_LO (-87.33654475f)
+/* exp(x) in fp32 operations that every build does alike (the AVX-512 form below runs 16 at once,
+   each lane the same operations): x = n ln2 + r with n the nearest integer to x log2(e) and r by
+   two fmas (ln2 in a high part with few bits and a low part), exp(r) by a degree-7 polynomial
+   (Cephes' expf coefficients) in fmas, then times 2^h and 2^(n - h), h = floor(n / 2) (each a
+   normal float, so the first product is exact and only the second rounds: overflow to inf and
+   results below 2^-126 come out as a single rounding would give them). Within 1 ulp of the C
+   library's expf on every float (scripts/att_exp_check.c); above EXP_HI inf, below EXP_LO 0. The
+   attention's softmax and the SiLU of the C layers use it: libm's expf, called per element, was
+   ~40% of the attention's time and ~0.2 ms of each row of a step's SiLU. */
+#define EXP_HI 88.7228394f         /* exp(x) > FLT_MAX above */
+#define EXP_LO (-103.972084f)      /* exp(x) < 2^-150 below: rounds to 0 */
 static const float EXP_C[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
                                1.6666665459e-1f, 5.0000001201e-1f};
 #define LOG2E_F 1.44269504088896341f
 #define LN2_HI 0.693359375f
 #define LN2_LO (-2.12194440e-4f)
 
-static inline float att_exp(float x) {
+static inline float pow2i(int32_t e) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)(e + 127) << 23};
+    return v.f;
+}
+
+static inline float exp_f(float x) {
     if (x != x) return x;
+    if (x > EXP_HI) return INFINITY;
     if (x < EXP_LO) return 0.0f;
-    if (x > 0.0f) return expf(x);
     const float n = nearbyintf(x * LOG2E_F);
     float r = fmaf(n, -LN2_HI, x);
     r = fmaf(n, -LN2_LO, r);
     float p = EXP_C[0];
     for (int i = 1; i < 6; i++) p = fmaf(p, r, EXP_C[i]);
     p = fmaf(p, r * r, r) + 1.0f;
-    union { uint32_t u; float f; } two_n = {.u = (uint32_t)((int32_t)n + 127) << 23};
-    return p * two_n.f;
+    const int32_t ni = (int32_t)n, h = ni >> 1;        /* arithmetic shift: floor(n / 2) */
+    return (p * pow2i(h)) * pow2i(ni - h);
 }
 
 #ifdef RAKV_AVX512
-/* att_exp of 16 lanes */
-static inline __m512 att_exp16(__m512 x) {
-    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
-    if (pos) {                              /* never for a softmax term: the scalar form, lane by lane */
-        float t[16];
-        _mm512_storeu_ps(t, x);
-        for (int l = 0; l < 16; l++) t[l] = att_exp(t[l]);
-        return _mm512_loadu_ps(t);
-    }
-    const __mmask16 low = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ);
+/* exp_f of 16 lanes */
+static inline __m512 exp_f16(__m512 x) {
+    const __mmask16 hi = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_HI), _CMP_GT_OQ);
+    const __mmask16 lo = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E_F)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -655,9 +657,15 @@ static inline __m512 att_exp16(__m512 x) {
     __m512 p = _mm512_set1_ps(EXP_C[0]);
     for (int i = 1; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C[i]));
     p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-    y = _mm512_mask_mov_ps(y, low, _mm512_setzero_ps());
+    /* out-of-range lanes hold garbage here and are replaced below; n of them is kept small */
+    const __m512i ni = _mm512_cvt_roundps_epi32(_mm512_max_ps(_mm512_min_ps(n, _mm512_set1_ps(128.0f)),
+                                                _mm512_set1_ps(-150.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i h = _mm512_srai_epi32(ni, 1), bias = _mm512_set1_epi32(127);
+    const __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(h, bias), 23));
+    const __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, h), bias), 23));
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+    y = _mm512_mask_mov_ps(y, hi, _mm512_set1_ps(INFINITY));
+    y = _mm512_mask_mov_ps(y, lo, _mm512_setzero_ps());
     return _mm512_mask_mov_ps(y, nan, x);
 }
 #endif
@@ -728,9 +736,9 @@ static void attend_heads(int nh, const float *const *q, const float *const *kg, 
         j = 0;
 #ifdef RAKV_AVX512
         for (const __m512 vm = _mm512_set1_ps(mx[h]); j + 16 <= nk; j += 16)
-            _mm512_storeu_ps(sh + j, att_exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + j), vm)));
+            _mm512_storeu_ps(sh + j, exp_f16(_mm512_sub_ps(_mm512_loadu_ps(sh + j), vm)));
 #endif
-        for (; j < nk; j++) sh[j] = att_exp(sh[j] - mx[h]);
+        for (; j < nk; j++) sh[j] = exp_f(sh[j] - mx[h]);
         sum[h] = 0.0f;
     }
     for (int64_t j = 0; j < nk; j++)                 /* each head's sum in order of j */
@@ -924,7 +932,7 @@ int rakv_blockq_avx512(void) {
      h = qkv(xn) (+ bias); q, k rotated: y_d = x_d cos_d + x_(d + D/2 mod D) sin_d (sin carries
          rotate_half's sign); k, v written to the layer's buffers at positions past .. past + n - 1
      a = attention (rakv_attend); x = x + o(a)
-     xn = (x * r) * w2; g | u = gate_up(xn); x = x + down(g / (1 + expf(-g)) * u)
+     xn = (x * r) * w2; g | u = gate_up(xn); x = x + down(g / (1 + exp_f(-g)) * u)
    so a verify row equals the decode step of the same token, bit for bit. ``path`` (not NULL): the
    n rows are a token tree (rakv_attend_tree's path, path_rs and depth; cos and sin rows then at
    each row's own position), each row equal to the decode step of its token after its ancestry. */
@@ -956,6 +964,20 @@ static void rotate_heads(float *h, int64_t heads, int64_t D, const float *cos, c
         for (int64_t d = R; d < D; d++) tmp[d] = x[d] * cos[d] + x[d - R] * sin[d];
         memcpy(x, tmp, sizeof(float) * D);
     }
+}
+
+/* m = g / (1 + exp(-g)) * u, element by element (SiLU(g) times u) */
+static void silu_mul(const float *g, const float *u, float *m, int64_t I) {
+    int64_t j = 0;
+#ifdef RAKV_AVX512
+    const __m512 one = _mm512_set1_ps(1.0f), neg = _mm512_set1_ps(-0.0f);
+    for (; j + 16 <= I; j += 16) {
+        const __m512 gj = _mm512_loadu_ps(g + j);
+        const __m512 e = exp_f16(_mm512_xor_ps(gj, neg));
+        _mm512_storeu_ps(m + j, _mm512_mul_ps(_mm512_div_ps(gj, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + j)));
+    }
+#endif
+    for (; j < I; j++) m[j] = g[j] / (1.0f + exp_f(-g[j])) * u[j];
 }
 
 static float *aligned_floats(int64_t n) {
@@ -999,11 +1021,7 @@ int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, i
         rms_rows(x, n, H, L->ln2, eps, xn, threads);
         rakv_linear(L->gate_up, xn, n, y, L->gate_up_bias, threads);
         #pragma omp parallel for num_threads(threads) schedule(static) if (n > 1)
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t j = 0; j < I; j++) {
-                const float g = y[i * 2 * I + j], u = y[i * 2 * I + I + j];
-                m[i * I + j] = g / (1.0f + expf(-g)) * u;
-            }
+        for (int64_t i = 0; i < n; i++) silu_mul(y + i * 2 * I, y + i * 2 * I + I, m + i * I, I);
         rakv_linear(L->down, m, n, y, L->down_bias, threads);
         for (int64_t j = 0; j < n * H; j++) x[j] = x[j] + y[j];
     }
