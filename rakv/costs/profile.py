@@ -48,7 +48,10 @@ def pair_fingerprint(target, draft) -> dict:
         if getattr(lean, "c_layers_on", lambda: False)():        # and one with every layer in C
             fp["c_layers"] = True
     if target.blockq.get("layers"):                               # and one from exact block codes
+        from ..kernels.blockq import build_id
+
         fp["blockq"] = int(target.blockq["layers"])
+        fp["kernel"] = build_id()                                 # (another build of them: another machine)
     return fp
 
 

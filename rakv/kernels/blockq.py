@@ -55,6 +55,7 @@ class _Lib:
     handle = None          # ctypes.CDLL once built and loaded
     reason = ""            # why not, when it could not be
     tried = False
+    ident = ""             # the loaded build's identity (source, compiler, CPU)
 
 
 def _compiler() -> str | None:
@@ -132,7 +133,8 @@ def library():
         return None
     from ..filelock import file_lock
 
-    out = _build_dir() / f"blockq-{_ident(cc)}.so"
+    ident = _ident(cc)
+    out = _build_dir() / f"blockq-{ident}.so"
     if not out.exists():
         try:
             with file_lock(out.with_suffix(".lock")):
@@ -150,8 +152,15 @@ def library():
     except OSError as e:
         _Lib.reason = f"cannot load {out.name}: {e}"
         return None
-    _Lib.handle = lib
+    _Lib.handle, _Lib.ident = lib, ident
     return lib
+
+
+def build_id() -> str:
+    """The loaded kernel build's identity ("" when there is none): a profile measured with another
+    build of the kernel measured another machine."""
+    library()
+    return _Lib.ident
 
 
 def _load(path: Path):
