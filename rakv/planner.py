@@ -28,7 +28,7 @@ now = clock
 LOOKUP_COST_WEIGHT = 0.2    # a lookup verify's measured / predicted ms: weight of each new round (log space)
 LOOKUP_COST_CLIP = 2.0      # one round moves that ratio by at most this factor
 LOOKUP_STEPS = 4.0          # a gated lookup verifies at most what a verify of this many steps holds
-COPY_GAIN_WEIGHT = 0.05     # a copy round's net gain (ms): weight of each new round
+COPY_GAIN_WEIGHT = 0.05     # a copy round's gain, share verified, dry planning: weight of each new round
 COPY_RETRY = 8              # while copies do not pay, every 8th copy round still tries one
 PLAIN_BATCH = 16            # plain steps' times reach the profile this many at a time (and at a request's end)
 
@@ -42,18 +42,40 @@ def lookup_cost_scale(scale: float, measured_ms: float, predicted_ms: float) -> 
     return math.exp((1 - LOOKUP_COST_WEIGHT) * math.log(scale) + LOOKUP_COST_WEIGHT * math.log(r))
 
 
-def copy_gain(avg: float, accepted: int, t_ms: float, extra_ms: float, plan_ms: float) -> float:
-    """A copy round's net gain folded into the average: the steps its accepted copies saved, less
-    what its verify costs over a plain step and what looking up and gating them took."""
-    gain = accepted * t_ms - extra_ms - plan_ms
-    return (1 - COPY_GAIN_WEIGHT) * avg + COPY_GAIN_WEIGHT * gain
+@dataclass
+class CopyLedger:
+    """What copy rounds earn under one sampling setting: the average net gain of a round that
+    verified copies (the steps its accepted copies saved, less what its verify cost over a plain
+    step and what looking up and gating took), how often a copy round verifies any, and what one
+    that verifies none costs (its lookup and gate). A stretch without matches lowers how often,
+    not what a verified copy earns, so a few dry rounds and one miss do not stop the lookups where
+    copies pay."""
+
+    gain: float = 0.0          # net gain of a verified copy round (ms): mean of the first rounds, then weighted
+    verified: float = 0.0      # share of copy rounds that verify copies (weighted)
+    dry_ms: float = 0.0        # planning of a copy round that verifies none (ms, weighted)
+    n: int = 0                 # verified copy rounds seen
+
+    def observe(self, m: int, accepted: int, t_ms: float, extra_ms: float, plan_ms: float) -> None:
+        w = COPY_GAIN_WEIGHT
+        self.verified = (1 - w) * self.verified + w * (m > 0)
+        if m:
+            self.n += 1
+            wg = max(w, 1.0 / self.n)
+            self.gain = (1 - wg) * self.gain + wg * (accepted * t_ms - extra_ms - plan_ms)
+        else:
+            self.dry_ms = (1 - w) * self.dry_ms + w * plan_ms
+
+    def expected(self) -> float:
+        """A copy round's expected net gain (ms)."""
+        return self.verified * self.gain - (1 - self.verified) * self.dry_ms
 
 
-def copies_pay(avg_gain: float, skipped: int) -> bool:
-    """Look up n-gram copies while copy rounds gain on average, and every COPY_RETRY-th round when
-    they do not (to notice when they pay again): where almost no copy is accepted (T = 1.0) the
+def copies_pay(expected_gain: float, skipped: int) -> bool:
+    """Look up n-gram copies while a copy round is expected to gain, and every COPY_RETRY-th round
+    when not (to notice when they pay again): where almost no copy is accepted (T = 1.0) the
     lookup's planning on every round and its rejected verifies cost more than the few it gains."""
-    return avg_gain >= 0.0 or skipped + 1 >= COPY_RETRY
+    return expected_gain >= 0.0 or skipped + 1 >= COPY_RETRY
 
 
 def lookup_top(profile: CostProfile | None, lookup_k: int, floor: int) -> int:
@@ -141,8 +163,8 @@ class RoundPlanner:
         self.lookup_scale = 1.0                 # a lookup verify's measured ms over the profile's V(j)
         self.decide_ms_total = 0.0
         self.setting = "greedy"                 # the sampling setting the maps below are for
-        self._maps: dict[str, tuple] = {}       # the other settings' (accept_map, lookup_map, copy_gain)
-        self.copy_gain = 0.0                    # copy rounds' average net gain (ms), this setting
+        self._maps: dict[str, tuple] = {}       # the other settings' (accept_map, lookup_map, copies)
+        self.copies = CopyLedger()              # what copy rounds earn, this setting
         self.copy_skipped = 0                   # copy rounds made plain steps since the last one tried
         self._plain: list[tuple[int, float]] = []   # plain steps told and not yet folded: (ctx, verify ms)
 
@@ -151,13 +173,13 @@ class RoundPlanner:
         chance of acceptance at another temperature); a new setting's start from ``prior``."""
         if key == self.setting:
             return
-        self._maps[self.setting] = (self.accept_map, self.lookup_map, self.copy_gain)
+        self._maps[self.setting] = (self.accept_map, self.lookup_map, self.copies)
         if key in self._maps:
-            self.accept_map, self.lookup_map, self.copy_gain = self._maps.pop(key)
+            self.accept_map, self.lookup_map, self.copies = self._maps.pop(key)
         else:
             self.accept_map = AcceptMap(prior)
             self.lookup_map = self.accept_map if self.lookup is self.draft else AcceptMap(LOOKUP_ALPHA)
-            self.copy_gain = 0.0
+            self.copies = CopyLedger()
         self.setting = key
 
     # ------------------------------------------------------------------ the question
@@ -165,7 +187,7 @@ class RoundPlanner:
         """This round's k, source and drafted tokens (a model draft is run here, gate and all)."""
         k = min(self._round_k(rq, seq, remaining), remaining - 1)
         copy = self._copy_round(rq, k, remaining)
-        if copy and not copies_pay(self.copy_gain, self.copy_skipped):
+        if copy and not copies_pay(self.copies.expected(), self.copy_skipped):
             self.copy_skipped += 1
             return RoundPlan(k=0)                 # a plain step
         tp = now()
@@ -229,7 +251,7 @@ class RoundPlanner:
         if plan.copy and p is not None:
             t_ms = p.step(ctx)                           # (its verify at its learned cost, as the gate prices it)
             extra = v_m * self.lookup_scale - t_ms if m else 0.0
-            self.copy_gain = copy_gain(self.copy_gain, a, t_ms, extra, plan.plan_ms)
+            self.copies.observe(m, a, t_ms, extra, plan.plan_ms)
         if self.controller is None:
             self.alpha.update(a, m)
             return 0.0

@@ -230,19 +230,43 @@ def test_a_lookup_verifies_no_longer_than_lookup_steps_of_cost(arch):
 
 
 def test_copy_rounds_stop_where_copies_do_not_pay():
-    """``copies_pay``: look up while copy rounds gain on average, else only every COPY_RETRY-th
-    round; ``copy_gain``: a round's saved steps less its verify's extra cost and its planning."""
-    from rakv.planner import COPY_GAIN_WEIGHT, COPY_RETRY, copies_pay, copy_gain
+    """``copies_pay``: look up while a copy round is expected to gain, else only every COPY_RETRY-th
+    round; ``CopyLedger``: a verified round's saved steps less its verify's extra cost and its
+    planning, how often rounds verify, what a dry round's planning costs."""
+    from rakv.planner import COPY_RETRY, CopyLedger, copies_pay
 
     assert copies_pay(0.0, 0) and copies_pay(3.0, 0)
     assert not copies_pay(-0.01, 0) and not copies_pay(-0.01, COPY_RETRY - 2) and copies_pay(-0.01, COPY_RETRY - 1)
-    assert copy_gain(0.0, 2, 4.0, 1.0, 0.1) == pytest.approx(COPY_GAIN_WEIGHT * (8.0 - 1.0 - 0.1))
-    avg = 0.0
+    led = CopyLedger()
+    assert led.expected() == 0.0 and copies_pay(led.expected(), 0)      # untried: look up
+    led.observe(2, 2, 4.0, 1.0, 0.1)                                     # the first verified round: its own gain
+    assert led.gain == pytest.approx(8.0 - 1.0 - 0.1) and led.expected() > 0
+    rejected = CopyLedger()
     for _ in range(40):                        # rejected copies: each verify costs 1 ms more than a step
-        avg = copy_gain(avg, 0, 4.0, 1.0, 0.05)
-    assert avg < 0 and not copies_pay(avg, 0)
-    avg = copy_gain(avg, 3, 4.0, 1.0, 0.05)                     # two tries that pay bring the lookups back
-    assert not copies_pay(avg, 0) and copies_pay(copy_gain(avg, 3, 4.0, 1.0, 0.05), 0)
+        rejected.observe(1, 0, 4.0, 1.0, 0.05)
+    assert rejected.expected() < 0 and not copies_pay(rejected.expected(), 0)
+    for _ in range(3):                         # copies that pay again bring the lookups back
+        rejected.observe(1, 3, 4.0, 1.0, 0.05)
+    assert copies_pay(rejected.expected(), 0)
+
+
+def test_a_dry_stretch_does_not_stop_lookups_where_copies_pay():
+    """Copies that pay (accepted more than the verify's extra cost), then 60 copy rounds with no
+    match (planning only) and one miss: the lookups go on; a stretch with nothing to verify at all
+    (no verified gain to weigh the planning against) stops them."""
+    from rakv.planner import CopyLedger, copies_pay
+
+    led = CopyLedger()
+    for _ in range(10):
+        led.observe(2, 1, 4.0, 1.2, 0.08)                                # +2.7 ms a verified round
+    for _ in range(60):
+        led.observe(0, 0, 4.0, 0.0, 0.05)
+    led.observe(2, 0, 4.0, 1.2, 0.08)
+    assert copies_pay(led.expected(), 0)
+    dry = CopyLedger()
+    for _ in range(5):
+        dry.observe(0, 0, 4.0, 0.0, 0.05)
+    assert not copies_pay(dry.expected(), 0)
 
 
 def test_ngram_copy_runs_past_the_present_as_a_period():
