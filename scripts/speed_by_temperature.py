@@ -7,7 +7,10 @@ identical work to kv) and the transformers peer. The tables of docs/results.md's
 
 Each DIR is a bench --out folder (executions.csv, meta.json). ``joint:0`` is left out of the best
 fixed policy (it does kv's work: taking the luckier of two identical arms would flatter the best
-fixed), and so are the peers (hf:*, llama.cpp) and adaptive policies. A transformers peer that
+fixed), and so are the peers (hf:*, llama.cpp) and adaptive policies. The best fixed policy picked
+on the same requests it is scored on is the luckiest of several close arms; "cross-fitted" picks
+it on one half of the prompts (by index parity) and scores it on the other, both ways: the fixed
+policy a user who had tuned on other prompts would run. A transformers peer that
 samples (``do_sample=True``) draws its own tokens, so its outputs differ in length: it is compared
 in tokens per second, not latency.
 """
@@ -48,6 +51,27 @@ def tps(rows: list[dict], policy: str) -> float:
     return sum(int(r["output_tokens"]) for r in rs) / (sum(float(r["latency_ms"]) for r in rs) / 1e3)
 
 
+def crossfit(rs: list[dict], adaptive: str) -> float:
+    """Total latency of the best fixed policy chosen on the other half of the prompts (index
+    parity, each half scored by the other's pick) over the adaptive policy's on the same requests
+    (> 1: adaptive faster)."""
+    by: dict = {}
+    for r in rs:
+        by.setdefault((r["rep"], r["cell"], r["index"]), {})[r["policy"]] = float(r["latency_ms"])
+    keys = [k for k, v in by.items() if adaptive in v]
+    pols = sorted({p for k in keys for p in by[k] if fixed(p) and all(p in by[j] for j in keys)})
+    num = den = 0.0
+    for half in (0, 1):
+        pick = [k for k in keys if int(k[2]) % 2 == half]
+        score = [k for k in keys if int(k[2]) % 2 != half]
+        if not pick or not score or not pols:
+            return float("nan")
+        best = min(pols, key=lambda p: sum(by[k][p] for k in pick))
+        num += sum(by[k][best] for k in score)
+        den += sum(by[k][adaptive] for k in score)
+    return num / den
+
+
 def summarize(d: Path) -> list[dict]:
     meta = json.loads((d / "meta.json").read_text())
     rows = list(csv.DictReader((d / "executions.csv").open()))
@@ -68,7 +92,7 @@ def summarize(d: Path) -> list[dict]:
                "totals": tot, "alpha": drafted, "mismatches": sum(r["match"] not in ("1", "-1") for r in rs)}
         for p in pols:
             if p.startswith("adaptive"):
-                row[p] = {"total": tot[best] / tot[p], "paired": paired(rs, p, best)}
+                row[p] = {"total": tot[best] / tot[p], "paired": paired(rs, p, best), "crossfit": crossfit(rs, p)}
         if "joint:0" in tot and "kv" in tot:
             row["aa"] = tot["joint:0"] / tot["kv"]
         for p in pols:
@@ -82,7 +106,7 @@ def markdown(rows: list[dict]) -> str:
     ads = sorted({k for r in rows for k in r if k.startswith("adaptive")})
     peers = sorted({k for r in rows for k in r if k.startswith("hf:")})
     head = (["T", "workload", "n", "best fixed (total s)"] +
-            [f"{a} against best: total; paired median [95% CI]" for a in ads] + ["A/A joint:0 / kv"] +
+            [f"{a} against best: total; paired median [95% CI]; cross-fitted" for a in ads] + ["A/A joint:0 / kv"] +
             [f"tokens/s, best fixed over {p}" for p in peers] + ["mismatches"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -90,7 +114,7 @@ def markdown(rows: list[dict]) -> str:
         for a in ads:
             if a in r:
                 m, lo, hi = r[a]["paired"]
-                cells.append(f"{r[a]['total']:.3f}; {m:.2f}x [{lo:.2f}, {hi:.2f}]")
+                cells.append(f"{r[a]['total']:.3f}; {m:.2f}x [{lo:.2f}, {hi:.2f}]; {r[a]['crossfit']:.3f}")
             else:
                 cells.append("-")
         cells.append(f"{r['aa']:.3f}" if "aa" in r else "-")
