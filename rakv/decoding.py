@@ -117,8 +117,10 @@ def cache_len(cache: DynamicCache) -> int:
 
 
 def rollback(cache: DynamicCache, n_remove: int) -> None:
-    """Remove the last ``n_remove`` positions (transformers 5.x: negative crop)."""
-    if n_remove > 0:
+    """Remove the last ``n_remove`` positions (transformers 5.x: negative crop; a cache the C
+    layers wrote last: the same views, made for all layers at once by its buffers, ``lean._Views``)."""
+    views = getattr(cache, "_rakv_views", None)
+    if n_remove > 0 and not (views is not None and views.crop(cache, n_remove)):
         cache.crop(-n_remove)
 
 

@@ -551,6 +551,48 @@ def test_c_steps_on_two_caches_in_turn_and_after_crops_keep_each_caches_logits(k
     assert len(got_a) == len(want_a) and all(torch.equal(a, b) for a, b in zip(got_a, want_a))
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_a_rollback_after_c_steps_makes_the_same_views_as_a_crop(kernel, monkeypatch, arch):
+    """``lean.crop_views`` (the rollback after a verify on the C layers): every layer's K and V are
+    the views ``DynamicCache.crop`` would have made (same buffer, offset, shape, strides, values),
+    the next steps' logits are bit for bit those after a real crop, and a cache that is not in the
+    C forward's state (a layer replaced) is left to ``crop``. Mistral: its sliding-window layers
+    keep transformers' own crop where the cache holds them."""
+    from rakv import decoding as dec
+    from rakv.kernels import lean
+
+    monkeypatch.setenv("RAKV_C_LAYERS", "1")
+    m = _block_pair(arch)[0].model
+    prompt = [(5 * i + 3) % 300 for i in range(24)]
+
+    def run(fast: bool):
+        c = dec.DynamicCache()
+        dec.prefill(m, prompt, c)
+        dec.forward(m, [7], c)
+        out, used = [], []
+        for drafts, reject in (([8, 9, 10, 11], 3), ([12, 13], 2), ([14, 15, 16], 1)):
+            dec.forward(m, drafts, c)                              # a verify
+            if fast:
+                used.append(lean.crop_views(c, reject))
+                if not used[-1]:
+                    c.crop(-reject)
+            else:
+                c.crop(-reject)
+            out.append(dec.forward(m, [drafts[0]], c)[-1])
+        return c, out, used
+
+    fast, slow = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(fast[1], slow[1]))
+    for La, Lb in zip(fast[0].layers, slow[0].layers):
+        for a, b in ((La.keys, Lb.keys), (La.values, Lb.values)):
+            assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    if arch == "llama":
+        assert fast[2] == [True, True, True]
+        c = fast[0]
+        c.layers[0].keys = c.layers[0].keys.clone()                # no longer the C forward's view
+        assert not lean.crop_views(c, 1)
+
+
 def test_a_model_the_c_layers_cannot_run_keeps_the_python_ones(kernel, monkeypatch):
     """GPT-2, a model without block codes: no C layers (they would be wrong maths, not slower)."""
     from rakv import decoding as dec
