@@ -711,22 +711,27 @@ static void attend_heads(int nh, const float *const *q, const float *const *kg, 
                          float softcap, float *const *o, float *s) {
     const int64_t nc = b - a, nk = nc + ne;
     float mx[ATT_HEADS], sum[ATT_HEADS];
+    int64_t j16 = 0;                                 /* keys scored 16 at a time, all heads */
+    for (int h = 0; h < nh; h++) mx[h] = -INFINITY;
+#ifdef RAKV_AVX512
+    if (softcap <= 0.0f) {
+        /* key block by key block, every head: the block's keys (shared by heads of one KV head)
+           stay in L1 from the first head's scores to the last's */
+        const __m512 vscale = _mm512_set1_ps(scale);
+        __m512 vmx[ATT_HEADS];
+        for (int h = 0; h < ATT_HEADS; h++) vmx[h] = _mm512_set1_ps(-INFINITY);
+        for (; j16 + 16 <= nc; j16 += 16)
+            for (int h = 0; h < nh; h++) {
+                const __m512 sc = scores16(q[h], kg[h] + (a + j16) * D, D, vscale);
+                _mm512_storeu_ps(s + h * nk + j16, sc);
+                vmx[h] = _mm512_max_ps(sc, vmx[h]);  /* a NaN score is skipped, as the scalar test skips it */
+            }
+        for (int h = 0; h < nh; h++) mx[h] = _mm512_reduce_max_ps(vmx[h]);
+    }
+#endif
     for (int h = 0; h < nh; h++) {
         float *sh = s + h * nk;
-        int64_t j = 0;
-        mx[h] = -INFINITY;
-#ifdef RAKV_AVX512
-        if (softcap <= 0.0f) {
-            const __m512 vscale = _mm512_set1_ps(scale);
-            __m512 vmx = _mm512_set1_ps(-INFINITY);
-            for (; j + 16 <= nc; j += 16) {
-                const __m512 sc = scores16(q[h], kg[h] + (a + j) * D, D, vscale);
-                _mm512_storeu_ps(sh + j, sc);
-                vmx = _mm512_max_ps(sc, vmx);        /* a NaN score is skipped, as the scalar test skips it */
-            }
-            mx[h] = _mm512_reduce_max_ps(vmx);
-        }
-#endif
+        int64_t j = j16;
         for (; j < nk; j++) {
             const int64_t pos = j < nc ? a + j : extra[j - nc];
             sh[j] = dot_lanes(q[h], kg[h] + pos * D, D) * scale;
