@@ -83,7 +83,8 @@ static inline void NAME(const float *x, int64_t K, int64_t nb, const uint8_t *qs
         }                                                                                      \
         for (int r = 0; r < MR; r++) {                                                         \
             const float *xr = x + r * K + b * BLK;                                             \
-            const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + LANES);           \
+            __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + LANES);                 \
+            __asm__("" : "+v"(x0), "+v"(x1));   /* in registers: each x load serves all NT outputs */ \
             for (int t = 0; t < NT; t++) {                                                     \
                 acc[t][r] = _mm512_fmadd_ps(w0[t], x0, acc[t][r]);                             \
                 acc[t][r] = _mm512_fmadd_ps(w1[t], x1, acc[t][r]);                             \
