@@ -30,16 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from rakv.kernels import blockq  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+from kernel_rows import build as build_lib  # noqa: E402
+
 vp, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
 def build(source_text: str, out: Path) -> ctypes.CDLL:
-    src = out.with_suffix(".c")
-    src.write_text(source_text)
-    why = blockq._build(blockq._compiler(), out, source=src)
-    if why:
-        raise SystemExit(f"build of {src} failed: {why}")
-    lib = ctypes.CDLL(str(out))
+    """``kernel_rows.build`` (compiled as the product compiles it), with the tree attention typed too."""
+    lib = build_lib(source_text, out)
     lib.rakv_attend.argtypes = [vp, i64, i64, i64, i64, vp, i64, vp, i64, i64, i64, f32, vp, i32, i64, f32]
     lib.rakv_attend_tree.argtypes = lib.rakv_attend.argtypes + [vp, i64, vp]
     lib.rakv_attend.restype = lib.rakv_attend_tree.restype = None

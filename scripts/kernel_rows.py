@@ -103,18 +103,25 @@ def use(lib, blocks: list) -> None:
         b._fn = lib.rakv_linear
 
 
-def steps(libs: dict, reps: int, ks=(1, 2, 4, 8, 16), ctx: int = 128, prefill_rows: int = 20) -> dict:
-    """t, V(k) and T_pf(prefill_rows) of the demo model on each library, interleaved: min and median
-    ms, V(k)/t of the mins and of the medians, and whether the logits of every forward agree."""
+def demo_model():
+    """The demo model on the fast path and its block-coded weights (the libraries swap under them)."""
     import gc
 
-    from rakv import decoding as dec
-    from rakv.costs.calibration import calibration_ids
     from rakv.models import load_model
 
     lm = load_model("demo", "float32", None, "cpu", fast=True)
+    return lm, [o for o in gc.get_objects() if isinstance(o, blockq.BlockWeight)]
+
+
+def steps(libs: dict, reps: int, lm, blocks: list, ks=(1, 2, 4, 8, 16), ctx: int = 128,
+          prefill_rows: int = 20) -> dict:
+    """t, V(k) and T_pf(prefill_rows) of the demo model (``demo_model()``) on each library,
+    interleaved: min and median ms, V(k)/t of the mins and of the medians, and whether the logits
+    of every forward agree."""
+    from rakv import decoding as dec
+    from rakv.costs.calibration import calibration_ids
+
     model = lm.model
-    blocks = [o for o in gc.get_objects() if isinstance(o, blockq.BlockWeight)]
     ids = calibration_ids(lm.tokenizer, ctx + max(ks) + 2, lm.vocab_size)
     cache = dec.DynamicCache()
     dec.prefill(model, ids[:ctx], cache)
@@ -176,10 +183,11 @@ def main() -> int:
     simd = getattr(libs["new"], "rakv_blockq_simd", None)
     if a.steps:
         torch.set_num_threads(a.threads)
+        lm, blocks = demo_model()
         load = os.getloadavg()
         res = {"threads": a.threads, "old": a.old, "simd_new": int(simd()) if simd else None,
                "load_before": [round(x, 2) for x in load],
-               "contexts": [steps(libs, a.reps, ctx=int(c)) for c in a.ctx.split(",")],
+               "contexts": [steps(libs, a.reps, lm, blocks, ctx=int(c)) for c in a.ctx.split(",")],
                "load_after": [round(x, 2) for x in os.getloadavg()]}
         print(json.dumps(res, indent=None if a.json else 1))
         return 0 if all(c["same_argmax"] for c in res["contexts"]) else 1

@@ -32,11 +32,17 @@ def fixed(policy: str) -> bool:
     return not (policy.startswith(("adaptive", "hf:", "llama")) or policy == "joint:0")
 
 
-def paired(rows: list[dict], a: str, b: str) -> tuple[float, float, float]:
-    """Median over requests of latency(b) / latency(a), with a 95% bootstrap interval (> 1: a faster)."""
-    by = {}
+def by_request(rows: list[dict]) -> dict:
+    """(rep, cell, index) -> {policy: latency ms}: each request's executions side by side."""
+    by: dict = {}
     for r in rows:
         by.setdefault((r["rep"], r["cell"], r["index"]), {})[r["policy"]] = float(r["latency_ms"])
+    return by
+
+
+def paired(rows: list[dict], a: str, b: str) -> tuple[float, float, float]:
+    """Median over requests of latency(b) / latency(a), with a 95% bootstrap interval (> 1: a faster)."""
+    by = by_request(rows)
     ratios = [v[b] / v[a] for v in by.values() if a in v and b in v and v[a] > 0]
     if not ratios:
         return float("nan"), float("nan"), float("nan")
@@ -55,9 +61,7 @@ def crossfit(rs: list[dict], adaptive: str) -> float:
     """Total latency of the best fixed policy chosen on the other half of the prompts (index
     parity, each half scored by the other's pick) over the adaptive policy's on the same requests
     (> 1: adaptive faster)."""
-    by: dict = {}
-    for r in rs:
-        by.setdefault((r["rep"], r["cell"], r["index"]), {})[r["policy"]] = float(r["latency_ms"])
+    by = by_request(rs)
     keys = [k for k, v in by.items() if adaptive in v]
     pols = sorted({p for k in keys for p in by[k] if fixed(p) and all(p in by[j] for j in keys)})
     num = den = 0.0

@@ -553,13 +553,12 @@ def test_c_steps_on_two_caches_in_turn_and_after_crops_keep_each_caches_logits(k
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_a_rollback_after_c_steps_makes_the_same_views_as_a_crop(kernel, monkeypatch, arch):
-    """``lean.crop_views`` (the rollback after a verify on the C layers): every layer's K and V are
+    """``lean._Views.crop`` (the rollback after a verify on the C layers): every layer's K and V are
     the views ``DynamicCache.crop`` would have made (same buffer, offset, shape, strides, values),
     the next steps' logits are bit for bit those after a real crop, and a cache that is not in the
     C forward's state (a layer replaced) is left to ``crop``. Mistral: its sliding-window layers
     keep transformers' own crop where the cache holds them."""
     from rakv import decoding as dec
-    from rakv.kernels import lean
 
     monkeypatch.setenv("RAKV_C_LAYERS", "1")
     m = _block_pair(arch)[0].model
@@ -573,7 +572,7 @@ def test_a_rollback_after_c_steps_makes_the_same_views_as_a_crop(kernel, monkeyp
         for drafts, reject in (([8, 9, 10, 11], 3), ([12, 13], 2), ([14, 15, 16], 1)):
             dec.forward(m, drafts, c)                              # a verify
             if fast:
-                used.append(lean.crop_views(c, reject))
+                used.append(c._rakv_views.crop(c, reject))
                 if not used[-1]:
                     c.crop(-reject)
             else:
@@ -590,7 +589,7 @@ def test_a_rollback_after_c_steps_makes_the_same_views_as_a_crop(kernel, monkeyp
         assert fast[2] == [True, True, True]
         c = fast[0]
         c.layers[0].keys = c.layers[0].keys.clone()                # no longer the C forward's view
-        assert not lean.crop_views(c, 1)
+        assert not c._rakv_views.crop(c, 1)
 
 
 def test_a_model_the_c_layers_cannot_run_keeps_the_python_ones(kernel, monkeypatch):

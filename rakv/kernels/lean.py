@@ -774,12 +774,6 @@ def buffers_hold(views: "_Views | None", layers, length: int) -> bool:
     return all(L.keys is ks[i] and L.values is vs[i] for i, L in enumerate(layers))
 
 
-def crop_views(cache, n_remove: int) -> bool:
-    """``_Views.crop`` of the cache's C-forward buffers (False when it has none)."""
-    views = getattr(cache, "_rakv_views", None)
-    return views is not None and views.crop(cache, n_remove)
-
-
 def _reserve_layers(layers, n: int, old: "_Views | None") -> "_Views":
     """Buffers for the C forward with room for n more positions after what the layers hold: the
     old ones when every layer's KV still starts them (a crop keeps them) and they have room, else
