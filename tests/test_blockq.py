@@ -551,6 +551,42 @@ def test_c_steps_on_two_caches_in_turn_and_after_crops_keep_each_caches_logits(k
     assert len(got_a) == len(want_a) and all(torch.equal(a, b) for a, b in zip(got_a, want_a))
 
 
+def test_a_gone_caches_kv_buffer_serves_the_next_cache_and_a_live_or_viewed_one_does_not(kernel, monkeypatch):
+    """``lean.KvPool``: a request's KV buffer is reused by the next cache once its cache is gone
+    (fresh pages cost page faults), never while that cache lives or anyone keeps a view of it, and
+    the reused buffer's stale positions do not leak into the next cache's logits."""
+    from rakv import decoding as dec
+    from rakv.kernels import lean
+
+    monkeypatch.setenv("RAKV_C_LAYERS", "1")
+    monkeypatch.setattr(lean, "KV_POOL", lean.KvPool(keep=2))
+    m = _block_pair("llama")[0].model
+    pa, pb = [(5 * i + 3) % 300 for i in range(24)], [(7 * i + 1) % 300 for i in range(20)]
+
+    def steps(p, toks):
+        c = dec.DynamicCache()
+        dec.prefill(m, p, c)
+        return c, [dec.forward(m, [t], c)[-1] for t in toks]
+
+    toks = [(11 * j + 2) % 300 for j in range(6)]
+    ca, want_a = steps(pa, toks)
+    buf_a = ca._rakv_views.K.data_ptr()
+    cb, want_b = steps(pb, toks)                      # a is alive: b gets a buffer of its own
+    assert cb._rakv_views.K.data_ptr() != buf_a
+    buf_b = cb._rakv_views.K.data_ptr()
+    kept = cb.layers[-1].keys                         # someone keeps a view of b's KV
+    del ca, cb
+    cc, got = steps(pb, toks)                         # a's buffer is free, b's is viewed
+    assert cc._rakv_views.K.data_ptr() == buf_a
+    assert all(torch.equal(x, y) for x, y in zip(got, want_b))
+    assert kept.data_ptr() != cc._rakv_views.K.data_ptr() and kept.shape[-2] == len(pb) + len(toks)
+    del kept, cc
+    cd, got = steps(pa, toks)
+    assert cd._rakv_views.K.data_ptr() in (buf_a, buf_b)
+    assert all(torch.equal(x, y) for x, y in zip(got, want_a))
+    assert len(lean.KV_POOL.entries) <= 3
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_a_rollback_after_c_steps_makes_the_same_views_as_a_crop(kernel, monkeypatch, arch):
     """``lean._Views.crop`` (the rollback after a verify on the C layers): every layer's K and V are
@@ -559,8 +595,10 @@ def test_a_rollback_after_c_steps_makes_the_same_views_as_a_crop(kernel, monkeyp
     C forward's state (a layer replaced) is left to ``crop``. Mistral: its sliding-window layers
     keep transformers' own crop where the cache holds them."""
     from rakv import decoding as dec
+    from rakv.kernels import lean
 
     monkeypatch.setenv("RAKV_C_LAYERS", "1")
+    monkeypatch.setattr(lean, "KV_POOL", lean.KvPool())    # (a pooled buffer of another capacity: other strides)
     m = _block_pair(arch)[0].model
     prompt = [(5 * i + 3) % 300 for i in range(24)]
 

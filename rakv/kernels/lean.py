@@ -24,6 +24,8 @@ Shapes: x [1, n, H]; q [1, Hq, n, D]; k, v [1, Hkv, n, D] (the cache: [1, Hkv, p
 from __future__ import annotations
 
 import operator
+import threading
+import weakref
 from functools import partial
 
 import torch
@@ -626,7 +628,7 @@ class LeanLlama:
         layers = cache.layers[: len(descs)]
         views = getattr(cache, "_rakv_views", None)
         if not buffers_hold(views, layers, past + n):
-            views = _reserve_layers(layers, n, views)
+            views = _reserve_layers(layers, n, views, cache)
         if self._bound is not views:         # new buffers, or the last call wrote another cache's
             for i, d in enumerate(descs):
                 d.k, d.v, d.cap = views.K[i].data_ptr(), views.V[i].data_ptr(), views.cap
@@ -723,6 +725,8 @@ def _windows(model: nn.Module) -> list:
 
 
 KV_MIN_CAPACITY = 256
+KV_POOL_KEEP = 2          # free KV buffers kept for later caches (KvPool)
+KV_POOL_BYTES = 1 << 30   # and their bytes at most
 
 
 def kv_capacity(length: int) -> int:
@@ -774,12 +778,89 @@ def buffers_hold(views: "_Views | None", layers, length: int) -> bool:
     return all(L.keys is ks[i] and L.values is vs[i] for i, L in enumerate(layers))
 
 
-def _reserve_layers(layers, n: int, old: "_Views | None") -> "_Views":
+def _storage_refs(t: torch.Tensor) -> int | None:
+    """How many tensors share ``t``'s storage (itself and its views; None: torch cannot say)."""
+    try:
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1   # (less the wrapper asked)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class KvPool:
+    """The C forward's KV buffers of caches that are gone, kept for the next caches: a buffer's
+    first touch costs page faults (on a VM, 1-140 ms for a request's 12-24 MB, against ~1 ms to
+    fill warm pages: docs/fastpath.md#kv-pool), so a request reuses the last one's pages.
+
+    A buffer is free when the cache it served is gone and no other tensor shares its storage (a
+    view of it kept by anyone keeps it from reuse); at most ``keep`` free ones are kept."""
+
+    def __init__(self, keep: int = KV_POOL_KEEP):
+        self.keep = keep
+        self.entries: list[tuple[_Views, weakref.ref]] = []
+        self.lock = threading.Lock()          # (engines may run in several threads)
+
+    @staticmethod
+    def free(views: "_Views", owner: weakref.ref) -> bool:
+        if owner() is not None:
+            return False
+        views.ks = views.vs = ()      # the gone cache's views: now only a holder elsewhere keeps one
+        return _storage_refs(views.K) == 1 and _storage_refs(views.V) == 1
+
+    def take(self, shape: tuple, dtype, device, cache) -> "_Views | None":
+        """The smallest free buffer of ``shape`` but for at least its capacity, now ``cache``'s."""
+        with self.lock:
+            return self._take(shape, dtype, device, cache)
+
+    def _take(self, shape, dtype, device, cache):
+        best = None
+        for i, (vw, owner) in enumerate(self.entries):
+            K = vw.K
+            if (K.dtype == dtype and K.device == device and K.shape[:3] == shape[:3]
+                    and K.shape[4] == shape[4] and vw.cap >= shape[3] and self.free(vw, owner)
+                    and (best is None or vw.cap < self.entries[best][0].cap)):
+                best = i
+        if best is None:
+            return None
+        vw = self.entries[best][0]
+        self.entries[best] = (vw, weakref.ref(cache))
+        return vw
+
+    def add(self, views: "_Views", cache) -> None:
+        """A new buffer serving ``cache``; free buffers beyond ``keep`` are let go (oldest first)."""
+        with self.lock:
+            self.entries.append((views, weakref.ref(cache)))
+            self._trim()
+
+    def _trim(self) -> None:
+        """Keep the newest free buffers, at most ``keep`` of them and KV_POOL_BYTES in all."""
+        kept, total, drop = 0, 0, set()
+        for i in reversed(range(len(self.entries))):
+            vw, owner = self.entries[i]
+            if self.free(vw, owner):
+                nbytes = 2 * vw.K.numel() * vw.K.element_size()
+                if kept < self.keep and total + nbytes <= KV_POOL_BYTES:
+                    kept, total = kept + 1, total + nbytes
+                else:
+                    drop.add(i)
+        if drop:
+            self.entries = [e for i, e in enumerate(self.entries) if i not in drop]
+
+    def clear(self) -> None:
+        """Let every free buffer go (the memory returns to the system)."""
+        with self.lock:
+            self.entries = [(vw, owner) for vw, owner in self.entries if not self.free(vw, owner)]
+
+
+KV_POOL = KvPool()
+
+
+def _reserve_layers(layers, n: int, old: "_Views | None", cache=None) -> "_Views":
     """Buffers for the C forward with room for n more positions after what the layers hold: the
     old ones when every layer's KV still starts them (a crop keeps them) and they have room, else
-    one new allocation for all layers (capacity doubling) holding each layer's positions. Each
-    layer's ``_rakv_buf`` is its part (``_append``, the Python layers, writes into the same). One
-    allocation lets a step make every layer's new views in two ops instead of two a layer."""
+    a free pooled buffer or one new allocation for all layers (capacity doubling) holding each
+    layer's positions. Each layer's ``_rakv_buf`` is its part (``_append``, the Python layers,
+    writes into the same). One allocation lets a step make every layer's new views in two ops
+    instead of two a layer."""
     n0 = int(layers[0].keys.shape[-2])
     if old is not None and n0 + n <= old.cap and len(old.K) == len(layers) and all(
             L.keys.shape[-2] == n0 and L.keys.data_ptr() == old.K[i].data_ptr()
@@ -787,14 +868,19 @@ def _reserve_layers(layers, n: int, old: "_Views | None") -> "_Views":
         return old
     cap = kv_capacity(n0 + n)
     k0 = layers[0].keys
-    K = k0.new_empty((len(layers), *k0.shape[:-2], cap, k0.shape[-1]))
-    V = layers[0].values.new_empty(K.shape)
+    shape = (len(layers), *k0.shape[:-2], cap, k0.shape[-1])
+    views = KV_POOL.take(shape, k0.dtype, k0.device, cache) if cache is not None else None
+    if views is None:
+        views = _Views(k0.new_empty(shape), layers[0].values.new_empty(shape))
+        if cache is not None:
+            KV_POOL.add(views, cache)
+    K, V = views.K, views.V
     for i, L in enumerate(layers):
         m = L.keys.shape[-2]
         K[i, ..., :m, :] = L.keys
         V[i, ..., :m, :] = L.values
         L._rakv_buf = (K[i], V[i])
-    return _Views(K, V)
+    return views
 
 
 def _append(cache, i: int, k: torch.Tensor, v: torch.Tensor):
