@@ -61,9 +61,10 @@ class DraftSource:
         not a draft step's cost and stays out of every measured round."""
         return 0.0
 
-    def propose(self, ids: list[int], k: int, gate=None) -> Proposal:
+    def propose(self, ids: list[int], k: int, gate=None, match=None) -> Proposal:
         """Up to k tokens after ``ids``. With a ``gate`` (rakv.gate.RoundGate), each token's
-        confidence goes to ``gate.keep_going(conf)``, which may stop the draft early."""
+        confidence goes to ``gate.keep_going(conf)``, which may stop the draft early. ``match``:
+        what ``match(ids, k)`` returned for these ids (an n-gram draft does not look again)."""
         return Proposal([])
 
     def commit(self, ids: list[int]) -> None:
@@ -94,9 +95,13 @@ class NgramDraft(DraftSource):
     def end(self) -> None:
         self.history = None
 
-    def propose(self, ids: list[int], k: int, gate=None) -> Proposal:
+    def match(self, ids: list[int], k: int) -> tuple[list[int], int]:
+        """(up to k copied tokens after ``ids``, the match length): the lookup alone, no gate."""
+        return ngram_match(ids, k, self.sizes, self.history)
+
+    def propose(self, ids: list[int], k: int, gate=None, match=None) -> Proposal:
         t0 = now()
-        toks, m = ngram_match(ids, k, self.sizes, self.history)
+        toks, m = match if match is not None else ngram_match(ids, k, self.sizes, self.history)
         if gate is not None and toks:
             # token n is judged after n-1 accepted copies: its match is then m + n - 1 tokens long
             n = 1
@@ -375,7 +380,7 @@ class ModelDraft(DraftSource):
         self.cached = list(self.prompt[: dec.cache_len(self.cache)])
         return PrefillInfo(hit=res.hit, ms=res.forward_ms, stored=res.stored, lookup_ms=res.lookup_ms)
 
-    def propose(self, ids: list[int], k: int, gate=None) -> Proposal:
+    def propose(self, ids: list[int], k: int, gate=None, match=None) -> Proposal:
         if k <= 0:
             return Proposal([])
         t0 = now()

@@ -28,8 +28,10 @@ now = clock
 LOOKUP_COST_WEIGHT = 0.2    # a lookup verify's measured / predicted ms: weight of each new round (log space)
 LOOKUP_COST_CLIP = 2.0      # one round moves that ratio by at most this factor
 LOOKUP_STEPS = 4.0          # a gated lookup verifies at most what a verify of this many steps holds
-COPY_GAIN_WEIGHT = 0.05     # a copy round's gain, share verified, dry planning: weight of each new round
+COPY_GAIN_WEIGHT = 0.05     # a copy round's gain and dry planning: weight of each new round
+COPY_SHARE_WEIGHT = 0.01    # ... the share of copy rounds that verify (matches come in bursts: a long window)
 COPY_RETRY = 8              # while copies do not pay, every 8th copy round still tries one
+COPY_EVIDENCE = 4           # verified copy rounds weighed before copies may be judged not to pay
 PLAIN_BATCH = 16            # plain steps' times reach the profile this many at a time (and at a request's end)
 
 
@@ -52,13 +54,16 @@ class CopyLedger:
     copies pay."""
 
     gain: float = 0.0          # net gain of a verified copy round (ms): mean of the first rounds, then weighted
-    verified: float = 0.0      # share of copy rounds that verify copies (weighted)
+    verified: float = 0.0      # share of copy rounds that verify copies (mean of the first rounds, then weighted)
     dry_ms: float = 0.0        # planning of a copy round that verifies none (ms, weighted)
     n: int = 0                 # verified copy rounds seen
+    rounds: int = 0            # copy rounds seen
 
     def observe(self, m: int, accepted: int, t_ms: float, extra_ms: float, plan_ms: float) -> None:
         w = COPY_GAIN_WEIGHT
-        self.verified = (1 - w) * self.verified + w * (m > 0)
+        self.rounds += 1
+        ws = max(COPY_SHARE_WEIGHT, 1.0 / self.rounds)
+        self.verified = (1 - ws) * self.verified + ws * (m > 0)
         if m:
             self.n += 1
             wg = max(w, 1.0 / self.n)
@@ -71,11 +76,13 @@ class CopyLedger:
         return self.verified * self.gain - (1 - self.verified) * self.dry_ms
 
 
-def copies_pay(expected_gain: float, skipped: int) -> bool:
+def copies_pay(expected_gain: float, skipped: int, evidence: int = COPY_EVIDENCE) -> bool:
     """Look up n-gram copies while a copy round is expected to gain, and every COPY_RETRY-th round
     when not (to notice when they pay again): where almost no copy is accepted (T = 1.0) the
-    lookup's planning on every round and its rejected verifies cost more than the few it gains."""
-    return expected_gain >= 0.0 or skipped + 1 >= COPY_RETRY
+    lookup's planning on every round and its rejected verifies cost more than the few it gains.
+    Until ``evidence`` verified copy rounds have been weighed, always look up (a lookup that
+    finds nothing costs what a fixed policy's does; one skipped may be a copy worth a step)."""
+    return evidence < COPY_EVIDENCE or expected_gain >= 0.0 or skipped + 1 >= COPY_RETRY
 
 
 def lookup_top(profile: CostProfile | None, lookup_k: int, floor: int) -> int:
@@ -187,12 +194,20 @@ class RoundPlanner:
         """This round's k, source and drafted tokens (a model draft is run here, gate and all)."""
         k = min(self._round_k(rq, seq, remaining), remaining - 1)
         copy = self._copy_round(rq, k, remaining)
-        if copy and not copies_pay(self.copies.expected(), self.copy_skipped):
+        if copy and not copies_pay(self.copies.expected(), self.copy_skipped, self.copies.n):
             self.copy_skipped += 1
             return RoundPlan(k=0)                 # a plain step
         tp = now()
         plan = RoundPlan(k=k, copy=copy)
-        gate = self._gate(rq, seq, gate_k_max(k, rq, remaining, self._k_top(rq, self.draft))) if k > 0 else None
+        k_gate = gate_k_max(k, rq, remaining, self._k_top(rq, self.draft)) if k > 0 else 0
+        match = None
+        if copy and k > 0 and self.lookup is self.draft:
+            match = self.draft.match(seq, k_gate)         # nothing to copy (most rounds): no gate to make
+            if not match[0]:
+                plan.plan_ms = (now() - tp) * 1e3
+                self.copy_skipped = 0
+                return plan
+        gate = self._gate(rq, seq, k_gate) if k > 0 else None
         lookup = k == 0 and rq.policy.gate
         # (a probe keeps the model draft: it is there to measure the model draft's acceptance)
         if lookup or (gate is not None and rq.k > 0 and self.lookup is not self.draft):
@@ -203,7 +218,7 @@ class RoundPlanner:
                 plan.source = "lookup" if lk else ""
         if k > 0 and not lookup:
             plan.setup_ms = self.draft.prepare()
-            prop = self.draft.propose(seq, gate.k_max if gate else k, gate)
+            prop = self.draft.propose(seq, gate.k_max if gate else k, gate, match)
             plan.drafts, plan.draft_ms = prop.tokens, prop.ms
             plan.catchup_tokens, plan.catchup_ms = prop.catchup_tokens, prop.catchup_ms
             plan.fed, plan.forwards, plan.forward_ms = prop.fed, len(prop.tokens), prop.forward_ms
@@ -229,7 +244,9 @@ class RoundPlanner:
              ctx: int) -> float:
         """Learn from the verified round; returns the exploration ms it spent (a probe's excess)."""
         m, a, gate, lookup = len(plan.drafts), accepted, plan.gate, plan.lookup
-        if plain_step(plan) and self.controller is not None:
+        if m == 0 and plan.source != "draft" and self.controller is not None and plan.forwards == 0:
+            if plan.copy:                # a copy round that found nothing to verify: a plain step
+                self.copies.observe(0, 0, 0.0, 0.0, plan.plan_ms)
             self.controller.observe_plain(round_ms)
             self._plain.append((ctx, verify_ms))
             if len(self._plain) >= PLAIN_BATCH:
@@ -258,7 +275,7 @@ class RoundPlanner:
         # a lookup's acceptance is not the model draft's alpha: the controller sees a k = 0 round
         explore = self.controller.observe_round(0 if lookup else m, a, round_ms, emitted, ctx)
         self._observe_costs("spec" if m else "ar", m, ctx, verify_ms, plan.forward_ms, plan.catchup_tokens,
-                            rq.draft_model and not lookup, plan.fed, plan.forwards)
+                            rq.draft_model and not lookup, plan.fed, plan.forwards, v_m)
         return explore
 
     def fold_plain(self) -> None:
@@ -367,7 +384,8 @@ class RoundPlanner:
         hd = self.store.peek(self.draft.key, self.draft.prompt) if (reuse and self.draft.reuse) else None
         return len(seq) - (hd.usable if hd is not None else 0)
 
-    def _observe_costs(self, kind, m, ctx, verify_ms, draft_ms, catch_tok, draft_model, fed=1, n_fwd=0) -> None:
+    def _observe_costs(self, kind, m, ctx, verify_ms, draft_ms, catch_tok, draft_model, fed=1, n_fwd=0,
+                       v_m: float = 0.0) -> None:
         """Refine the profile from one round: t from a plain step; a speculative round of m as one
         term R{m}, its draft forwards (``draft_ms``: ``n_fwd`` of them, the first reading ``fed`` =
         1 or 2 tokens, the prompt's prefill left out) and verify together. A model draft's round
@@ -376,6 +394,6 @@ class RoundPlanner:
         if kind == "ar":
             p.observe("t", p.step(ctx), verify_ms)
         elif not draft_model:
-            p.observe(f"R{m}", p.verify(m, ctx), verify_ms)
+            p.observe(f"R{m}", v_m or p.verify(m, ctx), verify_ms)     # (v_m: V(m) as told() priced it)
         elif catch_tok == 0 and n_fwd > 0:
             p.observe(f"R{m}", p.round_forwards(m, ctx, n_fwd, fed), draft_ms + verify_ms)

@@ -253,8 +253,10 @@ def test_copy_rounds_stop_where_copies_do_not_pay():
 def test_a_dry_stretch_does_not_stop_lookups_where_copies_pay():
     """Copies that pay (accepted more than the verify's extra cost), then 60 copy rounds with no
     match (planning only) and one miss: the lookups go on; a stretch with nothing to verify at all
-    (no verified gain to weigh the planning against) stops them."""
-    from rakv.planner import CopyLedger, copies_pay
+    (no verified gain to weigh the planning against) does not stop them before COPY_EVIDENCE
+    verified rounds (the start of a stream: a skipped round may be the first copy worth a step),
+    and stops them after."""
+    from rakv.planner import COPY_EVIDENCE, CopyLedger, copies_pay
 
     led = CopyLedger()
     for _ in range(10):
@@ -266,7 +268,8 @@ def test_a_dry_stretch_does_not_stop_lookups_where_copies_pay():
     dry = CopyLedger()
     for _ in range(5):
         dry.observe(0, 0, 4.0, 0.0, 0.05)
-    assert not copies_pay(dry.expected(), 0)
+    assert dry.expected() < 0 and copies_pay(dry.expected(), 0, dry.n)          # untried: look up
+    assert not copies_pay(dry.expected(), 0, COPY_EVIDENCE)
 
 
 def test_ngram_copy_runs_past_the_present_as_a_period():

@@ -125,7 +125,20 @@ class CostProfile:
         return 0.0 if n <= 0 or not self.D_pf else interp(self.D_pf, n) * self.factor("D")
 
     def step(self, ctx: float) -> float:
-        return interp(self.t, ctx) * self.factor("t")
+        return self._t_at(ctx) * self.factor("t")
+
+    def _t_at(self, ctx: float) -> float:
+        """interp(self.t, ctx), kept per context until t's points are replaced (a round asks for it
+        several times, each time after a forward, when Python runs cold)."""
+        key = (id(self.t), len(self.t))
+        memo = getattr(self, "_t_memo", None)
+        if memo is None or self._t_key != key or len(memo) > 4096:
+            self._t_key, self._t_memo = key, {}
+            memo = self._t_memo
+        v = memo.get(ctx)
+        if v is None:
+            v = memo[ctx] = interp(self.t, ctx)
+        return v
 
     def draft_step(self, ctx: float) -> float:
         """One draft forward (calibrated in the rounds loop: the machine factor only)."""
@@ -178,14 +191,14 @@ class CostProfile:
             key = (self.V_ctx, tuple(self.V.items()), id(self.t), len(self.t))
             if getattr(self, "_v_pts_key", None) != key:        # made again when V or t changed
                 self._v_pts_key = key
-                self._v_pts = [[0, interp(self.t, self.V_ctx)]] + [[kk, self.V[str(kk)]]
+                self._v_pts = [[0, self._t_at(self.V_ctx)]] + [[kk, self.V[str(kk)]]
                                                                    for kk in sorted(int(x) for x in self.V)]
             base = interp(self._v_pts, k)
         return base
 
     def _v_ctx_scale(self, ctx: float) -> float:
         """How a verify scales from V_ctx to ctx: like a step."""
-        return interp(self.t, ctx) / max(1e-9, interp(self.t, self.V_ctx))
+        return self._t_at(ctx) / max(1e-9, self._t_at(self.V_ctx))
 
     # --------------------------------------------------------------- online refinement
     def observe(self, term: str, predicted: float, measured: float) -> None:
