@@ -299,8 +299,9 @@ class Controller:
     def cost(self, s: Situation, r: int, k: int, alpha: float) -> float:
         return self.cost_of_alpha(s, r, k)(alpha)
 
-    def cost_of_alpha(self, s: Situation, r: int, k: int):
-        """C(k, r) as a function of alpha, its alpha-free terms read once (alpha* bisects over it)."""
+    def cost_of_alpha(self, s: Situation, r: int, k: int, shape: list[float] | None = None):
+        """C(k, r) as a function of alpha, its alpha-free terms read once (alpha* searches over it);
+        ``shape``: this decision's ``self.shape``, made once for all its actions."""
         p = self.profile
         hit, hitd = self.hit_tokens(s, r)
         n = max(0, s.N - 1) * self.out_frac
@@ -315,7 +316,7 @@ class Controller:
             c += p.D(s.P - hitd)
         d, d2x, v = p.round_terms(k, ctx)
         last = min(1.0, n)            # a request with decode rounds pays its last round's cut once
-        sh = self.shape
+        sh = self.shape if shape is None else shape
         return lambda alpha: c + (n / E_shaped(k, alpha, sh) + last * overshoot(k, alpha)) * (round_draft_ms(k, alpha, d, d2x) + v)
 
     def feasible(self, s: Situation, r: int, k: int) -> tuple[bool, str]:
@@ -349,10 +350,11 @@ class Controller:
         cands: list[Candidate] = []
         best = None
         fns = {}
+        sh = self.shape
         for r in (0, 1):
             for k in ks:
                 ok, why = self.feasible(s, r, k)
-                fns[r, k] = self.cost_of_alpha(s, r, k)
+                fns[r, k] = self.cost_of_alpha(s, r, k, sh)
                 cands.append(Candidate(reuse=r, k=k, predicted_ms=round(fns[r, k](a), 3), feasible=ok, reason=why))
         # argmin over feasible actions; r = 1 wins a near-tie, before and after the spec margin
         feas = [c for c in cands if c.feasible]
