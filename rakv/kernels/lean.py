@@ -789,7 +789,7 @@ def _storage_refs(t: torch.Tensor) -> int | None:
 class KvPool:
     """The C forward's KV buffers of caches that are gone, kept for the next caches: a buffer's
     first touch costs page faults (on a VM, 1-140 ms for a request's 12-24 MB, against ~1 ms to
-    fill warm pages: docs/fastpath.md#kv-pool), so a request reuses the last one's pages.
+    fill warm pages: docs/fastpath.md, "The KV pool"), so a request reuses the last one's pages.
 
     A buffer is free when the cache it served is gone and no other tensor shares its storage (a
     view of it kept by anyone keeps it from reuse); at most ``keep`` free ones are kept."""
