@@ -135,9 +135,10 @@ def gate_k_max(k: int, rq, remaining: int, k_top: int) -> int:
 
 
 def plain_step(plan: RoundPlan) -> bool:
-    """A round that verified no drafts and was neither a probe nor a copy round: all it teaches
-    is a step's time and one more round without drafting."""
-    return plan.k == 0 and not plan.drafts and plan.gate is None and not plan.copy
+    """A round that verified no drafts and ran no draft forward (a plain step, a copy round that
+    found nothing to verify, a draft that proposed nothing): all it teaches is a step's time and
+    one more round without drafting."""
+    return not plan.drafts and plan.source != "draft" and plan.forwards == 0
 
 
 def use_lookup(tokens: list[int], lookup: RoundGate | None, model: RoundGate, alpha: float) -> bool:
@@ -244,8 +245,8 @@ class RoundPlanner:
              ctx: int) -> float:
         """Learn from the verified round; returns the exploration ms it spent (a probe's excess)."""
         m, a, gate, lookup = len(plan.drafts), accepted, plan.gate, plan.lookup
-        if m == 0 and plan.source != "draft" and self.controller is not None and plan.forwards == 0:
-            if plan.copy:                # a copy round that found nothing to verify: a plain step
+        if plain_step(plan) and self.controller is not None:
+            if plan.copy:                # (its lookup's cost, for the copy ledger)
                 self.copies.observe(0, 0, 0.0, 0.0, plan.plan_ms)
             self.controller.observe_plain(round_ms)
             self._plain.append((ctx, verify_ms))

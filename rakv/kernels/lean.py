@@ -845,11 +845,6 @@ class KvPool:
         if drop:
             self.entries = [e for i, e in enumerate(self.entries) if i not in drop]
 
-    def clear(self) -> None:
-        """Let every free buffer go (the memory returns to the system)."""
-        with self.lock:
-            self.entries = [(vw, owner) for vw, owner in self.entries if not self.free(vw, owner)]
-
 
 KV_POOL = KvPool()
 
