@@ -53,6 +53,7 @@ class LoadedModel:
     one_row: dict = field(default_factory=dict)   # the one-row kernel chosen on the fast path, and how
     blockq: dict = field(default_factory=dict)    # exact block-coded weights in use (rakv.kernels.blockq.attach)
     codes_file: str = ""             # codes read from the model's GGUF at conversion (offered to blockq.attach)
+    numerics: str = "fp32"           # the linears' arithmetic: "fp32" or "q8" (``set_numerics``)
 
     @property
     def config(self):
@@ -154,6 +155,70 @@ def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
     elif lm.fast:
         lm.one_row = fastpath.choose_one_row(lm.model, lm.key, cache_dir())
     return lm
+
+
+NUMERICS = ("fp32", "q8")
+
+
+def set_numerics(lm: LoadedModel, numerics: str) -> LoadedModel:
+    """Give every linear of ``lm`` the arithmetic ``numerics``, in place; returns ``lm``.
+
+    ``fp32``: the fp32 linear of the weights (exact block codes where they rebuild them). ``q8``:
+    every linear, the LM head included, runs from its codes with 8-bit activation blocks and
+    integer dot products (``kernels/blockq.c``, "q8 numerics"), at every row count, so a verify or
+    tree row and a prefill row compute what the decode step computes; a linear without codes of
+    its own (an fp32 checkpoint, a head tied to an unquantized embedding) gets Q8_0 codes once.
+    The model key names the numerics, so prefix-cache entries and cost profiles stay apart."""
+    from .kernels import blockq
+    from .kernels.fastpath import FastLinear
+    from .kernels import lean
+
+    if numerics not in NUMERICS:
+        raise ModelError(f"--numerics must be one of {', '.join(NUMERICS)}, not {numerics!r}")
+    if numerics == lm.numerics:
+        return lm
+    base_key = lm.key.replace("+q8:", ":")
+    if numerics == "fp32":
+        lm.numerics, lm.key = "fp32", base_key
+        return set_fast(lm, lm.fast)
+    why = _q8_unavailable(lm)
+    if why:
+        raise ModelError(f"--numerics q8 is not available for {lm.name}: {why}")
+    seen: dict[int, blockq.BlockWeight] = {}
+    for name, m in lm.model.named_modules():
+        if not isinstance(m, FastLinear):
+            continue
+        if id(m.weight) not in seen:
+            b = m.block if m.block is not None else blockq.quantize_q8_0(blockq._matrix(m))
+            seen[id(m.weight)] = b.with_numerics("q8")
+        m.block = seen[id(m.weight)]
+    attach_lean(lm, bool(lm.lean) or (lm.fast and lean.env_enabled()))
+    at = base_key.rfind(":")
+    lm.numerics, lm.key = "q8", base_key[:at] + "+q8" + base_key[at:]
+    kinds: dict[str, int] = {}
+    for b in seen.values():
+        kinds[b.kind] = kinds.get(b.kind, 0) + 1
+    lm.blockq = dict(lm.blockq, numerics="q8", layers=lm.blockq.get("of", len(seen)), reason="",
+                     bytes=sum(b.nbytes for b in seen.values()), kinds=kinds)
+    return lm
+
+
+def _q8_unavailable(lm: LoadedModel) -> str:
+    """Why q8 numerics cannot run ``lm`` ("" when they can): they need the fast path on CPU in
+    float32 and the compiled kernel, and every linear's inputs in whole blocks of 32."""
+    from .kernels import blockq
+    from .kernels.fastpath import FastLinear
+
+    if not lm.fast:
+        return lm.fast_reason or "the fast path is off (--no-fast or RAKV_FAST=0)"
+    if blockq.library() is None:
+        return f"the C kernel is unavailable ({blockq.reason() or 'RAKV_BLOCKQ=0'})"
+    if not blockq.env_enabled():
+        return "RAKV_BLOCKQ=0"
+    for name, m in lm.model.named_modules():
+        if isinstance(m, FastLinear) and m.in_features % blockq.BLK:
+            return f"layer {name} has {m.in_features} inputs, not a multiple of {blockq.BLK}"
+    return ""
 
 
 def _attach_codes(lm: LoadedModel) -> dict:

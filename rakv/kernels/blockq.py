@@ -181,6 +181,7 @@ def _load(path: Path):
     lib.rakv_decode_layers.restype = i32
     lib.rakv_gumbel_argmax.argtypes = [vp, i64, i64, ctypes.c_float, vp, vp, vp, vp, vp]
     lib.rakv_gumbel_argmax.restype = i32
+    lib.rakv_q8act_simd.restype = i32
     return lib
 
 
@@ -303,7 +304,11 @@ def decode_layers(descs, n_layers: int, x: torch.Tensor, n: int, H: int, Hq: int
 class _LayerDesc(ctypes.Structure):
     """``rakv_layer`` in kernels/blockq.c."""
     _fields_ = [("kind", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
-                ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p)]
+                ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
+                ("numerics", ctypes.c_int64)]
+
+
+NUMERICS = ("fp32", "q8")       # rakv_layer.numerics in blockq.c: 0, 1
 
 
 @dataclass
@@ -317,6 +322,8 @@ class BlockWeight:
                                    # q8x: uint8 [N, K/32, 32]
     d: torch.Tensor                # float32 [N, K/32] (q8x: [N, K/16], a scale per 16 inputs)
     m: torch.Tensor | None         # float32, as d (q4 and q8x; None for q8)
+    numerics: str = "fp32"         # "fp32": the fp32 linear of the rebuilt weights; "q8": integer dot
+                                   # products with 8-bit activation blocks (blockq.c, "q8 numerics")
 
     @property
     def nbytes(self) -> int:
@@ -342,7 +349,8 @@ class BlockWeight:
         """The kernel's entry and this layer's description for it (made once: a call then passes
         six plain arguments)."""
         self._desc = _LayerDesc(KIND_CODES[self.kind], self.N, self.K, self.qs.data_ptr(),
-                                self.d.data_ptr(), self.m.data_ptr() if self.m is not None else self.d.data_ptr())
+                                self.d.data_ptr(), self.m.data_ptr() if self.m is not None else self.d.data_ptr(),
+                                NUMERICS.index(self.numerics))
         self._ref = ctypes.byref(self._desc)
         self._fn = library().rakv_linear
         return self._fn
@@ -374,7 +382,21 @@ class BlockWeight:
         """The codes of the rows ``index`` (in that order)."""
         idx = torch.as_tensor(index, dtype=torch.long)
         return BlockWeight(self.kind, int(idx.numel()), self.K, self.qs[idx].contiguous(), self.d[idx].contiguous(),
-                           None if self.m is None else self.m[idx].contiguous())
+                           None if self.m is None else self.m[idx].contiguous(), self.numerics)
+
+    def with_numerics(self, numerics: str) -> "BlockWeight":
+        """The same codes under another arithmetic (``NUMERICS``), sharing the tensors."""
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, not {numerics!r}")
+        if numerics == self.numerics:
+            return self
+        return BlockWeight(self.kind, self.N, self.K, self.qs, self.d, self.m, numerics)
+
+    @property
+    def all_rows(self) -> bool:
+        """Whether every row count runs from the codes: under q8 numerics a long prefill must compute
+        what the same rows compute one by one (fp32 codes hand long prefills to oneDNN)."""
+        return self.numerics == "q8"
 
 
 @torch.no_grad()
@@ -702,7 +724,23 @@ def concat(blocks: list) -> BlockWeight | None:
     """The codes of layers stacked along their outputs (a fused q|k|v), when all have codes of one kind."""
     if not blocks or any(b is None for b in blocks) or len({(b.kind, b.K) for b in blocks}) != 1:
         return None
+    if len({b.numerics for b in blocks}) != 1:
+        return None
     b0 = blocks[0]
     return BlockWeight(b0.kind, sum(b.N for b in blocks), b0.K, torch.cat([b.qs for b in blocks]),
                        torch.cat([b.d for b in blocks]),
-                       torch.cat([b.m for b in blocks]) if b0.m is not None else None)
+                       torch.cat([b.m for b in blocks]) if b0.m is not None else None, b0.numerics)
+
+
+@torch.no_grad()
+def quantize_q8_0(weight: torch.Tensor) -> BlockWeight:
+    """Q8_0 codes of ``weight`` [N, K] (K a multiple of 32) as llama.cpp quantizes a tensor to Q8_0:
+    per block of 32, d = float16(max |w| / 127), q = round(w / d). Under q8 numerics these codes ARE
+    the layer (a weight that has no codes of its own: an fp32 checkpoint, a tied head)."""
+    w = weight.detach().float().reshape(weight.shape[0], -1, BLK)
+    N, nb = w.shape[0], w.shape[1]
+    d = (w.abs().amax(-1) / 127.0).to(torch.float16).float()
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round(w / safe.unsqueeze(-1)).clamp_(-127, 127)
+    q = torch.where(d.unsqueeze(-1) > 0, q, torch.zeros_like(q))
+    return BlockWeight("q8", N, nb * BLK, q.to(torch.int8).contiguous(), d.contiguous(), None)
