@@ -89,7 +89,7 @@ def run_config(args) -> tuple[RakvConfig, Policy]:
         raise CliError(str(e)) from None
     if policy.k > 0 and args.draft == "none":
         raise CliError(f"policy {policy.name} needs a draft; --draft is 'none'")
-    kw = dict(target=args.target, draft=args.draft, revision=args.revision, dtype=args.dtype,
+    kw = dict(target=args.target, draft=args.draft, revision=args.revision, dtype=args.dtype, numerics=args.numerics,
               threads=args.threads, policy=policy.name, max_new_tokens=args.max_new_tokens,
               k_set=k_set, budget_mib=args.budget_mib, chat_template=not args.raw, sampling=sampling_of(args),
               **device_kw(args))
@@ -185,6 +185,7 @@ class Session:
             "drafted": end.drafted, "accepted": end.accepted, "rounds": end.rounds,
             "alpha_ewma": end.alpha_ewma, "alpha_star": dec.alpha_star if dec else {},
             "predicted_ms": end.predicted_ms, "stopped": end.stopped, "policy": self.policy.name,
+            "numerics": self.engine.target.numerics,
             "templated": bool(start and start.templated),
             "sampling": start.sampling if start else {},
             "template_prefix": start.template_prefix if start else 0,
@@ -388,7 +389,7 @@ class stop_on_interrupt:
 
 def cmd_calibrate(args) -> int:
     config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, threads=args.threads,
-                        **device_kw(args))
+                        numerics=args.numerics, **device_kw(args))
     target, draft = load_pair(args, config)
     if args.check:
         return calibrate_check(target, draft, args.json)

@@ -69,6 +69,10 @@ def add_model_args(ap) -> None:
     ap.add_argument("--draft", default="int8", help="model (same forms), 'int8' (default), 'ngram' or 'none'")
     ap.add_argument("--revision", default=None, help="hub revision of the target")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--numerics", choices=("auto", "q8", "fp32"), default="auto",
+                    help="the linears' arithmetic: q8 (8-bit activation blocks times the weight codes, integer "
+                         "dot products: llama.cpp's kind), fp32 (the fp32 linear of the weights: transformers' "
+                         "ids), auto (default: q8 for a GGUF-backed model, else fp32)")
     ap.add_argument("--threads", type=A.threads, default=None,
                     help=f"torch threads, 1 to this machine's {A.max_threads()} cores (default: torch's choice)")
     add_device_args(ap)
@@ -98,7 +102,8 @@ def load_pair(args, config: RakvConfig):
 
     if args.threads:
         torch.set_num_threads(args.threads)      # range checked by argparse
-    target = load_model(args.target, args.dtype, args.revision, config.device, fast=config.fast)
+    target = load_model(args.target, args.dtype, args.revision, config.device, fast=config.fast,
+                        numerics=config.numerics)
     if (args.draft or "").strip() == "int8" and not getattr(args, "recalibrate", False) and not _drafts_at_once(config):
         # a policy that never drafts (ar, kv), or one that drafts only where its measured costs say it
         # pays (adaptive; a first calibration measures it): the int8 copy is made when first used

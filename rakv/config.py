@@ -30,6 +30,7 @@ class RakvConfig:
     draft: str = "int8"             # model (same forms), "int8", "ngram", "none"
     revision: str | None = None     # hub revision for hub ids
     dtype: str = "float32"
+    numerics: str = "auto"          # the target's (and a model draft's) linears: q8 | fp32 | auto (q8 for a GGUF-backed model)
     device: str = "auto"            # auto (cuda, else mps, else cpu) | cpu | cuda | mps; the CLI stores the resolved one
     fast: bool = field(default_factory=env_fast)  # packed oneDNN linears on CPU (rakv.kernels.fastpath); --no-fast / RAKV_FAST=0
     threads: int | None = None      # torch.set_num_threads; None = torch default

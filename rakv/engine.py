@@ -234,6 +234,7 @@ class Engine:
         h = RunHeader(target=model_info(self.target),
                       draft={"name": self.draft.name, "key": self.draft.key, "has_model": self.draft.has_model},
                       dtype=str(next(self.target.model.parameters()).dtype).replace("torch.", ""),
+                      numerics=self.target.numerics,
                       device=c.device, threads=torch.get_num_threads(), hardware=hardware_info(),
                       versions=versions_info(), settings={**asdict(c), "sampling": asdict(self.sampling)},
                       started=time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -607,6 +608,7 @@ def make_draft(spec: str, target: LoadedModel, config: RakvConfig) -> DraftSourc
         except ValueError:
             raise EngineError(f"bad --draft {s!r}: expected layers:L with an integer L") from None
         return ModelDraft(layers_copy(target, L))
-    lm = load_model(s, config.dtype, None, config.device, fast=config.fast)
+    lm = load_model(s, config.dtype, None, config.device, fast=config.fast,
+                    numerics="q8" if target.numerics == "q8" and config.numerics != "fp32" else config.numerics)
     check_same_tokenizer(target, lm)
     return ModelDraft(lm)

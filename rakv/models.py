@@ -627,8 +627,33 @@ def looks_like_path(spec: str) -> bool:
     return "/" in spec and Path(head).is_dir()      # org/name whose "org" is a local folder
 
 
+def resolve_numerics(spec: str, numerics: str = "auto") -> str:
+    """``auto``: q8 for a model that comes from a GGUF (the demo, a ``.gguf`` file, a preset: what its
+    users run), fp32 for any other; q8 and fp32 as given."""
+    n = (numerics or "auto").strip().lower()
+    if n not in ("auto", *NUMERICS):
+        raise ModelError(f"--numerics must be auto, {' or '.join(NUMERICS)}, not {numerics!r}")
+    if n != "auto":
+        return n
+    s = (spec or "").strip()
+    gguf = s == DEMO_NAME or s.lower().endswith(".gguf") or s in globals().get("PRESETS", {})
+    return "q8" if gguf else "fp32"
+
+
+def apply_numerics(lm: LoadedModel, spec: str, numerics: str = "auto") -> LoadedModel:
+    """``set_numerics`` with ``resolve_numerics``'s choice; an ``auto`` q8 that cannot run here keeps
+    fp32 and says why in one line (an explicit ``q8`` that cannot: ModelError)."""
+    want = resolve_numerics(spec, numerics)
+    if want == "q8" and (numerics or "auto").strip().lower() == "auto":
+        why = _q8_unavailable(lm)
+        if why:
+            log(f"numerics fp32 for {lm.name}: q8 needs {why}")
+            return set_numerics(lm, "fp32")
+    return set_numerics(lm, want)
+
+
 def load_model(spec: str, dtype: str = "float32", revision: str | None = None, device: str = "cpu",
-               fast: bool | None = None) -> LoadedModel:
+               fast: bool | None = None, numerics: str = "fp32") -> LoadedModel:
     """Load a target (or a draft model) from ``demo``, a ``.gguf`` file, a local dir or a hub id.
 
     ``device``: auto | cpu | cuda[:i] | mps (``rakv.device.resolve``); ``fast``: see ``wrap``."""
@@ -695,7 +720,9 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
                              f"cannot be loaded ({e}); delete that folder "
                              "and run again to convert it afresh") from e
         raise
-    log(f"loaded {name} in {time.perf_counter() - t0:.1f} s")
+    if resolve_numerics(spec, numerics) != "fp32":
+        apply_numerics(lm, spec, numerics)
+    log(f"loaded {name} in {time.perf_counter() - t0:.1f} s ({lm.numerics} numerics)")
     return lm
 
 
@@ -1077,6 +1104,7 @@ def model_info(lm: LoadedModel) -> dict:
     n_params = sum(p.numel() for p in lm.model.parameters())
     dev = next(lm.model.parameters()).device
     return {"name": lm.name, "key": lm.key, "arch": type(lm.model).__name__, "params": n_params,
+            "numerics": lm.numerics,
             "layers": getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None),
             "max_positions": lm.max_positions, "device": str(dev), "fast": lm.fast, "lean": bool(lm.lean),
             **({"fast_reason": lm.fast_reason} if lm.fast_reason else {}),

@@ -24,6 +24,7 @@ class RunHeader:
     target: dict = field(default_factory=dict)
     draft: dict = field(default_factory=dict)
     dtype: str = ""
+    numerics: str = ""                # the target's linears: q8 | fp32
     device: str = ""
     threads: int = 0
     hardware: dict = field(default_factory=dict)

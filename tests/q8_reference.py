@@ -9,14 +9,21 @@ import torch
 BLK = 32
 
 
+GROUP = 8          # blocks of 32 per activation group (256 inputs; the last group may be shorter)
+
+
 def quantize_rows(x: torch.Tensor):
-    """x [M, K] float32 -> (xq [M, nb, 32] int64, dx [M, nb] float32)."""
+    """x [M, K] float32 -> (xq [M, nb, 32] int64, dx [M, ng] float32, group of each block [nb])."""
     M, K = x.shape
-    xb = x.reshape(M, K // BLK, BLK)
-    dx = xb.abs().amax(-1) / 127.0
+    nb = K // BLK
+    xb = x.reshape(M, nb, BLK)
+    grp = torch.arange(nb) // GROUP
+    ng = int(grp[-1]) + 1
+    amax = torch.stack([xb[:, g * GROUP:(g + 1) * GROUP].abs().amax((-1, -2)) for g in range(ng)], 1)
+    dx = amax / 127.0
     inv = torch.where(dx != 0, 1.0 / torch.where(dx != 0, dx, torch.ones_like(dx)), torch.zeros_like(dx))
-    xq = torch.round(xb * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int64)
-    return xq, dx
+    xq = torch.round(xb * inv[:, grp].unsqueeze(-1)).clamp(-127, 127).to(torch.int64)
+    return xq, dx, grp
 
 
 def _tree16(a: torch.Tensor) -> torch.Tensor:
@@ -27,14 +34,13 @@ def _tree16(a: torch.Tensor) -> torch.Tensor:
 
 
 def _codes(bw):
-    """(w [N, nb, 32] int64 in input order, D per group, M per group or None, group size)."""
+    """(w [N, nb, 32] int64 in input order, D per group, group size): Q8's codes + 128."""
     N, nb = bw.N, bw.K // BLK
     if bw.kind == "q4":
-        q = torch.cat([bw.qs & 15, bw.qs >> 4], -1).to(torch.int64)
-        return q, bw.d, bw.m, 32
+        return torch.cat([bw.qs & 15, bw.qs >> 4], -1).to(torch.int64), bw.d, 32
     if bw.kind == "q8":
-        return bw.qs.to(torch.int64).reshape(N, nb, BLK), bw.d, None, 32
-    return bw.qs.to(torch.int64).reshape(N, nb, BLK), bw.d, bw.m, 16
+        return bw.qs.to(torch.int64).reshape(N, nb, BLK) + 128, bw.d, 32
+    return bw.qs.to(torch.int64).reshape(N, nb, BLK), bw.d, 16
 
 
 def _pairs(t: torch.Tensor, q4: bool) -> torch.Tensor:
@@ -53,33 +59,37 @@ def linear(bw, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tenso
     M = x.shape[0]
     N, nb = bw.N, bw.K // BLK
     q4 = bw.kind == "q4"
-    xq, dx = quantize_rows(x.float())
-    w, D, Moff, gs = _codes(bw)
+    xq, dx, grp = quantize_rows(x.float())
+    w, D, gs = _codes(bw)
     P = (_pairs(w, q4).unsqueeze(0) * _pairs(xq, q4).unsqueeze(1)).sum(-1)      # [M, N, np, 16] exact
     np_ = P.shape[2]
     lane = torch.arange(16)
-    # the block (within its pair) and, for q8x, the group of 16 (within its pair) of each lane
-    blk_of_lane = (lane // 4) % 2 if q4 else lane // 8
-    dxp = torch.cat([dx, torch.zeros(M, 1)], 1) if nb % 2 else dx
-    dx_lane = dxp.reshape(M, np_, 2)[:, :, blk_of_lane]                          # [M, np, 16]
+    blk_of_lane = (lane // 4) % 2 if q4 else lane // 8   # the block (of its pair) of each lane
     if gs == 16:
         Dp = torch.cat([D, torch.zeros(N, 2)], 1) if nb % 2 else D
-        D_lane = Dp.reshape(N, np_, 4)[:, :, lane // 4]
+        D_lane = Dp.reshape(N, np_, 4)[:, :, lane // 4]                          # [N, np, 16]
     else:
         Dp = torch.cat([D, torch.zeros(N, 1)], 1) if nb % 2 else D
-        D_lane = Dp.reshape(N, np_, 2)[:, :, blk_of_lane]                        # [N, np, 16]
+        D_lane = Dp.reshape(N, np_, 2)[:, :, blk_of_lane]
     acc = torch.zeros(M, N, 16)
-    for p in range(np_):
-        s = D_lane[:, p].unsqueeze(0) * dx_lane[:, p].unsqueeze(1)              # [M, N, 16]
-        acc = acc + P[:, :, p].to(torch.float32) * s
+    for g in range(dx.shape[1]):
+        t = torch.zeros(M, N, 16)
+        for p in range(g * GROUP // 2, min((g + 1) * GROUP // 2, np_)):
+            t = t + P[:, :, p].to(torch.float32) * D_lane[:, p].unsqueeze(0)
+        acc = acc + t * dx[:, g].reshape(M, 1, 1)
     y = _tree16(acc)
+    # the offsets: per block (Q4: M, u = dx sum; Q8: D, -128 dx sum) or per 16 inputs (Q8X: M, dx sum)
+    if gs == 32:
+        u = dx[:, grp] * xq.sum(-1).to(torch.float32)                               # [M, nb]
+        Mo = bw.m if q4 else bw.d
+        if not q4:
+            u = -128.0 * u
+    else:
+        u = dx[:, grp].repeat_interleave(2, 1) * xq.reshape(M, nb, 2, 16).sum(-1).reshape(M, 2 * nb).to(torch.float32)
+        Mo = bw.m
     off = torch.zeros(M, N, 16)
-    if Moff is not None:
-        sums = xq.sum(-1) if gs == 32 else xq.reshape(M, nb, 2, 16).sum(-1).reshape(M, 2 * nb)
-        dxg = dx if gs == 32 else dx.repeat_interleave(2, 1)
-        u = dxg * sums.to(torch.float32)                                         # [M, G]
-        for g in range(u.shape[1]):
-            off[:, :, g % 16] = off[:, :, g % 16] + Moff[:, g].unsqueeze(0) * u[:, g].unsqueeze(1)
+    for g in range(u.shape[1]):
+        off[:, :, g % 16] = off[:, :, g % 16] + Mo[:, g].unsqueeze(0) * u[:, g].unsqueeze(1)
     y = y + _tree16(off)
     if bias is not None:
         y = y + bias

@@ -187,7 +187,8 @@ def load_models(args, draft_spec: str):
         if isinstance(draft, ModelDraft) and draft.lm.fast:
             set_fast(draft.lm, kw["fast"])
         return target, draft
-    return load_pair(args, RakvConfig(target=args.target, draft=draft_spec, dtype=args.dtype, **kw))
+    return load_pair(args, RakvConfig(target=args.target, draft=draft_spec, dtype=args.dtype,
+                                      numerics=getattr(args, "numerics", "auto"), **kw))
 
 
 def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
@@ -270,7 +271,8 @@ def run(args, argv: list[str]) -> int:
                           sampling=bench_sampling(args))
     out.mkdir(parents=True, exist_ok=True)
     save_profile(profile, out / "profile.json")
-    config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, k_set=tuple(s["k_set"]),
+    config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, numerics=getattr(args, "numerics", "auto"),
+                        k_set=tuple(s["k_set"]),
                         budget_mib=args.budget_mib, sampling=bench_sampling(args), **device_kw(args))
     meta = run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile, config.sampling)
     (out / "meta.json").write_text(json.dumps(meta, indent=1))

@@ -864,57 +864,58 @@ void rakv_attend_tree(const float *q, int64_t n, int64_t Hq, int64_t D, int64_t 
     }
 }
 
-/* ---- q8 numerics: integer dot products of 8-bit activation blocks with the weight codes
+/* ---- q8 numerics: integer dot products of 8-bit activation groups with the weight codes
 
-   `--numerics q8` (llama.cpp's kind of arithmetic). Each row of x is quantized on its own, block
-   by block of 32 inputs: dx = max_j |x_j| / 127, xq_j = round-half-even(x_j / dx) (x_j * (1 / dx),
-   0 where dx = 0), so |xq_j| <= 127. Then for output n, every (row, block) dot product of the codes q
-   with xq is an exact int32 sum, and only the scales are floating point:
+   `--numerics q8` (llama.cpp's kind of arithmetic). Each row of x is quantized on its own, group by
+   group of 256 inputs (as llama.cpp's Q8_K; the last group of a row may be shorter, whole blocks of
+   32): dx = max_j |x_j| / 127 over the group, xq_j = round-half-even(x_j * (1 / dx)) (0 where dx = 0),
+   so |xq_j| <= 127. Then every (row, block of 32) dot product of the codes q with xq is an exact int32
+   sum, and only the scales are floating point:
 
-     Q4:  y = sum_b D_b dx_b (q . xq)_b + sum_b M_b dx_b (sum xq)_b           (D, M per 32 inputs)
-     Q8:  y = sum_b D_b dx_b (q . xq)_b                                        (q signed)
-     Q8X: y = sum_h D_h dx_b(h) (q . xq)_h + sum_h M_h dx_b(h) (sum xq)_h      (D, M per 16 inputs)
+     Q4:  y = sum_b D_b dx (q . xq)_b + sum_b M_b dx (sum xq)_b                (D, M per 32 inputs)
+     Q8:  y = sum_b D_b dx ((q + 128) . xq)_b - sum_b D_b 128 dx (sum xq)_b     (q signed; exact)
+     Q8X: y = sum_h D_h dx (q . xq)_h + sum_h M_h dx (sum xq)_h                 (D, M per 16 inputs)
 
-   The order, fixed whatever the number of rows, threads or build (portable C, AVX2, AVX-512 VNNI):
-   the integer sums are taken in 16 lanes of 4 consecutive inputs each, two blocks b = 2p, 2p + 1
-   at a time ("pair" p; the second block is absent, all zero, when nb is odd):
+   The order, fixed whatever the number of rows, threads or build (portable C, AVX-512 VNNI): the
+   integer sums are taken in 16 lanes of 4 consecutive inputs each, two blocks b = 2p, 2p + 1 at a
+   time ("pair" p; the second block is absent, all zero, when the row has an odd number of blocks):
      Q4 lanes:  0-3 block 2p inputs 0-15, 4-7 block 2p+1 inputs 0-15, 8-11 block 2p inputs 16-31,
                 12-15 block 2p+1 inputs 16-31 (the nibble layout of the codes);
      Q8, Q8X:   0-7 block 2p inputs 0-31, 8-15 block 2p+1 inputs 0-31 (in order, 4 a lane).
-   Lane l: acc_l = acc_l + (float)P_l * (D_l * dx_l), pair after pair (a product, then a sum:
-   no fma), with D_l, dx_l the scale and activation scale of lane l's inputs. The offsets: lane
-   (g mod 16) of a second register adds M_g * u_g in order of g (g a block for Q4, a group of 16 for
-   Q8X; u_g = dx_b * (sum of g's xq), computed once per row). y = tree16(acc) + tree16(off) (+ bias).
-   A verify row is therefore the decode step's row bit for bit, and tests/ compare every kind with a
-   plain torch reference of the same sums. */
+   Per group, lane l: t_l = t_l + (float)P_l * D_l pair after pair (a product, then a sum: no fma),
+   D_l the weights' scale of lane l's inputs; then acc_l = acc_l + t_l * dx. The offsets: lane
+   (g mod 16) of a second register adds M_g * u_g in order of g (g a block for Q4 and Q8, M = D and
+   u_g = -128 dx (sum of g's xq) for Q8; a group of 16 inputs for Q8X; u_g = dx (sum of g's xq)
+   otherwise, computed once per row). y = tree16(acc) + tree16(off) (+ bias). A verify row is
+   therefore the decode step's row bit for bit, and tests/q8_reference.py computes the same sums in
+   plain torch. */
+
+#define QGROUP 8         /* blocks of 32 per activation group (256 inputs) */
 
 typedef struct {
     int8_t *xa;          /* [np * 64] Q4 lane layout (above), zero for an absent block */
     int8_t *xb;          /* [np * 64] inputs in order, two blocks a pair */
-    int32_t *c8;         /* [np * 16] 128 x each lane's sum of xq (Q8's unsigned-code correction) */
-    float *pa, *pb;      /* [np * 16] dx of each lane, Q4 layout / in-order layout */
-    float *u32, *u16;    /* [nb16], [2 nb16]: dx_b (sum of xq) per block / per 16 inputs, zero padded */
+    float *dx;           /* [ngroups] */
+    float *u32, *v8, *u16;  /* [nb16], [nb16], [2 nb16 rounded]: per-block / per-16 offset factors */
 } qrow;
 
 static inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
 static size_t qrow_bytes(int64_t nb) {
-    const int64_t np = (nb + 1) / 2, nb16 = round16(nb), ng16 = round16(2 * nb);
-    return (size_t)(np * 64 * 2 + np * 16 * 4 * 3 + nb16 * 4 + ng16 * 4 + 64 * 6);
+    const int64_t np = (nb + 1) / 2, ng = (nb + QGROUP - 1) / QGROUP;
+    return (size_t)(np * 64 * 2 + round16(ng) * 4 + round16(nb) * 8 + round16(2 * nb) * 4 + 64 * 6);
 }
 
 static qrow qrow_at(char *base, int64_t nb) {
-    const int64_t np = (nb + 1) / 2, nb16 = round16(nb), ng16 = round16(2 * nb);
+    const int64_t np = (nb + 1) / 2, ng = (nb + QGROUP - 1) / QGROUP;
     qrow r;
     char *p = (char *)(((uintptr_t)base + 63) / 64 * 64);
     r.xa = (int8_t *)p; p += np * 64;
     r.xb = (int8_t *)p; p += np * 64;
-    r.c8 = (int32_t *)p; p += np * 64;
-    r.pa = (float *)p; p += np * 64;
-    r.pb = (float *)p; p += np * 64;
-    r.u32 = (float *)p; p += (nb16 * 4 + 63) / 64 * 64;
+    r.dx = (float *)p; p += (round16(ng) * 4 + 63) / 64 * 64;
+    r.u32 = (float *)p; p += (round16(nb) * 4 + 63) / 64 * 64;
+    r.v8 = (float *)p; p += (round16(nb) * 4 + 63) / 64 * 64;
     r.u16 = (float *)p;
-    (void)ng16;
     return r;
 }
 
@@ -923,101 +924,84 @@ static void quantize_row(const float *x, int64_t K, qrow *r) {
     const int64_t nb = K / BLK, np = (nb + 1) / 2;
     memset(r->xa, 0, np * 64);
     memset(r->xb, 0, np * 64);
-    memset(r->c8, 0, np * 64);
-    memset(r->pa, 0, np * 64);
-    memset(r->pb, 0, np * 64);
     memset(r->u32, 0, round16(nb) * 4);
+    memset(r->v8, 0, round16(nb) * 4);
     memset(r->u16, 0, round16(2 * nb) * 4);
-    for (int64_t b = 0; b < nb; b++) {
-        const float *xb = x + b * BLK;
+    for (int64_t g0 = 0; g0 < nb; g0 += QGROUP) {
+        const int64_t g1 = g0 + QGROUP < nb ? g0 + QGROUP : nb;
         float amax = 0.0f;
-        for (int j = 0; j < BLK; j++) {
-            const float a = fabsf(xb[j]);
+        for (int64_t j = g0 * BLK; j < g1 * BLK; j++) {
+            const float a = fabsf(x[j]);
             amax = a > amax ? a : amax;
         }
         const float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
-        int8_t q[BLK];
-        int32_t s16[2] = {0, 0};
-        for (int j = 0; j < BLK; j++) {
-            const float v = nearbyintf(xb[j] * id);
-            q[j] = (int8_t)(v > 127.0f ? 127 : (v < -127.0f ? -127 : (int)v));
-            s16[j / 16] += q[j];
+        r->dx[g0 / QGROUP] = dx;
+        for (int64_t b = g0; b < g1; b++) {
+            int8_t q[BLK];
+            int32_t s16[2] = {0, 0};
+            for (int j = 0; j < BLK; j++) {
+                const float v = nearbyintf(x[b * BLK + j] * id);
+                q[j] = (int8_t)(v > 127.0f ? 127 : (v < -127.0f ? -127 : (int)v));
+                s16[j / 16] += q[j];
+            }
+            const int64_t p = b / 2, h = b % 2;
+            memcpy(r->xa + p * 64 + h * 16, q, 16);
+            memcpy(r->xa + p * 64 + 32 + h * 16, q + 16, 16);
+            memcpy(r->xb + p * 64 + h * 32, q, BLK);
+            r->u32[b] = dx * (float)(s16[0] + s16[1]);
+            r->v8[b] = -128.0f * r->u32[b];
+            r->u16[2 * b] = dx * (float)s16[0];
+            r->u16[2 * b + 1] = dx * (float)s16[1];
         }
-        const int64_t p = b / 2, h = b % 2;
-        for (int j = 0; j < 16; j++) {
-            r->xa[p * 64 + h * 16 + j] = q[j];
-            r->xa[p * 64 + 32 + h * 16 + j] = q[16 + j];
-        }
-        memcpy(r->xb + p * 64 + h * 32, q, BLK);
-        for (int l = 0; l < 8; l++)
-            r->c8[p * 16 + h * 8 + l] = 128 * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
-        for (int l = 0; l < 4; l++) {
-            r->pa[p * 16 + h * 4 + l] = dx;
-            r->pa[p * 16 + 8 + h * 4 + l] = dx;
-        }
-        for (int l = 0; l < 8; l++) r->pb[p * 16 + h * 8 + l] = dx;
-        r->u32[b] = dx * (float)(s16[0] + s16[1]);
-        r->u16[2 * b] = dx * (float)s16[0];
-        r->u16[2 * b + 1] = dx * (float)s16[1];
     }
 }
 
-/* the scale of each lane of pair p of output row n: D_l (the weights' part of D_l dx_l) */
+/* the weights' scale of each lane of pair p of output row n */
 static inline void lane_scales(int kind, const float *d, int64_t nb, int64_t n, int64_t p, float D[16]) {
     const int64_t b = 2 * p;
     const int two = b + 1 < nb;
     if (kind == 9) {
         const float *g = d + n * 2 * nb + 2 * b;
         for (int l = 0; l < 16; l++) D[l] = (l >= 8 && !two) ? 0.0f : g[l / 4];
-    } else if (kind == 4) {
-        const float d0 = d[n * nb + b], d1 = two ? d[n * nb + b + 1] : 0.0f;
-        for (int l = 0; l < 16; l++) D[l] = (l / 4) % 2 ? d1 : d0;
     } else {
         const float d0 = d[n * nb + b], d1 = two ? d[n * nb + b + 1] : 0.0f;
-        for (int l = 0; l < 16; l++) D[l] = l < 8 ? d0 : d1;
+        for (int l = 0; l < 16; l++) D[l] = (kind == 4 ? (l / 4) % 2 : l / 8) ? d1 : d0;
     }
 }
 
-/* the integer lane sums of pair p of output n against row r (portable form of every build's) */
+/* the integer lane sums of pair p of output n against row r (Q8's codes + 128) */
 static inline void lane_sums(int kind, const uint8_t *qs, int64_t nb, int64_t n, int64_t p, const qrow *r,
                              int32_t P[16]) {
     const int64_t b = 2 * p;
     const int two = b + 1 < nb;
     int w[64];
     memset(w, 0, sizeof(w));
-    if (kind == 4) {
-        for (int h = 0; h < 1 + two; h++) {
+    const int8_t *x = (kind == 4 ? r->xa : r->xb) + p * 64;
+    for (int h = 0; h < 1 + two; h++) {
+        if (kind == 4) {
             const uint8_t *c = qs + (n * nb + b + h) * (BLK / 2);
             for (int j = 0; j < 16; j++) {
                 w[h * 16 + j] = c[j] & 15;
                 w[32 + h * 16 + j] = c[j] >> 4;
             }
+        } else {
+            const uint8_t *c = qs + (n * nb + b + h) * BLK;
+            for (int j = 0; j < BLK; j++) w[h * 32 + j] = kind == 8 ? (int)(int8_t)c[j] + 128 : (int)c[j];
         }
-        for (int l = 0; l < 16; l++) {
-            int32_t s = 0;
-            for (int t = 0; t < 4; t++) s += w[4 * l + t] * r->xa[p * 64 + 4 * l + t];
-            P[l] = s;
-        }
-        return;
-    }
-    for (int h = 0; h < 1 + two; h++) {
-        const uint8_t *c = qs + (n * nb + b + h) * BLK;
-        for (int j = 0; j < BLK; j++) w[h * 32 + j] = kind == 8 ? (int)(int8_t)c[j] : (int)c[j];
     }
     for (int l = 0; l < 16; l++) {
         int32_t s = 0;
-        for (int t = 0; t < 4; t++) s += w[4 * l + t] * r->xb[p * 64 + 4 * l + t];
+        for (int t = 0; t < 4; t++) s += w[4 * l + t] * x[4 * l + t];
         P[l] = s;
     }
 }
 
-/* the offsets' sum of output n for row r (Q4: per block, Q8X: per 16 inputs; Q8: none) */
-static inline float offsets_sum(int kind, const float *m, int64_t nb, int64_t n, const qrow *r) {
-    if (kind == 8) return 0.0f;
+/* the offsets' sum of output n for row r */
+static inline float offsets_sum(int kind, const float *d, const float *m, int64_t nb, int64_t n, const qrow *r) {
+    const int64_t G = kind == 9 ? 2 * nb : nb;
+    const float *mg = (kind == 8 ? d : m) + n * G, *u = kind == 4 ? r->u32 : (kind == 8 ? r->v8 : r->u16);
 #ifdef RAKV_AVX512
     __m512 off = _mm512_setzero_ps();
-    const int64_t G = kind == 4 ? nb : 2 * nb;
-    const float *mg = m + n * G, *u = kind == 4 ? r->u32 : r->u16;
     int64_t g = 0;
     for (; g + 16 <= G; g += 16)
         off = _mm512_add_ps(off, _mm512_mul_ps(_mm512_loadu_ps(mg + g), _mm512_loadu_ps(u + g)));
@@ -1028,8 +1012,6 @@ static inline float offsets_sum(int kind, const float *m, int64_t nb, int64_t n,
     return tree_reg(off);
 #else
     float off[16] = {0};
-    const int64_t G = kind == 4 ? nb : 2 * nb;
-    const float *mg = m + n * G, *u = kind == 4 ? r->u32 : r->u16;
     for (int64_t g = 0; g < G; g++) off[g % 16] = off[g % 16] + mg[g] * u[g];
     return tree16(off);
 #endif
@@ -1037,7 +1019,7 @@ static inline float offsets_sum(int kind, const float *m, int64_t nb, int64_t n,
 
 #if defined(RAKV_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define RAKV_VNNI 1
-/* pair p of output n as 64 code bytes in its lane layout (Q8: +128, as unsigned) */
+/* pair p of output n as 64 code bytes in its lane layout (Q8: + 128, unsigned) */
 static inline __attribute__((always_inline)) __m512i pair_codes(int kind, const uint8_t *qs, int64_t nb, int64_t n,
                                                                 int64_t p) {
     const int64_t b = 2 * p;
@@ -1045,16 +1027,14 @@ static inline __attribute__((always_inline)) __m512i pair_codes(int kind, const 
     if (kind == 4) {
         const uint8_t *c = qs + (n * nb + b) * (BLK / 2);
         const __m256i v = two ? _mm256_loadu_si256((const __m256i *)c)
-                              : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)c));
+                              : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)c));
         const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(15));
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
-        __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        if (!two) w = _mm512_maskz_mov_epi32(0x0F0F, w);
-        return w;
+        return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
     }
     const uint8_t *c = qs + (n * nb + b) * BLK;
     __m512i w = two ? _mm512_loadu_si512((const void *)c) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, c);
-    if (kind == 8) w = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+    if (kind == 8) w = _mm512_maskz_xor_epi32(two ? 0xFFFF : 0x00FF, w, _mm512_set1_epi8((char)0x80));
     return w;
 }
 
@@ -1080,21 +1060,25 @@ static inline __attribute__((always_inline)) void q8act_out(int kind, int MR, co
                                                             const float *m, int64_t nb, int64_t n, const qrow *rows,
                                                             float *y, int64_t N, const float *bias) {
     const int64_t np = (nb + 1) / 2;
-    __m512 acc[8];
+    __m512 acc[8], t[8];
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < np; p++) {
-        const __m512i w = pair_codes(kind, qs, nb, n, p);
-        const __m512 D = pair_scales(kind, d, nb, n, p);
-        for (int r = 0; r < MR; r++) {
-            const __m512i x = _mm512_load_si512((const void *)((kind == 4 ? rows[r].xa : rows[r].xb) + p * 64));
-            __m512i P = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
-            if (kind == 8) P = _mm512_sub_epi32(P, _mm512_load_si512((const void *)(rows[r].c8 + p * 16)));
-            const __m512 s = _mm512_mul_ps(D, _mm512_load_ps((kind == 4 ? rows[r].pa : rows[r].pb) + p * 16));
-            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(P), s));
+    for (int64_t p0 = 0; p0 < np; p0 += QGROUP / 2) {
+        const int64_t p1 = p0 + QGROUP / 2 < np ? p0 + QGROUP / 2 : np;
+        for (int r = 0; r < MR; r++) t[r] = _mm512_setzero_ps();
+        for (int64_t p = p0; p < p1; p++) {
+            const __m512i w = pair_codes(kind, qs, nb, n, p);
+            const __m512 D = pair_scales(kind, d, nb, n, p);
+            for (int r = 0; r < MR; r++) {
+                const __m512i x = _mm512_load_si512((const void *)((kind == 4 ? rows[r].xa : rows[r].xb) + p * 64));
+                const __m512i P = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+                t[r] = _mm512_add_ps(t[r], _mm512_mul_ps(_mm512_cvtepi32_ps(P), D));
+            }
         }
+        for (int r = 0; r < MR; r++)
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(t[r], _mm512_set1_ps(rows[r].dx[p0 / (QGROUP / 2)])));
     }
     for (int r = 0; r < MR; r++) {
-        float v = tree_reg(acc[r]) + offsets_sum(kind, m, nb, n, rows + r);
+        float v = tree_reg(acc[r]) + offsets_sum(kind, d, m, nb, n, rows + r);
         if (bias) v += bias[n];
         y[r * N + n] = v;
     }
@@ -1104,23 +1088,27 @@ static inline __attribute__((always_inline)) void q8act_out(int kind, int MR, co
 static inline void q8act_out(int kind, int MR, const uint8_t *qs, const float *d, const float *m, int64_t nb,
                              int64_t n, const qrow *rows, float *y, int64_t N, const float *bias) {
     const int64_t np = (nb + 1) / 2;
-    float acc[8][16];
+    float acc[8][16], t[8][16];
     memset(acc, 0, sizeof(acc));
-    for (int64_t p = 0; p < np; p++) {
-        float D[16];
-        lane_scales(kind, d, nb, n, p, D);
-        for (int r = 0; r < MR; r++) {
-            int32_t P[16];
-            lane_sums(kind, qs, nb, n, p, rows + r, P);
-            const float *dx = (kind == 4 ? rows[r].pa : rows[r].pb) + p * 16;
-            for (int l = 0; l < 16; l++) {
-                const float s = D[l] * dx[l];
-                acc[r][l] = acc[r][l] + (float)P[l] * s;
+    for (int64_t p0 = 0; p0 < np; p0 += QGROUP / 2) {
+        const int64_t p1 = p0 + QGROUP / 2 < np ? p0 + QGROUP / 2 : np;
+        memset(t, 0, sizeof(t));
+        for (int64_t p = p0; p < p1; p++) {
+            float D[16];
+            lane_scales(kind, d, nb, n, p, D);
+            for (int r = 0; r < MR; r++) {
+                int32_t P[16];
+                lane_sums(kind, qs, nb, n, p, rows + r, P);
+                for (int l = 0; l < 16; l++) t[r][l] = t[r][l] + (float)P[l] * D[l];
             }
+        }
+        for (int r = 0; r < MR; r++) {
+            const float dx = rows[r].dx[p0 / (QGROUP / 2)];
+            for (int l = 0; l < 16; l++) acc[r][l] = acc[r][l] + t[r][l] * dx;
         }
     }
     for (int r = 0; r < MR; r++) {
-        float v = tree16(acc[r]) + offsets_sum(kind, m, nb, n, rows + r);
+        float v = tree16(acc[r]) + offsets_sum(kind, d, m, nb, n, rows + r);
         if (bias) v += bias[n];
         y[r * N + n] = v;
     }
@@ -1146,8 +1134,8 @@ static void q8act_range(int kind, int mr, const uint8_t *qs, const float *d, con
 static int rakv_q8act_linear(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
                              const float *m, int64_t N, float *y, const float *bias, int threads) {
     const int64_t nb = K / BLK;
-    const size_t rb = qrow_bytes(nb);
-    char *mem = aligned_alloc(64, ((size_t)M * rb + 63) / 64 * 64);
+    const size_t rb = (qrow_bytes(nb) + 63) / 64 * 64;
+    char *mem = aligned_alloc(64, (size_t)(M > 0 ? M : 1) * rb);
     qrow *rows = malloc(sizeof(qrow) * (size_t)(M > 0 ? M : 1));
     if (!mem || !rows) { free(mem); free(rows); return 1; }
     #pragma omp parallel for num_threads(threads) schedule(static) if (M > 1)

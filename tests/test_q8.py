@@ -1,0 +1,198 @@
+"""q8 numerics (``--numerics q8``): integer dot products of 8-bit activation groups with the weight
+codes. The kernel against a plain torch reference of the same sums (tests/q8_reference.py), bit for
+bit, for every kind of codes and every GGUF type; the narrower builds alike; and every policy, draft
+and k on tiny random models equal to target-only decoding in q8, greedy and seeded."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from rakv.config import RakvConfig
+from rakv.drafts import ModelDraft, NgramDraft
+from rakv.engine import Engine
+from rakv.kernels import blockq
+from rakv.models import ModelError, int8_copy, layers_copy, resolve_numerics, set_numerics
+from rakv.sampling import Sampling
+from tests import q8_reference as ref
+from tests.tiny import make_pair, synthetic_profile
+
+kernel = pytest.mark.skipif(blockq.library() is None, reason=f"no block kernel: {blockq.reason()}")
+
+
+def _codes(kind: str, N: int, K: int, seed: int = 0) -> blockq.BlockWeight:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "q4":
+        return blockq.BlockWeight("q4", N, K, torch.randint(0, 256, (N, K // 32, 16), dtype=torch.uint8, generator=g),
+                                  torch.rand(N, K // 32, generator=g) * 0.1, torch.randn(N, K // 32, generator=g) * 0.1)
+    if kind == "q8x":
+        return blockq.BlockWeight("q8x", N, K, torch.randint(0, 64, (N, K // 32, 32), dtype=torch.uint8, generator=g),
+                                  torch.rand(N, K // 16, generator=g) * 0.1, torch.randn(N, K // 16, generator=g) * 0.1)
+    return blockq.quantize_q8_0(torch.randn(N, K, generator=g))
+
+
+@kernel
+@pytest.mark.parametrize("kind", ["q4", "q8", "q8x"])
+@pytest.mark.parametrize("K", [32, 96, 256, 288, 800])      # odd blocks, a partial last group, several groups
+def test_the_kernel_equals_the_torch_reference_bit_for_bit(kind, K):
+    b = _codes(kind, 37, K, seed=K).with_numerics("q8")
+    torch.manual_seed(K)
+    x, bias = torch.randn(17, K) * 3, torch.randn(37)
+    x[2] = 0.0                                    # a row of zeros (dx = 0)
+    x[3, :32] = 0.0                               # a group's first block zero
+    for M in (1, 2, 5, 9, 17):
+        got = b(x[:M], bias)
+        assert torch.equal(got, ref.linear(b, x[:M], bias)), (kind, K, M)
+        # and each row alone (a decode step) is the same row among M (a verify)
+        for i in range(M):
+            assert torch.equal(b(x[i:i + 1], bias)[0], got[i])
+
+
+@kernel
+def test_q8_numerics_stay_close_to_the_fp32_linear():
+    """Not a bit-exactness property: the 8-bit activations move a dot product by well under 1%
+    of the output scale on random data (what llama.cpp's arithmetic does too)."""
+    for kind in ("q4", "q8", "q8x"):
+        b = _codes(kind, 64, 512, seed=3)
+        x = torch.randn(4, 512)
+        y32, y8 = b(x), b.with_numerics("q8")(x)
+        assert float((y8 - y32).abs().max() / y32.abs().max()) < 0.02
+
+
+gguf = pytest.importorskip("gguf")
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@kernel
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_every_gguf_type_runs_from_its_own_codes_in_q8(qtype):
+    from tests.test_gguf_codes import _raw
+
+    N, K = 12, 512
+    raw, w = _raw(qtype, N, K, seed=1)
+    b = blockq.from_gguf(raw, qtype, N, K)
+    assert b is not None and torch.equal(b.dequantize(), w)
+    q = b.with_numerics("q8")
+    x = torch.randn(9, K)
+    assert torch.equal(q(x), ref.linear(q, x))
+    assert torch.equal(q(x[4:5])[0], q(x)[4])
+
+
+NARROWER = [("-mno-avx512vnni",), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")]
+
+
+@kernel
+def test_the_narrower_builds_give_the_same_bits(tmp_path, monkeypatch):
+    """The VNNI kernel, the portable C under AVX-512 without VNNI, AVX2 and plain x86-64: one set of
+    bits for every kind and row count."""
+    native = blockq.library()
+    if platform.machine().lower() not in ("x86_64", "amd64") or native.rakv_q8act_simd() != 2:
+        pytest.skip("the native build has no AVX-512 VNNI form to compare with")
+    libs = []
+    for i, flags in enumerate(NARROWER):
+        out = tmp_path / f"n{i}.so"
+        assert blockq._build(blockq._compiler(), out, flags) == ""
+        libs.append(blockq._load(out))
+        assert libs[-1].rakv_q8act_simd() == 0
+
+    def outputs():
+        res = []
+        for kind in ("q4", "q8", "q8x"):
+            b = _codes(kind, 21, 288, seed=7).with_numerics("q8")     # fresh: bound to the library in use
+            x = torch.randn(10, 288, generator=torch.Generator().manual_seed(8))
+            res += [b(x[:M], torch.ones(21)) for M in (1, 3, 10)]
+        return res
+
+    a = outputs()
+    for lib in libs:
+        monkeypatch.setattr(blockq._Lib, "handle", lib)
+        assert all(torch.equal(u, v) for u, v in zip(a, outputs()))
+
+
+# ----------------------------------------------------------------------------- whole models
+def _q8_pair(arch: str, agreement: str):
+    t, d = make_pair(arch, agreement)
+    return set_numerics(t, "q8"), set_numerics(d, "q8")
+
+
+def prompts():
+    base = list(range(5, 45))
+    return [base, base[:30] + [7, 8, 9, 10], base[:12], [3, 4, 5] * 6]
+
+
+def _ar(target, n=20, sampling=None):
+    cfg = RakvConfig(policy="ar", sampling=sampling or Sampling())
+    e = Engine(target, None, cfg)
+    return {tuple(p): e.generate(p, n).output_ids for p in prompts()}
+
+
+POLICIES = ["kv", "spec:1", "spec:2", "spec:4", "spec:8", "joint:3", "adaptive", "adaptive:nogate"]
+
+
+@kernel
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("agreement", ["identical", "mostly", "disagree"])
+def test_every_policy_equals_target_only_decoding_in_q8(arch, agreement):
+    target, draft = _q8_pair(arch, agreement)
+    assert target.numerics == "q8" and "+q8:" in target.key
+    want = _ar(target)
+    for policy in POLICIES:
+        prof = synthetic_profile() if policy.startswith("adaptive") else None
+        eng = Engine(target, ModelDraft(draft), RakvConfig(policy=policy), profile=prof)
+        for p in prompts() + prompts():           # the second pass: exact repeats and partial hits
+            assert eng.generate(p, 20).output_ids == want[tuple(p)], (policy, p[:4])
+
+
+@kernel
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_seeded_sampling_in_q8_gives_target_only_samples(arch):
+    target, draft = _q8_pair(arch, "mostly")
+    s = Sampling(temperature=0.8, top_p=0.95, seed=11)
+    want = _ar(target, sampling=s)
+    for policy in ("kv", "spec:3", "joint:4"):
+        eng = Engine(target, ModelDraft(draft), RakvConfig(policy=policy, sampling=s))
+        for p in prompts():
+            assert eng.generate(p, 20).output_ids == want[tuple(p)], policy
+
+
+@kernel
+def test_other_drafts_and_trees_in_q8():
+    target, _ = _q8_pair("llama", "identical")
+    want = _ar(target)
+    drafts = [NgramDraft(), ModelDraft(int8_copy(target)), ModelDraft(layers_copy(target, 1))]
+    for src, policy in [(drafts[0], "spec:4"), (drafts[0], "tree:8"), (drafts[1], "joint:2"), (drafts[2], "spec:3")]:
+        eng = Engine(target, src, RakvConfig(policy=policy))
+        for p in prompts():
+            assert eng.generate(p, 20).output_ids == want[tuple(p)], policy
+
+
+@kernel
+def test_eos_mid_round_in_q8():
+    target, draft = _q8_pair("llama", "identical")
+    p = list(range(30, 50))
+    free = Engine(target, None, RakvConfig(policy="ar")).generate(p, 30).output_ids
+    j = next(i for i in range(5, 30) if free[i] not in free[:i])
+    target.eos_ids = frozenset({free[j]})
+    for k in (1, 3, 8):
+        end = Engine(target, ModelDraft(draft), RakvConfig(policy=f"spec:{k}")).generate(p, 30)
+        assert end.output_ids == free[:j + 1] and end.stopped == "eos"
+
+
+@kernel
+def test_numerics_switch_back_and_name_the_key():
+    target, _ = make_pair("llama", "mostly")
+    fp = _ar(target)
+    key = target.key
+    set_numerics(target, "q8")
+    assert target.key != key and target.numerics == "q8"
+    set_numerics(target, "fp32")
+    assert target.key == key and _ar(target) == fp
+
+
+def test_auto_numerics_follow_the_model_form():
+    assert resolve_numerics("demo") == "q8" and resolve_numerics("x/model.GGUF") == "q8"
+    assert resolve_numerics("./some_dir") == "fp32" and resolve_numerics("gpt2", "q8") == "q8"
+    with pytest.raises(ModelError):
+        resolve_numerics("demo", "int4")
