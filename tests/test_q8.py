@@ -103,6 +103,12 @@ def test_the_narrower_builds_give_the_same_bits(tmp_path, monkeypatch):
             b = _codes(kind, 21, 288, seed=7).with_numerics("q8")     # fresh: bound to the library in use
             x = torch.randn(10, 288, generator=torch.Generator().manual_seed(8))
             res += [b(x[:M], torch.ones(21)) for M in (1, 3, 10)]
+        from tests.test_gguf_codes import _raw
+
+        for qtype in ("Q4_K", "Q6_K"):               # with the file's own integer scales
+            raw, _ = _raw(qtype, 6, 512, seed=3)
+            b = blockq.from_gguf(raw, qtype, 6, 512).with_numerics("q8")
+            res.append(b(torch.randn(9, 512, generator=torch.Generator().manual_seed(9))))
         return res
 
     a = outputs()
@@ -196,3 +202,25 @@ def test_auto_numerics_follow_the_model_form():
     assert resolve_numerics("./some_dir") == "fp32" and resolve_numerics("gpt2", "q8") == "q8"
     with pytest.raises(ModelError):
         resolve_numerics("demo", "int4")
+
+
+@kernel
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_kquant_scales_as_the_file_holds_them_give_the_same_bits(qtype):
+    """Q4_K / Q6_K read with their own integer scales (what a q8 step streams: 4.75 / 8.6 bits a
+    weight) compute exactly what the same codes with float scales per 32 / 16 compute."""
+    from tests.test_gguf_codes import _raw
+
+    N, K = 9, 768
+    raw, _ = _raw(qtype, N, K, seed=2)
+    b = blockq.from_gguf(raw, qtype, N, K)
+    assert b.compact
+    flat = blockq.BlockWeight(b.kind, b.N, b.K, b.qs, b.d, b.m)
+    x = torch.randn(10, K)
+    q, f = b.with_numerics("q8"), flat.with_numerics("q8")
+    assert torch.equal(q(x), f(x)) and torch.equal(q(x), ref.linear(f, x))
+    assert q.streamed_bytes < f.streamed_bytes
+    idx = [3, 0, 8, 1]
+    assert torch.equal(q.rows(idx)(x), f(x)[:, idx])                  # a row permutation keeps them
+    both = blockq.concat([q, q.rows(idx)])
+    assert both.compact and torch.equal(both(x), torch.cat([f(x), f(x)[:, idx]], 1))

@@ -864,6 +864,17 @@ void rakv_attend_tree(const float *q, int64_t n, int64_t Hq, int64_t D, int64_t 
     }
 }
 
+/* one linear layer's codes (rakv/kernels/blockq.py _LayerDesc) */
+typedef struct {
+    int64_t kind, N, K;    /* kind 4: Q4 codes, 8: Q8 codes, 9: Q8X codes */
+    const uint8_t *qs;
+    const float *d, *m;
+    int64_t numerics;      /* 0: fp32 (the codes' exact weights, fp32 products), 1: q8 (below) */
+    const uint8_t *isc;    /* K-quant scales or NULL: Q4 uint8 [N, K/32] (Q4_K's 6-bit scales), Q8X int8 [N, K/16] */
+    const uint8_t *imn;    /* Q4: uint8 [N, K/32], Q4_K's 6-bit minimums */
+    const float *dg, *mg;  /* [N, K/256]: d (and, Q4, -dmin) per super-block */
+} rakv_layer;
+
 /* ---- q8 numerics: integer dot products of 8-bit activation groups with the weight codes
 
    `--numerics q8` (llama.cpp's kind of arithmetic). Each row of x is quantized on its own, group by
@@ -956,15 +967,32 @@ static void quantize_row(const float *x, int64_t K, qrow *r) {
     }
 }
 
+/* scale D of block b (Q4, Q8) or of group of 16 h (Q8X) of output n: d, or with K-quant scales
+   dg sc (the same float: a float16 times a small integer, exact), and offset M (mg mn; -32 D) */
+static inline float scale_of(const rakv_layer *L, int64_t nb, int64_t n, int64_t i) {
+    if (!L->isc) return L->d[n * (L->kind == 9 ? 2 * nb : nb) + i];
+    const int64_t ng = (nb + QGROUP - 1) / QGROUP;
+    if (L->kind == 9) return L->dg[n * ng + i / (2 * QGROUP)] * (float)((const int8_t *)L->isc)[n * 2 * nb + i];
+    return L->dg[n * ng + i / QGROUP] * (float)L->isc[n * nb + i];
+}
+
+static inline float offset_of(const rakv_layer *L, int64_t nb, int64_t n, int64_t i) {
+    if (L->kind == 8) return L->d[n * nb + i];
+    if (!L->isc) return L->m[n * (L->kind == 9 ? 2 * nb : nb) + i];
+    if (L->kind == 9) return -32.0f * scale_of(L, nb, n, i);
+    const int64_t ng = (nb + QGROUP - 1) / QGROUP;
+    return L->mg[n * ng + i / QGROUP] * (float)L->imn[n * nb + i];
+}
+
 /* the weights' scale of each lane of pair p of output row n */
-static inline void lane_scales(int kind, const float *d, int64_t nb, int64_t n, int64_t p, float D[16]) {
+static inline void lane_scales(const rakv_layer *L, int64_t nb, int64_t n, int64_t p, float D[16]) {
+    const int kind = (int)L->kind;
     const int64_t b = 2 * p;
     const int two = b + 1 < nb;
     if (kind == 9) {
-        const float *g = d + n * 2 * nb + 2 * b;
-        for (int l = 0; l < 16; l++) D[l] = (l >= 8 && !two) ? 0.0f : g[l / 4];
+        for (int l = 0; l < 16; l++) D[l] = (l >= 8 && !two) ? 0.0f : scale_of(L, nb, n, 2 * b + l / 4);
     } else {
-        const float d0 = d[n * nb + b], d1 = two ? d[n * nb + b + 1] : 0.0f;
+        const float d0 = scale_of(L, nb, n, b), d1 = two ? scale_of(L, nb, n, b + 1) : 0.0f;
         for (int l = 0; l < 16; l++) D[l] = (kind == 4 ? (l / 4) % 2 : l / 8) ? d1 : d0;
     }
 }
@@ -997,9 +1025,16 @@ static inline void lane_sums(int kind, const uint8_t *qs, int64_t nb, int64_t n,
 }
 
 /* the offsets' sum of output n for row r */
-static inline float offsets_sum(int kind, const float *d, const float *m, int64_t nb, int64_t n, const qrow *r) {
+static inline float offsets_sum(const rakv_layer *L, int64_t nb, int64_t n, const qrow *r) {
+    const int kind = (int)L->kind;
     const int64_t G = kind == 9 ? 2 * nb : nb;
-    const float *mg = (kind == 8 ? d : m) + n * G, *u = kind == 4 ? r->u32 : (kind == 8 ? r->v8 : r->u16);
+    const float *u = kind == 4 ? r->u32 : (kind == 8 ? r->v8 : r->u16);
+    if (L->isc) {               /* K-quant scales: the offsets made here, lane by lane as below */
+        float off[16] = {0};
+        for (int64_t g = 0; g < G; g++) off[g % 16] = off[g % 16] + offset_of(L, nb, n, g) * u[g];
+        return tree16(off);
+    }
+    const float *mg = (kind == 8 ? L->d : L->m) + n * G;
 #ifdef RAKV_AVX512
     __m512 off = _mm512_setzero_ps();
     int64_t g = 0;
@@ -1038,10 +1073,27 @@ static inline __attribute__((always_inline)) __m512i pair_codes(int kind, const 
     return w;
 }
 
-static inline __attribute__((always_inline)) __m512 pair_scales(int kind, const float *d, int64_t nb, int64_t n,
-                                                               int64_t p) {
+static inline __attribute__((always_inline)) __m512 pair_scales(int kind, int compact, const rakv_layer *L,
+                                                               int64_t nb, int64_t n, int64_t p) {
     const int64_t b = 2 * p;
     const int two = b + 1 < nb;
+    const float *d = L->d;
+    if (compact) {              /* dg sc: the pair lies in one super-block */
+        const int64_t ng = (nb + QGROUP - 1) / QGROUP;
+        const __m128 dg = _mm_set1_ps(L->dg[n * ng + b / QGROUP]);
+        __m128 sc;
+        if (kind == 9) {
+            const int8_t *c = (const int8_t *)L->isc + n * 2 * nb + 2 * b;
+            sc = _mm_setr_ps((float)c[0], (float)c[1], two ? (float)c[2] : 0.0f, two ? (float)c[3] : 0.0f);
+        } else {
+            const uint8_t *c = L->isc + n * nb + b;
+            sc = _mm_setr_ps((float)c[0], two ? (float)c[1] : 0.0f, 0.0f, 0.0f);
+        }
+        const __m512i idx = kind == 9 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                          : kind == 4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
+                                      : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_mul_ps(dg, sc)));
+    }
     if (kind == 9) {
         const __m128 g = two ? _mm_loadu_ps(d + n * 2 * nb + 2 * b)
                              : _mm_castpd_ps(_mm_load_sd((const double *)(d + n * 2 * nb + 2 * b)));
@@ -1056,10 +1108,11 @@ static inline __attribute__((always_inline)) __m512 pair_scales(int kind, const 
 }
 
 /* MR rows of output n: y[r * N + n] */
-static inline __attribute__((always_inline)) void q8act_out(int kind, int MR, const uint8_t *qs, const float *d,
-                                                            const float *m, int64_t nb, int64_t n, const qrow *rows,
+static inline __attribute__((always_inline)) void q8act_out(int kind, int compact, int MR, const rakv_layer *L,
+                                                            int64_t nb, int64_t n, const qrow *rows,
                                                             float *y, int64_t N, const float *bias) {
     const int64_t np = (nb + 1) / 2;
+    const uint8_t *qs = L->qs;
     __m512 acc[8], t[8];
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t p0 = 0; p0 < np; p0 += QGROUP / 2) {
@@ -1067,7 +1120,7 @@ static inline __attribute__((always_inline)) void q8act_out(int kind, int MR, co
         for (int r = 0; r < MR; r++) t[r] = _mm512_setzero_ps();
         for (int64_t p = p0; p < p1; p++) {
             const __m512i w = pair_codes(kind, qs, nb, n, p);
-            const __m512 D = pair_scales(kind, d, nb, n, p);
+            const __m512 D = pair_scales(kind, compact, L, nb, n, p);
             for (int r = 0; r < MR; r++) {
                 const __m512i x = _mm512_load_si512((const void *)((kind == 4 ? rows[r].xa : rows[r].xb) + p * 64));
                 const __m512i P = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
@@ -1078,16 +1131,18 @@ static inline __attribute__((always_inline)) void q8act_out(int kind, int MR, co
             acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(t[r], _mm512_set1_ps(rows[r].dx[p0 / (QGROUP / 2)])));
     }
     for (int r = 0; r < MR; r++) {
-        float v = tree_reg(acc[r]) + offsets_sum(kind, d, m, nb, n, rows + r);
+        float v = tree_reg(acc[r]) + offsets_sum(L, nb, n, rows + r);
         if (bias) v += bias[n];
         y[r * N + n] = v;
     }
 }
 #else
 /* every other build: the same integer lane sums and the same float operations, lane by lane */
-static inline void q8act_out(int kind, int MR, const uint8_t *qs, const float *d, const float *m, int64_t nb,
+static inline void q8act_out(int kind, int compact, int MR, const rakv_layer *L, int64_t nb,
                              int64_t n, const qrow *rows, float *y, int64_t N, const float *bias) {
     const int64_t np = (nb + 1) / 2;
+    const uint8_t *qs = L->qs;
+    (void)compact;
     float acc[8][16], t[8][16];
     memset(acc, 0, sizeof(acc));
     for (int64_t p0 = 0; p0 < np; p0 += QGROUP / 2) {
@@ -1095,7 +1150,7 @@ static inline void q8act_out(int kind, int MR, const uint8_t *qs, const float *d
         memset(t, 0, sizeof(t));
         for (int64_t p = p0; p < p1; p++) {
             float D[16];
-            lane_scales(kind, d, nb, n, p, D);
+            lane_scales(L, nb, n, p, D);
             for (int r = 0; r < MR; r++) {
                 int32_t P[16];
                 lane_sums(kind, qs, nb, n, p, rows + r, P);
@@ -1108,7 +1163,7 @@ static inline void q8act_out(int kind, int MR, const uint8_t *qs, const float *d
         }
     }
     for (int r = 0; r < MR; r++) {
-        float v = tree16(acc[r]) + offsets_sum(kind, d, m, nb, n, rows + r);
+        float v = tree16(acc[r]) + offsets_sum(L, nb, n, rows + r);
         if (bias) v += bias[n];
         y[r * N + n] = v;
     }
@@ -1117,23 +1172,24 @@ static inline void q8act_out(int kind, int MR, const uint8_t *qs, const float *d
 
 #define Q8ACT_ROWS 8     /* rows sharing one pass over the codes */
 
-#define Q8ACT_CASE(KIND, MR) case (KIND) * 16 + (MR): \
-    for (int64_t n = n0; n < n1; n++) q8act_out(KIND, MR, qs, d, m, nb, n, rows, y, N, bias); break;
-#define Q8ACT_KIND(KIND) Q8ACT_CASE(KIND, 1) Q8ACT_CASE(KIND, 2) Q8ACT_CASE(KIND, 3) Q8ACT_CASE(KIND, 4) \
-    Q8ACT_CASE(KIND, 5) Q8ACT_CASE(KIND, 6) Q8ACT_CASE(KIND, 7) Q8ACT_CASE(KIND, 8)
+#define Q8ACT_CASE(KIND, C, MR) case ((KIND) * 2 + (C)) * 16 + (MR): \
+    { for (int64_t n = n0; n < n1; n++) q8act_out(KIND, C, MR, L, nb, n, rows, y, N, bias); } break;
+#define Q8ACT_KIND(KIND, C) Q8ACT_CASE(KIND, C, 1) Q8ACT_CASE(KIND, C, 2) Q8ACT_CASE(KIND, C, 3) \
+    Q8ACT_CASE(KIND, C, 4) Q8ACT_CASE(KIND, C, 5) Q8ACT_CASE(KIND, C, 6) Q8ACT_CASE(KIND, C, 7) Q8ACT_CASE(KIND, C, 8)
 
-static void q8act_range(int kind, int mr, const uint8_t *qs, const float *d, const float *m, int64_t nb,
-                        int64_t n0, int64_t n1, const qrow *rows, float *y, int64_t N, const float *bias) {
-    switch (kind * 16 + mr) {
-        Q8ACT_KIND(4) Q8ACT_KIND(8) Q8ACT_KIND(9)
+static void q8act_range(const rakv_layer *L, int mr, int64_t nb, int64_t n0, int64_t n1, const qrow *rows,
+                        float *y, int64_t N, const float *bias) {
+    const int compact = L->isc != NULL && L->kind != 8;
+    switch (((int)L->kind * 2 + compact) * 16 + mr) {
+        Q8ACT_KIND(4, 0) Q8ACT_KIND(8, 0) Q8ACT_KIND(9, 0) Q8ACT_KIND(4, 1) Q8ACT_KIND(9, 1)
         default: break;
     }
 }
 
 /* y [M, N] = the q8 numerics' linear of x [M, K] with the layer's codes; returns 0, or 1 when out of memory */
-static int rakv_q8act_linear(int kind, const float *x, int64_t M, int64_t K, const uint8_t *qs, const float *d,
-                             const float *m, int64_t N, float *y, const float *bias, int threads) {
-    const int64_t nb = K / BLK;
+static int rakv_q8act_linear(const rakv_layer *L, const float *x, int64_t M, float *y, const float *bias,
+                             int threads) {
+    const int64_t K = L->K, N = L->N, nb = K / BLK;
     const size_t rb = (qrow_bytes(nb) + 63) / 64 * 64;
     char *mem = aligned_alloc(64, (size_t)(M > 0 ? M : 1) * rb);
     qrow *rows = malloc(sizeof(qrow) * (size_t)(M > 0 ? M : 1));
@@ -1150,7 +1206,7 @@ static int rakv_q8act_linear(int kind, const float *x, int64_t M, int64_t K, con
         #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t c = 0; c < nchunks; c++) {
             const int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-            q8act_range(kind, mr, qs, d, m, nb, n0, n1, rows + r0, y + r0 * N, N, bias);
+            q8act_range(L, mr, nb, n0, n1, rows + r0, y + r0 * N, N, bias);
         }
     }
     free(mem);
@@ -1169,16 +1225,10 @@ int rakv_q8act_simd(void) {
 
 /* one call per linear: the layer's codes described once (rakv/blockq.py keeps it), so a call passes
    six arguments instead of ten */
-typedef struct {
-    int64_t kind, N, K;    /* kind 4: Q4 codes, 8: Q8 codes, 9: Q8X codes */
-    const uint8_t *qs;
-    const float *d, *m;
-    int64_t numerics;      /* 0: fp32 (the codes' exact weights, fp32 products), 1: q8 (above) */
-} rakv_layer;
 
 void rakv_linear(const rakv_layer *L, const float *x, int64_t M, float *y, const float *bias, int threads) {
     if (L->numerics == 1) {
-        if (rakv_q8act_linear((int)L->kind, x, M, L->K, L->qs, L->d, L->m, L->N, y, bias, threads))
+        if (rakv_q8act_linear(L, x, M, y, bias, threads))
             for (int64_t i = 0; i < M * L->N; i++) y[i] = NAN;          /* out of memory: never a silent value */
         return;
     }

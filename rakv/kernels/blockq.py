@@ -305,7 +305,8 @@ class _LayerDesc(ctypes.Structure):
     """``rakv_layer`` in kernels/blockq.c."""
     _fields_ = [("kind", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
                 ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
-                ("numerics", ctypes.c_int64)]
+                ("numerics", ctypes.c_int64), ("isc", ctypes.c_void_p), ("imn", ctypes.c_void_p),
+                ("dg", ctypes.c_void_p), ("mg", ctypes.c_void_p)]
 
 
 NUMERICS = ("fp32", "q8")       # rakv_layer.numerics in blockq.c: 0, 1
@@ -324,10 +325,32 @@ class BlockWeight:
     m: torch.Tensor | None         # float32, as d (q4 and q8x; None for q8)
     numerics: str = "fp32"         # "fp32": the fp32 linear of the rebuilt weights; "q8": integer dot
                                    # products with 8-bit activation blocks (blockq.c, "q8 numerics")
+    # K-quant scales as the file holds them (from_gguf of Q4_K / Q6_K; None otherwise): q8 numerics then
+    # read these instead of d and m (D = dg sc, M = mg mn for q4; D = dg sc, M = -32 D for q8x), so a
+    # decode step streams 4.75 (Q4_K) or 8.6 (Q6_K) bits a weight instead of 6 or 12, the same values
+    isc: torch.Tensor | None = None    # q4: uint8 [N, K/32]; q8x: int8 [N, K/16]
+    imn: torch.Tensor | None = None    # q4: uint8 [N, K/32] (the minimums' 6-bit multipliers)
+    dg: torch.Tensor | None = None     # float32 [N, K/256]: the super-block scale d
+    mg: torch.Tensor | None = None     # q4: float32 [N, K/256], -dmin
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    @property
+    def compact(self) -> bool:
+        return self.isc is not None
+
+    @property
+    def streamed_bytes(self) -> int:
+        """What one pass over this layer reads in its numerics (q8 with K-quant scales: codes and scales)."""
+        if self.numerics == "q8" and self.compact:
+            return sum(t.numel() * t.element_size() for t in (self.qs, self.isc, self.imn, self.dg, self.mg)
+                       if t is not None)
+        return self.nbytes
+
+    def _extra(self) -> dict:
+        return {"isc": self.isc, "imn": self.imn, "dg": self.dg, "mg": self.mg}
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] float32 -> [..., N]: the fp32 linear of the rebuilt weights (+ bias)."""
@@ -350,7 +373,8 @@ class BlockWeight:
         six plain arguments)."""
         self._desc = _LayerDesc(KIND_CODES[self.kind], self.N, self.K, self.qs.data_ptr(),
                                 self.d.data_ptr(), self.m.data_ptr() if self.m is not None else self.d.data_ptr(),
-                                NUMERICS.index(self.numerics))
+                                NUMERICS.index(self.numerics),
+                                *(t.data_ptr() if t is not None else None for t in (self.isc, self.imn, self.dg, self.mg)))
         self._ref = ctypes.byref(self._desc)
         self._fn = library().rakv_linear
         return self._fn
@@ -382,7 +406,8 @@ class BlockWeight:
         """The codes of the rows ``index`` (in that order)."""
         idx = torch.as_tensor(index, dtype=torch.long)
         return BlockWeight(self.kind, int(idx.numel()), self.K, self.qs[idx].contiguous(), self.d[idx].contiguous(),
-                           None if self.m is None else self.m[idx].contiguous(), self.numerics)
+                           None if self.m is None else self.m[idx].contiguous(), self.numerics,
+                           **{k: None if t is None else t[idx].contiguous() for k, t in self._extra().items()})
 
     def with_numerics(self, numerics: str) -> "BlockWeight":
         """The same codes under another arithmetic (``NUMERICS``), sharing the tensors."""
@@ -390,7 +415,7 @@ class BlockWeight:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, not {numerics!r}")
         if numerics == self.numerics:
             return self
-        return BlockWeight(self.kind, self.N, self.K, self.qs, self.d, self.m, numerics)
+        return BlockWeight(self.kind, self.N, self.K, self.qs, self.d, self.m, numerics, **self._extra())
 
     @property
     def all_rows(self) -> bool:
@@ -528,6 +553,7 @@ def from_gguf(data, qtype: str, N: int, K: int) -> BlockWeight | None:
     q, D, M, signed = _gguf_parts(raw.reshape(-1, ts), qtype)
     if not (np.isfinite(D).all() and (M is None or np.isfinite(M).all())):
         return None
+    extra = _kquant_scales(raw.reshape(-1, ts), qtype, N, K)
     q = q.reshape(N, K // BLK, BLK)
     groups = D.size // (N * (K // BLK))               # scales per 32 inputs: 1 or 2
     D, M = D.reshape(N, -1), None if M is None else M.reshape(N, -1)
@@ -536,11 +562,30 @@ def from_gguf(data, qtype: str, N: int, K: int) -> BlockWeight | None:
         return BlockWeight("q8", N, K, t(q.astype(np.int8)).contiguous(), t(D).contiguous(), None)
     if groups == 1 and int(q.max(initial=0)) <= 15:
         qs = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
-        return BlockWeight("q4", N, K, t(qs).contiguous(), t(D).contiguous(), t(M).contiguous())
+        return BlockWeight("q4", N, K, t(qs).contiguous(), t(D).contiguous(), t(M).contiguous(),
+                           **(extra if qtype == "Q4_K" else {}))
     if groups == 1:
         D, M = np.repeat(D, 2, axis=1), np.repeat(M, 2, axis=1)
     return BlockWeight("q8x", N, K, t(q.astype(np.uint8)).contiguous(), t(np.ascontiguousarray(D)),
-                       t(np.ascontiguousarray(M)))
+                       t(np.ascontiguousarray(M)), **(extra if qtype == "Q6_K" else {}))
+
+
+def _kquant_scales(b, qtype: str, N: int, K: int) -> dict:
+    """Q4_K: the 6-bit scales and minimums per 32 and d, -dmin per 256; Q6_K: the int8 scales per 16
+    and d per 256 (``BlockWeight.isc`` ...), as torch tensors by row; {} for any other type."""
+    import numpy as np
+
+    t = torch.from_numpy
+    if qtype == "Q4_K":
+        d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+        sc, mn = _k_scale_min(b[:, 4:16])
+        return {"isc": t(sc.astype(np.uint8).reshape(N, K // BLK)).contiguous(),
+                "imn": t(mn.astype(np.uint8).reshape(N, K // BLK)).contiguous(),
+                "dg": t(d.reshape(N, K // QK_K)).contiguous(), "mg": t((-dmin).reshape(N, K // QK_K)).contiguous()}
+    if qtype == "Q6_K":
+        return {"isc": t(b[:, 192:208].copy().view(np.int8).reshape(N, K // 16)).contiguous(),
+                "dg": t(_f16(b[:, 208:210]).reshape(N, K // QK_K)).contiguous()}
+    return {}
 
 
 # ----------------------------------------------------------------------------- attention
@@ -621,7 +666,8 @@ def _load_cached(path: Path) -> dict[str, BlockWeight | None]:
             continue
         kind, N, K = spec.split(":")
         out[name] = BlockWeight(kind, int(N), int(K), tensors[f"{name}.qs"], tensors[f"{name}.d"],
-                                tensors.get(f"{name}.m"))
+                                tensors.get(f"{name}.m"), "fp32",
+                                **{k: tensors.get(f"{name}.{k}") for k in ("isc", "imn", "dg", "mg")})
     return out
 
 
@@ -637,6 +683,9 @@ def _save_cached(path: Path, codes: dict[str, BlockWeight | None]) -> None:
         tensors[f"{name}.qs"], tensors[f"{name}.d"] = b.qs, b.d
         if b.m is not None:
             tensors[f"{name}.m"] = b.m
+        for k, v in b._extra().items():
+            if v is not None:
+                tensors[f"{name}.{k}"] = v
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -727,9 +776,12 @@ def concat(blocks: list) -> BlockWeight | None:
     if len({b.numerics for b in blocks}) != 1:
         return None
     b0 = blocks[0]
+    extra = {}
+    if all(b.compact for b in blocks) and len({b.imn is None for b in blocks}) == 1:
+        extra = {k: torch.cat([b._extra()[k] for b in blocks]) for k, v in b0._extra().items() if v is not None}
     return BlockWeight(b0.kind, sum(b.N for b in blocks), b0.K, torch.cat([b.qs for b in blocks]),
                        torch.cat([b.d for b in blocks]),
-                       torch.cat([b.m for b in blocks]) if b0.m is not None else None, b0.numerics)
+                       torch.cat([b.m for b in blocks]) if b0.m is not None else None, b0.numerics, **extra)
 
 
 @torch.no_grad()
