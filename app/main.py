@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Watch and steer exact speculative decoding with prefix KV reuse.")
     ap.add_argument("--target", help="hub id, local dir, .gguf file, or 'demo'")
     ap.add_argument("--draft", help="model (same forms), 'int8', 'ngram' or 'none'")
+    ap.add_argument("--numerics", choices=("auto", "q8", "fp32"), default=None,
+                    help="the linears' arithmetic (default auto: q8 for a GGUF-backed model)")
     ap.add_argument("--prompt", action="append",
                     help="prompt text for the editor (repeatable: --autorun runs them in order, one engine)")
     ap.add_argument("--autorun", action="store_true", help="run the prompt(s) at start")
@@ -127,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     win = MainWindow()
     win.worker.device, win.worker.fast = device, args.fast
     rp = win.run_panel
+    if args.numerics:
+        rp.numerics.setCurrentText(args.numerics)
+        win.worker.numerics = args.numerics
     if args.target or args.draft:
         t0, d0 = rp.pair()
         rp.set_pair(args.target or t0, args.draft or d0)

@@ -338,6 +338,7 @@ class MainWindow(QMainWindow):
             return
         self.preloaded = False
         self.loaded_pair = None
+        self.worker.numerics = self.run_panel.numerics.currentText()      # read by the worker's next load
         self._load.emit(target, draft, max(8, *self.controls.k_set()))
         self._want_pair = (target, draft)
 
@@ -483,7 +484,8 @@ class MainWindow(QMainWindow):
             self.state = self.live
             self.tokens.pieces = self.live_pieces
         rec = info.get("recording") or "(not recorded)"
-        self.run_panel.set_loaded(f"loaded {info['target']} + {info['draft']}\nrecording to {Path(rec).name}")
+        self.run_panel.set_loaded(f"loaded {info['target']} + {info['draft']} ({info.get('numerics', 'fp32')} numerics)"
+                                  f"\nrecording to {Path(rec).name}")
         self.msg.setText(f"models loaded · recording {rec}")
         if not self.preloaded:
             t, d = self.loaded_pair or ("", "")

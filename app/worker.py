@@ -56,6 +56,7 @@ class Worker(QObject):
         self.sessions = sessions
         self.device = "auto"              # --device (resolved by rakv.models.load_model)
         self.fast: bool | None = None     # --fast / --no-fast; None: RAKV_FAST, default on
+        self.numerics = "auto"            # --numerics / the run panel's choice: auto | q8 | fp32
         self.target = None
         self.draft = None
         self.profile = None
@@ -82,9 +83,9 @@ class Worker(QObject):
 
         try:
             self.busy.emit(f"loading {target} + {draft} ...")
-            config = RakvConfig(target=target, draft=draft, device=self.device,
+            config = RakvConfig(target=target, draft=draft, device=self.device, numerics=self.numerics,
                                 **({} if self.fast is None else {"fast": self.fast}))
-            t = load_model(target, config.dtype, None, config.device, fast=config.fast)
+            t = load_model(target, config.dtype, None, config.device, fast=config.fast, numerics=config.numerics)
             d = make_draft(draft, t, config)
             settle_heap(collect=False)        # (collections run on the GUI thread: app.gcguard)
             self.busy.emit("cost profile (calibrating once for this machine and pair) ...")
@@ -134,6 +135,7 @@ class Worker(QObject):
             self.recorder = Recorder(self.recording)
         # "loaded" first: the GUI starts a fresh session state, which then receives the header
         self.loaded.emit({"target": target.name, "draft": getattr(draft, "name", "none"),
+                          "numerics": getattr(target, "numerics", "fp32"),
                           "recording": str(self.recording) if self.recording else ""})
         self.engine.header()
 

@@ -29,6 +29,11 @@ class RunPanel(QWidget):
         self.load = QPushButton("Load")
         self.load.setToolTip("load the pair on the worker (calibrates costs once per machine and pair)")
         self.load.clicked.connect(lambda: self.loadRequested.emit(*self.pair()))
+        self.numerics = QComboBox()
+        self.numerics.addItems(["auto", "q8", "fp32"])
+        self.numerics.setToolTip("the linears' arithmetic: q8 (8-bit activations times the weight codes, integer "
+                                 "dot products, llama.cpp's kind), fp32 (transformers' ids); auto: q8 for a "
+                                 "GGUF-backed model. Applies at the next Load.")
         self.loaded = QLabel("no models loaded")
         self.loaded.setWordWrap(True)
         self.loaded.setStyleSheet("color: #555;")
@@ -81,6 +86,7 @@ class RunPanel(QWidget):
         form.setContentsMargins(0, 0, 0, 0)
         form.addRow("Target", self._with_browse(self.target, "target"))
         form.addRow("Draft", self._with_browse(self.draft, "draft"))
+        form.addRow("Numerics", self.numerics)
         form.addRow("", self.load)
         form.addRow(self.loaded)
         form.addRow("Policy", self.policy)
