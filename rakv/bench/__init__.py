@@ -310,6 +310,7 @@ def run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile=None
     from rakv.regime import regime
 
     return dict(command=shlex.join(["rakv", "bench", *argv]), target=target.name, draft=getattr(draft, "name", "none"),
+                numerics=getattr(target, "numerics", "fp32"),
                 draft_has_model=bool(getattr(draft, "has_model", False)), k_set=s["k_set"], lookup_k=lookup_k,
                 policies=[a.name for a in arms], workloads=s["workloads"], buckets=s["buckets"], gens=s["gens"],
                 n_prompts=s["n_prompts"], repeats=s["repeats"], seed=args.seed, streams=list(streams),

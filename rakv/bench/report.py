@@ -465,7 +465,8 @@ def header_md(rows: list[dict], meta: dict, reg: dict | None = None) -> str:
     natural = any(str(w).startswith(("chat", "conversation")) or "/" in str(w) or "." in str(w) for w in meta.get("workloads", []))
     if meta.get("command"):
         lines += [f"Command: `{meta['command']}`", ""]
-    lines += [f"- target `{meta.get('target', '?')}`, draft `{meta.get('draft', '?')}`, K = {meta.get('k_set', '?')}, "
+    lines += [f"- target `{meta.get('target', '?')}`, draft `{meta.get('draft', '?')}`, "
+              f"numerics {meta.get('numerics', 'fp32')}, K = {meta.get('k_set', '?')}, "
               f"lookup k = {meta.get('lookup_k', '?')}",
               f"- workloads {meta.get('workloads', '?')}; prompt buckets {meta.get('buckets', '?')}"
               f"{' (bucketed workloads only; chat and file prompts keep their own length)' if natural else ''}; "
