@@ -902,6 +902,7 @@ typedef struct {
    plain torch. */
 
 #define QGROUP 8         /* blocks of 32 per activation group (256 inputs) */
+#define Q8ACT_ROWS 12    /* rows sharing one pass over the codes (a verify of up to k = 11 reads them once) */
 
 typedef struct {
     int8_t *xa;          /* [np * 64] Q4 lane layout (above), zero for an absent block */
@@ -1084,10 +1085,14 @@ static inline __attribute__((always_inline)) __m512 pair_scales(int kind, int co
         __m128 sc;
         if (kind == 9) {
             const int8_t *c = (const int8_t *)L->isc + n * 2 * nb + 2 * b;
-            sc = _mm_setr_ps((float)c[0], (float)c[1], two ? (float)c[2] : 0.0f, two ? (float)c[3] : 0.0f);
+            int32_t w4;
+            memcpy(&w4, c, two ? 4 : 2);
+            if (!two) w4 &= 0xFFFF;
+            sc = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(w4)));
         } else {
             const uint8_t *c = L->isc + n * nb + b;
-            sc = _mm_setr_ps((float)c[0], two ? (float)c[1] : 0.0f, 0.0f, 0.0f);
+            const int32_t w2 = two ? (int32_t)c[0] | ((int32_t)c[1] << 8) : (int32_t)c[0];
+            sc = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(w2)));
         }
         const __m512i idx = kind == 9 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
                           : kind == 4 ? _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0)
@@ -1113,7 +1118,7 @@ static inline __attribute__((always_inline)) void q8act_out(int kind, int compac
                                                             float *y, int64_t N, const float *bias) {
     const int64_t np = (nb + 1) / 2;
     const uint8_t *qs = L->qs;
-    __m512 acc[8], t[8];
+    __m512 acc[Q8ACT_ROWS], t[Q8ACT_ROWS];
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t p0 = 0; p0 < np; p0 += QGROUP / 2) {
         const int64_t p1 = p0 + QGROUP / 2 < np ? p0 + QGROUP / 2 : np;
@@ -1130,8 +1135,32 @@ static inline __attribute__((always_inline)) void q8act_out(int kind, int compac
         for (int r = 0; r < MR; r++)
             acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(t[r], _mm512_set1_ps(rows[r].dx[p0 / (QGROUP / 2)])));
     }
+    /* the offsets: 16 at a time, each chunk's M made once for all the rows (lane g mod 16 as above) */
+    __m512 off[Q8ACT_ROWS];
+    for (int r = 0; r < MR; r++) off[r] = _mm512_setzero_ps();
+    const int64_t G = kind == 9 ? 2 * nb : nb, ng = (nb + QGROUP - 1) / QGROUP;
+    for (int64_t g = 0; g < G; g += 16) {
+        const __mmask16 k = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+        __m512 Mv;
+        if (!compact) {
+            Mv = _mm512_maskz_loadu_ps(k, (kind == 8 ? L->d : L->m) + n * G + g);
+        } else if (kind == 4) {       /* mg mn: blocks g .. g + 15 lie in super-blocks g / 8 and g / 8 + 1 */
+            const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, L->imn + n * nb + g)));
+            const float m0 = L->mg[n * ng + g / QGROUP];
+            const float m1 = g / QGROUP + 1 < ng ? L->mg[n * ng + g / QGROUP + 1] : 0.0f;
+            Mv = _mm512_mul_ps(_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(m0), _mm512_set1_ps(m1)), mn);
+        } else {                      /* -32 dg sc: 16 groups of 16 are one super-block */
+            const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_maskz_loadu_epi8(k, (const int8_t *)L->isc + n * 2 * nb + g)));
+            Mv = _mm512_mul_ps(_mm512_set1_ps(-32.0f), _mm512_mul_ps(_mm512_set1_ps(L->dg[n * ng + g / 16]), sc));
+        }
+        for (int r = 0; r < MR; r++) {
+            const float *u = kind == 4 ? rows[r].u32 : (kind == 8 ? rows[r].v8 : rows[r].u16);
+            off[r] = _mm512_add_ps(off[r], _mm512_mul_ps(Mv, _mm512_maskz_loadu_ps(k, u + g)));
+        }
+    }
     for (int r = 0; r < MR; r++) {
-        float v = tree_reg(acc[r]) + offsets_sum(L, nb, n, rows + r);
+        float v = tree_reg(acc[r]) + tree_reg(off[r]);
         if (bias) v += bias[n];
         y[r * N + n] = v;
     }
@@ -1143,7 +1172,7 @@ static inline void q8act_out(int kind, int compact, int MR, const rakv_layer *L,
     const int64_t np = (nb + 1) / 2;
     const uint8_t *qs = L->qs;
     (void)compact;
-    float acc[8][16], t[8][16];
+    float acc[Q8ACT_ROWS][16], t[Q8ACT_ROWS][16];
     memset(acc, 0, sizeof(acc));
     for (int64_t p0 = 0; p0 < np; p0 += QGROUP / 2) {
         const int64_t p1 = p0 + QGROUP / 2 < np ? p0 + QGROUP / 2 : np;
@@ -1170,12 +1199,12 @@ static inline void q8act_out(int kind, int compact, int MR, const rakv_layer *L,
 }
 #endif
 
-#define Q8ACT_ROWS 8     /* rows sharing one pass over the codes */
 
 #define Q8ACT_CASE(KIND, C, MR) case ((KIND) * 2 + (C)) * 16 + (MR): \
     { for (int64_t n = n0; n < n1; n++) q8act_out(KIND, C, MR, L, nb, n, rows, y, N, bias); } break;
 #define Q8ACT_KIND(KIND, C) Q8ACT_CASE(KIND, C, 1) Q8ACT_CASE(KIND, C, 2) Q8ACT_CASE(KIND, C, 3) \
-    Q8ACT_CASE(KIND, C, 4) Q8ACT_CASE(KIND, C, 5) Q8ACT_CASE(KIND, C, 6) Q8ACT_CASE(KIND, C, 7) Q8ACT_CASE(KIND, C, 8)
+    Q8ACT_CASE(KIND, C, 4) Q8ACT_CASE(KIND, C, 5) Q8ACT_CASE(KIND, C, 6) Q8ACT_CASE(KIND, C, 7) Q8ACT_CASE(KIND, C, 8) \
+    Q8ACT_CASE(KIND, C, 9) Q8ACT_CASE(KIND, C, 10) Q8ACT_CASE(KIND, C, 11) Q8ACT_CASE(KIND, C, 12)
 
 static void q8act_range(const rakv_layer *L, int mr, int64_t nb, int64_t n0, int64_t n1, const qrow *rows,
                         float *y, int64_t N, const float *bias) {
