@@ -65,6 +65,40 @@ def window_size(text: str) -> tuple[int, int]:
 window_size.__name__ = "size"
 
 
+def show_splash(app, args):
+    """A splash screen while torch, the engine and the window load (None in scripted mode or offscreen)."""
+    from PySide6.QtGui import QColor, QPainter, QPixmap
+    from PySide6.QtWidgets import QSplashScreen
+
+    if args.screenshot or args.exit_after_run or app.platformName() in ("offscreen", "minimal"):
+        return None
+    from app import icons
+
+    pm = QPixmap(420, 150)
+    pm.fill(QColor("#f4f6fa"))
+    p = QPainter(pm)
+    p.drawPixmap(20, 35, icons.icon("app").pixmap(80, 80))
+    f = p.font()
+    f.setPointSize(f.pointSize() + 6)
+    f.setBold(True)
+    p.setFont(f)
+    p.drawText(120, 70, "RAKV Explorer")
+    p.end()
+    splash = QSplashScreen(pm)
+    splash.show()
+    splash_say(splash, app, "loading the engine (torch) ...")
+    return splash
+
+
+def splash_say(splash, app, text: str) -> None:
+    if splash is None:
+        return
+    from PySide6.QtCore import Qt
+
+    splash.showMessage(text, Qt.AlignmentFlag.AlignBottom | Qt.AlignmentFlag.AlignHCenter)
+    app.processEvents()
+
+
 def check_paths(args) -> None:
     """The screenshot must not overwrite the recording being replayed."""
     if args.screenshot and args.replay:
@@ -102,19 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceError as e:
         print(f"rakv-explorer: error: {e}", file=sys.stderr)
         return 2
-    from app.desktop import check, no_display
+    from app.desktop import check, no_display, x_server_problem
 
     problem = no_display() or check()      # before Qt: its own failure here is an abort
     if problem:
         print(f"rakv-explorer: error: {problem}", file=sys.stderr)
         return 1
-    quiet_libs()
-    import torch
-
-    # leave a core to the GUI thread; a shorter GIL switch interval keeps the event loop responsive
-    threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
-    torch.set_num_threads(threads)
-    sys.setswitchinterval(0.002)
+    problem = x_server_problem()           # a DISPLAY no X server answers: Qt would abort naming its plugin
+    if problem:
+        print(f"rakv-explorer: error: {problem}", file=sys.stderr)
+        return 2
 
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
@@ -122,6 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("RAKV Explorer")
     app.setOrganizationName("RAKV")
+    splash = show_splash(app, args)         # at once: torch and the window take seconds to come up
+    quiet_libs()
+    import torch
+
+    # leave a core to the GUI thread; a shorter GIL switch interval keeps the event loop responsive
+    threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(threads)
+    sys.setswitchinterval(0.002)
+    splash_say(splash, app, "building the window ...")
     from app.window import MainWindow
 
     win = MainWindow()
@@ -153,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             win.default_docks()
     sys.excepthook = win.excepthook
     win.show()
+    if splash is not None:
+        splash.finish(win)
 
     scripted = bool(args.autorun or args.replay or args.screenshot or args.exit_after_run or args.measure_all)
     rc = {"code": 0}
@@ -191,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
             if not win.open_recording(args.replay, play=False):
                 return
             win.replayFinished.connect(done)
-            win.replay_bar.speed.setCurrentText("max")
-            win.replayer.play()
+            if args.exit_after_run or args.screenshot:     # scripted: to the end at once
+                win.replay_bar.speed.setCurrentText("max")
+            win.replayer.play()                            # else at the replay speed (never max at start)
         QTimer.singleShot(0, start_replay)
     elif args.autorun:
         queue = prompts[1:]
