@@ -12,13 +12,14 @@ import argparse
 import os
 import sys
 
-from rakv import argtypes as A
-from rakv.common import CliError, add_device_args, add_sampling_args, quiet_libs, sampling_of
-from rakv.sampling import Sampling
-from rakv.config import POLICIES_HELP
+# rakv is imported inside the functions: it imports torch (seconds), and the splash screen comes first
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rakv import argtypes as A
+    from rakv.common import add_device_args, add_sampling_args
+    from rakv.config import POLICIES_HELP
+
     ap = A.OneLineParser(prog="rakv-explorer",
                                  description="Watch and steer exact speculative decoding with prefix KV reuse.")
     ap.add_argument("--target", help="hub id, local dir, .gguf file, or 'demo'")
@@ -65,13 +66,11 @@ def window_size(text: str) -> tuple[int, int]:
 window_size.__name__ = "size"
 
 
-def show_splash(app, args):
-    """A splash screen while torch, the engine and the window load (None in scripted mode or offscreen)."""
+def show_splash(app):
+    """The splash screen shown while torch, the engine and the window load."""
     from PySide6.QtGui import QColor, QPainter, QPixmap
     from PySide6.QtWidgets import QSplashScreen
 
-    if args.screenshot or args.exit_after_run or app.platformName() in ("offscreen", "minimal"):
-        return None
     from app import icons
 
     pm = QPixmap(420, 150)
@@ -86,7 +85,7 @@ def show_splash(app, args):
     p.end()
     splash = QSplashScreen(pm)
     splash.show()
-    splash_say(splash, app, "loading the engine (torch) ...")
+    splash_say(splash, app, "starting the engine (torch) ...")
     return splash
 
 
@@ -101,13 +100,44 @@ def splash_say(splash, app, text: str) -> None:
 
 def check_paths(args) -> None:
     """The screenshot must not overwrite the recording being replayed."""
+    from rakv import argtypes as A
+
     if args.screenshot and args.replay:
         A.refuse_overwrite(args.screenshot, "--screenshot", {"--replay": args.replay})
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    splash = early_splash(argv)       # before torch is imported: the window takes seconds to come up
+    try:
+        return run_main(argv, splash)
+    finally:
+        if splash is not None:
+            splash.close()
+
+
+def early_splash(argv: list[str]):
+    """A splash screen at once for an interactive start on a desktop that can show it (None in
+    scripted mode, offscreen, for --help, or where the desktop checks would refuse to start)."""
+    scripted = {"--screenshot", "--exit-after-run", "-h", "--help"}
+    if any(a.split("=")[0] in scripted for a in argv) or os.environ.get("QT_QPA_PLATFORM", "").strip():
+        return None
+    from app.desktop import check, no_display, x_server_problem
+
+    if no_display() or x_server_problem() or check():
+        return None                   # (said in one line after the flags are checked)
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication([sys.argv[0]])
+    return show_splash(app)
+
+
+def run_main(argv: list[str], splash) -> int:
+    from rakv.common import CliError, quiet_libs, sampling_of
+    from rakv.sampling import Sampling
+
     try:     # every flag is checked here, before anything is shown or saved to the settings
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        args = build_parser().parse_args(argv)
         check_paths(args)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
@@ -153,7 +183,6 @@ def main(argv: list[str] | None = None) -> int:
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("RAKV Explorer")
     app.setOrganizationName("RAKV")
-    splash = show_splash(app, args)         # at once: torch and the window take seconds to come up
     quiet_libs()
     import torch
 

@@ -121,7 +121,7 @@ def to_markdown(exchanges: list[Exchange], pieces, meta: dict | None = None, sho
         body += [f"## {title}", ""]
         for m in messages(exs, pieces, show_template):
             if m.role == "user":
-                body += [f"**User**" + (f" (turn {m.turn})" if m.turn else ""), ""]
+                body += ["**User**" + (f" (turn {m.turn})" if m.turn else ""), ""]
             else:
                 info = f"{m.tokens} tokens" + (f", {m.latency_ms:.0f} ms" if m.latency_ms is not None else "")
                 info += f", {m.stopped}" if m.stopped else (", incomplete" if not m.done else "")

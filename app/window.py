@@ -349,8 +349,9 @@ class MainWindow(QMainWindow):
         if not items:
             self.settings_note.hide()
             return
-        self.settings_note.setText("restored from last time: " + ", ".join(items)
-                                   + " · <a href='reset'>Reset settings</a> · <a href='hide'>hide</a>")
+        self.settings_note.setText("restored: " + ", ".join(items)
+                                   + " · <a href='reset'>Reset settings</a> · <a href='hide'>×</a>")
+        self.settings_note.setMinimumWidth(min(self.settings_note.sizeHint().width(), max(300, self.width() // 2)))
         self.settings_note.setToolTip("these settings differ from the defaults and were restored from the last "
                                       "session; File → Reset settings puts every one back to its default")
         self.settings_note.show()
@@ -406,7 +407,7 @@ class MainWindow(QMainWindow):
         self.resizeDocks([self.docks["acceptance"], self.docks["timeline"]], [1, 1], Hz)
         self.resizeDocks([self.docks["acceptance"]], [int(H * 0.36)], V)
         self.resizeDocks([self.docks["run"], self.docks["controls"]], [int(H * 0.7), int(H * 0.3)], V)
-        self.resizeDocks([self.docks["cache"], self.docks["costs"]], [int(H * 0.53), int(H * 0.47)], V)
+        self.resizeDocks([self.docks["cache"], self.docks["costs"]], [int(H * 0.45), int(H * 0.55)], V)
 
     def save_settings(self) -> None:
         s = self.settings

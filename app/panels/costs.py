@@ -36,17 +36,17 @@ def quality_text(state: SessionState) -> tuple[str, str]:
     p = (getattr(h, "profile", None) or {}) if h is not None else {}
     parts, tip = [], []
     if not p:
-        parts.append("cost profile: " + ("not in this recording" if h is not None else "—"))
+        parts.append("profile: " + ("not in this recording" if h is not None else "—"))
     else:
         if p.get("contended"):
-            why = (p.get("reasons") or ["the machine was busy"])[0]
-            parts.append(f"cost profile <b style='color:{MEASURED}'>contended</b> ({why})")
+            parts.append(f"profile <b style='color:{MEASURED}'>contended</b>")
         else:
-            parts.append(f"cost profile <span style='color:{ORACLE}'>clean</span>")
+            parts.append(f"profile <span style='color:{ORACLE}'>clean</span>")
         spread = p.get("spread") or {}
         if spread:
             term, worst = max(spread.items(), key=lambda kv: kv[1])
-            parts.append(f"largest spread {worst * 100:.0f}% ({term})")
+            parts.append(f"spread ≤ {worst * 100:.0f}%")
+            tip.append(f"largest spread between the repeats of a term: {worst * 100:.0f}% ({term})")
         tip.append(f"calibrated {p.get('calibrated_at') or '?'} in {p.get('calibration_s', 0):.0f} s; CPU share "
                    f"{p.get('cpu_share', '?')}; {p.get('retries', 0)} terms re-measured")
         for r in p.get("reasons") or []:
@@ -59,15 +59,17 @@ def quality_text(state: SessionState) -> tuple[str, str]:
     if mape is not None:
         col = ORACLE if mape <= GOOD_ERROR else ("#d94801" if mape <= 2 * GOOD_ERROR else MEASURED)
         _, pr, me = rows[-1]
-        parts.append(f"prediction error <b style='color:{col}'>{mape * 100:.0f}%</b> over {len(rows)} "
-                     f"request{'s' if len(rows) != 1 else ''} (last: predicted {pr:.0f}, measured {me:.0f} ms)")
-        tip.append("prediction error: mean of |predicted - measured| / measured over the finished requests "
-                   "(RequestEnd.predicted_ms vs latency_ms)")
+        parts.append(f"prediction error <b style='color:{col}'>{mape * 100:.0f}%</b> ({len(rows)} "
+                     f"request{'s' if len(rows) != 1 else ''})")
+        tip.append(f"prediction error: mean of |predicted - measured| / measured over {len(rows)} finished "
+                   f"requests (RequestEnd.predicted_ms vs latency_ms); the last: predicted {pr:.0f} ms, "
+                   f"measured {me:.0f} ms (Show: predicted vs measured: every request)")
     else:
-        parts.append("prediction error: no priced request yet")
+        parts.append("prediction error: —")
+        tip.append("prediction error: none yet (no finished request with a prediction)")
     if p and (p.get("contended") or (mape is not None and mape > GOOD_ERROR and len(rows) >= 3)):
-        parts.append("Run → Recalibrate costs")
-    return " · ".join(parts), "\n".join(tip)
+        parts.append("<i>Run → Recalibrate costs</i>")
+    return "<b>Costs</b>: " + " · ".join(parts), "\n".join(tip)
 
 
 class CostsPanel(QWidget):
