@@ -314,7 +314,7 @@ def test_acceptance_request_labels_never_overlap(qtbot):
         assert (labels == ["req 0", "req 1", "req 2"]) == want_all
 
 
-def test_none_survives_pysides_reference_leak():
+def test_none_survives_pysides_reference_leak(qtbot):
     """PySide6 drops a reference to None per void call on CPython 3.11; the app pins None first."""
     import sys
 
@@ -326,6 +326,7 @@ def test_none_survives_pysides_reference_leak():
         pytest.skip("None is immortal from CPython 3.12")
     assert sys.getrefcount(None) > PINNED // 2
     lab = QLabel()
+    qtbot.addWidget(lab)
     for _ in range(200):
         lab.setText("x")
     assert sys.getrefcount(None) > PINNED // 2        # whatever the leak takes, far from zero
