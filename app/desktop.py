@@ -161,6 +161,61 @@ def no_display(env=None, platform: str | None = None) -> str | None:
             "xvfb-run, or headless with QT_QPA_PLATFORM=offscreen (scripted mode: --screenshot PNG)")
 
 
+def x_endpoint(display: str) -> tuple[str, object] | None:
+    """Where the X server of DISPLAY listens: ("unix", socket path) for a local display (":1",
+    ":1.0", "unix:1"), ("tcp", (host, 6000 + n)) for "host:n"; None when the form is not one of these."""
+    host, sep, rest = display.rpartition(":")
+    if not sep or host.startswith("/"):
+        return None
+    num = rest.split(".")[0]
+    if not num.isdigit():
+        return None
+    if host in ("", "unix"):
+        return "unix", f"/tmp/.X11-unix/X{int(num)}"
+    return "tcp", (host, 6000 + int(num))
+
+
+def x_answers(endpoint: tuple[str, object], timeout: float = 2.0) -> bool:
+    """Whether something accepts a connection where the X server should listen (Linux: the
+    abstract socket first, as Xorg and Xvfb open both, then the socket file)."""
+    import socket
+
+    kind, where = endpoint
+    if kind == "tcp":
+        try:
+            with socket.create_connection(where, timeout=timeout):
+                return True
+        except OSError:
+            return False
+    for addr in ("\0" + str(where), str(where)):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            try:
+                s.connect(addr)
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def x_server_problem(env=None, platform: str | None = None, answers=None) -> str | None:
+    """One line when Qt would open an X display (xcb) that no server answers, else None: Qt itself
+    would abort with a message about its xcb plugin (naming libxcb-cursor0 even when it is installed)."""
+    env = os.environ if env is None else env
+    if not wants_xcb(env, platform):
+        return None
+    if env.get("WAYLAND_DISPLAY") and not env.get("QT_QPA_PLATFORM", "").strip():
+        return None          # a Wayland session: Qt may well use its wayland plugin
+    disp = env.get("DISPLAY", "").strip()
+    ep = x_endpoint(disp) if disp else None
+    if ep is None or (answers or x_answers)(ep):
+        return None
+    where = ep[1] if ep[0] == "unix" else f"{ep[1][0]} port {ep[1][1]}"
+    start = f"start one (e.g. Xvfb :{disp.rpartition(':')[2].split('.')[0]} &), " if ep[0] == "unix" else ""
+    return (f"DISPLAY={disp} names no running X server (nothing answers at {where}): {start}set DISPLAY to a "
+            "running one, or run headless with QT_QPA_PLATFORM=offscreen")
+
+
 def main() -> int:
     """``python -m app.desktop``: say whether the explorer's window can open here (never fails)."""
     if not sys.platform.startswith("linux"):

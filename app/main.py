@@ -12,13 +12,14 @@ import argparse
 import os
 import sys
 
-from rakv import argtypes as A
-from rakv.common import CliError, add_device_args, add_sampling_args, quiet_libs, sampling_of
-from rakv.sampling import Sampling
-from rakv.config import POLICIES_HELP
+# rakv is imported inside the functions: it imports torch (seconds), and the splash screen comes first
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rakv import argtypes as A
+    from rakv.common import add_device_args, add_sampling_args
+    from rakv.config import POLICIES_HELP
+
     ap = A.OneLineParser(prog="rakv-explorer",
                                  description="Watch and steer exact speculative decoding with prefix KV reuse.")
     ap.add_argument("--target", help="hub id, local dir, .gguf file, or 'demo'")
@@ -67,15 +68,78 @@ def window_size(text: str) -> tuple[int, int]:
 window_size.__name__ = "size"
 
 
+def show_splash(app):
+    """The splash screen shown while torch, the engine and the window load."""
+    from PySide6.QtGui import QColor, QPainter, QPixmap
+    from PySide6.QtWidgets import QSplashScreen
+
+    from app import icons
+
+    pm = QPixmap(420, 150)
+    pm.fill(QColor("#f4f6fa"))
+    p = QPainter(pm)
+    p.drawPixmap(20, 35, icons.icon("app").pixmap(80, 80))
+    f = p.font()
+    f.setPointSize(f.pointSize() + 6)
+    f.setBold(True)
+    p.setFont(f)
+    p.drawText(120, 70, "RAKV Explorer")
+    p.end()
+    splash = QSplashScreen(pm)
+    splash.show()
+    splash_say(splash, app, "starting the engine (torch) ...")
+    return splash
+
+
+def splash_say(splash, app, text: str) -> None:
+    if splash is None:
+        return
+    from PySide6.QtCore import Qt
+
+    splash.showMessage(text, Qt.AlignmentFlag.AlignBottom | Qt.AlignmentFlag.AlignHCenter)
+    app.processEvents()
+
+
 def check_paths(args) -> None:
     """The screenshot must not overwrite the recording being replayed."""
+    from rakv import argtypes as A
+
     if args.screenshot and args.replay:
         A.refuse_overwrite(args.screenshot, "--screenshot", {"--replay": args.replay})
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    splash = early_splash(argv)       # before torch is imported: the window takes seconds to come up
+    try:
+        return run_main(argv, splash)
+    finally:
+        if splash is not None:
+            splash.close()
+
+
+def early_splash(argv: list[str]):
+    """A splash screen at once for an interactive start on a desktop that can show it (None in
+    scripted mode, offscreen, for --help, or where the desktop checks would refuse to start)."""
+    scripted = {"--screenshot", "--exit-after-run", "-h", "--help"}
+    if any(a.split("=")[0] in scripted for a in argv) or os.environ.get("QT_QPA_PLATFORM", "").strip():
+        return None
+    from app.desktop import check, no_display, x_server_problem
+
+    if no_display() or x_server_problem() or check():
+        return None                   # (said in one line after the flags are checked)
+    from PySide6.QtWidgets import QApplication
+
+    app = QApplication.instance() or QApplication([sys.argv[0]])
+    return show_splash(app)
+
+
+def run_main(argv: list[str], splash) -> int:
+    from rakv.common import CliError, quiet_libs, sampling_of
+    from rakv.sampling import Sampling
+
     try:     # every flag is checked here, before anything is shown or saved to the settings
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        args = build_parser().parse_args(argv)
         check_paths(args)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
@@ -104,19 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceError as e:
         print(f"rakv-explorer: error: {e}", file=sys.stderr)
         return 2
-    from app.desktop import check, no_display
+    from app.desktop import check, no_display, x_server_problem
 
     problem = no_display() or check()      # before Qt: its own failure here is an abort
     if problem:
         print(f"rakv-explorer: error: {problem}", file=sys.stderr)
         return 1
-    quiet_libs()
-    import torch
-
-    # leave a core to the GUI thread; a shorter GIL switch interval keeps the event loop responsive
-    threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
-    torch.set_num_threads(threads)
-    sys.setswitchinterval(0.002)
+    problem = x_server_problem()           # a DISPLAY no X server answers: Qt would abort naming its plugin
+    if problem:
+        print(f"rakv-explorer: error: {problem}", file=sys.stderr)
+        return 2
 
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
@@ -124,6 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("RAKV Explorer")
     app.setOrganizationName("RAKV")
+    quiet_libs()
+    import torch
+
+    # leave a core to the GUI thread; a shorter GIL switch interval keeps the event loop responsive
+    threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(threads)
+    sys.setswitchinterval(0.002)
+    splash_say(splash, app, "building the window ...")
     from app.window import MainWindow
 
     win = MainWindow()
@@ -158,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             win.default_docks()
     sys.excepthook = win.excepthook
     win.show()
+    if splash is not None:
+        splash.finish(win)
 
     scripted = bool(args.autorun or args.replay or args.screenshot or args.exit_after_run or args.measure_all)
     rc = {"code": 0}
@@ -196,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
             if not win.open_recording(args.replay, play=False):
                 return
             win.replayFinished.connect(done)
-            win.replay_bar.speed.setCurrentText("max")
-            win.replayer.play()
+            if args.exit_after_run or args.screenshot:     # scripted: to the end at once
+                win.replay_bar.speed.setCurrentText("max")
+            win.replayer.play()                            # else at the replay speed (never max at start)
         QTimer.singleShot(0, start_replay)
     elif args.autorun:
         queue = prompts[1:]

@@ -104,6 +104,18 @@ class Settings:
     def set(self, key: str, value) -> None:
         self.q.setValue(key, value)
 
+    # ------------------------------------------------------------------ restored values, reset
+    def non_defaults(self) -> dict:
+        """The stored settings (of DEFAULTS) whose values differ from the defaults: key -> value."""
+        return {k: self.get(k) for k in self.DEFAULTS
+                if self.q.contains(k) and not same_value(k, self.get(k), self.DEFAULTS[k])}
+
+    def reset(self) -> None:
+        """Every setting of DEFAULTS back to its default (recent lists and the window layout stay)."""
+        for k in self.DEFAULTS:
+            self.q.remove(k)
+        self.q.sync()
+
     # ------------------------------------------------------------------ lists
     def _list(self, key: str) -> list[str]:
         v = self.q.value(key, [])
@@ -137,6 +149,49 @@ class Settings:
 
     def sync(self) -> None:
         self.q.sync()
+
+
+LABELS = {"models/target": "target", "models/draft": "draft", "run/prompt": "prompt", "run/policy": "policy",
+          "run/max_new_tokens": "max new tokens", "run/raw": "raw prompt", "run/conversation": "conversation",
+          "controls/budget_mib": "budget", "controls/k_set": "K", "controls/granularity": "granularity",
+          "controls/sampling": "sampling", "replay/speed": "replay speed"}
+
+
+def same_value(key: str, a, b) -> bool:
+    """Whether two values of a setting mean the same (K sets and sampling compared as parsed)."""
+    if key == "controls/k_set":
+        try:
+            return parse_k_set(str(a)) == parse_k_set(str(b))
+        except ValueError:
+            return False
+    if key == "controls/sampling":
+        return sampling_from_text(str(a)) == sampling_from_text(str(b))
+    if key == "controls/budget_mib":
+        try:
+            return float(a) == float(b)
+        except (TypeError, ValueError):
+            return False
+    return a == b
+
+
+def describe(key: str, value) -> str:
+    """One setting for the status bar's notice: "max new tokens 24", "K {0, 4}", "prompt (edited)"."""
+    name = LABELS.get(key, key)
+    if key == "run/prompt":
+        return "prompt (edited)"
+    if isinstance(value, bool):
+        return f"{name} {'on' if value else 'off'}"
+    if key == "controls/k_set":
+        try:
+            return "K {" + ", ".join(map(str, parse_k_set(str(value)))) + "}"
+        except ValueError:
+            return f"K {value}"
+    if key == "controls/budget_mib":
+        return f"budget {float(value):g} MiB"
+    if key == "controls/sampling":
+        smp = sampling_from_text(str(value))
+        return "sampling " + (f"T {smp.temperature:g}" if smp is not None and not smp.greedy else "greedy")
+    return f"{name} {value}"
 
 
 def sampling_from_text(text: str):

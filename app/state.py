@@ -88,6 +88,28 @@ class TurnView:
 
 
 @dataclass
+class Exchange:
+    """One request as a chat exchange: the user's text as typed and the answer (the transcript)."""
+
+    request_id: int
+    prompt: str                  # RequestStart.prompt: the user's text, before any chat template
+    prompt_ids: list[int]        # the ids fed (the template applied, when ``templated``)
+    templated: bool = False
+    conversation: int | None = None
+    turn: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    text: str | None = None      # RequestEnd.text (special tokens skipped); None while it runs
+    stopped: str = ""
+    latency_ms: float | None = None
+    predicted_ms: float | None = None
+    tokens_per_s: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.text is not None
+
+
+@dataclass
 class SessionState:
     records: list = field(default_factory=list)
     header: RunHeader | None = None
@@ -133,6 +155,8 @@ class SessionState:
     # conversations (the explorer's conversation mode, rakv.chat)
     turns: list[TurnView] = field(default_factory=list)
     turn: TurnView | None = None               # the current request's turn (None: not a conversation)
+    # the chat transcript: every request as (user text, answer)
+    exchanges: list[Exchange] = field(default_factory=list)
 
     # ------------------------------------------------------------------ feeding
     def apply(self, rec) -> None:
@@ -188,6 +212,9 @@ class SessionState:
                                  r.prompt_tokens, int(c.get("previous_tokens", 0)), str(c.get("ids_from", "")),
                                  str(c.get("reason", "")))
             self.turns.append(self.turn)
+        self.exchanges.append(Exchange(r.request_id, r.prompt, list(r.prompt_ids), bool(r.templated),
+                                       self.turn.conversation if self.turn else None,
+                                       self.turn.turn if self.turn else None))
 
     def _lookup(self, r: CacheLookup) -> None:
         view = CacheView(r.model, r.hit_tokens, r.reused_tokens, r.prompt_tokens, r.exact_repeat,
@@ -224,6 +251,9 @@ class SessionState:
             for j, (tid, prov) in enumerate(zip(r.emitted, r.provenance)):
                 self.tokens.append(Tok(tid, prov if prov in KINDS else TARGET, pos + j, r.index, r.k, r.t))
             self.generated += len(r.emitted)
+            ex = self.exchanges[-1] if self.exchanges else None
+            if ex is not None and ex.request_id == r.request_id:
+                ex.output_ids.extend(r.emitted)
             self.explore_req += getattr(r, "explore_ms", 0.0) or 0.0
         if r.kind == "prefill":
             return
@@ -240,6 +270,11 @@ class SessionState:
         self.running = False
         self.ends.append(r)
         self.last_end = r
+        ex = next((e for e in reversed(self.exchanges) if e.request_id == r.request_id), None)
+        if ex is not None:
+            ex.output_ids = list(r.output_ids)
+            ex.text, ex.stopped, ex.latency_ms = r.text, r.stopped, r.latency_ms
+            ex.predicted_ms, ex.tokens_per_s = r.predicted_ms, r.tokens_per_s
         if self.turn is not None and self.turn.request_id == r.request_id:
             self.turn.answer, self.turn.output_tokens, self.turn.ttft_ms = r.text, len(r.output_ids), r.ttft_ms
 
@@ -267,6 +302,17 @@ class SessionState:
             if e.request_id == request_id:
                 return e.latency_ms
         return None
+
+    def prediction_errors(self) -> list[tuple[int, float, float]]:
+        """(request id, predicted ms, measured ms) of every finished request the controller priced
+        (``RequestEnd.predicted_ms``; fixed policies predict nothing)."""
+        return [(e.request_id, float(e.predicted_ms), float(e.latency_ms)) for e in self.ends
+                if e.predicted_ms is not None and e.predicted_ms > 0 and e.latency_ms > 0 and e.stopped != "error"]
+
+    def prediction_mape(self) -> float | None:
+        """Mean |predicted - measured| / measured over the finished requests (None before one)."""
+        rows = self.prediction_errors()
+        return sum(abs(p - m) / m for _, p, m in rows) / len(rows) if rows else None
 
     def template_note(self) -> str:
         """How much of the current hit is the chat template's shared prefix (the cache panel's line)."""

@@ -18,6 +18,7 @@ from app.gcguard import GuiThreadGC
 from app.lagprobe import LagProbe
 from app.panels.acceptance import AcceptancePanel
 from app.panels.cache import CachePanel
+from app.panels.chat import ChatPanel
 from app.panels.controls import ControlsPanel
 from app.panels.costs import CostsPanel
 from app.panels.replay import ReplayBar
@@ -44,6 +45,7 @@ class MainWindow(QMainWindow):
     _new_conv = Signal()
     _budget = Signal(float)
     _measure = Signal(str, int, int)
+    _recalibrate = Signal(bool)
     # notifications (tests and scripted mode)
     runFinished = Signal(object)
     measureFinished = Signal(object)     # OracleResult, or None (cancelled / error)
@@ -86,7 +88,15 @@ class MainWindow(QMainWindow):
     # ------------------------------------------------------------------ construction
     def _build_panels(self) -> None:
         self.tokens = TokenPanel(self.live_pieces)
-        self.setCentralWidget(self.tokens)
+        self.chat = ChatPanel(lambda: self.tokens.pieces)
+        self.chat.copyRequested.connect(self.copy_answer)
+        self.chat.exportRequested.connect(lambda: self.export_conversation())
+        self.central = QTabWidget()        # the chat transcript and the token stream (provenance colours)
+        self.central.setDocumentMode(True)
+        self.central.addTab(self.chat, "Chat")
+        self.central.addTab(self.tokens, "Token stream")
+        self.central.currentChanged.connect(lambda _: self.chat.refresh(self.state))
+        self.setCentralWidget(self.central)
         self.run_panel = RunPanel()
         self.controls = ControlsPanel()
         self.cache = CachePanel()
@@ -175,7 +185,16 @@ class MainWindow(QMainWindow):
         self.act_export = self._action("&Export session timings (CSV) ...", lambda: self.export_csv(), "Ctrl+E", "export")
         f.addAction(self.act_export)
         f.addAction(self._action("Export &plots (PNG) ...", lambda: self.export_plots()))
+        self.act_export_chat = self._action("Export &conversation (Markdown, JSON) ...",
+                                            lambda: self.export_conversation(), "Ctrl+Shift+E")
+        f.addAction(self.act_export_chat)
+        self.act_copy_answer = self._action("Copy &answer", self.copy_answer, "Ctrl+Shift+C")
+        f.addAction(self.act_copy_answer)
         f.addAction(self._action("Show &sessions folder", self._show_sessions))
+        self.act_reset_settings = self._action("Reset settings", self.reset_settings)
+        self.act_reset_settings.setToolTip("put the models, prompt, policy, max new tokens and live controls "
+                                           "back to their defaults")
+        f.addAction(self.act_reset_settings)
         f.addSeparator()
         f.addAction(self._action("&Quit", self.close, QKeySequence.StandardKey.Quit))
         r = mb.addMenu("&Run")
@@ -189,6 +208,10 @@ class MainWindow(QMainWindow):
         r.addAction(self.act_stop)
         r.addAction(self.act_measure)
         r.addAction(self._action("&Load models", lambda: self.load_models(*self.run_panel.pair())))
+        self.act_recalibrate = self._action("Re&calibrate costs", lambda: self.recalibrate())
+        self.act_recalibrate.setToolTip("measure the loaded pair's cost profile again (and save it); "
+                                        "a new session starts")
+        r.addAction(self.act_recalibrate)
         v = mb.addMenu("&View")
         for d in self.docks.values():
             v.addAction(d.toggleViewAction())
@@ -214,7 +237,12 @@ class MainWindow(QMainWindow):
         self.stats = QLabel("")
         self.lag_label = QLabel("")
         self.lag_label.setToolTip("event-loop lag during runs (10 ms probe timer): max / p99")
+        self.settings_note = QLabel("")       # settings restored with values other than the defaults
+        self.settings_note.setTextFormat(Qt.TextFormat.RichText)
+        self.settings_note.linkActivated.connect(self._settings_link)
+        self.settings_note.hide()
         sb.addWidget(self.msg, 1)
+        sb.addWidget(self.settings_note)
         sb.addPermanentWidget(self.progress)
         sb.addPermanentWidget(self.stats)
         sb.addPermanentWidget(self.lag_label)
@@ -231,6 +259,7 @@ class MainWindow(QMainWindow):
         self._new_conv.connect(self.worker.new_conversation)
         self._budget.connect(self.worker.set_budget)
         self._measure.connect(self.worker.measure)
+        self._recalibrate.connect(self.worker.recalibrate)
         self.worker.measureProgress.connect(self._on_measure_progress)
         self.worker.measured.connect(self._on_measured)
         self.worker.record.connect(self._on_record)
@@ -246,6 +275,22 @@ class MainWindow(QMainWindow):
         rp = self.run_panel
         rp.add_recent(rp.target, s.recent_models("target"))
         rp.add_recent(rp.draft, s.recent_models("draft"))
+        self._restored = s.non_defaults()       # shown in the status bar once the window shows
+        self._note_shown = False
+        self._apply_settings()
+        geo, st = s.geometry()
+        if geo is None or not self.restoreGeometry(geo) or not self._fits_screen():
+            self.fit_to_screen()
+        if st is not None:
+            self.restoreState(st)
+        else:
+            self.default_docks()
+        self.replay_tb.hide()
+
+    def _apply_settings(self) -> None:
+        """The stored settings (or their defaults) into the panels and the worker's controls."""
+        s = self.settings
+        rp = self.run_panel
         rp.set_pair(s.get("models/target"), s.get("models/draft"))
         rp.prompt.setPlainText(s.get("run/prompt"))
         rp.policy.setCurrentText(s.get("run/policy"))
@@ -265,14 +310,67 @@ class MainWindow(QMainWindow):
         if smp is not None:
             self.controls.set_sampling(smp)
             self.worker.set_controls(sampling=smp)
-        geo, st = s.geometry()
-        if geo is None or not self.restoreGeometry(geo) or not self._fits_screen():
-            self.fit_to_screen()
-        if st is not None:
-            self.restoreState(st)
+        if self.replay_bar.replayer is None:
+            i = self.replay_bar.speed.findText(str(s.get("replay/speed")))
+            self.replay_bar.speed.setCurrentIndex(i if i >= 0 else 3)
+
+    def showEvent(self, ev) -> None:
+        super().showEvent(ev)
+        if not self._note_shown:
+            self._note_shown = True
+            self.show_settings_note()
+
+    def current_settings(self) -> dict:
+        """What the panels hold now, as settings (key -> value); save_settings stores these."""
+        rp = self.run_panel
+        t, d = rp.pair()
+        vals = {"models/target": t, "models/draft": d, "run/prompt": rp.prompt_text(),
+                "run/policy": rp.policy_text(), "run/max_new_tokens": rp.max_new.value(),
+                "run/raw": rp.raw.isChecked(), "run/conversation": rp.conversation.isChecked(),
+                "controls/budget_mib": self.controls.budget_mib(),
+                "controls/k_set": ",".join(map(str, self.controls.k_set())),
+                "controls/granularity": self.controls.granularity.currentData(),
+                "replay/speed": self.replay_bar.speed.currentText()}
+        smp = self.controls.sampling()
+        if not isinstance(smp, str):
+            vals["controls/sampling"] = json.dumps(smp.to_dict())
+        return vals
+
+    def restored_settings(self) -> list[str]:
+        """The settings restored from an earlier session with values other than the defaults, that
+        the panels still hold (a command-line flag that replaced one is not listed)."""
+        from app.settings import describe, same_value
+
+        now = self.current_settings()
+        return [describe(k, v) for k, v in self._restored.items() if k in now and same_value(k, now[k], v)]
+
+    def show_settings_note(self) -> None:
+        items = self.restored_settings()
+        if not items:
+            self.settings_note.hide()
+            return
+        self.settings_note.setText("restored: " + ", ".join(items)
+                                   + " · <a href='reset'>Reset settings</a> · <a href='hide'>×</a>")
+        self.settings_note.setMinimumWidth(min(self.settings_note.sizeHint().width(), max(300, self.width() // 2)))
+        self.settings_note.setToolTip("these settings differ from the defaults and were restored from the last "
+                                      "session; File → Reset settings puts every one back to its default")
+        self.settings_note.show()
+
+    def _settings_link(self, link: str) -> None:
+        if link == "reset":
+            self.reset_settings()
         else:
-            self.default_docks()
-        self.replay_tb.hide()
+            self.settings_note.hide()
+
+    def reset_settings(self) -> None:
+        """Every setting back to its default (models, prompt, policy, max new tokens, raw, conversation,
+        budget, K, granularity, sampling, replay speed); the window layout and recent lists stay."""
+        self.settings.reset()
+        self._restored = {}
+        self._apply_settings()
+        self._budget.emit(float(self.controls.budget_mib()))
+        self.settings_note.hide()
+        self.msg.setText("settings reset to their defaults")
 
     # ------------------------------------------------------------------ window size
     def _screen_rect(self) -> tuple[int, int, int, int] | None:
@@ -309,26 +407,12 @@ class MainWindow(QMainWindow):
         self.resizeDocks([self.docks["acceptance"], self.docks["timeline"]], [1, 1], Hz)
         self.resizeDocks([self.docks["acceptance"]], [int(H * 0.36)], V)
         self.resizeDocks([self.docks["run"], self.docks["controls"]], [int(H * 0.7), int(H * 0.3)], V)
-        self.resizeDocks([self.docks["cache"], self.docks["costs"]], [int(H * 0.53), int(H * 0.47)], V)
+        self.resizeDocks([self.docks["cache"], self.docks["costs"]], [int(H * 0.45), int(H * 0.55)], V)
 
     def save_settings(self) -> None:
         s = self.settings
-        rp = self.run_panel
-        t, d = rp.pair()
-        s.set("models/target", t)
-        s.set("models/draft", d)
-        s.set("run/prompt", rp.prompt_text())
-        s.set("run/policy", rp.policy_text())
-        s.set("run/max_new_tokens", rp.max_new.value())
-        s.set("run/raw", rp.raw.isChecked())
-        s.set("run/conversation", rp.conversation.isChecked())
-        s.set("controls/budget_mib", self.controls.budget_mib())
-        s.set("controls/k_set", ",".join(map(str, self.controls.k_set())))
-        s.set("controls/granularity", self.controls.granularity.currentData())
-        smp = self.controls.sampling()
-        if not isinstance(smp, str):
-            s.set("controls/sampling", json.dumps(smp.to_dict()))
-        s.set("replay/speed", self.replay_bar.speed.currentText())
+        for k, v in self.current_settings().items():
+            s.set(k, v)
         s.save_geometry(self.saveGeometry(), self.saveState())
         s.sync()
 
@@ -365,6 +449,17 @@ class MainWindow(QMainWindow):
         self._sent = rp.prompt_text() if rp.conversation.isChecked() else None
         (self._chat if self._sent is not None else self._run).emit(rp.prompt_text(), rp.policy_text(),
                                                                    rp.max_new.value())
+
+    def recalibrate(self, quick: bool = False) -> None:
+        """Measure the loaded pair's cost profile again (saved for this machine and pair); the models
+        are installed again with it, so a new session (and recording) starts."""
+        if self.running or self.busy:
+            return
+        if self.worker.target is None:
+            self.show_error("No models loaded", "load a model pair first (Run → Load models)")
+            return
+        self.msg.setText("recalibrating costs ...")
+        self._recalibrate.emit(bool(quick))
 
     def new_conversation(self) -> None:
         """Conversation mode: the next turn starts a new conversation."""
@@ -419,7 +514,7 @@ class MainWindow(QMainWindow):
             dlg.setLabelText(f"Measuring every action: run {min(done + 1, total)} of {total}\n{what}")
         self.progress.setRange(0, max(1, total))
         self.progress.setValue(done)
-        self.msg.setText(f"measuring every action: {done}/{total} runs · {what}")
+        self.msg.setText(f"measuring every action: run {min(done + 1, total)} of {total} · {what}")
 
     def _on_measured(self, res) -> None:
         self.running = self.measuring = False
@@ -463,6 +558,7 @@ class MainWindow(QMainWindow):
     def _on_busy(self, what: str) -> None:
         self.busy = what
         self.lag.active = what.startswith(("generating", "measuring"))   # measure lag while generating
+        self._busy_what, self._busy_t0, self._busy_shown = what, time.monotonic(), 0
         if what:
             self.msg.setText(what)
             self.progress.setRange(0, 0)
@@ -474,7 +570,17 @@ class MainWindow(QMainWindow):
     def _on_progress(self, frac: float, what: str) -> None:
         self.progress.setRange(0, 1000)
         self.progress.setValue(int(frac * 1000))
-        self.msg.setText(f"calibrating costs: {what} ({frac * 100:.0f}%)")
+        self._busy_what = f"calibrating costs: {what} ({frac * 100:.0f}%)"
+        self.msg.setText(self._busy_what)
+
+    def _busy_elapsed(self) -> None:
+        """Loading or calibrating: the seconds so far after what the worker is doing (once a second)."""
+        if not self.busy or self.running or self.busy.startswith(("generating", "measuring")):
+            return
+        el = int(time.monotonic() - self._busy_t0)
+        if el != self._busy_shown:
+            self._busy_shown = el
+            self.msg.setText(f"{self._busy_what} · {el} s")
 
     def _on_loaded(self, info: dict) -> None:
         self.loaded_pair = getattr(self, "_want_pair", None) if not self.preloaded else None
@@ -530,6 +636,8 @@ class MainWindow(QMainWindow):
             t0 = time.perf_counter()
             self._drawn = key
             self.tokens.refresh(st)
+            if self.central.currentWidget() is self.chat:     # rebuilt only where it shows
+                self.chat.refresh(st)
             self._conversation_info()
             tps = st.live_tokens_per_s()
             ttft = st.ttft_ms()
@@ -550,6 +658,7 @@ class MainWindow(QMainWindow):
             if not full:
                 self._rr = (j + 1) % n
                 break
+        self._busy_elapsed()
         mx, p99, n = self.lag.stats()
         if n:
             self.lag_label.setText(f"lag max {mx:.0f} ms · p99 {p99:.0f} ms")
@@ -572,7 +681,8 @@ class MainWindow(QMainWindow):
 
     def panel_snapshot(self) -> dict:
         self.redraw()
-        return {name: p.snapshot() for name, p in (("tokens", self.tokens), ("cache", self.cache),
+        self.chat.refresh(self.state)
+        return {name: p.snapshot() for name, p in (("tokens", self.tokens), ("chat", self.chat), ("cache", self.cache),
                                                     ("costs", self.costs), ("acceptance", self.acceptance),
                                                     ("timeline", self.timeline), ("tree", self.tree))}
 
@@ -600,7 +710,10 @@ class MainWindow(QMainWindow):
         self.replayer.finished.connect(self.replayFinished)
         self.state = self.replayer.state
         self.tokens.pieces = Pieces(None, load_pieces(path))
-        self.replay_bar.attach(self.replayer, Path(path).name, self.settings.get("replay/speed"))
+        speed = str(self.settings.get("replay/speed"))
+        if speed == "max":                   # a replay starts playing at a speed one can watch
+            speed = Settings.DEFAULTS["replay/speed"]
+        self.replay_bar.attach(self.replayer, Path(path).name, speed)
         self.replay_tb.show()
         self.setWindowTitle(f"RAKV Explorer — replay {Path(path).name}")
         self.settings.add_recent_recording(str(path))
@@ -652,6 +765,47 @@ class MainWindow(QMainWindow):
             return None
         self.msg.setText(f"wrote {n} request rows to {path}{extra}")
         return n
+
+    def copy_answer(self) -> str | None:
+        """The latest answer of the shown session to the clipboard (plain text)."""
+        from app.transcript import last_answer
+
+        text = last_answer(self.state.exchanges, self.tokens.pieces)
+        if text is None:
+            self.msg.setText("no answer to copy yet")
+            return None
+        QApplication.clipboard().setText(text)
+        self.msg.setText(f"copied the answer of request {self.state.exchanges[-1].request_id} ({len(text)} characters)")
+        return text
+
+    def export_conversation(self, path: str | None = None) -> str | None:
+        """The transcript of the shown session as Markdown (.md) or JSON (.json; other names: by the
+        filter picked), written atomically; with *Show template* ticked, the prompts as fed."""
+        from app.transcript import to_json, to_markdown
+        from rakv.paths import write_atomic
+
+        if not self.state.exchanges:
+            self.show_error("Nothing to export", "the session has no request yet")
+            return None
+        if path is None:
+            path, flt = QFileDialog.getSaveFileName(self, "Export conversation", "conversation.md",
+                                                    "Markdown (*.md);;JSON (*.json)")
+            if not path:
+                return None
+            if not Path(path).suffix:
+                path += ".json" if flt.startswith("JSON") else ".md"
+        h = self.state.header
+        meta = {"models": {"target": (h.target or {}).get("name", ""), "draft": (h.draft or {}).get("name", "")}
+                if h is not None else {}}
+        tpl = self.chat.show_template.isChecked()
+        fmt = to_json if Path(path).suffix.lower() == ".json" else to_markdown
+        try:
+            write_atomic(Path(path), fmt(self.state.exchanges, self.tokens.pieces, meta, tpl))
+        except OSError as e:
+            self.show_error("Cannot export the conversation", f"{path}: {e.strerror or e}")
+            return None
+        self.msg.setText(f"exported {len(self.state.exchanges)} requests to {path}")
+        return str(path)
 
     def export_plots(self, folder: str | None = None) -> list[str]:
         import pyqtgraph.exporters as pex

@@ -99,6 +99,30 @@ class Worker(QObject):
         finally:
             self.busy.emit("")
 
+    @Slot(bool)
+    def recalibrate(self, quick: bool = False) -> None:
+        """Measure the loaded pair's cost profile again (``load_or_calibrate(force=True)``: saved for
+        this machine and pair, so the CLI uses it too), then install the models with it: a new
+        engine, session and recording (the run header says the new profile's quality)."""
+        from rakv.costs import load_or_calibrate
+        from rakv.paths import cache_dir
+
+        if self.target is None:
+            self._fail("no models loaded", None)
+            return
+        try:
+            self.busy.emit("recalibrating costs ...")
+            k_max = max((8, *self.controls.k_set))
+            prof, _ = load_or_calibrate(self.target, self.draft, cache_dir(), k_max=k_max, force=True, quick=quick,
+                                        progress=lambda f, w: self.progress.emit(f, w))
+            persist = self._persist
+            self._install(self.target, self.draft, prof, self.pair)
+            self._persist = persist
+        except Exception as e:  # noqa: BLE001 - any failure becomes a dialog
+            self._fail(f"cannot recalibrate: {e}", e)
+        finally:
+            self.busy.emit("")
+
     @Slot(object)
     def use_models(self, bundle) -> None:
         """Install preloaded models: ``(target LoadedModel, DraftSource, CostProfile | None)``."""

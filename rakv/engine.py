@@ -20,7 +20,7 @@ from . import sampling as S
 from .device import clock, hardware_info, versions_info
 from .config import TREE_MAX_NODES, Policy, RakvConfig
 from .controller import AlphaEWMA, Choice, Controller, Situation
-from .costs import CostProfile
+from .costs import CostProfile, quality_summary
 from .drafts import MAX_MATCH, DraftSource, ModelDraft, NgramDraft, NoDraft, history_match, prefill_with_reuse
 from .models import LoadedModel, model_info
 from .planner import RoundPlanner
@@ -238,7 +238,8 @@ class Engine:
                       device=c.device, threads=torch.get_num_threads(), hardware=hardware_info(),
                       versions=versions_info(), settings={**asdict(c), "sampling": asdict(self.sampling)},
                       started=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                      learned=learned_state(self.profile) if self.profile is not None else {})
+                      learned=learned_state(self.profile) if self.profile is not None else {},
+                      profile=quality_summary(self.profile) if self.profile is not None else {})
         self._emit(h)
         return h
 

@@ -144,6 +144,7 @@ def test_hover_shows_token_details(qtbot, win):
     from PySide6.QtWidgets import QApplication, QToolTip
 
     run(qtbot, win)
+    win.central.setCurrentWidget(win.tokens)          # the Token stream tab (Chat is the first)
     view = win.tokens.view
     cur = QTextCursor(view.document())
     cur.movePosition(QTextCursor.MoveOperation.End)

@@ -15,6 +15,7 @@ from app.state import SessionState, sampling_text
 from . import NoData, k_color, make_plot, nice_ceiling
 
 MAX_BOUNDARIES = 60
+LABEL_GAP_PX = 46          # a request boundary is labelled only this far (pixels) right of the last labelled one
 NARROW = 560
 
 
@@ -36,6 +37,7 @@ class AcceptancePanel(QWidget):
         pi.addItem(self.region)
         self.curve = pi.plot([], [], pen=pg.mkPen("#08519c", width=2), antialias=True)
         pi.disableAutoRange(axis="x")
+        pi.vb.sigResized.connect(self._label_bounds)
         self.nodata = NoData(self.plot, (0.0, 10.0), (0.0, 1.05))
         self._xmax = 0.0
         self._star_lines: list[pg.InfiniteLine] = []
@@ -137,16 +139,36 @@ class AcceptancePanel(QWidget):
         if want != self._xmax:
             self._xmax = want
             self.plot.getPlotItem().setXRange(lo - 0.5, want, padding=0)
+            self._label_bounds()
 
     def _draw_bounds(self, state: SessionState) -> None:
         for ln in self._bounds:
             self.plot.removeItem(ln)
         self._bounds = []
         for x, rid in state.request_x[-MAX_BOUNDARIES:]:
+            # the label right of its line, its bottom just above the x axis (anchors: text corner at the point)
             ln = pg.InfiniteLine(pos=x + 0.5, angle=90, pen=pg.mkPen("#bbb", style=pg.QtCore.Qt.PenStyle.DashLine),
-                                 label=f"req {rid}", labelOpts={"position": 0.04, "color": "#999"})
+                                 label=f"req {rid}", labelOpts={"position": 0.03, "color": "#999",
+                                                                "anchors": [(0, 1), (0, 1)]})
+            ln.req_text = f"req {rid}"
             self.plot.addItem(ln)
             self._bounds.append(ln)
+        self._label_bounds()
+
+    def _label_bounds(self, *_) -> None:
+        """Label request boundaries no closer than LABEL_GAP_PX to the previous label (short requests
+        would write "req 1req 2"); the dashed lines all stay. Again on every resize and x range step."""
+        vb = self.plot.getPlotItem().vb
+        (x0, x1), _ = vb.viewRange()
+        px = max(float(vb.width()), 1.0) / max(x1 - x0, 1e-9)
+        last = None
+        for ln in self._bounds:
+            x = ln.value()
+            show = last is None or (x - last) * px >= LABEL_GAP_PX
+            ln.label.format = ln.req_text if show else ""      # (the label re-reads its format when the line moves)
+            ln.label.setText(ln.label.format)
+            if show:
+                last = x
 
     def _draw_stars(self, d) -> None:
         for ln in self._star_lines:
@@ -184,4 +206,5 @@ class AcceptancePanel(QWidget):
                 "last": None if y is None or not len(y) else float(y[-1]),
                 "stars": {k: v for k, v in self._stars.items()}, "chosen_k": self._chosen_k,
                 "region": tuple(round(v, 6) for v in self.region.getRegion()),
-                "gate_bins": len(self.rel_pts.data), "empty": bool(self.nodata.empty)}
+                "gate_bins": len(self.rel_pts.data), "empty": bool(self.nodata.empty),
+                "bound_labels": [ln.label.toPlainText() for ln in self._bounds]}

@@ -23,20 +23,72 @@ CHOSEN = "#fd8d3c"
 INFEASIBLE = "#e0e0e0"
 MEASURED = "#cb181d"
 ORACLE = "#238b45"
-VIEW_REQUEST, VIEW_ROUND, VIEW_ORACLE = 0, 1, 2
+VIEW_REQUEST, VIEW_ROUND, VIEW_ORACLE, VIEW_REQUESTS = 0, 1, 2, 3
+MAX_REQUESTS_SHOWN = 24        # the "every request" view: the latest ones
+GOOD_ERROR = 0.25              # a prediction within this of the measured latency counts as good
+
+
+def quality_text(state: SessionState) -> tuple[str, str]:
+    """The cost profile's quality line (rich text) and its tooltip: contended or clean (from the run
+    header's ``profile``), the largest per-term spread, and the prediction error so far (predicted vs
+    measured latency of every finished request)."""
+    h = state.header
+    p = (getattr(h, "profile", None) or {}) if h is not None else {}
+    parts, tip = [], []
+    if not p:
+        parts.append("profile: " + ("not in this recording" if h is not None else "—"))
+    else:
+        if p.get("contended"):
+            parts.append(f"profile <b style='color:{MEASURED}'>contended</b>")
+        else:
+            parts.append(f"profile <span style='color:{ORACLE}'>clean</span>")
+        spread = p.get("spread") or {}
+        if spread:
+            term, worst = max(spread.items(), key=lambda kv: kv[1])
+            parts.append(f"spread ≤ {worst * 100:.0f}%")
+            tip.append(f"largest spread between the repeats of a term: {worst * 100:.0f}% ({term})")
+        tip.append(f"calibrated {p.get('calibrated_at') or '?'} in {p.get('calibration_s', 0):.0f} s; CPU share "
+                   f"{p.get('cpu_share', '?')}; {p.get('retries', 0)} terms re-measured")
+        for r in p.get("reasons") or []:
+            tip.append(f"contended: {r}")
+        if spread:
+            tip.append("spread of the repeats per term: " + ", ".join(
+                f"{k} {v * 100:.0f}%" for k, v in sorted(spread.items(), key=lambda kv: -kv[1])))
+    rows = state.prediction_errors()
+    mape = state.prediction_mape()
+    if mape is not None:
+        col = ORACLE if mape <= GOOD_ERROR else ("#d94801" if mape <= 2 * GOOD_ERROR else MEASURED)
+        _, pr, me = rows[-1]
+        parts.append(f"prediction error <b style='color:{col}'>{mape * 100:.0f}%</b> ({len(rows)} "
+                     f"request{'s' if len(rows) != 1 else ''})")
+        tip.append(f"prediction error: mean of |predicted - measured| / measured over {len(rows)} finished "
+                   f"requests (RequestEnd.predicted_ms vs latency_ms); the last: predicted {pr:.0f} ms, "
+                   f"measured {me:.0f} ms (Show: predicted vs measured: every request)")
+    else:
+        parts.append("prediction error: —")
+        tip.append("prediction error: none yet (no finished request with a prediction)")
+    if p and (p.get("contended") or (mape is not None and mape > GOOD_ERROR and len(rows) >= 3)):
+        parts.append("<i>Run → Recalibrate costs</i>")
+    return "<b>Costs</b>: " + " · ".join(parts), "\n".join(tip)
 
 
 class CostsPanel(QWidget):
     def __init__(self):
         super().__init__()
         self.which = QComboBox()
-        self.which.addItems(["per-request decision", "latest per-round re-decision", "measured: every action"])
+        self.which.addItems(["per-request decision", "latest per-round re-decision", "measured: every action",
+                             "predicted vs measured: every request"])
         self.which.setToolTip("round -1: the (r, k) decision made once per request;\n"
                               "rounds >= 1: the controller re-deciding k (cost of the remaining tokens);\n"
-                              "measured: every action run on one prompt from the same state (Measure every action)")
+                              "measured: every action run on one prompt from the same state (Measure every action);\n"
+                              "every request: the chosen action's predicted cost beside the measured latency")
         self.which.currentIndexChanged.connect(self._view_changed)
         self.info = QLabel("no decision yet")
         self.info.setWordWrap(True)
+        self.quality = QLabel("")
+        self.quality.setWordWrap(True)
+        self.quality.setTextFormat(Qt.TextFormat.RichText)
+        self._quality_key = None
         self.regret = QLabel("")
         self.regret.setWordWrap(True)
         self.regret.setTextFormat(Qt.TextFormat.RichText)
@@ -65,6 +117,7 @@ class CostsPanel(QWidget):
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addLayout(top)
+        lay.addWidget(self.quality)
         lay.addWidget(self.regret)
         lay.addWidget(self.info)
         lay.addWidget(self.plot, 1)
@@ -78,6 +131,7 @@ class CostsPanel(QWidget):
         self._oracle = None           # the OracleResult shown (oracle view)
         self._auto_oracle = None      # id of the measurement we switched to by ourselves
         self._auto = False
+        self._requests_shown = False  # the "every request" view is drawn (its bars reuse the oracle view's)
 
     def _view_changed(self, _=None) -> None:
         self._auto = False            # the user picked a view: keep it
@@ -95,6 +149,12 @@ class CostsPanel(QWidget):
 
     def refresh(self, state: SessionState) -> None:
         self._state = state
+        qkey = (id(state), id(state.header), len(state.ends))
+        if qkey != self._quality_key:
+            self._quality_key = qkey
+            text, tip = quality_text(state)
+            self.quality.setText(text)
+            self.quality.setToolTip(tip)
         o = state.oracle
         if o is not None and state.oracle_fresh and id(o) != self._auto_oracle:
             self._auto_oracle, self._auto = id(o), True       # a new measurement: show it
@@ -104,6 +164,9 @@ class CostsPanel(QWidget):
             self._set_view(VIEW_REQUEST)
         if self.which.currentIndex() == VIEW_ORACLE:
             self._refresh_oracle(o)
+            return
+        if self.which.currentIndex() == VIEW_REQUESTS:
+            self._refresh_requests(state)
             return
         self._clear_oracle()
         per_round = self.which.currentIndex() == 1
@@ -207,9 +270,10 @@ class CostsPanel(QWidget):
                 self._group_labels.append(t)
 
     def _clear_oracle(self) -> None:
-        if self._oracle is None and self.regret.isHidden():
+        if self._oracle is None and self.regret.isHidden() and not self._requests_shown:
             return
         self._oracle = None
+        self._requests_shown = False
         self.info.setTextFormat(Qt.TextFormat.PlainText)
         self.pred_bars.setOpts(x=[], height=[], width=0.34, brushes=None, pens=None)
         self.meas_bars.setOpts(x=[], height=[], width=0.34, brushes=None, pens=None)
@@ -313,8 +377,67 @@ class CostsPanel(QWidget):
         self.plot.getPlotItem().setXRange(float(x.min()) - 0.6, float(x.max()) + 0.6, padding=0)
         self.plot.getPlotItem().setYRange(0, top * 1.32, padding=0)
 
+    # ------------------------------------------------------------------ every request
+    def _refresh_requests(self, state: SessionState) -> None:
+        """Each finished request's predicted cost (the chosen action's, blue) beside its measured
+        latency (red), the latest MAX_REQUESTS_SHOWN."""
+        rows = state.prediction_errors()[-MAX_REQUESTS_SHOWN:]
+        key = ("requests", id(state), len(state.ends))
+        if key == self._key:
+            return
+        if self._oracle is not None or not self.regret.isHidden():
+            self._clear_oracle()
+        self._key = key
+        self._requests_shown = True
+        self._fit = None
+        self.bars.setOpts(x=[], height=[], width=0.7, brushes=None, pens=None)
+        self.measured.setOpts(x=[], height=[], width=0.34)
+        self.mtext.setText("")
+        self.whiskers.setData(x=np.zeros(0), y=np.zeros(0), top=np.zeros(0), bottom=np.zeros(0))
+        self.star.setData([], [])
+        self.otext.setText("")
+        for t in self._group_labels:
+            self.plot.removeItem(t)
+        self._group_labels = []
+        self._chosen, self._measured = -1, None
+        if not rows:
+            self._cands, self._x = [], np.zeros(0)
+            self.pred_bars.setOpts(x=[], height=[], width=0.34, brushes=None, pens=None)
+            self.meas_bars.setOpts(x=[], height=[], width=0.34, brushes=None, pens=None)
+            self.info.setTextFormat(Qt.TextFormat.PlainText)
+            self.info.setText("no finished request with a prediction yet (the adaptive policies predict)")
+            self.nodata.set(True, "no data yet")
+            return
+        self.nodata.set(False)
+        x = np.arange(len(rows), dtype=float)
+        pred = np.array([p for _, p, _ in rows])
+        meas = np.array([m for _, _, m in rows])
+        good = [abs(p - m) / m <= GOOD_ERROR for _, p, m in rows]
+        self.pred_bars.setOpts(x=x - 0.18, height=pred, width=0.34, brushes=[FEASIBLE] * len(rows),
+                               pens=[pg.mkPen(None)] * len(rows))
+        self.meas_bars.setOpts(x=x + 0.18, height=meas, width=0.34,
+                               brushes=[MEASURED if not g else "#e7a3a3" for g in good],
+                               pens=[pg.mkPen(None)] * len(rows))
+        self.plot.getPlotItem().setLabel("left", "ms: predicted | measured")
+        self.plot.getPlotItem().getAxis("bottom").setTicks([[(float(xi), str(r)) for xi, (r, _, _) in zip(x, rows)]])
+        self._x = x
+        self._cands = [{"reuse": -1, "k": -1, "request_id": r, "predicted_ms": p, "measured_ms": m, "feasible": True}
+                       for r, p, m in rows]
+        n_good = sum(good)
+        self.info.setTextFormat(Qt.TextFormat.RichText)
+        self.info.setText(f"per request (x: request id): <span style='color:{FEASIBLE}'>■</span> predicted cost of "
+                          f"the chosen action · <span style='color:{MEASURED}'>■</span> measured latency (pale: within "
+                          f"{GOOD_ERROR:.0%} of the prediction) · {n_good} of {len(rows)} within {GOOD_ERROR:.0%}")
+        top = max(float(pred.max()), float(meas.max()), 1e-3)
+        self.plot.getPlotItem().setXRange(-0.6, len(rows) - 0.4, padding=0)
+        self.plot.getPlotItem().setYRange(0, top * 1.1, padding=0)
+
     def _tip(self, i: int) -> str:
         c = self._cands[i]
+        if "request_id" in c:
+            m, p = c["measured_ms"], c["predicted_ms"]
+            return (f"request {c['request_id']}: predicted {p:.0f} ms, measured {m:.0f} ms "
+                    f"({(p - m) / m * 100:+.0f}% off)")
         tip = f"r={c['reuse']}, k={c['k']}: predicted {c['predicted_ms']:.1f} ms"
         if "median_ms" in c:
             runs = "; ".join(f"{v:.0f}" for v in c["runs_ms"])
@@ -348,6 +471,7 @@ class CostsPanel(QWidget):
     def snapshot(self) -> dict:
         o = self._oracle
         return {"info": self.info.text(), "view": self.which.currentIndex(), "empty": bool(self.nodata.empty),
+                "quality": self.quality.text(),
                 "bars": [(c["reuse"], c["k"], c["predicted_ms"], c.get("feasible", True)) for c in self._cands],
                 "chosen": self._chosen, "measured": self._measured,
                 "oracle": None if o is None else {

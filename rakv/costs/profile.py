@@ -141,6 +141,17 @@ def save_learned(profile: CostProfile, cache: Path) -> str | None:
     return None
 
 
+def quality_summary(profile: CostProfile) -> dict:
+    """What says how far to trust a profile (the run header's ``profile``; the explorer shows it):
+    contended and why, the spread of each term's repeats, the CPU share, when it was measured."""
+    q = profile.quality or {}
+    return {"calibrated_at": profile.calibrated_at, "calibration_s": round(float(profile.calibration_s), 1),
+            "contended": bool(q.get("contended")), "reasons": list(q.get("reasons", [])),
+            "cpu_share": q.get("cpu_share"), "spread": dict(q.get("spread", {})),
+            "retries": q.get("retries", 0), "checked": q.get("checked"),
+            "id": fingerprint_id(profile.fingerprint) if profile.fingerprint else ""}
+
+
 def profile_path(cache: Path, fp: dict) -> Path:
     return cache / "profiles" / f"{fingerprint_id(fp)}.json"
 
