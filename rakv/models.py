@@ -117,7 +117,7 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 
 def wrap(model: torch.nn.Module, tokenizer=None, name: str = "model", revision: str | None = None,
-         fast: bool | None = None, codes_file: str = "") -> LoadedModel:
+         fast: bool | None = None, codes_file: str = "", numerics: str = "fp32") -> LoadedModel:
     """Wrap an in-memory model (tests build tiny random ones from a config).
 
     ``fast``: put the model on the packed oneDNN forward path (``rakv.kernels.fastpath``) where it applies;
@@ -130,7 +130,15 @@ def wrap(model: torch.nn.Module, tokenizer=None, name: str = "model", revision: 
         name=name, model=model, tokenizer=tokenizer, key=f"{name}@{rev}:{dtype}",
         max_positions=_max_positions(model.config), eos_ids=_eos_ids(model, tokenizer), codes_file=codes_file,
     )
-    return set_fast(lm, fast)
+    lm.numerics = "q8" if numerics in ("q8", "auto-q8") else "fp32"
+    try:
+        return set_fast(lm, fast)
+    except ModelError as e:
+        if numerics != "auto-q8":
+            raise
+        log(f"numerics fp32 for {name}: {e}")
+        lm.numerics = "fp32"
+        return set_fast(lm, fast)
 
 
 def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
@@ -145,6 +153,12 @@ def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
     lm.fast = bool(info["fast"])
     lm.fast_reason = "" if lm.fast or not on else info["reason"]
     lm.blockq = _attach_codes(lm) if lm.fast else {}
+    if lm.numerics == "q8":
+        why = _q8_unavailable(lm)
+        if why:
+            raise ModelError(f"--numerics q8 is not available for {lm.name}: {why}")
+        _q8_blocks(lm)
+    lm.key = _numerics_key(lm.key, lm.numerics)
     attach_lean(lm, lm.fast and lean.env_enabled())
     if lm.fast and lm.blockq.get("layers") and lm.blockq["layers"] == lm.blockq.get("of") \
             and os.environ.get("RAKV_ONE_ROW", "auto").strip().lower() not in ("plain", "packed"):
@@ -169,21 +183,33 @@ def set_numerics(lm: LoadedModel, numerics: str) -> LoadedModel:
     tree row and a prefill row compute what the decode step computes; a linear without codes of
     its own (an fp32 checkpoint, a head tied to an unquantized embedding) gets Q8_0 codes once.
     The model key names the numerics, so prefix-cache entries and cost profiles stay apart."""
-    from .kernels import blockq
-    from .kernels.fastpath import FastLinear
-    from .kernels import lean
-
     if numerics not in NUMERICS:
         raise ModelError(f"--numerics must be one of {', '.join(NUMERICS)}, not {numerics!r}")
     if numerics == lm.numerics:
         return lm
-    base_key = lm.key.replace("+q8:", ":")
-    if numerics == "fp32":
-        lm.numerics, lm.key = "fp32", base_key
-        return set_fast(lm, lm.fast)
-    why = _q8_unavailable(lm)
-    if why:
-        raise ModelError(f"--numerics q8 is not available for {lm.name}: {why}")
+    if numerics == "q8":
+        why = _q8_unavailable(lm)
+        if why:
+            raise ModelError(f"--numerics q8 is not available for {lm.name}: {why}")
+    lm.numerics = numerics
+    return set_fast(lm, lm.fast)
+
+
+def _numerics_key(key: str, numerics: str) -> str:
+    """The model key with its numerics: ``name@rev+q8:dtype`` for q8, ``name@rev:dtype`` for fp32."""
+    base = key.replace("+q8:", ":")
+    if numerics != "q8":
+        return base
+    at = base.rfind(":")
+    return base[:at] + "+q8" + base[at:]
+
+
+def _q8_blocks(lm: LoadedModel) -> None:
+    """Every fast-path linear of ``lm`` on its codes under q8 numerics (Q8_0 codes made for one
+    without), a weight shared by two modules (a tied head) one set of codes; ``lm.blockq`` says so."""
+    from .kernels import blockq
+    from .kernels.fastpath import FastLinear
+
     seen: dict[int, blockq.BlockWeight] = {}
     for name, m in lm.model.named_modules():
         if not isinstance(m, FastLinear):
@@ -192,15 +218,11 @@ def set_numerics(lm: LoadedModel, numerics: str) -> LoadedModel:
             b = m.block if m.block is not None else blockq.quantize_q8_0(blockq._matrix(m))
             seen[id(m.weight)] = b.with_numerics("q8")
         m.block = seen[id(m.weight)]
-    attach_lean(lm, bool(lm.lean) or (lm.fast and lean.env_enabled()))
-    at = base_key.rfind(":")
-    lm.numerics, lm.key = "q8", base_key[:at] + "+q8" + base_key[at:]
     kinds: dict[str, int] = {}
     for b in seen.values():
         kinds[b.kind] = kinds.get(b.kind, 0) + 1
     lm.blockq = dict(lm.blockq, numerics="q8", layers=lm.blockq.get("of", len(seen)), reason="",
-                     bytes=sum(b.nbytes for b in seen.values()), kinds=kinds)
-    return lm
+                     bytes=sum(b.streamed_bytes for b in seen.values()), kinds=kinds)
 
 
 def _q8_unavailable(lm: LoadedModel) -> str:
@@ -669,6 +691,13 @@ def resolve_numerics(spec: str, numerics: str = "auto") -> str:
     return "q8" if gguf else "fp32"
 
 
+def _wrap_numerics(spec: str, numerics: str) -> str:
+    """What ``wrap`` is asked for: "fp32", "q8" (refused where it cannot run), or "auto-q8" (q8, else
+    fp32 with a one-line note)."""
+    want = resolve_numerics(spec, numerics)
+    return "auto-q8" if want == "q8" and (numerics or "auto").strip().lower() == "auto" else want
+
+
 def apply_numerics(lm: LoadedModel, spec: str, numerics: str = "auto") -> LoadedModel:
     """``set_numerics`` with ``resolve_numerics``'s choice; an ``auto`` q8 that cannot run here keeps
     fp32 and says why in one line (an explicit ``q8`` that cannot: ModelError)."""
@@ -694,6 +723,7 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ModelError(f"unknown dtype {dtype!r}")
+    resolve_numerics(spec, numerics)            # a bad value is refused before anything loads
     t0 = time.perf_counter()
     codes = ""
     converted = spec == DEMO_NAME or spec.lower().endswith(".gguf")     # a folder this loader made
@@ -725,7 +755,8 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
         model = model.to(device)
         register(device)
         reading = tok if isinstance(tok, _TokenizerRead) else None
-        lm = wrap(model, None if reading else tok, name=name, revision=rev, fast=fast, codes_file=codes)
+        lm = wrap(model, None if reading else tok, name=name, revision=rev, fast=fast, codes_file=codes,
+                  numerics=_wrap_numerics(spec, numerics))
         if reading:                 # a kept tokenizer, restored while the fast path was set up
             lm.tokenizer = _tokenizer_in(Path(src), reading, spec)
             lm.eos_ids = _eos_ids(model, lm.tokenizer)
@@ -751,8 +782,6 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
         raise
     if spec.lower().endswith(".gguf"):
         _refresh_codes(lm, p, Path(src))
-    if resolve_numerics(spec, numerics) != "fp32":
-        apply_numerics(lm, spec, numerics)
     log(f"loaded {name} in {time.perf_counter() - t0:.1f} s ({lm.numerics} numerics)")
     return lm
 
