@@ -224,3 +224,28 @@ def test_kquant_scales_as_the_file_holds_them_give_the_same_bits(qtype):
     assert torch.equal(q.rows(idx)(x), f(x)[:, idx])                  # a row permutation keeps them
     both = blockq.concat([q, q.rows(idx)])
     assert both.compact and torch.equal(both(x), torch.cat([f(x), f(x)[:, idx]], 1))
+
+
+@kernel
+@pytest.mark.parametrize("numerics", ["fp32", "q8"])
+def test_c_layers_run_q_k_v_on_codes_of_different_kinds(numerics):
+    """A Q4_K_M file codes q and k as Q4_K and v as Q6_K: they cannot be stacked, so the step's C
+    layers run the three apart into the fused layer's columns (before, such a model fell back to
+    the Python layers). Every policy still equals target-only decoding."""
+    from tests.tiny import make_model, snap_to_blocks, tiny_tokenizer, wrap_tiny
+
+    m = snap_to_blocks(make_model("llama", seed=3), "q4")
+    with torch.no_grad():
+        for layer in m.model.layers:
+            w = layer.self_attn.v_proj.weight
+            w.copy_(blockq.quantize_q8_0(w).dequantize())                   # v as Q8 codes: another kind
+    target = wrap_tiny(m, tiny_tokenizer(), name="tiny-mixed")
+    set_numerics(target, numerics)
+    lean = target.model._rakv_lean
+    descs = lean.c_layers_on()
+    assert descs and descs[0].qkv is None and descs[0].v_part, "the C layers should run q, k, v apart"
+    want = _ar(target)
+    for policy in ("spec:3", "joint:4"):
+        eng = Engine(target, NgramDraft(), RakvConfig(policy=policy))
+        for p in prompts():
+            assert eng.generate(p, 20).output_ids == want[tuple(p)], policy

@@ -1336,7 +1336,30 @@ typedef struct {
     const float *ln1, *ln2;                                          /* RMSNorm weights [H] */
     float *k, *v;                                                    /* [Hk, cap, D] buffers */
     int64_t cap, window;
+    const rakv_layer *q_part, *k_part, *v_part;   /* qkv NULL: q, k, v apart (codes of different kinds,
+                                                     e.g. a Q4_K_M file's Q4_K q, k and Q6_K v) */
+    const rakv_layer *gate_part, *up_part;        /* gate_up NULL: gate and up apart */
 } rakv_dlayer;
+
+/* y [n, W] columns col .. col + P->N - 1 = the linear P of x (tmp: n * P->N floats) */
+static void linear_cols(const rakv_layer *P, const float *x, int64_t n, float *y, int64_t W, int64_t col,
+                        const float *bias, float *tmp, int threads) {
+    rakv_linear(P, x, n, tmp, bias ? bias + col : NULL, threads);
+    for (int64_t i = 0; i < n; i++) memcpy(y + i * W + col, tmp + i * P->N, sizeof(float) * P->N);
+}
+
+static void linear_parts(const rakv_layer *whole, const rakv_layer *const *parts, int np, const float *x,
+                         int64_t n, float *y, int64_t W, const float *bias, float *tmp, int threads) {
+    if (whole) {
+        rakv_linear(whole, x, n, y, bias, threads);
+        return;
+    }
+    int64_t col = 0;
+    for (int i = 0; i < np; i++) {
+        linear_cols(parts[i], x, n, y, W, col, bias, tmp, threads);
+        col += parts[i]->N;
+    }
+}
 
 static void rms_rows(const float *x, int64_t n, int64_t H, const float *w, float eps, float *y, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static) if (n > 1)
@@ -1387,14 +1410,16 @@ int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, i
     /* 64-byte aligned, as torch's own tensors: the kernel's row loads then never straddle lines */
     float *xn = aligned_floats(n * H), *h = aligned_floats(n * W), *a = aligned_floats(n * sq);
     float *y = aligned_floats(n * (2 * I > H ? 2 * I : H)), *m = aligned_floats(n * I);
-    if (!xn || !h || !a || !y || !m) {
-        free(xn); free(h); free(a); free(y); free(m);
+    float *tmp = aligned_floats(n * (W > I ? W : I));
+    if (!xn || !h || !a || !y || !m || !tmp) {
+        free(xn); free(h); free(a); free(y); free(m); free(tmp);
         return 1;
     }
     for (int64_t l = 0; l < nL; l++) {
         const rakv_dlayer *L = Ls + l;
         rms_rows(x, n, H, L->ln1, eps, xn, threads);
-        rakv_linear(L->qkv, xn, n, h, L->qkv_bias, threads);
+        const rakv_layer *qkv_parts[3] = {L->q_part, L->k_part, L->v_part};
+        linear_parts(L->qkv, qkv_parts, 3, xn, n, h, W, L->qkv_bias, tmp, threads);
         #pragma omp parallel for num_threads(threads) schedule(static) if (n > 1)
         for (int64_t i = 0; i < n; i++) {
             float *hi = h + i * W;
@@ -1413,7 +1438,8 @@ int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, i
         rakv_linear(L->o, a, n, y, L->o_bias, threads);
         for (int64_t j = 0; j < n * H; j++) x[j] = x[j] + y[j];
         rms_rows(x, n, H, L->ln2, eps, xn, threads);
-        rakv_linear(L->gate_up, xn, n, y, L->gate_up_bias, threads);
+        const rakv_layer *gu_parts[2] = {L->gate_part, L->up_part};
+        linear_parts(L->gate_up, gu_parts, 2, xn, n, y, 2 * I, L->gate_up_bias, tmp, threads);
         #pragma omp parallel for num_threads(threads) schedule(static) if (n > 1)
         for (int64_t i = 0; i < n; i++) silu_mul(y + i * 2 * I, y + i * 2 * I + I, m + i * I, I);
         rakv_linear(L->down, m, n, y, L->down_bias, threads);
@@ -1422,7 +1448,7 @@ int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, i
     /* the model's final RMSNorm (weights final_w, the layers' eps), in place: here the rows are
        still in cache, where torch's op after the call found its code and data cold (~0.1 ms) */
     if (final_w) rms_rows(x, n, H, final_w, eps, x, threads);
-    free(xn); free(h); free(a); free(y); free(m);
+    free(xn); free(h); free(a); free(y); free(m); free(tmp);
     return 0;
 }
 

@@ -270,7 +270,9 @@ class DecoderLayerDesc(ctypes.Structure):
                 ("down", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p), ("o_bias", ctypes.c_void_p),
                 ("gate_up_bias", ctypes.c_void_p), ("down_bias", ctypes.c_void_p),
                 ("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("k", ctypes.c_void_p),
-                ("v", ctypes.c_void_p), ("cap", ctypes.c_int64), ("window", ctypes.c_int64)]
+                ("v", ctypes.c_void_p), ("cap", ctypes.c_int64), ("window", ctypes.c_int64),
+                ("q_part", ctypes.c_void_p), ("k_part", ctypes.c_void_p), ("v_part", ctypes.c_void_p),
+                ("gate_part", ctypes.c_void_p), ("up_part", ctypes.c_void_p)]
 
 
 def layer_ref(bw: "BlockWeight") -> int:

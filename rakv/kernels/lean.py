@@ -212,6 +212,23 @@ class _Fused(nn.Module):
         return self.current().forward(x)
 
 
+PART_FIELDS = {"qkv": ("q_part", "k_part", "v_part"), "gate_up": ("gate_part", "up_part")}
+
+
+def _coded_parts(op, N: int, K: int) -> list | None:
+    """The parts' codes of a fused layer whose parts are coded but not stackable (other kinds):
+    [q, k, v] or [gate, up] BlockWeights in output order, their outputs adding up to N; else None."""
+    lin = getattr(op, "mod", None)
+    lin = lin.current() if isinstance(lin, _Fused) and not lin.split else None
+    if not isinstance(lin, _Coded) or lin.block is not None:
+        return None
+    blocks = [getattr(m, "block", None) for m in lin.mods]
+    if (not all(isinstance(b, blockq.BlockWeight) for b in blocks) or sum(b.N for b in blocks) != N
+            or any(b.K != K for b in blocks) or len({b.numerics for b in blocks}) != 1):
+        return None
+    return blocks
+
+
 class _Coded:
     """Fused layers whose parts all run from block codes: up to ``BLOCK_ROWS`` rows the stacked
     codes (one kernel call); past that (a long prefill), or when the parts' codes are of different
@@ -595,14 +612,20 @@ class LeanLlama:
                 return False
             for name, (N, K) in shapes.items():
                 op = getattr(L, name)
-                if (op.fn is not None or not isinstance(getattr(op, "block", None), blockq.BlockWeight)
+                parts = _coded_parts(op, N, K)
+                if parts:                   # q, k, v (gate, up) on codes of different kinds: apart
+                    for pname, blk in zip(PART_FIELDS[name], parts):
+                        setattr(d, pname, blockq.layer_ref(blk))
+                    setattr(d, name, None)
+                elif (op.fn is not None or not isinstance(getattr(op, "block", None), blockq.BlockWeight)
                         or (op.block.N, op.block.K) != (N, K)):
                     return False
                 bias = op.bias
                 if bias is not None:
                     bias = bias.detach().float().contiguous()
                     keep.append(bias)
-                setattr(d, name, blockq.layer_ref(op.block))
+                if not parts:
+                    setattr(d, name, blockq.layer_ref(op.block))
                 setattr(d, f"{name}_bias", bias.data_ptr() if bias is not None else None)
             for name, nm in (("ln1", L.ln1), ("ln2", L.ln2)):
                 if nm.eps != eps or nm.w.dtype != torch.float32 or not nm.w.is_contiguous():
