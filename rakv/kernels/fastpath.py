@@ -141,7 +141,7 @@ class FastLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block is not None and x.dtype == torch.float32 and not x.requires_grad \
-                and x.device.type == "cpu" and (x.numel() <= _BLOCK_ROWS * self.in_features or self.block.all_rows):
+                and x.device.type == "cpu" and (x.numel() <= _BLOCK_ROWS * self.in_features or getattr(self.block, "all_rows", False)):
             if self._weight_version() == self._version:
                 return self.block(x, self._bias)
             self.repack()                              # changed in place: the codes no longer hold

@@ -242,7 +242,7 @@ class _Coded:
         return torch.cat([m(x) for m in self.mods], dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.block is not None and (x.shape[-2] <= BLOCK_ROWS or self.block.all_rows):
+        if self.block is not None and (x.shape[-2] <= BLOCK_ROWS or getattr(self.block, "all_rows", False)):
             return self.block(x, self.bias)
         return self.wide(x)
 
@@ -282,7 +282,7 @@ class _Op:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fn is not None:
             return self.fn(x)
-        if self.block is not None and (x.shape[-2] <= BLOCK_ROWS or self.block.all_rows):
+        if self.block is not None and (x.shape[-2] <= BLOCK_ROWS or getattr(self.block, "all_rows", False)):
             return self.block(x, self.bias)
         if self.packed is None:                  # stacked codes, past their rows: the parts' kernels
             return self.wide(x)
