@@ -17,6 +17,7 @@ from .textstream import TextStream
 
 def build_parser() -> argparse.ArgumentParser:
     ap = A.OneLineParser(prog="rakv", description="Exact speculative decoding with prefix KV reuse.")
+    ap.add_argument("--version", action="version", version=f"rakv {package_version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate for one or more prompts (one engine, one cache)")
@@ -26,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_args(g)
 
     add_chat_parser(sub)
+
+    from .serve import add_serve_parser
+
+    add_serve_parser(sub)
 
     c = sub.add_parser("calibrate", help="measure this machine's costs for a model pair")
     add_model_args(c)
@@ -45,6 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark policies (see rakv bench --help)", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)
     return ap
+
+
+def package_version() -> str:
+    """The installed package's version (its metadata), else the source tree's."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("rakv-explorer")
+    except (ImportError, PackageNotFoundError):
+        from . import __version__
+
+        return __version__
 
 
 def add_run_args(g) -> None:
@@ -496,7 +513,13 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     quiet_libs()
     return _guard(lambda: {"generate": cmd_generate, "chat": cmd_chat, "calibrate": cmd_calibrate,
-                                "replay": cmd_replay}[args.cmd](args))
+                                "replay": cmd_replay, "serve": cmd_serve}[args.cmd](args))
+
+
+def cmd_serve(args) -> int:
+    from .serve import cmd_serve as serve
+
+    return serve(args)
 
 
 def _guard(fn) -> int:
