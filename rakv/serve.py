@@ -43,7 +43,7 @@ from .textstream import TextStream
 MAX_BODY = 8 * 2**20         # bytes of a request body
 MAX_WAIT_S = 30.0            # the longest long-poll of /rakv/records
 MAX_PAGE = 5000              # records a poll returns at most
-RECORDS_KEPT = 100_000       # records the server keeps for /rakv/records (the header always)
+RECORDS_KEPT = 20_000        # records the server keeps for /rakv/records (the header always)
 CONVERSATIONS_KEPT = 64      # conversations kept for continuing (least recently used dropped)
 
 
