@@ -25,7 +25,7 @@ from app.state import SessionState
 
 WAIT_S = 1.0          # the long-poll's wait (also how soon a detach ends the poller)
 RETRY_S = 2.0         # between polls of a server that went away
-TIMEOUT_S = 15.0
+TIMEOUT_S = 5.0 
 
 
 def fetch_records(url: str, since: int, wait: float = WAIT_S, timeout: float = TIMEOUT_S) -> dict:
