@@ -25,7 +25,7 @@ from app.state import SessionState
 
 WAIT_S = 1.0          # the long-poll's wait (also how soon a detach ends the poller)
 RETRY_S = 2.0         # between polls of a server that went away
-TIMEOUT_S = 5.0 
+TIMEOUT_S = 5.0
 
 
 def fetch_records(url: str, since: int, wait: float = WAIT_S, timeout: float = TIMEOUT_S) -> dict:
@@ -61,7 +61,7 @@ def _reason(e: BaseException) -> str:
 class Poller(QObject):
     """Lives on the attachment's thread; ``run`` polls until ``stop``."""
 
-    batch = Signal(list, dict)     # records, {token id: text piece}
+    batch = Signal(object, object)   # records, {token id: text piece} (int keys: not a QVariantMap)
     connected = Signal(dict)       # the first answer: {"model": ..., "server": ...}
     reset = Signal()               # another server answers now (restarted): start a fresh state
     lost = Signal(str)             # a poll failed after the server had answered
@@ -185,10 +185,10 @@ def attach(win, url: str | None = None) -> bool:
     att = Attachment(url, win)
     att.failed.connect(lambda msg: (detach(win), win.show_error("Cannot attach to server", msg)))
     att.lost.connect(lambda msg: win.msg.setText(f"lost the server at {url} ({msg}); trying again ..."))
-    att.connected.connect(lambda info: win.msg.setText(f"attached to {url} ({info.get('model')}): its requests "
-                                                        "show here as they run (read-only)"))
+    att.connected.connect(lambda info: _connected(win, url, info))
     att.stateReplaced.connect(lambda st: setattr(win, "state", st) if win.attachment is att else None)
     win.attachment = att
+    win._loaded_text = win.run_panel.loaded.text()
     win.state = att.state
     win.tokens.pieces = att.pieces
     win.setWindowTitle(f"RAKV Explorer — attached to {url}")
@@ -210,4 +210,11 @@ def detach(win) -> None:
     win.tokens.pieces = win.live_pieces
     win.setWindowTitle("RAKV Explorer")
     win.act_detach.setEnabled(False)
+    win.run_panel.set_loaded(getattr(win, "_loaded_text", "") or "no models loaded")
     win.msg.setText(f"detached from {att.url}")
+
+
+def _connected(win, url: str, info: dict) -> None:
+    what = f"attached to {url} ({info.get('model') or 'a rakv server'}): its requests show here as they run"
+    win.msg.setText(what + " (read-only)")
+    win.run_panel.set_loaded(what + "; File > Detach from server returns to this window's own models")

@@ -499,7 +499,8 @@ class Handler(BaseHTTPRequestHandler):
             self._error(e)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
-            self._log(499, "the client went away")
+            if path != "/rakv/records":
+                self._log(499, "the client went away")
         except Exception as e:  # noqa: BLE001 - a server bug is a 500, and the server goes on
             self._error(ApiError(500, f"{type(e).__name__}: {_one_line(e)}", kind="server_error"))
 
