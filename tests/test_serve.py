@@ -304,7 +304,8 @@ def test_curl(server):
         pytest.skip("curl is not installed")
     p = subprocess.run([curl, "-sS", server.url + "/v1/chat/completions", "-H", "Content-Type: application/json",
                         "-d", json.dumps({"model": "m", "messages": [{"role": "user", "content": TEXT}],
-                                          "max_tokens": 6})], capture_output=True, text=True, timeout=120)
+                                          "max_tokens": 6, "user": "u" * 2000})],     # > 1 KB: curl expects 100-continue
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert r["object"] == "chat.completion" and "rakv" in r
