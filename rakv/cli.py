@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .serve import add_serve_parser
 
-    add_serve_parser(sub)
+    add_serve_parser(sub, add_run_args)
 
     c = sub.add_parser("calibrate", help="measure this machine's costs for a model pair")
     add_model_args(c)
@@ -124,8 +124,9 @@ class Session:
     recording, each request's decision and gate rounds, the text streamed to stdout without
     --json), and each request's report (a JSON object on stdout, or the summary on stderr)."""
 
-    def __init__(self, args, inputs: dict | None = None):
+    def __init__(self, args, inputs: dict | None = None, on_record=None):
         self.args = args
+        self.on_record = on_record            # also called with every record (rakv serve's records endpoint)
         self.config, self.policy = run_config(args)
         if args.record:      # checked before any model loads
             A.refuse_overwrite(args.record, "--record", inputs or {})
@@ -186,6 +187,8 @@ class Session:
                 self.gated.setdefault(rec.request_id, []).append(
                     {"round": rec.index, "k_max": rec.k, "drafted": rec.drafted, "accepted": rec.accepted,
                      "pred": rec.draft_pred, "stop": rec.draft_stop, "source": rec.draft_source or "draft"})
+        if self.on_record is not None:
+            self.on_record(rec)
 
     def request_json(self, end) -> dict:
         """generate's --json object of one request."""
@@ -519,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_serve(args) -> int:
     from .serve import cmd_serve as serve
 
-    return serve(args)
+    return serve(args, lambda on_record: Session(args, on_record=on_record))
 
 
 def _guard(fn) -> int:

@@ -35,7 +35,6 @@ from . import api
 from . import argtypes as A
 from .api import ApiError, Ask
 from .chat import RAW_SEPARATOR, Conversation, Turn, run_turn
-from .cli import Session, add_run_args, write_out
 from .common import CliError
 from .paths import log
 from .textstream import TextStream
@@ -230,21 +229,19 @@ class Current:
         self.send(self.stop.finish())
 
 
-class ServeSession(Session):
-    """``rakv.cli.Session`` (engine, recording, profile from the run flags), its records also kept
-    for /rakv/records with their tokens' text, and passed to the running request."""
+class RecordHook:
+    """What a server adds to its Session's callback (``Session(on_record=...)``): every record
+    kept for /rakv/records with its tokens' text, and passed to the running request."""
 
-    def __init__(self, args, records: RecordLog):
+    def __init__(self, records: RecordLog):
         self.records = records
+        self.session = None            # set once the Session is built (its header came before)
         self.current: Current | None = None
         self._seen: set[int] = set()
-        super().__init__(args, {})
-        self.stream_text = False         # a server writes no answer text to stdout
 
-    def callback(self, rec) -> None:
+    def __call__(self, rec) -> None:
         from .records import to_dict
 
-        super().callback(rec)
         d = to_dict(rec)
         self.records.add(d, self._new_pieces(d))
         cur = self.current
@@ -252,7 +249,7 @@ class ServeSession(Session):
             cur.see(rec)
 
     def _new_pieces(self, d: dict) -> dict[int, str]:
-        tok = getattr(getattr(getattr(self, "engine", None), "target", None), "tokenizer", None)
+        tok = getattr(getattr(getattr(self.session, "engine", None), "target", None), "tokenizer", None)
         new = {int(t) for f in TOKEN_FIELDS for t in (d.get(f) or ())} - self._seen
         if tok is None or not new:
             return {}
@@ -265,11 +262,11 @@ class ServeSession(Session):
                 out[t] = f"<{t}>"
         return out
 
-    def forget(self, rid: int) -> None:
-        """Drop what the Session kept of a finished request (a server runs for long)."""
-        self.starts.pop(rid, None)
-        self.last_decision.pop(rid, None)
-        self.gated.pop(rid, None)
+
+def forget(run, rid: int) -> None:
+    """Drop what the Session kept of a finished request (a server runs for long)."""
+    for kept in (run.starts, run.last_decision, run.gated):
+        kept.pop(rid, None)
 
 
 @dataclass
@@ -283,8 +280,9 @@ class Result:
 class Service:
     """Runs the API's requests on the session's engine, one at a time."""
 
-    def __init__(self, run: ServeSession, model: str):
-        self.run = run
+    def __init__(self, run, hook: RecordHook, model: str):
+        self.run = run                  # the rakv.cli.Session
+        self.hook = hook
         self.engine = run.engine
         self.model = model
         self.created = int(time.time())
@@ -305,7 +303,7 @@ class Service:
                 raise ApiError(503, "the server is shutting down", kind="server_error")
             self._use_sampling(ask)
             cur = Current(self.engine, ask.stop, begin, emit)
-            self.run.current = cur
+            self.hook.current = cur
             conv = history = None
             try:
                 if ask.chat:
@@ -323,15 +321,16 @@ class Service:
                     raise ApiError(400, f"the chat template refused these messages: {_one_line(e)}")
                 raise ApiError(500, f"{type(e).__name__}: {_one_line(e)}", kind="server_error")
             finally:
-                self.run.current = None
+                self.hook.current = None
             cur.finish()
             text = cur.stop.text()
             j = self.run.request_json(end)
             start = self.run.starts.get(end.request_id)
             j["conversation"] = start.conversation if start is not None else None
-            self.run.forget(end.request_id)
-            if self.run.args.json:
-                write_out(json.dumps(j) + "\n")
+            forget(self.run, end.request_id)
+            if self.run.args.json:          # generate's object on stdout, one a line
+                sys.stdout.write(json.dumps(j) + "\n")
+                sys.stdout.flush()
             if conv is not None and not cur.stop.hit and not cur.gone and end.stopped != "stop":
                 system, pairs, user = history
                 self.convs.put(system, pairs + [(user, text)], conv)
@@ -391,8 +390,14 @@ class Service:
             enc = self._one_prompt(ask.messages)
             return self.engine.generate(enc, ask.max_tokens, prompt_text=ask.messages[-1]["content"]), None, None
         system, pairs, user = parts
-        conv = self.convs.take(system, pairs) or self._new_conversation(system, pairs)
-        end = run_turn(self.engine, conv, user, ask.max_tokens)
+        taken = self.convs.take(system, pairs)
+        conv = taken or self._new_conversation(system, pairs)
+        try:
+            end = run_turn(self.engine, conv, user, ask.max_tokens)
+        except BaseException:
+            if taken is not None:          # (the turn was abandoned: the conversation is as it was)
+                self.convs.put(system, pairs, taken)
+            raise
         return end, conv, (system, pairs, user)
 
     def _new_conversation(self, system, pairs) -> ServerConversation:
@@ -450,9 +455,9 @@ class Handler(BaseHTTPRequestHandler):
     timeout = 300                      # an idle kept-alive connection is closed after this
 
     def version_string(self) -> str:
-        from .cli import package_version
+        from . import __version__
 
-        return f"rakv-serve/{package_version()}"
+        return f"rakv-serve/{__version__}"
 
     @property
     def service(self) -> Service:
@@ -686,20 +691,26 @@ def bind(host: str, port: int) -> HttpServer:
 
 
 class Server:
-    """A bound HTTP server over a ServeSession: ``serve_forever()`` (the command) or ``start()`` (a
-    thread: tests, embedding); ``close()`` ends it and closes the recording."""
+    """A bound HTTP server over the engine of a Session: ``serve_forever()`` (the command) or
+    ``start()`` (a thread: tests, embedding); ``close()`` ends it and closes the recording.
 
-    def __init__(self, args):
+    ``make_session(on_record)`` builds the ``rakv.cli.Session`` of the run flags with ``on_record``
+    added to its callback (``rakv.cli`` passes it: the CLI sits above this module)."""
+
+    def __init__(self, args, make_session):
         self.httpd = bind(args.host, args.port)
         self._thread: threading.Thread | None = None
         self._serving = False
+        self.records = RecordLog()
+        hook = RecordHook(self.records)
         try:
-            self.records = RecordLog()
-            self.run = ServeSession(args, self.records)
+            self.run = make_session(hook)
         except BaseException:
             self.httpd.server_close()
             raise
-        self.service = Service(self.run, model_name(args, self.run.engine))
+        hook.session = self.run
+        self.run.stream_text = False          # a server writes no answer text to stdout
+        self.service = Service(self.run, hook, model_name(args, self.run.engine))
         self.httpd.service = self.service
         self.httpd.records = self.records
 
@@ -743,7 +754,8 @@ def model_name(args, engine) -> str:
 
 
 # ----------------------------------------------------------------------------- the command
-def add_serve_parser(sub) -> None:
+def add_serve_parser(sub, add_run_args) -> None:
+    """``rakv serve``'s flags: ``add_run_args`` (generate's, from rakv.cli), --host, --port."""
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on localhost over the same engine",
                        description="An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
                                    "/v1/models, streaming by server-sent events) on one engine, prefix cache and "
@@ -754,10 +766,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--port", type=A.int_range(0, 65535), default=8000, help="port (default 8000; 0: any free port)")
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args, make_session) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log(f"warning: listening on {args.host}: anyone who can reach it can use this server (no authentication)")
-    server = Server(args)
+    server = Server(args, make_session)
     restore = _sigterm_as_interrupt()
     try:
         s = server.service

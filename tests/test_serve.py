@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rakv.cli import build_parser, main
+from rakv.cli import Session, build_parser, main
 from rakv.records import read_recording
 from rakv.serve import Server, StopText
 from tests.tiny import save_tiny
@@ -47,7 +47,8 @@ def server(model_dir, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:      # (a module fixture runs before conftest's per-test cache dir)
         mp.setenv("RAKV_CACHE", str(tmp_path_factory.getbasetemp() / "rakv-cache"))
         mp.setenv("RAKV_CONTENTION_CHECK", "0")
-        s = Server(serve_args(model_dir, "--record", str(rec))).start()
+        args = serve_args(model_dir, "--record", str(rec))
+        s = Server(args, lambda on_record: Session(args, on_record=on_record)).start()
         s.recording = rec
         yield s
         s.close()
@@ -142,7 +143,9 @@ def test_conversation_turns_hit_the_cache(server):
     first = post(server.url, {"messages": msgs, "max_tokens": 8})[1]
     msgs += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
              {"role": "user", "content": "And again?"}]
-    second = post(server.url, {"messages": msgs, "max_tokens": 8})[1]["rakv"]
+    status, r = post(server.url, {"messages": msgs, "max_tokens": 1000})      # past the context: refused ...
+    assert status == 400 and r["error"]["code"] == "context_length_exceeded"
+    second = post(server.url, {"messages": msgs, "max_tokens": 8})[1]["rakv"]  # ... and the conversation goes on
     conv = second["conversation"]
     assert conv["turn"] == 2 and conv["ids_from"] == "append"
     assert conv["conversation"] == first["rakv"]["conversation"]["conversation"]
