@@ -3,7 +3,7 @@
     rakv-explorer [--target M] [--draft M] [--prompt TEXT --autorun [--conversation]] [--replay FILE]
                   [--screenshot PNG] [--exit-after-run] [--policy P] [--max-new-tokens N]
                   [--k-set 0,2,4] [--measure-all [--measure-prompt TEXT] [--repeats R]]
-                  [--device auto|cpu|cuda|mps] [--no-fast]
+                  [--device auto|cpu|cuda|mps] [--no-fast] [--attach URL]
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=A.int_range(1, 20), default=3,
                     help="--measure-all: timed runs per action (default 3)")
     ap.add_argument("--replay", metavar="FILE", help="replay a JSONL recording at start")
+    ap.add_argument("--attach", metavar="URL", type=attach_url,
+                    help="show a running `rakv serve`'s requests live, read-only (e.g. http://127.0.0.1:8000)")
     ap.add_argument("--screenshot", metavar="PNG", help="save the window after the run / replay")
     ap.add_argument("--exit-after-run", action="store_true", help="quit after the run / replay (and screenshot)")
     ap.add_argument("--threads", type=A.threads,
@@ -98,6 +100,18 @@ def splash_say(splash, app, text: str) -> None:
 
     splash.showMessage(text, Qt.AlignmentFlag.AlignBottom | Qt.AlignmentFlag.AlignHCenter)
     app.processEvents()
+
+
+def attach_url(text: str) -> str:
+    from rakv.api import server_url
+
+    try:
+        return server_url(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+attach_url.__name__ = "URL"
 
 
 def check_paths(args) -> None:
@@ -262,6 +276,8 @@ def run_main(argv: list[str], splash) -> int:
             QTimer.singleShot(0, finish)
 
     win.errorShown.connect(on_error)
+    if args.attach:
+        QTimer.singleShot(0, lambda: win.attach_server(args.attach))
     if args.replay:
         def start_replay():
             if not win.open_recording(args.replay, play=False):

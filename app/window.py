@@ -62,6 +62,7 @@ class MainWindow(QMainWindow):
         self.live = SessionState()
         self.state = self.live
         self.replayer: Replayer | None = None
+        self.attachment = None               # an attached `rakv serve` (app/attach.py), shown read-only
         self.running = False
         self.measuring = False
         self.measure_dialog: QProgressDialog | None = None
@@ -195,6 +196,11 @@ class MainWindow(QMainWindow):
         self.act_reset_settings.setToolTip("put the models, prompt, policy, max new tokens and live controls "
                                            "back to their defaults")
         f.addAction(self.act_reset_settings)
+        f.addSeparator()
+        f.addAction(self._action("&Attach to server ...", lambda: self.attach_server()))
+        self.act_detach = self._action("&Detach from server", self.detach_server)
+        self.act_detach.setEnabled(False)
+        f.addAction(self.act_detach)
         f.addSeparator()
         f.addAction(self._action("&Quit", self.close, QKeySequence.StandardKey.Quit))
         r = mb.addMenu("&Run")
@@ -471,7 +477,8 @@ class MainWindow(QMainWindow):
         self._conversation_info()
 
     def _ready_models(self) -> None:
-        """Leave a replay and load the chosen pair if it is not the loaded one."""
+        """Leave a replay (or an attached server) and load the chosen pair if it is not the loaded one."""
+        self.detach_server()
         if self.replayer is not None:
             self.leave_replay()
         pair = self.run_panel.pair()
@@ -586,7 +593,7 @@ class MainWindow(QMainWindow):
         self.loaded_pair = getattr(self, "_want_pair", None) if not self.preloaded else None
         self.live = SessionState()
         self.live_pieces = Pieces(self.worker.tokenizer())
-        if self.replayer is None:
+        if self.replayer is None and self.attachment is None:
             self.state = self.live
             self.tokens.pieces = self.live_pieces
         rec = info.get("recording") or "(not recorded)"
@@ -703,6 +710,7 @@ class MainWindow(QMainWindow):
             return False
         for w in recs.warnings:          # e.g. a cut-off last line: the rest replays
             self.show_warning("Recording cut off", w)
+        self.detach_server()
         if self.replayer is not None:
             self.replayer.pause()
         self.replayer = Replayer(recs, str(path), self)
@@ -742,6 +750,18 @@ class MainWindow(QMainWindow):
             self.recent_menu.addAction(Path(p).name, lambda p=p: self.open_recording(p)).setToolTip(p)
         if not items:
             self.recent_menu.addAction("(none)").setEnabled(False)
+
+    # ------------------------------------------------------------------ an attached server
+    def attach_server(self, url: str | None = None) -> bool:
+        """Show a running `rakv serve`'s requests live, read-only (None: ask for its address)."""
+        from app.attach import attach
+
+        return attach(self, url)
+
+    def detach_server(self) -> None:
+        from app.attach import detach
+
+        detach(self)
 
     # ------------------------------------------------------------------ export
     def export_csv(self, path: str | None = None) -> int | None:
@@ -876,6 +896,7 @@ class MainWindow(QMainWindow):
     def shutdown(self) -> None:
         self.redraw_timer.stop()
         self.lag.stop()
+        self.detach_server()
         if self.replayer is not None:
             self.replayer.pause()
         if self.thread_.isRunning():

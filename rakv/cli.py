@@ -17,6 +17,7 @@ from .textstream import TextStream
 
 def build_parser() -> argparse.ArgumentParser:
     ap = A.OneLineParser(prog="rakv", description="Exact speculative decoding with prefix KV reuse.")
+    ap.add_argument("--version", action="version", version=f"rakv {package_version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate for one or more prompts (one engine, one cache)")
@@ -26,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_args(g)
 
     add_chat_parser(sub)
+
+    from .serve import add_serve_parser
+
+    add_serve_parser(sub, add_run_args)
 
     c = sub.add_parser("calibrate", help="measure this machine's costs for a model pair")
     add_model_args(c)
@@ -45,6 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark policies (see rakv bench --help)", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)
     return ap
+
+
+def package_version() -> str:
+    """The installed package's version (its metadata), else the source tree's."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("rakv-explorer")
+    except (ImportError, PackageNotFoundError):
+        from . import __version__
+
+        return __version__
 
 
 def add_run_args(g) -> None:
@@ -107,8 +124,9 @@ class Session:
     recording, each request's decision and gate rounds, the text streamed to stdout without
     --json), and each request's report (a JSON object on stdout, or the summary on stderr)."""
 
-    def __init__(self, args, inputs: dict | None = None):
+    def __init__(self, args, inputs: dict | None = None, on_record=None):
         self.args = args
+        self.on_record = on_record            # also called with every record (rakv serve's records endpoint)
         self.config, self.policy = run_config(args)
         if args.record:      # checked before any model loads
             A.refuse_overwrite(args.record, "--record", inputs or {})
@@ -169,6 +187,8 @@ class Session:
                 self.gated.setdefault(rec.request_id, []).append(
                     {"round": rec.index, "k_max": rec.k, "drafted": rec.drafted, "accepted": rec.accepted,
                      "pred": rec.draft_pred, "stop": rec.draft_stop, "source": rec.draft_source or "draft"})
+        if self.on_record is not None:
+            self.on_record(rec)
 
     def request_json(self, end) -> dict:
         """generate's --json object of one request."""
@@ -497,7 +517,13 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     quiet_libs()
     return _guard(lambda: {"generate": cmd_generate, "chat": cmd_chat, "calibrate": cmd_calibrate,
-                                "replay": cmd_replay}[args.cmd](args))
+                                "replay": cmd_replay, "serve": cmd_serve}[args.cmd](args))
+
+
+def cmd_serve(args) -> int:
+    from .serve import cmd_serve as serve
+
+    return serve(args, lambda on_record: Session(args, on_record=on_record))
 
 
 def _guard(fn) -> int:

@@ -1,0 +1,798 @@
+"""``rakv serve``: an OpenAI-compatible HTTP server on localhost over one engine (standard library only).
+
+The engine, its prefix cache and its controller are those of ``rakv generate`` (``rakv.cli.Session``
+builds them from the same flags). There is one engine, so requests run one at a time: every
+request takes ``Service.lock`` for the whole generation, streamed or not; a request waiting for it
+simply waits. Endpoints (docs/serve.md):
+
+    GET  /v1/models                  the one model
+    POST /v1/chat/completions        through the chat template; consecutive turns hit the cache
+    POST /v1/completions             raw text (or token ids)
+    GET  /rakv/records?since=N       the engine's records after the first N (long-poll with wait=S)
+
+A chat request whose messages are a conversation this server answered (the same messages and
+then the answer it gave) continues that conversation (``rakv.chat``): its ids are the previous
+turn's prompt ids, the answer's own ids and the new message, so the prefix cache serves all of it
+but the new message. Other histories start a conversation of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from itertools import islice
+from urllib.parse import parse_qs, urlsplit
+
+from . import api
+from . import argtypes as A
+from .api import ApiError, Ask
+from .chat import RAW_SEPARATOR, Conversation, Turn, run_turn
+from .common import CliError
+from .paths import log
+from .textstream import TextStream
+
+MAX_BODY = 8 * 2**20         # bytes of a request body
+MAX_WAIT_S = 30.0            # the longest long-poll of /rakv/records
+MAX_PAGE = 5000              # records a poll returns at most
+RECORDS_KEPT = 20_000        # records the server keeps for /rakv/records (the header always)
+CONVERSATIONS_KEPT = 64      # conversations kept for continuing (least recently used dropped)
+
+
+# ----------------------------------------------------------------------------- stop strings
+class StopText:
+    """Text pieces in, the text before the first stop string out. A piece is held back while its
+    end could still begin a stop string, so a stream never shows part of one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.buf = ""
+        self.out: list[str] = []
+        self.hit = False
+
+    def push(self, piece: str) -> str:
+        if self.hit or not piece:
+            return ""
+        self.buf += piece
+        at = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        if at:
+            self.hit = True
+            safe, self.buf = self.buf[: min(at)], ""
+        else:
+            cut = len(self.buf) - self._held(self.buf)
+            safe, self.buf = self.buf[:cut], self.buf[cut:]
+        self.out.append(safe)
+        return safe
+
+    def _held(self, s: str) -> int:
+        """The longest end of ``s`` that begins a stop string."""
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(s)), best, -1):
+                if s.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+    def finish(self) -> str:
+        rest, self.buf = ("" if self.hit else self.buf), ""
+        self.out.append(rest)
+        return rest
+
+    def text(self) -> str:
+        return "".join(self.out)
+
+
+# ----------------------------------------------------------------------------- the records endpoint
+TOKEN_FIELDS = ("prompt_ids", "emitted", "tree_tokens")
+
+
+class RecordLog:
+    """The engine's records as dicts, numbered from 0 (the run header), for /rakv/records; with
+    each token id's text piece, so a viewer without the tokenizer shows text. Thread-safe; readers
+    may wait for new records (long-poll)."""
+
+    def __init__(self, keep: int = RECORDS_KEPT):
+        self.cond = threading.Condition()
+        self.keep = keep
+        self.header: dict | None = None
+        self.items: deque = deque()
+        self.base = 1                  # the index of items[0]
+        self.pieces: dict[int, str] = {}
+        self.closed = False
+        self.instance = uuid.uuid4().hex[:12]    # a restarted server numbers from 0 again
+
+    @property
+    def next(self) -> int:
+        return self.base + len(self.items)
+
+    def add(self, rec: dict, pieces: dict[int, str]) -> None:
+        with self.cond:
+            self.pieces.update(pieces)
+            if rec.get("type") == "header" and self.header is None:
+                self.header = rec
+            else:
+                self.items.append(rec)
+                if len(self.items) > self.keep:
+                    self.items.popleft()
+                    self.base += 1
+            self.cond.notify_all()
+
+    def read(self, since: int, wait: float = 0.0, limit: int = MAX_PAGE) -> dict:
+        """The records from index ``since`` on (at most ``limit``), waiting up to ``wait`` seconds
+        for one when there are none yet. ``next``: the ``since`` of the next poll; ``skipped``:
+        records no longer kept."""
+        with self.cond:
+            if wait > 0 and since >= self.next and not self.closed:
+                self.cond.wait_for(lambda: self.next > since or self.closed, timeout=wait)
+            out = [self.header] if since <= 0 and self.header is not None else []
+            start = max(since, self.base)
+            page = list(islice(self.items, start - self.base, start - self.base + limit))
+            out += page
+            ids = {int(t) for r in out for f in TOKEN_FIELDS for t in (r.get(f) or ())}
+            return {"records": out, "next": start + len(page), "first": self.base,
+                    "skipped": max(0, self.base - max(since, 1)), "server": self.instance,
+                    "pieces": {str(i): self.pieces[i] for i in sorted(ids) if i in self.pieces}}
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+# ----------------------------------------------------------------------------- the engine's side
+@dataclass
+class ServerConversation(Conversation):
+    """A conversation of the server: ``rakv.chat.Conversation`` with the request's system messages
+    in front of its turns."""
+
+    system: list = field(default_factory=list)
+
+    def messages(self, user: str | None = None) -> list[dict]:
+        return [dict(m) for m in self.system] + super().messages(user)
+
+    def _raw_text(self, text: str) -> str:
+        return "".join(m["content"] + RAW_SEPARATOR for m in self.system) + super()._raw_text(text)
+
+
+def _history_key(system: list[dict], pairs: list[tuple[str, str]]) -> str:
+    return json.dumps([[m["content"] for m in system], [[u.strip(), a.strip()] for u, a in pairs]])
+
+
+class Conversations:
+    """The conversations a later request may continue, by the messages that continue them."""
+
+    def __init__(self, keep: int = CONVERSATIONS_KEPT):
+        self.keep = keep
+        self.items: OrderedDict[str, ServerConversation] = OrderedDict()
+
+    def take(self, system, pairs) -> ServerConversation | None:
+        return self.items.pop(_history_key(system, pairs), None) if pairs else None
+
+    def put(self, system, pairs, conv: ServerConversation) -> None:
+        self.items[_history_key(system, pairs)] = conv
+        while len(self.items) > self.keep:
+            self.items.popitem(last=False)
+
+
+class Current:
+    """The running request's text as the engine commits it: decoded (``TextStream``), cut at a stop
+    string (which stops the engine), and sent on (``emit``) as it becomes certain."""
+
+    def __init__(self, engine, stops: list[str], begin=None, emit=None):
+        self.engine = engine
+        self.text = TextStream(engine.target.tokenizer)
+        self.stop = StopText(stops)
+        self.begin, self.emit = begin, emit
+        self.rid: int | None = None
+        self.decisions: list[dict] = []
+        self.gone = False              # the client went away: the engine was asked to stop
+
+    def see(self, rec) -> None:
+        from .records import Decision, RequestStart, Round
+
+        if isinstance(rec, RequestStart):
+            self.rid = rec.request_id
+            if self.begin is not None:
+                self._safely(self.begin)
+        elif isinstance(rec, Decision) and rec.request_id == self.rid:
+            self.decisions.append({"round": rec.round, "action": dict(rec.action), "reason": rec.reason,
+                                   "alpha": rec.alpha, "alpha_star": dict(rec.alpha_star),
+                                   "candidates": [dict(c) for c in rec.candidates]})
+        elif isinstance(rec, Round) and rec.request_id == self.rid:
+            self.send(self.stop.push(self.text.push(rec.emitted)))
+            if self.stop.hit:
+                self.engine.stop()     # the round ends the request
+
+    def send(self, piece: str) -> None:
+        if piece and self.emit is not None:
+            self._safely(lambda: self.emit(piece))
+
+    def _safely(self, fn) -> None:
+        if self.gone:
+            return
+        try:
+            fn()
+        except OSError:                # the client closed the connection: stop generating for it
+            self.gone = True
+            self.engine.stop()
+
+    def finish(self) -> None:
+        self.send(self.stop.push(self.text.finish()))
+        self.send(self.stop.finish())
+
+
+class RecordHook:
+    """What a server adds to its Session's callback (``Session(on_record=...)``): every record
+    kept for /rakv/records with its tokens' text, and passed to the running request."""
+
+    def __init__(self, records: RecordLog):
+        self.records = records
+        self.session = None            # set once the Session is built (its header came before)
+        self.current: Current | None = None
+        self._seen: set[int] = set()
+
+    def __call__(self, rec) -> None:
+        from .records import to_dict
+
+        d = to_dict(rec)
+        self.records.add(d, self._new_pieces(d))
+        cur = self.current
+        if cur is not None:
+            cur.see(rec)
+
+    def _new_pieces(self, d: dict) -> dict[int, str]:
+        tok = getattr(getattr(getattr(self.session, "engine", None), "target", None), "tokenizer", None)
+        new = {int(t) for f in TOKEN_FIELDS for t in (d.get(f) or ())} - self._seen
+        if tok is None or not new:
+            return {}
+        self._seen |= new
+        out = {}
+        for t in new:
+            try:
+                out[t] = tok.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            except Exception:  # noqa: BLE001 - an id the tokenizer cannot show is shown as <id>
+                out[t] = f"<{t}>"
+        return out
+
+
+def forget(run, rid: int) -> None:
+    """Drop what the Session kept of a finished request (a server runs for long)."""
+    for kept in (run.starts, run.last_decision, run.gated):
+        kept.pop(rid, None)
+
+
+@dataclass
+class Result:
+    end: object
+    text: str
+    finish: str
+    rakv: dict
+
+
+class Service:
+    """Runs the API's requests on the session's engine, one at a time."""
+
+    def __init__(self, run, hook: RecordHook, model: str):
+        self.run = run                  # the rakv.cli.Session
+        self.hook = hook
+        self.engine = run.engine
+        self.model = model
+        self.created = int(time.time())
+        self.lock = threading.Lock()
+        self.closing = False
+        self.convs = Conversations()
+        self.default = self.engine.sampling       # the sampling flags' (a drawn seed if they gave none)
+        self._conv_number = 0
+        self.requests = 0
+
+    # ---------------------------------------------------------------- one request
+    def complete(self, ask: Ask, begin=None, emit=None) -> Result:
+        """Run ``ask`` (waiting for the engine); ``begin()`` when it starts, ``emit(text)`` per piece."""
+        from .engine import EngineError
+
+        with self.lock:
+            if self.closing:
+                raise ApiError(503, "the server is shutting down", kind="server_error")
+            self._use_sampling(ask)
+            cur = Current(self.engine, ask.stop, begin, emit)
+            self.hook.current = cur
+            conv = history = None
+            try:
+                if ask.chat:
+                    end, conv, history = self._chat(ask)
+                else:
+                    end = self._completion(ask)
+            except ApiError:
+                raise
+            except EngineError as e:
+                raise ApiError(400, _one_line(e), code="context_length_exceeded" if "context" in str(e) else None)
+            except ValueError as e:                  # e.g. an empty message; a template that refuses the roles
+                raise ApiError(400, _one_line(e))
+            except Exception as e:  # noqa: BLE001 - a template error or a failure inside the engine
+                if isinstance(e, _template_errors()):
+                    raise ApiError(400, f"the chat template refused these messages: {_one_line(e)}")
+                raise ApiError(500, f"{type(e).__name__}: {_one_line(e)}", kind="server_error")
+            finally:
+                self.hook.current = None
+            cur.finish()
+            text = cur.stop.text()
+            j = self.run.request_json(end)
+            start = self.run.starts.get(end.request_id)
+            j["conversation"] = start.conversation if start is not None else None
+            forget(self.run, end.request_id)
+            if self.run.args.json:          # generate's object on stdout, one a line
+                sys.stdout.write(json.dumps(j) + "\n")
+                sys.stdout.flush()
+            if conv is not None and not cur.stop.hit and not cur.gone and end.stopped != "stop":
+                system, pairs, user = history
+                self.convs.put(system, pairs + [(user, text)], conv)
+            self.requests += 1
+            return Result(end, text, api.finish_reason(end.stopped, cur.stop.hit), self._rakv(j, cur))
+
+    def _rakv(self, j: dict, cur: Current) -> dict:
+        """The response's ``rakv`` object: generate's --json fields of the request (its text is the
+        response's; a chat turn's ``conversation`` added) with every decision and the acceptance
+        estimate as ``alpha``."""
+        out = {k: v for k, v in j.items() if k != "text"}
+        out["alpha"] = j.get("alpha_ewma")
+        out["decisions"] = cur.decisions
+        out["stop_string"] = cur.stop.hit
+        return out
+
+    def _use_sampling(self, ask: Ask) -> None:
+        """The request's sampling: the server's flags, overridden by the request's fields. A seed
+        the request gives is the one its tokens use (the engine adds the request's number to its
+        seed, so it gets that seed less the number)."""
+        from .engine import EngineError
+        from .sampling import SEED_LIMIT, problem
+
+        d = self.default
+        s = replace(d, temperature=d.temperature if ask.temperature is None else ask.temperature,
+                    top_p=d.top_p if ask.top_p is None else ask.top_p,
+                    top_k=d.top_k if ask.top_k is None else ask.top_k,
+                    min_p=d.min_p if ask.min_p is None else ask.min_p)
+        why = problem(s)
+        if why:
+            raise ApiError(400, why)
+        if ask.seed is not None:
+            s = replace(s, seed=(ask.seed - self.engine._next_id) % SEED_LIMIT)
+        try:
+            self.engine.set_sampling(s)
+        except EngineError as e:
+            raise ApiError(400, _one_line(e)) from None
+
+    def _completion(self, ask: Ask):
+        from .prompts import EncodedPrompt, raw_ids
+
+        if isinstance(ask.prompt, str):
+            tok = self.engine.target.tokenizer
+            if tok is None:
+                raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
+            enc = EncodedPrompt(raw_ids(tok, ask.prompt), False, 0)
+            return self.engine.generate(enc, ask.max_tokens, prompt_text=ask.prompt)
+        return self.engine.generate(ask.prompt, ask.max_tokens)
+
+    def _chat(self, ask: Ask):
+        """A conversation's next turn (continued, or started here); messages that are no
+        conversation (two user messages in a row, ...) are one templated prompt."""
+        parts = api.split_conversation(ask.messages)
+        if self.engine.target.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
+        if parts is None:
+            enc = self._one_prompt(ask.messages)
+            return self.engine.generate(enc, ask.max_tokens, prompt_text=ask.messages[-1]["content"]), None, None
+        system, pairs, user = parts
+        taken = self.convs.take(system, pairs)
+        conv = taken or self._new_conversation(system, pairs)
+        try:
+            end = run_turn(self.engine, conv, user, ask.max_tokens)
+        except BaseException:
+            if taken is not None:          # (the turn was abandoned: the conversation is as it was)
+                self.convs.put(system, pairs, taken)
+            raise
+        return end, conv, (system, pairs, user)
+
+    def _new_conversation(self, system, pairs) -> ServerConversation:
+        """A conversation whose earlier turns came from the request (the ids of their answers as the
+        tokenizer gives them; the next turn checks them against the template, as always)."""
+        self._conv_number += 1
+        conv = ServerConversation.for_engine(self.engine, number=self._conv_number, system=list(system))
+        tok = self.engine.target.tokenizer
+        for user, answer in pairs:
+            ids = conv._whole(user)
+            out = [int(x) for x in tok(answer, add_special_tokens=False)["input_ids"]]
+            conv.turns.append(Turn(user, answer, ids, out, "template"))
+        return conv
+
+    def _one_prompt(self, messages: list[dict]):
+        from .ids import lcp
+        from .prompts import EncodedPrompt, _as_ids, has_chat_template, raw_ids, template_prefix
+
+        tok = self.engine.target.tokenizer
+        if self.engine.chat_template and has_chat_template(tok):
+            ids = _as_ids(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            return EncodedPrompt(ids, True, lcp(ids, template_prefix(tok)))
+        return EncodedPrompt(raw_ids(tok, RAW_SEPARATOR.join(m["content"] for m in messages)), False, 0)
+
+    # ---------------------------------------------------------------- shutdown
+    def close(self, wait_s: float = 30.0) -> None:
+        """No new requests; the running one stops within a round."""
+        self.closing = True
+        self.engine.stop()
+        if self.lock.acquire(timeout=wait_s):
+            self.lock.release()
+
+
+def _template_errors() -> tuple:
+    """The errors a chat template raises (jinja2's; a template's own raise_exception among them)."""
+    try:
+        from jinja2.exceptions import TemplateError
+
+        return (TemplateError,)
+    except ImportError:
+        return ()
+
+
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip()
+    return s.splitlines()[0] if s else type(e).__name__
+
+
+# ----------------------------------------------------------------------------- HTTP
+class Handler(BaseHTTPRequestHandler):
+    """One connection's requests (ThreadingHTTPServer: a thread each). Errors are JSON, never a
+    traceback; one line per request on stderr (the records polls are not logged)."""
+
+    protocol_version = "HTTP/1.1"
+    timeout = 300                      # an idle kept-alive connection is closed after this
+
+    def version_string(self) -> str:
+        from . import __version__
+
+        return f"rakv-serve/{__version__}"
+
+    @property
+    def service(self) -> Service:
+        return self.server.service
+
+    # ---------------------------------------------------------------- routing
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def do_PUT(self) -> None:
+        self._route("PUT")
+
+    def do_DELETE(self) -> None:
+        self._route("DELETE")
+
+    def do_PATCH(self) -> None:
+        self._route("PATCH")
+
+    def _route(self, method: str) -> None:
+        self.t0 = time.perf_counter()
+        self.note = ""
+        url = urlsplit(self.path)
+        path = url.path.rstrip("/") or "/"
+        gets = {"/v1/models": self._models, "/rakv/records": lambda: self._records(url.query)}
+        posts = {"/v1/chat/completions": lambda: self._complete(True),
+                 "/v1/completions": lambda: self._complete(False)}
+        try:
+            if method == "GET" and path in gets:
+                gets[path]()
+            elif method == "GET" and path.startswith("/v1/models/"):
+                self._model(path[len("/v1/models/"):])
+            elif method == "POST" and path in posts:
+                posts[path]()
+            elif path in gets or path in posts:
+                self.close_connection = True
+                raise ApiError(405, f"{method} is not allowed on {path}")
+            else:
+                self.close_connection = True
+                raise ApiError(404, f"no such endpoint: {method} {path}", code="not_found")
+        except ApiError as e:
+            self._error(e)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+            if path != "/rakv/records":
+                self._log(499, "the client went away")
+        except Exception as e:  # noqa: BLE001 - a server bug is a 500, and the server goes on
+            self._error(ApiError(500, f"{type(e).__name__}: {_one_line(e)}", kind="server_error"))
+
+    # ---------------------------------------------------------------- endpoints
+    def _models(self) -> None:
+        s = self.service
+        self._json(200, api.models_list(s.model, s.created))
+
+    def _model(self, name: str) -> None:
+        s = self.service
+        if name != s.model:
+            raise ApiError(404, f"no model {name!r} (this server has {s.model!r})", "model", code="model_not_found")
+        self._json(200, api.model_card(s.model, s.created))
+
+    def _records(self, query: str) -> None:
+        q = parse_qs(query)
+        try:
+            since = int(q.get("since", ["0"])[0])
+            wait = float(q.get("wait", ["0"])[0])
+            limit = int(q.get("limit", [str(MAX_PAGE)])[0])
+        except ValueError:
+            raise ApiError(400, "since and limit must be integers, wait a number of seconds") from None
+        if since < 0 or limit < 1 or not 0 <= wait <= 1e6:
+            raise ApiError(400, "since >= 0, limit >= 1 and wait >= 0")
+        out = self.server.records.read(since, min(wait, MAX_WAIT_S), min(limit, MAX_PAGE))
+        out["busy"] = self.service.lock.locked()
+        out["model"] = self.service.model
+        self._json(200, out, log=False)
+
+    def _complete(self, chat: bool) -> None:
+        body = self._body()
+        ask = api.parse_ask(body, chat)
+        rid = api.new_id(chat)
+        model = self.service.model
+        if not ask.stream:
+            res = self.service.complete(ask)
+            use = api.usage(res.end.prompt_tokens, len(res.end.output_ids))
+            self.note = _summary(res)
+            self._json(200, api.response(ask, rid, model, res.text, res.finish, use, res.rakv))
+            return
+        sse = EventStream(self)
+
+        def begin():
+            sse.begin()
+            if chat:
+                sse.send(api.chunk(ask, rid, model, "", first=True))
+
+        try:
+            res = self.service.complete(ask, begin, lambda piece: sse.send(api.chunk(ask, rid, model, piece)))
+        except ApiError as e:
+            if not sse.started:
+                raise
+            sse.send(e.body())            # the stream had begun: the error is its last event
+            sse.done()
+            self._log(e.status, e.message)
+            return
+        use = api.usage(res.end.prompt_tokens, len(res.end.output_ids))
+        self.note = "stream; " + _summary(res)
+        if not sse.started:               # (a request that ended before its start: nothing to stream)
+            sse.begin()
+        try:
+            sse.send(api.chunk(ask, rid, model, None, finish=res.finish, usage=use, rakv=res.rakv))
+            sse.done()
+        except OSError:
+            self.note += "; the client went away"
+        self._log(200, self.note)
+
+    # ---------------------------------------------------------------- reading and writing
+    def _body(self):
+        n = self.headers.get("Content-Length")
+        if n is None:
+            self.close_connection = True
+            raise ApiError(411, "a request body with Content-Length is needed")
+        try:
+            n = int(n)
+        except ValueError:
+            self.close_connection = True
+            raise ApiError(400, "bad Content-Length") from None
+        if n < 0 or n > MAX_BODY:
+            self.close_connection = True
+            raise ApiError(413, f"the request body is larger than {MAX_BODY} bytes")
+        raw = self.rfile.read(n)
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON ({getattr(e, 'msg', e)})") from None
+
+    def _json(self, status: int, obj: dict, log: bool = True) -> None:
+        data = json.dumps(obj).encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+        if log:
+            self._log(status, self.note)
+
+    def _error(self, e: ApiError) -> None:
+        try:
+            self._json(e.status, e.body(), log=False)
+        except OSError:
+            pass
+        self._log(e.status, e.message)
+
+    def send_error(self, code, message=None, explain=None) -> None:
+        """The base class's own errors (a bad request line, an unknown method): JSON too."""
+        self.close_connection = True
+        self.request_version = self.protocol_version      # (a garbled request line reads as HTTP/0.9: no headers)
+        self.t0 = getattr(self, "t0", time.perf_counter())
+        self.note = ""
+        try:
+            self._json(code, api.error_body(message or self.responses.get(code, ("error",))[0]), log=False)
+        except OSError:
+            pass
+        self._log(code, message or "")
+
+    def log_message(self, format, *args) -> None:     # noqa: A002 - our own line per request instead
+        pass
+
+    def _log(self, status: int, what: str = "") -> None:
+        ms = (time.perf_counter() - getattr(self, "t0", time.perf_counter())) * 1e3
+        req = "".join(c if c.isprintable() else "?" for c in (getattr(self, "requestline", "") or "-")[:200])
+        print(f"[rakv] {self.client_address[0]} \"{req}\" {status} {ms:.0f} ms" + (f": {what}" if what else ""),
+              file=sys.stderr, flush=True)
+
+
+def _summary(res: Result) -> str:
+    e = res.end
+    return (f"request {e.request_id}, {len(e.output_ids)} tokens, TTFT {e.ttft_ms:.0f} ms, "
+            f"r={e.action.get('reuse')} k={e.action.get('k')}, hit {e.hit_tokens}/{e.prompt_tokens}, "
+            f"accepted {e.accepted}/{e.drafted}, finish {res.finish}")
+
+
+class EventStream:
+    """Server-sent events on a handler's connection: ``data: {json}`` events, then ``data: [DONE]``;
+    the connection closes after the stream."""
+
+    def __init__(self, handler: Handler):
+        self.h = handler
+        self.started = False
+
+    def begin(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        h = self.h
+        h.close_connection = True
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        h.send_header("Cache-Control", "no-cache")
+        h.send_header("Connection", "close")
+        h.end_headers()
+        h.wfile.flush()
+
+    def send(self, obj: dict) -> None:
+        self.h.wfile.write(b"data: " + json.dumps(obj).encode("utf-8") + b"\n\n")
+        self.h.wfile.flush()
+
+    def done(self) -> None:
+        self.h.wfile.write(b"data: [DONE]\n\n")
+        self.h.wfile.flush()
+
+
+class HttpServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 64
+
+
+def bind(host: str, port: int) -> HttpServer:
+    """The listening socket (before any model loads: a port in use is one line, exit 2)."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    cls = type("HttpServer6", (HttpServer,), {"address_family": fam}) if fam != socket.AF_INET else HttpServer
+    try:
+        return cls((host, port), Handler)
+    except OSError as e:
+        raise CliError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    except OverflowError as e:
+        raise CliError(f"bad port {port}: {e}") from None
+
+
+class Server:
+    """A bound HTTP server over the engine of a Session: ``serve_forever()`` (the command) or
+    ``start()`` (a thread: tests, embedding); ``close()`` ends it and closes the recording.
+
+    ``make_session(on_record)`` builds the ``rakv.cli.Session`` of the run flags with ``on_record``
+    added to its callback (``rakv.cli`` passes it: the CLI sits above this module)."""
+
+    def __init__(self, args, make_session):
+        self.httpd = bind(args.host, args.port)
+        self._thread: threading.Thread | None = None
+        self._serving = False
+        self.records = RecordLog()
+        hook = RecordHook(self.records)
+        try:
+            self.run = make_session(hook)
+        except BaseException:
+            self.httpd.server_close()
+            raise
+        hook.session = self.run
+        self.run.stream_text = False          # a server writes no answer text to stdout
+        self.service = Service(self.run, hook, model_name(args, self.run.engine))
+        self.httpd.service = self.service
+        self.httpd.records = self.records
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+    def serve_forever(self) -> None:
+        self._serving = True
+        self.httpd.serve_forever(poll_interval=0.25)
+
+    def start(self) -> "Server":
+        self._thread = threading.Thread(target=self.serve_forever, name="rakv-serve", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self.service.close()
+        self.records.close()
+        if self._serving:
+            self.httpd.shutdown()
+        self.httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(10)
+        self.run.close()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def model_name(args, engine) -> str:
+    """The model's id in the API: the --target as given (``demo``, a hub id, a file's name)."""
+    from pathlib import Path
+
+    t = str(args.target)
+    return Path(t).name if ("/" in t and Path(t).exists()) else t
+
+
+# ----------------------------------------------------------------------------- the command
+def add_serve_parser(sub, add_run_args) -> None:
+    """``rakv serve``'s flags: ``add_run_args`` (generate's, from rakv.cli), --host, --port."""
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on localhost over the same engine",
+                       description="An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
+                                   "/v1/models, streaming by server-sent events) on one engine, prefix cache and "
+                                   "controller; each response carries a 'rakv' object; the explorer can attach "
+                                   "(GET /rakv/records). See docs/serve.md.")
+    add_run_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=A.int_range(0, 65535), default=8000, help="port (default 8000; 0: any free port)")
+
+
+def cmd_serve(args, make_session) -> int:
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        log(f"warning: listening on {args.host}: anyone who can reach it can use this server (no authentication)")
+    server = Server(args, make_session)
+    restore = _sigterm_as_interrupt()
+    try:
+        s = server.service
+        log(f"serving {s.model} (policy {server.run.policy.name}) on {server.url}: POST /v1/chat/completions, "
+            f"/v1/completions; GET /v1/models, /rakv/records" + (f"; recording to {args.record}" if args.record else "")
+            + "; Ctrl-C stops")
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            log(f"shutting down after {s.requests} requests")
+    finally:
+        server.close()
+        restore()
+    return 0
+
+
+def _sigterm_as_interrupt():
+    """SIGTERM ends the server like Ctrl-C (the recording closed, the learning saved)."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:               # not the main thread
+        return lambda: None
+    return lambda: signal.signal(signal.SIGTERM, old)
