@@ -459,9 +459,10 @@ def _refresh_codes(lm: LoadedModel, gguf: Path, folder: Path) -> None:
 
     log(f"reading {gguf.name}'s codes again (their K-quant scales; once) ...")
     codes = gguf_codes(gguf, lm.model)
+    if not codes:
+        return
     try:
-        if codes:
-            blockq.save_codes(folder / CODES_FILE, codes)
+        blockq.save_codes(folder / CODES_FILE, codes)
         write_atomic(mark_path, json.dumps({**mark, "codes_format": CODES_FORMAT}, indent=1))
     except OSError:                      # a read-only cache: read again next time
         pass
@@ -484,8 +485,11 @@ def gguf_codes(gguf: Path, model: torch.nn.Module) -> dict:
         reader = GGUFReader(str(gguf))
     except Exception:  # noqa: BLE001 - no codes, the fp32 weights stand
         return {}
-    layers = {n: m.weight.detach() for n, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32}
+    from .kernels.fastpath import FastLinear
+
+    layers = {n: (blockq._matrix(m) if isinstance(m, FastLinear) else m.weight.detach())
+              for n, m in model.named_modules()
+              if isinstance(m, (torch.nn.Linear, FastLinear)) and m.weight.dtype == torch.float32}
     keys: dict[int, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(0)
 
