@@ -288,6 +288,9 @@ def _ensure_converted(out: Path, ready, convert, what: str) -> Path:
     with file_lock(lock, on_wait=lambda: log(f"another process is converting {what}; waiting ...")):
         if ready(out):
             return out
+        why = _previous_attempt(out)
+        if why:
+            log(f"the last conversion of {what} did not finish ({why}); converting it again")
         convert(out)
     return out
 
@@ -325,8 +328,6 @@ def convert_gguf(gguf: Path, out: Path, source: dict | None = None, damaged: int
     """Dequantize ``gguf`` with transformers' GGUF loader and save it into the folder ``out`` as
     safetensors (float32) plus its tokenizer, atomically (see above). ``source``: what to record
     about the file in the marker; ``damaged``: see ``_install``."""
-    import json
-
     t0 = time.perf_counter()
     log(f"converting {gguf.name} to safetensors (one time; later runs load the converted copy) ...")
     model, tok = _load_gguf(gguf)
@@ -335,23 +336,67 @@ def convert_gguf(gguf: Path, out: Path, source: dict | None = None, damaged: int
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        del model
-        kinds: dict = {}
-        if codes:
-            from .kernels import blockq
-
-            blockq.save_codes(tmp / CODES_FILE, codes)
-            for b in codes.values():
-                kinds[b.kind] = kinds.get(b.kind, 0) + 1
-        mark = {"source": gguf.name, "bytes": gguf.stat().st_size, **(source or {}), "codes": kinds,
-                "converted_s": round(time.perf_counter() - t0, 1)}
-        (tmp / CONVERTED_MARK).write_text(json.dumps(mark, indent=1), encoding="utf-8")
-        _install(tmp, out, damaged)
+        _save_converted(tmp, out, model, tok, codes, gguf, source, t0, damaged)
+    except Exception as e:  # noqa: BLE001 - a full disk (safetensors' own error type too): one line, nothing kept
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        _note_failed(out, why)
+        raise ModelError(f"cannot save the converted {gguf.name} into {out.parent}: {why}; nothing was kept, "
+                         "the next run converts it again") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _note_failed(out, None)
     log(f"{gguf.name} converted in {time.perf_counter() - t0:.1f} s")
+
+
+def _failed_note(out: Path) -> Path:
+    return out.parent / f".{out.name}.failed"
+
+
+def _note_failed(out: Path, why: str | None) -> None:
+    """Remember why a conversion into ``out`` failed (None: it did not), for the next run to say."""
+    note = _failed_note(out)
+    try:
+        if why is None:
+            note.unlink(missing_ok=True)
+        else:
+            note.write_text(why[:300], encoding="utf-8")
+    except OSError:                  # the disk that was full may still be: only a note
+        pass
+
+
+def _previous_attempt(out: Path) -> str:
+    """Why the last conversion into ``out`` did not finish ("" when nothing says it did not): its
+    failure note, or a ``.part`` folder a killed conversion left (removed here; called under the lock)."""
+    why = ""
+    try:
+        why = _failed_note(out).read_text(encoding="utf-8", errors="replace").strip()[:300]
+    except OSError:
+        pass
+    for part in out.parent.glob(f".{out.name}.*.part"):
+        shutil.rmtree(part, ignore_errors=True)
+        why = why or f"a conversion was cut off (its unfinished folder {part.name} was removed)"
+    return why
+
+
+def _save_converted(tmp: Path, out: Path, model, tok, codes: dict, gguf: Path, source: dict | None, t0: float,
+                    damaged: int | None) -> None:
+    """The converted folder's files into ``tmp``, its marker last, then ``tmp`` renamed to ``out``."""
+    import json
+
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    del model
+    kinds: dict = {}
+    if codes:
+        from .kernels import blockq
+
+        blockq.save_codes(tmp / CODES_FILE, codes)
+        for b in codes.values():
+            kinds[b.kind] = kinds.get(b.kind, 0) + 1
+    mark = {"source": gguf.name, "bytes": gguf.stat().st_size, **(source or {}), "codes": kinds,
+            "converted_s": round(time.perf_counter() - t0, 1)}
+    (tmp / CONVERTED_MARK).write_text(json.dumps(mark, indent=1), encoding="utf-8")
+    _install(tmp, out, damaged)
 
 
 def gguf_codes(gguf: Path, model: torch.nn.Module) -> dict:
