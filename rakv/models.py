@@ -727,8 +727,8 @@ def _tokenizer_in(folder: Path, reading: _TokenizerRead, spec: str):
 # (transformers', tokenizers' and Python's versions, the folder, the size and mtime_ns of every
 # tokenizer file) still holds and it encodes the probe texts (multi-byte ones, special tokens) to
 # the ids the freshly built tokenizer gave; otherwise, or when it cannot be read, the tokenizer is
-# built as before and pickled again. (A pickle is code: it is only read from the cache dir, which
-# already holds the compiled kernel this process loads.)
+# built as before and pickled again. A pickle is code: it is read only when rakv/kernels/trust.py
+# says this program wrote it there (a private folder, its hash as recorded), like the kernel.
 TOKENIZER_CACHE = "rakv-tokenizer.pickle"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -773,8 +773,15 @@ class _TokenizerRead:
         import pickle
         import threading
 
+        from .kernels import trust
+
         self.tok = self.head = self._file = None
         self._thread = None
+        why = trust.untrusted(folder / TOKENIZER_CACHE)     # a pickle is code: only one written here
+        if why:
+            if (folder / TOKENIZER_CACHE).exists():
+                log(f"not reading the kept tokenizer: {why}; building it again")
+            return
         try:
             self._file = open(folder / TOKENIZER_CACHE, "rb")
             head = pickle.load(self._file)
@@ -825,6 +832,9 @@ def _save_tokenizer(folder: Path, tok) -> None:
             pickle.dump(tok, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, folder / TOKENIZER_CACHE)
         tmp = None
+        from .kernels import trust
+
+        trust.record(folder / TOKENIZER_CACHE)
     except Exception:  # noqa: BLE001 - only a cache
         pass
     finally:
