@@ -329,7 +329,8 @@ def profile_cases(r: Runner, M: Path) -> None:
     ]
     for name, change in damages:
         path.write_text(json.dumps({**good, **change}))
-        r.cli("profile", f"{name}: this run", args, env=env, expect="malformed")
+        valid = name in ("accept_map short lists", "V empty")    # a shorter prior is ignored; no V: measured again
+        r.cli("profile", f"{name}: this run", args, env=env, expect="" if valid else "cost profile")
         r.cli("profile", f"{name}: the next run", args, env=env)
     for name, raw in (("truncated JSON", path.read_text()[:50]), ("a 100000-deep array", DEEP),
                       ("binary", "\x00\xff"), ("a JSON string", '"profile"')):

@@ -349,7 +349,9 @@ def test_trust_rules(tmp_path):
     os.chmod(f, 0o600)
     os.chmod(d, 0o777)
     assert "writable by group or others" in trust.untrusted(f)
-    trust.private_dir(d)                                      # this user's: tightened again
+    trust.private_dir(d)                      # this user's: tightened, and what others could have forged dropped
+    assert (os.stat(d).st_mode & 0o777) == 0o700 and "no record" in trust.untrusted(f)
+    trust.record(f)
     assert trust.untrusted(f) is None
     link = d / "link.so"
     link.symlink_to(f)
@@ -386,6 +388,7 @@ def test_a_planted_kernel_is_never_loaded(tmp_path, monkeypatch, capsys):
     src = tmp_path / "plant.c"
     src.write_text("#include <stdlib.h>\n" + PLANT)
     assert subprocess.run([cc, "-shared", "-fPIC", "-o", str(out), str(src)]).returncode == 0
+    trust.record(out)                                      # a record forged beside it, while the folder was open
     for state in ("handle", "reason", "tried", "ident"):
         monkeypatch.setattr(blockq._Lib, state, getattr(blockq._Lib, state))
     blockq._Lib.handle, blockq._Lib.reason, blockq._Lib.tried, blockq._Lib.ident = None, "", False, ""
@@ -393,7 +396,7 @@ def test_a_planted_kernel_is_never_loaded(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert not mark.exists(), "the planted library ran"
     assert lib is not None and hasattr(lib, "rakv_decode_layers"), blockq.reason()
-    assert f"not loading {out}" in err and (os.stat(kdir).st_mode & 0o777) == 0o700
+    assert f"not loading {out}" in err and "no record" in err and (os.stat(kdir).st_mode & 0o777) == 0o700
     assert trust.untrusted(out) is None
     # a second plant after the build, with its hash forged into the record: the folder is private
     # now, so only this user could; still the next process checks the file against the record

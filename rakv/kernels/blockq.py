@@ -153,7 +153,7 @@ def library():
             return None
     try:
         lib = _load(out)
-    except OSError as e:
+    except (OSError, AttributeError) as e:      # AttributeError: a library without the kernel's entry points
         _Lib.reason = f"cannot load {out.name}: {e}"
         return None
     _Lib.handle, _Lib.ident = lib, ident

@@ -5,7 +5,8 @@ cache dir by anyone else, would run in the user's process. So a file of that kin
 when all of these hold:
 
 - its folder is a real directory (not a link) owned by this user and not writable by group or
-  others (``private_dir`` creates it 0700, and tightens one this user owns);
+  others (``private_dir`` creates it 0700, and tightens one this user owns, dropping every record
+  made while others could write there);
 - the file is a regular file (not a link) owned by this user, not writable by group or others;
 - its SHA-256 equals the one recorded when this program wrote it (``record``, in the folder's
   ``TRUST_FILE``).
@@ -58,6 +59,8 @@ def private_dir(folder: Path) -> Path:
         st = os.lstat(folder)
         if stat.S_ISDIR(st.st_mode) and (_uid() is None or st.st_uid == _uid()) and st.st_mode & 0o077:
             os.chmod(folder, 0o700)
+            if st.st_mode & LOOSE:          # others could write here: no record made before counts
+                (folder / TRUST_FILE).unlink(missing_ok=True)
     except OSError:
         pass
     why = dir_problem(folder)
