@@ -449,3 +449,13 @@ def test_load_json_depth():
         load_json(DEEP)
     with pytest.raises(ValueError, match="nested"):
         load_json("[" * 70 + "]" * 70)
+
+
+def test_explorer_prompt_flags_follow_the_text_rule(capsys):
+    from app.main import main as explorer
+
+    assert explorer(["--prompt", "fine", "--prompt", "a\udcff", "--autorun"]) == 2
+    assert explorer(["--measure-prompt", "\ud800"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("rakv-explorer: error: --prompt: not valid text") == 1
+    assert err.count("rakv-explorer: error: --measure-prompt: not valid text") == 1 and "Traceback" not in err
