@@ -51,7 +51,7 @@ def read_prompts(path: str) -> list[str]:
     try:
         lines = decode_file(data, str(path)).splitlines()
     except TextError as e:
-        raise CliError(str(e)) from None
+        raise CliError(f"cannot read prompts file {e}") from None
     prompts = []
     if p.suffix.lower() == ".jsonl":
         for n, line in enumerate(lines, 1):
