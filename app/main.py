@@ -115,11 +115,20 @@ attach_url.__name__ = "URL"
 
 
 def check_paths(args) -> None:
-    """The screenshot must not overwrite the recording being replayed."""
+    """The screenshot must not overwrite the recording being replayed; prompt text on the command
+    line must be valid Unicode (the one rule, rakv.text_in: refused, not replaced)."""
     from rakv import argtypes as A
+    from rakv.text_in import checked_text
 
+    for flag in ("prompt", "measure_prompt"):
+        for i, text in enumerate(_listed(getattr(args, flag, None))):
+            checked_text(text, "--" + flag.replace("_", "-"))
     if args.screenshot and args.replay:
         A.refuse_overwrite(args.screenshot, "--screenshot", {"--replay": args.replay})
+
+
+def _listed(v) -> list:
+    return [] if v is None else list(v) if isinstance(v, (list, tuple)) else [v]
 
 
 def main(argv: list[str] | None = None) -> int:

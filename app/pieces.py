@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rakv.text_in import load_json
+
 
 def sidecar(recording: str | Path) -> Path:
     p = Path(recording)
@@ -33,9 +35,9 @@ def save_pieces(recording: str | Path, tokenizer, ids) -> None:
 
 def load_pieces(recording: str | Path) -> dict[int, str]:
     try:
-        d = json.loads(sidecar(recording).read_text(encoding="utf-8"))
+        d = load_json(sidecar(recording).read_bytes())
         return {int(k): str(v) for k, v in d.items()}
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TypeError):
         return {}
 
 

@@ -6,6 +6,7 @@ Records are applied at their recorded times (idle gaps between requests are capp
 
 from __future__ import annotations
 
+import math
 import time
 
 from PySide6.QtCore import QObject, QTimer, Signal
@@ -45,6 +46,8 @@ class Replayer(QObject):
         acc, prev = 0.0, None
         for r in records:
             t = float(getattr(r, "t", 0.0) or 0.0)
+            if not math.isfinite(t):          # a damaged time (NaN, inf) would stall the play clock
+                t = prev if prev is not None else 0.0
             if prev is not None:
                 acc += min(max(0.0, t - prev), GAP_CAP)
             self.play_t.append(acc)

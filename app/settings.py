@@ -141,7 +141,16 @@ class Settings:
 
     # ------------------------------------------------------------------ window
     def geometry(self) -> tuple[QByteArray | None, QByteArray | None]:
-        return self.q.value("window/geometry"), self.q.value("window/state")
+        """The saved window geometry and dock state (None each where there is none, or a value that
+        is not one: ignored with a warning, the default layout used)."""
+        out = []
+        for key in ("window/geometry", "window/state"):
+            v = self.q.value(key)
+            if v is not None and not isinstance(v, (QByteArray, bytes, bytearray)):
+                print(f"rakv-explorer: warning: ignoring the saved setting {key} (not a saved layout)", file=sys.stderr)
+                v = None
+            out.append(v)
+        return out[0], out[1]
 
     def save_geometry(self, geometry: QByteArray, state: QByteArray) -> None:
         self.q.setValue("window/geometry", geometry)
@@ -196,12 +205,11 @@ def describe(key: str, value) -> str:
 
 def sampling_from_text(text: str):
     """The Sampling stored as JSON (None when it is not a valid one)."""
-    import json
-
     from rakv.sampling import Sampling, problem
+    from rakv.text_in import load_json
 
     try:
-        s = Sampling(**json.loads(text))
+        s = Sampling(**load_json(text))
     except (ValueError, TypeError):
         return None
     return None if problem(s) else s

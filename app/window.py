@@ -725,7 +725,8 @@ class MainWindow(QMainWindow):
         self.replay_tb.show()
         self.setWindowTitle(f"RAKV Explorer — replay {Path(path).name}")
         self.settings.add_recent_recording(str(path))
-        self.msg.setText(f"replaying {path}: {len(recs)} records")
+        self.msg.setText(f"replaying {path}: {len(recs)} records"
+                         + (f" (cut off after line {recs.lines[-1]})" if recs.warnings and recs.lines else ""))
         if play:
             self.replayer.play()
         return True

@@ -89,7 +89,9 @@ class Conversation:
     # ------------------------------------------------------------------ one turn
     def prepare(self, text: str) -> EncodedPrompt:
         """The next turn's ids for the user message ``text`` (appended where the template allows)."""
-        if not text.strip():
+        from .text_in import checked_text
+
+        if not checked_text(text, "message").strip():
             raise ValueError("empty message")
         whole = self._whole(text)
         ids, why = whole, ""

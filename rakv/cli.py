@@ -85,7 +85,10 @@ def add_run_args(g) -> None:
 
 
 def cmd_generate(args) -> int:
-    prompts = read_prompts(args.prompts_file) if args.prompts_file else list(args.prompt)
+    from .text_in import checked_text
+
+    prompts = read_prompts(args.prompts_file) if args.prompts_file else \
+        [checked_text(p, f"--prompt {i + 1}" if len(args.prompt) > 1 else "--prompt") for i, p in enumerate(args.prompt)]
     for i, p in enumerate(prompts):
         if not p.strip():
             raise CliError(f"prompt {i + 1} is empty")
@@ -304,15 +307,30 @@ def cmd_chat(args) -> int:
                         run.stream = None
                         print("\n[rakv] (Ctrl-D or /exit ends the chat)", file=sys.stderr)
         else:                               # one user turn per line
-            for line in sys.stdin:
-                if not chat_line(chat, line.rstrip("\r\n"), interactive=False):
+            for line in stdin_lines():
+                if not chat_line(chat, line, interactive=False):
                     break
     return 0
+
+
+def stdin_lines():
+    """Piped stdin's lines, read as bytes and decoded by the one rule (rakv.text_in): a line that is
+    not valid UTF-8 ends the chat with one line naming it (CliError, exit 2); the turns before it
+    were answered."""
+    from .text_in import TextError, decode_utf8
+
+    src = getattr(sys.stdin, "buffer", None)
+    for n, raw in enumerate(src if src is not None else (x.encode("utf-8", "surrogateescape") for x in sys.stdin), 1):
+        try:
+            yield decode_utf8(raw, f"stdin line {n}").rstrip("\r\n")
+        except TextError as e:
+            raise CliError(str(e)) from None
 
 
 def chat_line(chat: ChatSession, line: str, interactive: bool) -> bool:
     """One line of the chat: a command or a user turn. False: the chat ends."""
     from .engine import EngineError
+    from .text_in import text_problem
 
     cmd = line.strip()
     if not cmd:
@@ -327,6 +345,9 @@ def chat_line(chat: ChatSession, line: str, interactive: bool) -> bool:
         print(f"[rakv] {CHAT_HELP}; Ctrl-C stops an answer", file=sys.stderr)
     elif not interactive:
         chat.turn(line)                     # an error ends a piped chat: one line, exit 2
+    elif text_problem(line):                # a terminal that sent bytes that are not UTF-8
+        print(f"rakv: error: that line is not valid text: {text_problem(line)} (refused; type it again)",
+              file=sys.stderr)
     else:
         try:
             with stop_on_interrupt(chat.run.engine):

@@ -37,28 +37,40 @@ def quiet_libs() -> None:
 
 
 def read_prompts(path: str) -> list[str]:
-    """A .jsonl file: one {"prompt": ...} per line; any other file: one prompt per line."""
+    """A .jsonl file: one {"prompt": ...} per line; any other file: one prompt per line. Text that
+    is not valid Unicode is refused with its line (rakv.text_in)."""
+    from .text_in import TextError, decode_file, load_json, text_problem
+
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8-sig")     # a BOM is stripped, .txt and .jsonl alike
+        data = p.read_bytes()
     except FileNotFoundError:
         raise CliError(f"prompts file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CliError(f"cannot read prompts file {path}: {e}") from None
+    except OSError as e:
+        raise CliError(f"cannot read prompts file {path}: {e.strerror or e}") from None
+    try:
+        lines = decode_file(data, str(path)).splitlines()
+    except TextError as e:
+        raise CliError(f"cannot read prompts file {e}") from None
     prompts = []
     if p.suffix.lower() == ".jsonl":
-        for n, line in enumerate(text.splitlines(), 1):
+        for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = load_json(line)
             except json.JSONDecodeError as e:
                 raise CliError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            except ValueError as e:
+                raise CliError(f"{path}:{n}: not valid JSON ({e})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
                 raise CliError(f'{path}:{n}: expected an object like {{"prompt": "..."}}')
+            why = text_problem(obj["prompt"])
+            if why:
+                raise CliError(f"{path}:{n}: not valid text: {why} (invalid input is refused, not replaced)")
             prompts.append(obj["prompt"])
     else:
-        prompts = [line for line in text.splitlines() if line.strip()]
+        prompts = [line for line in lines if line.strip()]
     if not prompts:
         raise CliError(f"no prompts in {path}")
     return prompts

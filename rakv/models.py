@@ -376,6 +376,9 @@ def _ensure_converted(out: Path, ready, convert, what: str) -> Path:
     with file_lock(lock, on_wait=lambda: log(f"another process is converting {what}; waiting ...")):
         if ready(out):
             return out
+        why = _previous_attempt(out)
+        if why:
+            log(f"the last conversion of {what} did not finish ({why}); converting it again")
         convert(out)
     return out
 
@@ -413,8 +416,6 @@ def convert_gguf(gguf: Path, out: Path, source: dict | None = None, damaged: int
     """Dequantize ``gguf`` with transformers' GGUF loader and save it into the folder ``out`` as
     safetensors (float32) plus its tokenizer, atomically (see above). ``source``: what to record
     about the file in the marker; ``damaged``: see ``_install``."""
-    import json
-
     t0 = time.perf_counter()
     log(f"converting {gguf.name} to safetensors (one time; later runs load the converted copy) ...")
     model, tok = _load_gguf(gguf)
@@ -423,23 +424,15 @@ def convert_gguf(gguf: Path, out: Path, source: dict | None = None, damaged: int
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        del model
-        kinds: dict = {}
-        if codes:
-            from .kernels import blockq
-
-            blockq.save_codes(tmp / CODES_FILE, codes)
-            for b in codes.values():
-                kinds[b.kind] = kinds.get(b.kind, 0) + 1
-        mark = {"source": gguf.name, "bytes": gguf.stat().st_size, **(source or {}), "codes": kinds,
-                "codes_format": CODES_FORMAT,
-                "converted_s": round(time.perf_counter() - t0, 1)}
-        (tmp / CONVERTED_MARK).write_text(json.dumps(mark, indent=1), encoding="utf-8")
-        _install(tmp, out, damaged)
+        _save_converted(tmp, out, model, tok, codes, gguf, source, t0, damaged)
+    except Exception as e:  # noqa: BLE001 - a full disk (safetensors' own error type too): one line, nothing kept
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        _note_failed(out, why)
+        raise ModelError(f"cannot save the converted {gguf.name} into {out.parent}: {why}; nothing was kept, "
+                         "the next run converts it again") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _note_failed(out, None)
     log(f"{gguf.name} converted in {time.perf_counter() - t0:.1f} s")
 
 
@@ -469,6 +462,57 @@ def _refresh_codes(lm: LoadedModel, gguf: Path, folder: Path) -> None:
     if codes and (folder / CODES_FILE).is_file():
         lm.codes_file = str(folder / CODES_FILE)
         set_fast(lm, lm.fast)
+
+
+def _failed_note(out: Path) -> Path:
+    return out.parent / f".{out.name}.failed"
+
+
+def _note_failed(out: Path, why: str | None) -> None:
+    """Remember why a conversion into ``out`` failed (None: it did not), for the next run to say."""
+    note = _failed_note(out)
+    try:
+        if why is None:
+            note.unlink(missing_ok=True)
+        else:
+            note.write_text(why[:300], encoding="utf-8")
+    except OSError:                  # the disk that was full may still be: only a note
+        pass
+
+
+def _previous_attempt(out: Path) -> str:
+    """Why the last conversion into ``out`` did not finish ("" when nothing says it did not): its
+    failure note, or a ``.part`` folder a killed conversion left (removed here; called under the lock)."""
+    why = ""
+    try:
+        why = _failed_note(out).read_text(encoding="utf-8", errors="replace").strip()[:300]
+    except OSError:
+        pass
+    for part in out.parent.glob(f".{out.name}.*.part"):
+        shutil.rmtree(part, ignore_errors=True)
+        why = why or f"a conversion was cut off (its unfinished folder {part.name} was removed)"
+    return why
+
+
+def _save_converted(tmp: Path, out: Path, model, tok, codes: dict, gguf: Path, source: dict | None, t0: float,
+                    damaged: int | None) -> None:
+    """The converted folder's files into ``tmp``, its marker last, then ``tmp`` renamed to ``out``."""
+    import json
+
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    del model
+    kinds: dict = {}
+    if codes:
+        from .kernels import blockq
+
+        blockq.save_codes(tmp / CODES_FILE, codes)
+        for b in codes.values():
+            kinds[b.kind] = kinds.get(b.kind, 0) + 1
+    mark = {"source": gguf.name, "bytes": gguf.stat().st_size, **(source or {}), "codes": kinds,
+            "codes_format": CODES_FORMAT, "converted_s": round(time.perf_counter() - t0, 1)}
+    (tmp / CONVERTED_MARK).write_text(json.dumps(mark, indent=1), encoding="utf-8")
+    _install(tmp, out, damaged)
 
 
 def gguf_codes(gguf: Path, model: torch.nn.Module) -> dict:
@@ -838,8 +882,8 @@ def _tokenizer_in(folder: Path, reading: _TokenizerRead, spec: str):
 # (transformers', tokenizers' and Python's versions, the folder, the size and mtime_ns of every
 # tokenizer file) still holds and it encodes the probe texts (multi-byte ones, special tokens) to
 # the ids the freshly built tokenizer gave; otherwise, or when it cannot be read, the tokenizer is
-# built as before and pickled again. (A pickle is code: it is only read from the cache dir, which
-# already holds the compiled kernel this process loads.)
+# built as before and pickled again. A pickle is code: it is read only when rakv/kernels/trust.py
+# says this program wrote it there (a private folder, its hash as recorded), like the kernel.
 TOKENIZER_CACHE = "rakv-tokenizer.pickle"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -884,8 +928,15 @@ class _TokenizerRead:
         import pickle
         import threading
 
+        from .kernels import trust
+
         self.tok = self.head = self._file = None
         self._thread = None
+        why = trust.untrusted(folder / TOKENIZER_CACHE)     # a pickle is code: only one written here
+        if why:
+            if (folder / TOKENIZER_CACHE).exists():
+                log(f"not reading the kept tokenizer: {why}; building it again")
+            return
         try:
             self._file = open(folder / TOKENIZER_CACHE, "rb")
             head = pickle.load(self._file)
@@ -936,6 +987,9 @@ def _save_tokenizer(folder: Path, tok) -> None:
             pickle.dump(tok, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, folder / TOKENIZER_CACHE)
         tmp = None
+        from .kernels import trust
+
+        trust.record(folder / TOKENIZER_CACHE)
     except Exception:  # noqa: BLE001 - only a cache
         pass
     finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .ids import lcp
+from .text_in import checked_text
 
 # two unrelated user texts: their templated ids agree on the template's shared prefix only
 _PROBES = ("Hello.", "42 + 7 = ?")
@@ -79,7 +80,9 @@ def template_prefix(tokenizer) -> list[int]:
 
 
 def encode_prompt(tokenizer, text: str, raw: bool = False) -> EncodedPrompt:
-    """Prompt text -> the ids to feed: chat template unless ``raw`` or the tokenizer has none."""
+    """Prompt text -> the ids to feed: chat template unless ``raw`` or the tokenizer has none.
+    Text that is not valid Unicode is refused (``rakv.text_in.TextError``, a ValueError)."""
+    checked_text(text, "prompt")
     if raw or not has_chat_template(tokenizer):
         return EncodedPrompt(raw_ids(tokenizer, text), False, 0)
     ids = chat_ids(tokenizer, text)

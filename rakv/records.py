@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Iterable, Union, get_args, get_origin, get_type_hints
 
+from .text_in import TextError, decode_file, load_json
+
 SCHEMA_VERSION = 1
 
 
@@ -248,6 +250,11 @@ def from_dict(d: dict):
     for k, v in d.items():
         inner = NESTED.get(k)
         for item in (v if isinstance(v, list) else [v]) if inner else ():
+            if not isinstance(item, dict):
+                raise RecordingError(f"{d['type']} field {k!r}: expected objects, got {item!r}"[:160])
+            missing = next((f for f in NESTED_REQUIRED.get(k, ()) if f not in item), None)
+            if missing:
+                raise RecordingError(f"{d['type']} field {k!r}: an entry without {missing!r}: {item!r}"[:160])
             bad = next((f for f, t in inner.items() if f in item and not _has_type(item[f], t)), None)
             if bad:
                 raise RecordingError(f"{d['type']} field {k!r}: {bad!r} expected {_type_name(inner[bad])}, "
@@ -262,6 +269,11 @@ NESTED = {"action": _ACTION, "candidates": {**_ACTION, "predicted_ms": float | N
           "choice": _ACTION, "oracle": _ACTION,
           "actions": {**_ACTION, "predicted_ms": float | None, "feasible": bool, "runs_ms": list[float],
                       "median_ms": float, "min_ms": float, "max_ms": float}}
+
+
+# the nested fields the explorer and the CSV read without a default (every writer wrote them)
+NESTED_REQUIRED = {"candidates": ("reuse", "k", "predicted_ms", "feasible"),
+                   "actions": ("reuse", "k", "predicted_ms", "feasible", "median_ms", "min_ms", "max_ms")}
 
 
 _HINTS: dict = {}
@@ -339,27 +351,42 @@ def read_recording(path: str | os.PathLike, warn: Callable[[str], None] | None =
     """
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8-sig")
+        data = p.read_bytes()
     except FileNotFoundError:
         raise RecordingError(f"recording not found: {p}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise RecordingError(f"cannot read recording {p}: {e}") from None
+    except OSError as e:
+        raise RecordingError(f"cannot read recording {p}: {e.strerror or e}") from None
+    # a last line without its newline may be cut mid-character as well as mid-record: decoded on its own
+    head, nl, tail = data.rpartition(b"\n")
+    head, tail = (head + nl, tail) if nl else (b"", data)
+    try:
+        text = decode_file(head, str(p))
+        tail_text = tail.decode("utf-8") if tail.strip() else ""
+    except TextError as e:
+        raise RecordingError(str(e)) from None
+    except UnicodeDecodeError:
+        tail_text = None                    # cut inside a character
+    if not text and tail_text is not None and tail_text.startswith("\ufeff"):
+        tail_text = tail_text[1:]
     out = Recording(p)
     lines = text.splitlines()
-    last = max((i for i, x in enumerate(lines, 1) if x.strip()), default=0)
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
+    n_cut = len(lines) + 1 if tail.strip() else 0        # the number of an unterminated last line
+    for n, line in enumerate(lines + ([tail_text] if n_cut else []), 1):
+        if line is not None and not line.strip():
             continue
         try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            if n == last and n > 1 and not text.endswith("\n"):
-                out.warnings.append(f"{p}:{n}: the last line is cut off ({e.msg}); replaying the "
+            if line is None:
+                raise ValueError("cut inside a UTF-8 character")
+            d = load_json(line)
+        except ValueError as e:
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+            if n == n_cut and n > 1:
+                out.warnings.append(f"{p}:{n}: the last line is cut off ({msg}); replaying the "
                                     f"{len(out)} complete records before it")
                 if warn:
                     warn(out.warnings[-1])
                 break
-            raise RecordingError(f"{p}:{n}: not valid JSON ({e.msg})") from None
+            raise RecordingError(f"{p}:{n}: not valid JSON ({msg})") from None
         if not isinstance(d, dict):
             raise RecordingError(f"{p}:{n}: a record must be a JSON object")
         try:

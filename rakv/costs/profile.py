@@ -20,6 +20,7 @@ import torch
 
 from ..device import hardware_info
 from ..paths import write_atomic
+from ..text_in import load_json
 from .model import PROFILE_VERSION, CostProfile
 
 
@@ -179,6 +180,63 @@ def saved_profile(target, draft, cache: Path) -> tuple[CostProfile | None, Path]
     return prof, path
 
 
+def _counts(x) -> bool:
+    return isinstance(x, list) and all(_num(v) and v >= 0 for v in x)
+
+
+def _accept_map(x) -> str | None:
+    """The gate's per-bin counts ({} before any): {"hits": [...], "n": [...]}, numbers >= 0."""
+    if not isinstance(x, dict):
+        return "expected an object"
+    for key in ("hits", "n"):
+        if key in x and not _counts(x[key]):
+            return f"{key!r}: expected a list of finite numbers >= 0"
+    if set(x) - {"hits", "n"}:
+        return f"unknown key {sorted(set(x) - {'hits', 'n'})[0]!r}"[:120]
+    return None
+
+
+def _by_setting(x) -> str | None:
+    """Acceptance per sampling setting: {key: {"alpha0": a, "alpha_learned": a, "alpha_trials": n}}."""
+    if not isinstance(x, dict):
+        return "expected an object"
+    for key, v in x.items():
+        if not isinstance(v, dict):
+            return f"{key!r}: expected an object"[:120]
+        for name, ok in (("alpha0", _opt_frac), ("alpha_learned", _opt_frac),
+                         ("alpha_trials", lambda t: t is None or (_num(t) and t >= 0))):
+            if name in v and not ok(v[name]):
+                return f"{key!r}: {name} {v[name]!r} is out of range"[:120]
+    return None
+
+
+def _quality(x) -> str | None:
+    """The calibration's quality section, as calibrate and the explorer read it."""
+    if not isinstance(x, dict):
+        return "expected an object"
+    if "spread" in x and _mapping(x["spread"], _num, "a finite number") is not None:
+        return "'spread': expected an object of finite numbers"
+    if "cpu_share" in x and not (x["cpu_share"] is None or _num(x["cpu_share"])):
+        return "'cpu_share': expected a number"
+    if "retries" in x and not _num(x["retries"]):
+        return "'retries': expected a number"
+    if "reasons" in x and not (isinstance(x["reasons"], list) and all(isinstance(r, str) for r in x["reasons"])):
+        return "'reasons': expected a list of strings"
+    return None
+
+
+def _regime(x) -> str | None:
+    """The machine's regime figures (shown by calibrate): numbers where they are numbers."""
+    if not isinstance(x, dict):
+        return "expected an object"
+    for key in ("floor_ms", "floor5_ms", "step_ms", "step_over_floor", "d_over_t", "d2_over_d", "ctx"):
+        if x.get(key) is not None and not _num(x[key]):
+            return f"{key!r}: expected a number"
+    if "isa" in x and not (isinstance(x["isa"], list) and all(isinstance(f, str) for f in x["isa"])):
+        return "'isa': expected a list of strings"
+    return None
+
+
 FIELD_CHECKS: dict[str, Callable[[object], str | None]] = {
     "fingerprint": lambda x: None if isinstance(x, dict) else "expected an object",
     "T_pf": _curve, "D_pf": _curve, "t": _curve, "d": _curve,
@@ -196,6 +254,7 @@ FIELD_CHECKS: dict[str, Callable[[object], str | None]] = {
     "scale": lambda x: _mapping(x, lambda v: _num(v) and v > 0, "a finite number > 0"),
     "samples": lambda x: _mapping(x, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
                                   "an integer >= 0"),
+    "accept_map": _accept_map, "alpha_by_setting": _by_setting, "quality": _quality, "regime": _regime,
 }
 
 
@@ -213,7 +272,7 @@ def load_profile(path: Path) -> CostProfile | None:
     except (OSError, UnicodeDecodeError) as e:
         raise ProfileError(f"cannot read cost profile {path}: {e}") from None
     try:
-        d = json.loads(text)
+        d = load_json(text)
     except ValueError as e:
         raise ProfileError(f"cost profile {path} is not valid JSON ({e})") from None
     problem = profile_problem(d)

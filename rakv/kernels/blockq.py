@@ -132,24 +132,28 @@ def library():
         _Lib.reason = "no C compiler (cc, gcc, clang) on PATH"
         return None
     from ..filelock import file_lock
+    from . import trust
 
     ident = _ident(cc)
     out = _build_dir() / f"blockq-{ident}.so"
-    if not out.exists():
+    if trust.untrusted(out):            # loaded only as built here (rakv/kernels/trust.py)
         try:
-            with file_lock(out.with_suffix(".lock")):
-                if not out.exists():
+            with file_lock(trust.private_dir(out.parent) / f"{out.stem}.lock"):
+                if (not_ours := trust.untrusted(out)) and out.exists():
+                    print(f"[rakv] not loading {out}: {not_ours}; building it again", file=sys.stderr)
+                if not_ours:
                     print("[rakv] building the block-weight kernel (once per machine) ...", file=sys.stderr)
                     why = _build(cc, out)
                     if why:
                         _Lib.reason = why
                         return None
+                    trust.record(out)
         except OSError as e:
             _Lib.reason = f"cannot write {out.parent}: {e}"
             return None
     try:
         lib = _load(out)
-    except OSError as e:
+    except (OSError, AttributeError) as e:      # AttributeError: a library without the kernel's entry points
         _Lib.reason = f"cannot load {out.name}: {e}"
         return None
     _Lib.handle, _Lib.ident = lib, ident

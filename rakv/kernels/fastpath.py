@@ -386,13 +386,12 @@ def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, roun
     ident = "|".join([key, str(torch.get_num_threads()), torch.__version__, hardware_info()["cpu"],
                       torch.backends.cpu.get_cpu_capability()])
     path = cache / "kernels.json" if cache is not None else None
-    try:
-        known = json.loads(path.read_text()) if path is not None and path.exists() else {}
-    except (OSError, ValueError):
-        known = {}
-    if isinstance(known.get(ident), dict) and known[ident].get("kernel") in ("plain", "packed"):
-        set_one_row(model, known[ident]["kernel"])
-        return dict(known[ident], how="remembered")
+    known = remembered_kernels(path)
+    mine = known.get(ident)
+    if isinstance(mine, dict) and mine.get("kernel") in ("plain", "packed"):
+        set_one_row(model, mine["kernel"])
+        return {"kernel": mine["kernel"], "how": "remembered",
+                **{k: v for k, v in mine.items() if k.endswith("_ms") and isinstance(v, (int, float))}}
     runs = {"plain": [], "packed": []}
     for r in range(rounds):
         for kernel in (("plain", "packed") if r % 2 == 0 else ("packed", "plain")):
@@ -416,6 +415,25 @@ def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, roun
         except OSError:
             pass
     return dict(out, how="measured")
+
+
+def remembered_kernels(path: Path | None) -> dict:
+    """``kernels.json``'s choices ({} when there is none); a damaged file (not JSON, not an object,
+    nested too deeply) is ignored with one line: the choice is measured again and the file rewritten."""
+    from ..paths import log
+    from ..text_in import load_json
+
+    if path is None or not path.exists():
+        return {}
+    try:
+        known = load_json(path.read_bytes())
+        why = None if isinstance(known, dict) else f"expected a JSON object, got {type(known).__name__}"
+    except (OSError, ValueError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if why:
+        log(f"{path} is damaged ({why[:120]}): ignored, the kernel choice is measured again")
+        return {}
+    return known
 
 
 def attach_codes(model: nn.Module, key: str = "") -> dict:
