@@ -16,11 +16,21 @@ CACHE="${RAKV_CACHE:-$HOME/.cache/rakv}"
 ROOT="$CACHE/llama.cpp/$VERSION"
 BIN="$ROOT/build/bin"
 
+# AMX off unless RAKV_LLAMA_AMX=1: on a 2-core Xeon VM that reports amx_tile/amx_int8 (2026-12-06),
+# llama.cpp's AMX matmul (used for prompt eval, batches > 1) died with SIGILL on `tilezero`, while
+# llama-bench's decode-only test ran; with -march=native the compiler enables AMX wherever the CPU
+# reports it, so it is switched off explicitly (decode, the weight repacking and AVX-512 stay).
+CFLAGS_EXTRA=""
+if [ "$(uname -m)" = "x86_64" ] && [ "${RAKV_LLAMA_AMX:-0}" != "1" ]; then
+  CFLAGS_EXTRA="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
+STAMP="native;${CFLAGS_EXTRA}"
+
 have_all() {
   [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-speculative-simple" ] &&
     { [ -x "$BIN/llama-completion" ] || [ -x "$BIN/llama-cli" ]; }
 }
-if have_all; then
+if have_all && [ "$(cat "$ROOT/build/rakv-build-flags" 2>/dev/null)" = "$STAMP" ]; then
   echo "llama.cpp $VERSION already built: $BIN"
   exit 0
 fi
@@ -46,7 +56,8 @@ fi
 LC="$SRC/vendor/llama.cpp"
 echo "[build_llama_cpp] configuring $LC" >&2
 cmake -S "$LC" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >&2
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+  -DCMAKE_C_FLAGS="$CFLAGS_EXTRA" -DCMAKE_CXX_FLAGS="$CFLAGS_EXTRA" >&2
 # which completion tool this version has: llama-completion (newer) or llama-cli
 TARGETS="llama-bench llama-speculative-simple"
 # (newer llama.cpp's llama-cli is the chat client built on the server: llama-completion is the
@@ -64,4 +75,5 @@ if ! have_all; then
   exit 1
 fi
 echo "$VERSION" > "$ROOT/VERSION"
+echo "$STAMP" > "$ROOT/build/rakv-build-flags"
 echo "llama.cpp $VERSION built: $BIN"

@@ -231,7 +231,7 @@ def run_completion(tools: Tools, target: str, prompt: str, n: int, threads: int)
         os.unlink(path)
     t = parse_completion(err + "\n" + out)
     return PeerRun(text=_strip_tail(out), latency_ms=t.latency_ms, ttft_ms=t.prompt_ms, decode_tps=t.decode_tps,
-                   prompt_tokens=t.prompt_tokens, output_tokens=None, wall_ms=wall,
+                   prompt_tokens=t.prompt_tokens, output_tokens=t.eval_runs + 1, wall_ms=wall,
                    extra={"eval_runs": t.eval_runs, "eval_ms": t.eval_ms, "prompt_ms": t.prompt_ms})
 
 
@@ -256,8 +256,10 @@ def _strip_tail(out: str) -> str:
 def _spec_text(out: str, prompt: str) -> str:
     """llama-speculative-simple prints "\\n\\n", the prompt, the generated text, "\\n\\n" on stdout."""
     s = out[2:] if out.startswith("\n\n") else out
-    if s.startswith(prompt):
-        s = s[len(prompt):]
+    for p in (prompt, prompt.rstrip()):       # (the echo can lack the prompt's last newline)
+        if p and s.startswith(p):
+            s = s[len(p):]
+            break
     return s[:-2] if s.endswith("\n\n") else s
 
 
@@ -318,8 +320,6 @@ def configure(args) -> LlamaCppCli | None:
             raise ValueError("--llama-cpp-dir and --llama-cpp-draft-lengths need --peer-llama-cpp")
         return None
     lengths = parse_lengths(getattr(args, "llama_cpp_draft_lengths", None))
-    if getattr(args, "tiny", False):
-        raise ValueError("--peer-llama-cpp needs real GGUF models, not --tiny")
     tools = find_tools(getattr(args, "llama_cpp_dir", None))
     target = gguf_of(args.target)
     if target is None:
