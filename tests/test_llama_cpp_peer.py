@@ -167,7 +167,7 @@ def test_the_bench_interleaves_llama_cpp_with_our_policies(tmp_path):
     rows = list(csv.DictReader(open(out / "executions.csv", encoding="utf-8")))
     assert {r["policy"] for r in rows} == {"ar", "spec:2", "llama.cpp:ar", "llama.cpp:spec:2"}
     lc = [r for r in rows if r["policy"].startswith("llama.cpp:")]
-    assert all(r["match"] == "-1" and r["text_match"] in ("0", "1") for r in lc)
+    assert all(r["match"] == "-1" and r["text_match"] in ("0", "1") and r["cpu_share"] == "" for r in lc)
     ar = next(r for r in lc if r["policy"] == "llama.cpp:ar")
     assert float(ar["latency_ms"]) == pytest.approx(4095.98 + 26149.31) and float(ar["ttft_ms"]) == 4095.98
     assert ar["output_tokens"] == "24" and ar["peer_prompt_tokens"] == "58"

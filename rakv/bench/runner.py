@@ -373,6 +373,8 @@ def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, ce
         # the main thread's CPU time over wall time: ~1 on a quiet machine (it computes or spins
         # through every forward); lower when another process took the CPU during this execution
         row["cpu_share"] = round(min(1.0, (cpu_clock() - c0) / wall), 3) if wall > 0 else ""
+        if slot.arm.peer and is_llama_arm(slot.arm.name):
+            row["cpu_share"] = ""          # another process computes: this thread's share says nothing
         base = dict(rep=rep, cell=cell, index=req.index, workload=req.workload, kind=req.kind,
                     context_id=req.context_id, bucket=req.bucket, gen=req.gen, prompt_tokens=len(req.ids),
                     policy=slot.arm.name, order=pos, turn=req.turn, **turn_columns(req))
