@@ -55,6 +55,8 @@ class LoadedModel:
     blockq: dict = field(default_factory=dict)    # exact block-coded weights in use (rakv.kernels.blockq.attach)
     codes_file: str = ""             # codes read from the model's GGUF at conversion (offered to blockq.attach)
     numerics: str = "fp32"           # the linears' arithmetic: "fp32" or "q8" (``set_numerics``)
+    slim: bool = False               # loaded from a slim converted GGUF: its coded linears' fp32 weights are made
+                                     # from the codes only when fp32 arithmetic needs them (``_materialize``)
 
     @property
     def config(self):
@@ -118,7 +120,7 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 
 def wrap(model: torch.nn.Module, tokenizer=None, name: str = "model", revision: str | None = None,
-         fast: bool | None = None, codes_file: str = "", numerics: str = "fp32") -> LoadedModel:
+         fast: bool | None = None, codes_file: str = "", numerics: str = "fp32", slim: bool = False) -> LoadedModel:
     """Wrap an in-memory model (tests build tiny random ones from a config).
 
     ``fast``: put the model on the packed oneDNN forward path (``rakv.kernels.fastpath``) where it applies;
@@ -132,6 +134,7 @@ def wrap(model: torch.nn.Module, tokenizer=None, name: str = "model", revision: 
         max_positions=_max_positions(model.config), eos_ids=_eos_ids(model, tokenizer), codes_file=codes_file,
     )
     lm.numerics = "q8" if numerics in ("q8", "auto-q8") else "fp32"
+    lm.slim = slim
     try:
         return set_fast(lm, fast)
     except ModelError as e:
@@ -150,6 +153,8 @@ def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
     from .kernels import fastpath, lean
 
     on = fastpath.default_enabled() if fast is None else bool(fast)
+    if lm.slim and not (on and lm.numerics == "q8"):
+        _materialize(lm)                    # fp32 arithmetic: the weights the codes stand for
     info = fastpath.set_fast(lm.model, on)
     lm.fast = bool(info["fast"])
     lm.fast_reason = "" if lm.fast or not on else info["reason"]
@@ -252,7 +257,7 @@ def _attach_codes(lm: LoadedModel) -> dict:
 
     offered = blockq.load_codes(Path(lm.codes_file)) if lm.codes_file else {}
     return blockq.attach([(n, m) for n, m in lm.model.named_modules() if isinstance(m, FastLinear)],
-                         lm.key, {n: b for n, b in offered.items() if b is not None})
+                         lm.key, {n: b for n, b in offered.items() if b is not None}, trusted=lm.slim)
 
 
 def attach_lean(lm: LoadedModel, on: bool = True, like: LoadedModel | None = None) -> None:
@@ -284,6 +289,7 @@ def attach_lean(lm: LoadedModel, on: bool = True, like: LoadedModel | None = Non
 CONVERTED_MARK = "rakv-converted.json"
 CODES_FILE = "rakv-codes.safetensors"      # the GGUF's own block codes of the linears that they rebuild
 CODES_FORMAT = 2       # 2: with Q4_K / Q6_K's own integer scales (blockq.BlockWeight.isc); older copies are refreshed
+SLIM_FILE = "rakv-rest.safetensors"    # a slim copy's tensors that no codes hold (embeddings, norms, biases)
 HASH_CHUNK = 8 << 20
 
 
@@ -500,18 +506,25 @@ def _save_converted(tmp: Path, out: Path, model, tok, codes: dict, gguf: Path, s
     """The converted folder's files into ``tmp``, its marker last, then ``tmp`` renamed to ``out``."""
     import json
 
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    del model
     kinds: dict = {}
-    if codes:
+    if codes:                   # slim: the codes stand for their linears' weights, the rest as tensors
+        from safetensors.torch import save_file
+
         from .kernels import blockq
 
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        save_file(_slim_state(model, codes), str(tmp / SLIM_FILE), metadata={"format": "pt"})
         blockq.save_codes(tmp / CODES_FILE, codes)
         for b in codes.values():
             kinds[b.kind] = kinds.get(b.kind, 0) + 1
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    del model
     mark = {"source": gguf.name, "bytes": gguf.stat().st_size, **(source or {}), "codes": kinds,
-            "codes_format": CODES_FORMAT, "converted_s": round(time.perf_counter() - t0, 1)}
+            "codes_format": CODES_FORMAT, "slim": bool(codes), "converted_s": round(time.perf_counter() - t0, 1)}
     (tmp / CONVERTED_MARK).write_text(json.dumps(mark, indent=1), encoding="utf-8")
     _install(tmp, out, damaged)
 
@@ -581,6 +594,111 @@ def gguf_codes(gguf: Path, model: torch.nn.Module) -> dict:
     return out
 
 
+def _slim_state(model: torch.nn.Module, codes: dict) -> dict:
+    """The tensors of ``model``'s state that its codes do not hold: every one but the weights of
+    coded linears (a weight shared with an uncoded module, a tied embedding, is kept), each once."""
+    users: dict[int, set] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for pname, p in m.named_parameters(recurse=False):
+            users.setdefault(id(p), set()).add((mname, pname))
+    out: dict = {}
+    kept: set = set()
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) in kept:
+            continue                                      # tied: one copy (the loader ties again)
+        if users.get(id(t)) and all(p == "weight" and m in codes for m, p in users[id(t)]):
+            continue                                      # the codes rebuild it bit for bit
+        kept.add(id(t))
+        out[key] = t.detach().contiguous()
+    return out
+
+
+def _slim_folder(folder: Path) -> bool:
+    return (folder / SLIM_FILE).is_file() and (folder / CODES_FILE).is_file()
+
+
+def _from_slim(folder: Path, spec: str, weights: bool):
+    """The model of a slim converted folder: the architecture from its config (no weights
+    initialized), its tensors, and each coded linear's weight made from its codes (``weights``) or
+    left as a one-element placeholder that q8 arithmetic never reads (``_materialize`` fills it)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    from .kernels import blockq
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        rest = load_file(str(folder / SLIM_FILE))
+    except Exception as e:  # noqa: BLE001 - transformers / safetensors raise many kinds
+        raise ModelError(f"cannot load model {spec!r}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    codes = {n: b for n, b in blockq.load_codes(folder / CODES_FILE).items() if b is not None}
+    if not codes:
+        raise ModelError(f"cannot load model {spec!r}: its codes file {CODES_FILE} is missing or damaged")
+    missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
+    model.tie_weights()
+    have = {k for k, _ in model.named_parameters(remove_duplicate=False)}
+    tied_to_rest = {k for k in missing if k in have and any(
+        model.get_parameter(k) is model.get_parameter(r) for r in rest if r in have)}
+    for name, b in codes.items():
+        try:
+            m = model.get_submodule(name)
+        except AttributeError:
+            raise ModelError(f"cannot load model {spec!r}: its codes name a layer {name} it does not have") from None
+        if f"{name}.weight" in tied_to_rest:
+            continue
+        _set_weight(m, b, weights)
+    left = sorted(k for k in missing if k not in tied_to_rest and k.rsplit(".", 1)[0] not in codes
+                  and k in model.state_dict())
+    if left or unexpected:
+        raise ModelError(f"cannot load model {spec!r}: its slim copy "
+                         f"{'lacks ' + left[0] if left else 'has an unknown tensor ' + sorted(unexpected)[0]}")
+    model.eval()
+    return model
+
+
+def _set_weight(m: torch.nn.Module, b, real: bool) -> None:
+    """``m``'s weight from its codes ``b`` (real: dequantized, bit for bit the weight they were
+    read for), else a placeholder of its shape backed by one float."""
+    shape = tuple(m.weight.shape)
+    if real:
+        w = b.dequantize().to(m.weight.device)                      # [N, K]
+        w = w if shape == (b.N, b.K) else w.t().contiguous()         # GPT-2's Conv1D stores [K, N]
+    else:
+        w = torch.zeros((), dtype=torch.float32, device=m.weight.device).expand(shape)
+    m.weight = torch.nn.Parameter(w, requires_grad=False)
+
+
+def placeholder(t: torch.Tensor) -> bool:
+    """A weight left unmade by a slim load (all strides 0): q8 arithmetic runs its codes instead."""
+    return t.dim() > 0 and t.numel() > 1 and all(st == 0 for st in t.stride())
+
+
+def _materialize(lm: LoadedModel) -> None:
+    """Every placeholder weight of ``lm`` made from its codes (fp32 arithmetic, another device, an
+    int8 copy need the weights themselves); a no-op once done."""
+    if not lm.slim:
+        return
+    from .kernels import blockq
+
+    todo = [(n, m) for n, m in lm.model.named_modules()
+            if isinstance(getattr(m, "weight", None), torch.Tensor) and placeholder(m.weight)]
+    if todo:
+        t0 = time.perf_counter()
+        codes = blockq.load_codes(Path(lm.codes_file)) if lm.codes_file else {}
+        for name, m in todo:
+            b = codes.get(name) or getattr(m, "block", None)
+            if b is None:
+                raise ModelError(f"{lm.name}: no codes for layer {name} to make its weights from")
+            _set_weight(m, b, True)
+            if hasattr(m, "repack"):
+                m.repack()
+        log(f"{lm.name}: fp32 weights made from the codes of {len(todo)} layers in {time.perf_counter() - t0:.1f} s")
+    lm.slim = False
+
+
 def ensure_gguf(gguf: Path, damaged: int | None = None) -> tuple[Path, str]:
     """The converted copy of ``gguf`` (converting it the first time) and the file's content hash.
     ``damaged``: the inode of a converted folder that failed to load: converted again, unless
@@ -631,7 +749,7 @@ def _find_demo_gguf(dest: Path) -> Path:
 
 
 def _demo_ready(out: Path) -> bool:
-    return (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    return ((out / "model.safetensors").exists() or _slim_folder(out)) and (out / "tokenizer.json").exists()
 
 
 def ensure_demo() -> Path:
@@ -806,12 +924,13 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
         else:
             src, name, rev = spec, spec, revision or "main"
     def load() -> LoadedModel:
-        model, tok = _from_pretrained(src, torch_dtype, revision, spec, converted=converted)
+        slim = converted and _slim_folder(Path(src)) and _slim_q8(device, torch_dtype, spec, numerics, fast)
+        model, tok = _from_pretrained(src, torch_dtype, revision, spec, converted=converted, slim_q8=slim)
         model = model.to(device)
         register(device)
         reading = tok if isinstance(tok, _TokenizerRead) else None
         lm = wrap(model, None if reading else tok, name=name, revision=rev, fast=fast, codes_file=codes,
-                  numerics=_wrap_numerics(spec, numerics))
+                  numerics=_wrap_numerics(spec, numerics), slim=slim)
         if reading:                 # a kept tokenizer, restored while the fast path was set up
             lm.tokenizer = _tokenizer_in(Path(src), reading, spec)
             lm.eos_ids = _eos_ids(model, lm.tokenizer)
@@ -843,21 +962,39 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
     return lm
 
 
-def _from_pretrained(src: str, torch_dtype, revision: str | None, spec: str, converted: bool = False):
+def _slim_q8(device, torch_dtype, spec: str, numerics: str, fast: bool | None) -> bool:
+    """A slim copy may keep its coded linears unmade: q8 arithmetic (on the CPU's fast path, in
+    float32) runs their codes and never reads their weights."""
+    from .kernels import fastpath
+
+    on = fastpath.default_enabled() if fast is None else bool(fast)
+    return (torch.device(device).type == "cpu" and torch_dtype == torch.float32 and on
+            and resolve_numerics(spec, numerics) == "q8")
+
+
+def _from_pretrained(src: str, torch_dtype, revision: str | None, spec: str, converted: bool = False,
+                     slim_q8: bool = False):
     """The model and tokenizer of a local folder or hub id. ``converted``: ``src`` is a folder this
     loader made in the cache dir (a converted GGUF or the demo): its tokenizer is kept there ready
     built (``load_tokenizer``); when that is being read, the tokenizer returned is the
-    ``_TokenizerRead`` (``_tokenizer_in`` finishes it)."""
+    ``_TokenizerRead`` (``_tokenizer_in`` finishes it). A slim converted folder (``_from_slim``)
+    has its coded linears' weights made from the codes unless ``slim_q8``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         reading = _TokenizerRead(Path(src)) if converted else None      # read while the model loads
-        model, info = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, revision=revision,
-                                                           output_loading_info=True)
+        if converted and _slim_folder(Path(src)):
+            model = _from_slim(Path(src), spec, weights=not slim_q8).to(torch_dtype)
+            info = {}
+        else:
+            model, info = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, revision=revision,
+                                                               output_loading_info=True)
         if reading is not None and reading.head is not None:
             tok = reading
         else:
             tok = load_tokenizer(Path(src), reading) if converted else AutoTokenizer.from_pretrained(src, revision=revision)
+    except ModelError:
+        raise
     except OSError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         hint = "" if Path(src).exists() else f" (and there is no local folder named {spec!r})"
@@ -1082,8 +1219,12 @@ def _quantized(target: LoadedModel) -> torch.nn.Module:
 
     from .kernels import fastpath
 
+    unmade = {name: mod.block for name, mod in target.model.named_modules()      # a slim target's
+              if isinstance(getattr(mod, "weight", None), torch.Tensor) and placeholder(mod.weight)}
     with fastpath.plain_copies():
         m = copy.deepcopy(target.model).float()
+    for name, b in unmade.items():                  # ... weights made in the copy from their codes
+        _set_weight(m.get_submodule(name), b, True)
     _conv1d_to_linear(m)
     if target.lean:                       # the lean forward runs fused q|k|v and gate|up (int8 too)
         from .kernels import lean

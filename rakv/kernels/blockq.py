@@ -722,13 +722,15 @@ def save_codes(path: Path, codes: dict[str, BlockWeight | None]) -> None:
     _save_cached(Path(path), codes)
 
 
-def attach(fls: list, key: str = "", offered: dict | None = None) -> dict:
+def attach(fls: list, key: str = "", offered: dict | None = None, trusted: bool = False) -> dict:
     """Give every fast-path linear in ``fls`` ([(name, FastLinear)], ``fastpath.attach_codes``)
     whose weight is block-coded its codes (``.block``), taken from the cache dir when a saved copy
     still rebuilds the weight exactly, else from ``offered`` (codes by layer name, e.g. read from
     the model's GGUF) when they do, else found and saved. Returns what it did: ``{"layers":
     coded, "of": linears, "bytes": codes' size, "fp32_bytes": those weights in fp32, "kinds":
-    {...}, "reason": why none}``."""
+    {...}, "reason": why none}``. ``trusted``: the offered codes ARE the weights (a slim converted
+    GGUF, whose coded linears keep no fp32 weights to check them against, see models._materialize):
+    taken as they are."""
     for _, m in fls:
         if m._weight_version() != m._version:      # changed in place since packed: pack it as it is now
             m.repack()
@@ -752,6 +754,8 @@ def attach(fls: list, key: str = "", offered: dict | None = None) -> dict:
         w = _matrix(m)
         if id(m.weight) in seen:
             b = seen[id(m.weight)]
+        elif trusted and (offered or {}).get(name) is not None:
+            b = offered[name]
         else:
             b = saved.get(name, _MISSING)
             good = b is not _MISSING and (b is None or b.rebuilds(w))
