@@ -15,7 +15,8 @@ special tokens (its prompt token count is recorded next to ours: ``peer_prompt_t
 max new tokens, same thread count (torch's), ``-c 4096``. Times are llama.cpp's own, read from its
 log (model loading excluded, as ours excludes it): ``llama.cpp:ar`` latency = prompt eval + eval,
 TTFT = prompt eval; ``llama.cpp:spec:N`` latency = encoded + decoded time (no TTFT: the tool does
-not report one). Its output text is tokenized with the target's tokenizer for ``output_tokens``
+not report one), output tokens = its ``n_predict`` (it stops once past N, so it can pass N by up to a
+round's accepted drafts: compare rates, not latencies). Its output text is tokenized with the target's tokenizer for ``output_tokens``
 where the tool gives no count, and compared with ``ar``'s text (``text_match``; ``match`` is -1,
 not compared: another program's arithmetic).
 
