@@ -61,6 +61,13 @@ def test_the_prompt_eval_line_is_not_taken_for_eval():
     assert (t.prompt_ms, t.eval_ms, t.eval_runs) == (10.0, 20.0, 3)
 
 
+def test_texts_agree_as_far_as_the_shorter_goes():
+    from rakv.bench.runner import same_text
+
+    assert same_text("def f():\n    return 1\n", "def f():\n    return 1") and same_text("abc", "abcd")
+    assert not same_text("abx", "abcd") and not same_text("", "a") and same_text(" ", "")
+
+
 def test_speculative_text_drops_the_echoed_prompt():
     assert L._spec_text("\n\nPROMPT and the answer\n\n", "PROMPT") == " and the answer"
 

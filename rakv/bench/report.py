@@ -434,7 +434,7 @@ def llama_cpp_md(rows: list[dict], out: Path | None = None) -> str:
             "thread count. tok/s: output tokens / (prompt + decode time), llama.cpp's own timings (model loading "
             "excluded on both sides); decode tok/s: the tokens after the first over the time after it (llama.cpp: "
             "its eval / decoded lines); acceptance: accepted / drafted; prompt: median prompt tokens as each side "
-            "tokenized it; same text: share of requests where llama.cpp's text equals our ar's. Ratios: paired "
+            "tokenized it; same text: share of requests where llama.cpp's text and our ar's agree as far as the shorter goes. Ratios: paired "
             "medians of llama.cpp's tokens/s over ours (> 1: llama.cpp faster).\n\n"
             + md_table(["policy", "side", "n", "tok/s", "decode tok/s", "acceptance", "prompt", "same text",
                         "/ our ar", "/ our counterpart", "/ our fastest"], body))

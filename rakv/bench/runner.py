@@ -252,6 +252,15 @@ def run_llama_slot(slot: Slot, req: Request, ctx: "BenchContext") -> tuple[dict,
     return row, []
 
 
+def same_text(theirs: str, ours: str) -> bool:
+    """Do two outputs agree as far as the shorter goes? (llama-speculative-simple can run past N, and
+    either side may stop at an end of generation first.)"""
+    a, b = (theirs or "").strip(), (ours or "").strip()
+    if not a or not b:
+        return a == b
+    return a.startswith(b) or b.startswith(a)
+
+
 def turn_columns(req: Request) -> dict:
     """A conversation turn's ids: how they were built, the conversation before, how much of it they keep."""
     c = getattr(req.prompt, "conversation", None)
@@ -393,7 +402,7 @@ def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, ce
         if is_llama_arm(r["policy"]):      # another program's arithmetic: its text is compared, not counted
             if ref_text is None:
                 ref_text = ctx.target.tokenizer.decode(ref, skip_special_tokens=True).strip()
-            r["match"], r["text_match"] = NOT_COMPARED, int(r.get("_text", "").strip() == ref_text)
+            r["match"], r["text_match"] = NOT_COMPARED, int(same_text(r.get("_text", ""), ref_text))
     rows.sort(key=lambda r: [s.arm.name for s in slots].index(r["policy"]))
     return rows, cands
 
