@@ -544,9 +544,11 @@ def gguf_codes(gguf: Path, model: torch.nn.Module) -> dict:
         return {}
     from .kernels.fastpath import FastLinear
 
+    # the linears, and the token table (a plain nn.Embedding: its rows are a linear's, [V, H] = [N, K])
     layers = {n: (blockq._matrix(m) if isinstance(m, FastLinear) else m.weight.detach())
               for n, m in model.named_modules()
-              if isinstance(m, (torch.nn.Linear, FastLinear)) and m.weight.dtype == torch.float32}
+              if (isinstance(m, (torch.nn.Linear, FastLinear)) or type(m) is torch.nn.Embedding)
+              and m.weight.dtype == torch.float32}
     keys: dict[int, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(0)
 
@@ -587,9 +589,12 @@ def gguf_codes(gguf: Path, model: torch.nn.Module) -> dict:
             c = b if order == list(range(N)) else b.rows(order)
             if c.rebuilds(layers[name]):
                 out[name] = c
+    tables = {n for n, m in model.named_modules() if type(m) is torch.nn.Embedding}
+    lin = [n for n in out if n not in tables]
     if out:
-        log(f"{len(out)} of {len(layers)} linear layers keep the GGUF's codes "
-            f"({', '.join(sorted({b.kind for b in out.values()}))})")
+        log(f"{len(lin)} of {len(set(layers) - tables)} linear layers keep the GGUF's codes "
+            f"({', '.join(sorted({b.kind for b in out.values()}))})"
+            + (", and the token table" if set(out) & tables else ""))
     return out
 
 
@@ -648,7 +653,12 @@ def _from_slim(folder: Path, spec: str, weights: bool):
             raise ModelError(f"cannot load model {spec!r}: its codes name a layer {name} it does not have") from None
         if f"{name}.weight" in tied_to_rest:
             continue
+        if type(m) is torch.nn.Embedding:                  # rows looked up from the codes while unmade
+            m.__class__ = blockq.CodedEmbedding
+            m.block = b
         _set_weight(m, b, weights)
+    if weights and getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()                                # made twice from one code: one tensor again
     left = sorted(k for k in missing if k not in tied_to_rest and k.rsplit(".", 1)[0] not in codes
                   and k in model.state_dict())
     if left or unexpected:
@@ -692,6 +702,9 @@ def _materialize(lm: LoadedModel) -> None:
             if b is None:
                 raise ModelError(f"{lm.name}: no codes for layer {name} to make its weights from")
             _set_weight(m, b, True)
+        if getattr(lm.model.config, "tie_word_embeddings", False):
+            lm.model.tie_weights()
+        for _, m in todo:
             if hasattr(m, "repack"):
                 m.repack()
         log(f"{lm.name}: fp32 weights made from the codes of {len(todo)} layers in {time.perf_counter() - t0:.1f} s")

@@ -666,14 +666,22 @@ def _load_cached(path: Path) -> dict[str, BlockWeight | None]:
     except Exception:  # noqa: BLE001 - a missing or damaged cache is made again
         return {}
     out: dict[str, BlockWeight | None] = {}
+    aliases = {}
     for name, spec in meta.items():
         if spec == "none":
             out[name] = None
+            continue
+        if spec.startswith("alias:"):                 # a weight shared by two modules: saved once
+            aliases[name] = spec[6:]
             continue
         kind, N, K = spec.split(":")
         out[name] = BlockWeight(kind, int(N), int(K), tensors[f"{name}.qs"], tensors[f"{name}.d"],
                                 tensors.get(f"{name}.m"), "fp32",
                                 **{k: tensors.get(f"{name}.{k}") for k in ("isc", "imn", "dg", "mg")})
+    for name, of in aliases.items():
+        if of not in out:
+            return {}                                 # damaged: made again
+        out[name] = out[of]
     return out
 
 
@@ -681,10 +689,15 @@ def _save_cached(path: Path, codes: dict[str, BlockWeight | None]) -> None:
     from safetensors.torch import save_file
 
     tensors, meta = {}, {}
+    first: dict[int, str] = {}
     for name, b in codes.items():
         if b is None:
             meta[name] = "none"
             continue
+        if id(b) in first:
+            meta[name] = f"alias:{first[id(b)]}"
+            continue
+        first[id(b)] = name
         meta[name] = f"{b.kind}:{b.N}:{b.K}"
         tensors[f"{name}.qs"], tensors[f"{name}.d"] = b.qs, b.d
         if b.m is not None:
@@ -778,6 +791,25 @@ def attach(fls: list, key: str = "", offered: dict | None = None, trusted: bool 
     if path is not None and fresh and info["layers"]:
         _save_cached(path, codes)
     return info
+
+
+class CodedEmbedding(torch.nn.Embedding):
+    """An embedding table held as block codes (``block``; a slim load's, see models._from_slim):
+    while its weight is unmade (a placeholder) a lookup dequantizes just the rows asked for, the same
+    values F.embedding would read from the made table."""
+
+    block: BlockWeight | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lookup(ids)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> [..., H] float32."""
+        w = self.weight
+        if self.block is None or not (w.numel() > 1 and all(st == 0 for st in w.stride())):
+            return torch.nn.functional.embedding(ids, w)
+        flat = ids.reshape(-1).to(device="cpu", dtype=torch.long)
+        return self.block.rows(flat).dequantize().to(w.device).reshape(*ids.shape, self.block.K)
 
 
 def concat(blocks: list) -> BlockWeight | None:

@@ -678,7 +678,8 @@ class LeanLlama:
         n = ids.shape[1]
         past = cache.get_seq_length()
         self._sync(weights_may_change(past))
-        x = F.embedding(ids, self.embed.weight)                      # [1, n, H]
+        lookup = getattr(self.embed, "lookup", None)                 # a coded table (blockq.CodedEmbedding)
+        x = lookup(ids) if lookup is not None else F.embedding(ids, self.embed.weight)   # [1, n, H]
         if self.embed_scale is not None:                             # Gemma: times sqrt(hidden), as HF
             x = x * self.embed_scale.to(x.dtype)
         ropes = {t: r.at(past, n) for t, r in self.ropes.items()}   # [n, 1, R] (broadcast over heads)
