@@ -643,9 +643,9 @@ def _from_slim(folder: Path, spec: str, weights: bool):
         raise ModelError(f"cannot load model {spec!r}: its codes file {CODES_FILE} is missing or damaged")
     missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
     model.tie_weights()
-    have = {k for k, _ in model.named_parameters(remove_duplicate=False)}
-    tied_to_rest = {k for k in missing if k in have and any(
-        model.get_parameter(k) is model.get_parameter(r) for r in rest if r in have)}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    from_rest = {id(params[r]) for r in rest if r in params}
+    tied_to_rest = {k for k in missing if k in params and id(params[k]) in from_rest}
     for name, b in codes.items():
         try:
             m = model.get_submodule(name)

@@ -104,3 +104,27 @@ def test_a_slim_folder_without_its_codes_is_converted_again(kquant, capsys):
     lm = M.load_model(str(kquant), fast=True, numerics="q8")
     assert "converting it again" in capsys.readouterr().err
     assert lm.slim and lm.blockq["layers"] == 15
+
+
+@kernel
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quant_codes_are_saved_without_fp32_scales_and_make_the_same_ones(qtype, tmp_path):
+    from rakv.kernels import blockq
+
+    from .test_gguf_codes import _raw
+
+    N, K = 64, 512
+    raw, w = _raw(qtype, N, K)
+    b = blockq.from_gguf(raw, qtype, N, K)
+    assert b.compact and b.d is not None and torch.equal(b.dequantize(), w)
+    blockq.save_codes(tmp_path / "c.safetensors", {"w": b, "tied": b})
+    got = blockq.load_codes(tmp_path / "c.safetensors")
+    assert got["tied"] is got["w"]                                   # one copy of a shared weight
+    c = got["w"]
+    assert c.d is None and c.m is None and c.nbytes < b.nbytes
+    x = torch.randn(3, K)
+    assert torch.equal(c.with_numerics("q8")(x), b.with_numerics("q8")(x))     # q8 never needs them
+    assert c.d is None
+    assert torch.equal(c(x), b(x))                                   # fp32 arithmetic makes them ...
+    assert torch.equal(c.d, b.d) and torch.equal(c.m, b.m)           # ... the very floats from_gguf made
+    assert torch.equal(c.rows([5, 1]).dequantize(), b.dequantize()[[5, 1]])

@@ -181,7 +181,11 @@ class _Fused(nn.Module):
             if all(c is not None for c in blocks):  # codes: no fp32 copy of the stacked weights
                 # stacked when of one kind; else (a Q4_K_M file's Q4_K q, k and Q6_K v) each its own
                 self._modules.pop("lin", None)
-                self.lin, self.version = _Coded(self.mods, blockq.concat(blocks), b), self._versions()
+                fused = blockq.concat(blocks)
+                if fused is not None:          # the parts' codes become views of the stack (one copy)
+                    for m, part in zip(self.mods, blockq.parts_of(fused, [c.N for c in blocks])):
+                        m.block = part
+                self.lin, self.version = _Coded(self.mods, fused, b), self._versions()
                 return
             w = torch.cat([m.weight.detach() for m in self.mods], 0)
             lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
