@@ -620,10 +620,11 @@ def _kquant_scales(b, qtype: str, N: int, K: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- attention
-def attend_ok(k: torch.Tensor, v: torch.Tensor, n: int, Hq: int, Hk: int, D: int) -> bool:
+def attend_ok(k: torch.Tensor, v: torch.Tensor, n: int, Hq: int, Hk: int, D: int, any_rows: bool = False) -> bool:
     """Whether ``attend`` takes this step: a float32 cache of batch 1 with rows of D contiguous
-    values (the lean forward's growing buffer, or a prefill's own KV), at most ATTEND_ROWS new rows."""
-    return (n <= ATTEND_ROWS and D % 16 == 0 and Hq % Hk == 0 and k.dtype == torch.float32
+    values (the lean forward's growing buffer, or a prefill's own KV), at most ATTEND_ROWS new rows
+    (``any_rows``: any number, as q8 numerics run every forward)."""
+    return ((any_rows or n <= ATTEND_ROWS) and D % 16 == 0 and Hq % Hk == 0 and k.dtype == torch.float32
             and k.device.type == "cpu" and k.shape[0] == 1 and v.shape[0] == 1
             and k.stride(-1) == 1 and v.stride(-1) == 1 and k.stride(-2) == D and v.stride(-2) == D
             and library() is not None and env_enabled())
