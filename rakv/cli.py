@@ -96,6 +96,7 @@ def cmd_generate(args) -> int:
         for prompt in prompts:
             end = run.engine.generate(prompt)
             run.report(end)
+        run.remeasure_if_quiet()
     return 0
 
 
@@ -142,7 +143,7 @@ class Session:
         self.recorder = None
         self.profile = None
         target, draft = load_pair(args, self.config)
-        k_max = max(max(self.config.k_set), self.policy.k, 1)
+        k_max = self.k_max = max(max(self.config.k_set), self.policy.k, 1)
         if self.policy.adaptive or args.recalibrate:
             self.profile = get_profile(target, draft, k_max, force=args.recalibrate, sampling=self.config.sampling)
         from .engine import Engine
@@ -163,6 +164,20 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def remeasure_if_quiet(self) -> None:
+        """After the run's requests: a profile flagged contended is measured again now if the machine
+        is quiet (announced, Ctrl-C skips; the next run uses it), never before the first token."""
+        if self.profile is None or not self.profile.contended:
+            return
+        from .costs.calibration import remeasure_if_quiet, text_progress
+        from .paths import cache_dir, log
+
+        save_learned(self.profile)       # what this run learned stays, whatever comes next
+        new = remeasure_if_quiet(self.profile, self.engine.target, self.engine.draft, cache_dir(), self.k_max,
+                                 progress=text_progress(), log=log)
+        if new is not None:
+            self.profile = None          # saved already; the old one's learning must not overwrite it
 
     def close(self) -> None:
         if self.recorder:
@@ -310,6 +325,7 @@ def cmd_chat(args) -> int:
             for line in stdin_lines():
                 if not chat_line(chat, line, interactive=False):
                     break
+        run.remeasure_if_quiet()
     return 0
 
 

@@ -1,0 +1,85 @@
+"""A user's first hour (issue 44): one calibration, quick and shared; the int8 draft cached; --json
+counts that agree; a notice for a model without a chat template; defaults. Tiny models, no timing
+asserts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from rakv import costs as C
+from rakv import meter as M
+from rakv.drafts import ModelDraft
+from tests.tiny import make_pair
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, draft = make_pair("llama", "mostly")
+    return target, ModelDraft(draft)
+
+
+def test_profile_key_names_numerics_and_threads(pair, monkeypatch):
+    target, draft = pair
+    fp = C.pair_fingerprint(target, draft)
+    other = copy.copy(target)
+    other.numerics = "q8" if fp["numerics"] == "fp32" else "fp32"
+    fp2 = C.pair_fingerprint(other, draft)
+    assert fp["numerics"] != fp2["numerics"] and C.fingerprint_id(fp) != C.fingerprint_id(fp2)
+    import torch
+
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(n + 1)
+        assert C.pair_fingerprint(target, draft)["threads"] == n + 1
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_calibration_says_its_estimate_and_times_its_phases(pair, tmp_path, capsys):
+    target, draft = pair
+    lines = []
+    prof, fresh = C.load_or_calibrate(target, draft, tmp_path, k_max=2, log=lines.append)
+    assert fresh and any(m.startswith("calibrating: about ") and m.split()[2].isdigit() for m in lines)
+    q = prof.quality
+    assert q["estimate_s"] > 0 and {"warm-up", "target curves", "verify ratios", "acceptance"} <= set(q["phases_s"])
+    # what the cost model needs is all there: t and T_pf by length, V(k) for every k, d, medians
+    assert len(prof.t) >= 2 and len(prof.T_pf) >= 2 and prof.d and {"1", "2"} <= set(prof.V)
+    # loaded again (same machine, pair, numerics, threads): no calibration
+    assert C.load_or_calibrate(target, draft, tmp_path, k_max=2, log=lines.append)[1] is False
+
+
+def test_estimate_counts_the_grid():
+    from rakv.costs.calibration import GRID, estimate_s
+
+    g = dict(GRID["full"], keys=list(range(9)) + [12, 16])
+    q = dict(GRID["quick"], keys=list(range(9)) + [12, 16])
+    # the demo pair's quiet figures (2-core VM): step ~14 ms, prefill ~1 ms a token
+    full = estimate_s(g, 14.0, 1.0)
+    assert estimate_s(q, 14.0, 1.0) < full < 20
+    assert estimate_s(g, 14.0, 1.0, 7.0, True) > full
+
+
+def test_contended_profile_is_used_at_once_without_a_probe(pair, tmp_path, monkeypatch):
+    target, draft = pair
+    prof, _ = C.load_or_calibrate(target, draft, tmp_path, k_max=2, quick=True)
+    prof.quality = dict(prof.quality, contended=True, reasons=["test"])
+    C.save_profile(prof, C.profile_path(tmp_path, prof.fingerprint))
+    monkeypatch.setenv("RAKV_CONTENTION_CHECK", "1")
+    probes = []
+    monkeypatch.setattr("rakv.costs.calibration.quiet_probe", lambda t: probes.append(1) or M.Timing([1], [1]))
+    lines = []
+    again, fresh = C.load_or_calibrate(target, draft, tmp_path, k_max=2, log=lines.append)
+    assert not fresh and again.contended and not probes
+    assert len(lines) == 1 and "busy machine" in lines[0]
+
+
+def test_explorer_uses_the_cli_thread_count_by_default():
+    import inspect
+
+    import app.main as main
+
+    src = inspect.getsource(main)
+    assert "cpu_count() or 2) - 1" not in src          # no explorer-only thread count
+    assert "if args.threads:" in src
