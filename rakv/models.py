@@ -1064,12 +1064,30 @@ def int8_copy(target: LoadedModel, lazy: bool = False) -> LoadedModel:
     return lm
 
 
-def _quantized(target: LoadedModel) -> torch.nn.Module:
-    """The int8 draft's module: a float32 copy of the target, quantized in place."""
-    import copy
-    import warnings
+INT8_CACHE_VERSION = 1
 
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+def int8_cache_path(target: LoadedModel) -> Path | None:
+    """Where the int8 draft of ``target`` is cached: ``models/int8/<digest>.pt`` in the cache dir,
+    the digest of the target's weights (its weights_hash and key), the torch version and the layout
+    (fused for the lean forward). None where there is no cache dir to write."""
+    try:
+        from .paths import cache_dir
+
+        root = cache_dir()
+    except OSError:
+        return None
+    h = hashlib.blake2b(digest_size=10)
+    for part in (weights_hash(target.model), target.key, torch.__version__, f"lean={bool(target.lean)}",
+                 f"v{INT8_CACHE_VERSION}"):
+        h.update(part.encode() + b"|")
+    return root / "models" / "int8" / f"{h.hexdigest()}.pt"
+
+
+def _float_copy(target: LoadedModel) -> torch.nn.Module:
+    """A float32 copy of the target in the int8 draft's layout (Conv1D as Linear; fused q|k|v and
+    gate|up for the lean forward), not yet quantized."""
+    import copy
 
     from .kernels import fastpath
 
@@ -1080,6 +1098,77 @@ def _quantized(target: LoadedModel) -> torch.nn.Module:
         from .kernels import lean
 
         lean.fuse_for_quantization(m)
+    return m
+
+
+def _quantized(target: LoadedModel) -> torch.nn.Module:
+    """The int8 draft's module: loaded from the cache (``int8_cache_path``) when a copy is there,
+    else a float32 copy of the target quantized in place and cached (written atomically) for the
+    next run."""
+    path = int8_cache_path(target)
+    if path is not None and path.exists():
+        try:
+            return _load_int8(target, path)
+        except Exception as e:  # noqa: BLE001 - a bad cache file is made again, never a failed run
+            log(f"the cached int8 draft {path} is unusable ({type(e).__name__}: {e}); quantizing again")
+    q = _quantize(target)
+    if path is not None:
+        try:
+            _save_int8(q, path)
+        except (OSError, RuntimeError) as e:
+            log(f"cannot cache the int8 draft at {path} ({e}); it is made again next run")
+    return q
+
+
+def _save_int8(q: torch.nn.Module, path: Path) -> None:
+    """The quantized state dict, atomically (a temp file in the same dir, then os.replace)."""
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(q.state_dict(), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _load_int8(target: LoadedModel, path: Path) -> torch.nn.Module:
+    """The int8 draft from its cached state dict: the float copy's every Linear swapped for an empty
+    dynamic int8 Linear (what quantize_dynamic makes), then the saved weights loaded strictly
+    (``weights_only``: tensors, no code)."""
+    import warnings
+
+    import torch.ao.nn.quantized.dynamic as nnqd
+
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        m = _float_copy(target)
+        for mod in list(m.modules()):
+            for name, child in list(mod.named_children()):
+                if type(child) is torch.nn.Linear:
+                    setattr(mod, name, nnqd.Linear(child.in_features, child.out_features,
+                                                   bias_=child.bias is not None, dtype=torch.qint8))
+        m.load_state_dict(sd, strict=True)
+    m.eval()
+    log(f"int8 draft loaded from the cache in {time.perf_counter() - t0:.1f} s ({path.name})")
+    return m
+
+
+def _quantize(target: LoadedModel) -> torch.nn.Module:
+    """A float32 copy of the target, quantized in place (per-channel dynamic int8 Linears)."""
+    import warnings
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    m = _float_copy(target)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # in place: m is already our own copy (quantize_dynamic would deep-copy it once more)

@@ -83,3 +83,37 @@ def test_explorer_uses_the_cli_thread_count_by_default():
     src = inspect.getsource(main)
     assert "cpu_count() or 2) - 1" not in src          # no explorer-only thread count
     assert "if args.threads:" in src
+
+
+# ----------------------------------------------------------------------------- the int8 draft, cached
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_int8_draft_is_cached_and_loads_identical(arch, tmp_path, monkeypatch, capsys):
+    import torch
+
+    from rakv import decoding as dec
+    from rakv import models
+
+    monkeypatch.setenv("RAKV_CACHE", str(tmp_path))
+    target, _ = make_pair(arch, "identical")
+    path = models.int8_cache_path(target)
+    assert path is not None and path.parent == tmp_path / "models" / "int8" and not path.exists()
+    q1 = models.int8_copy(target)
+    assert path.exists() and not list(path.parent.glob(".*.tmp"))          # written atomically
+
+    def no_quantizing(_t):
+        raise AssertionError("quantized again although the cache holds it")
+
+    real = models._quantize
+    monkeypatch.setattr(models, "_quantize", no_quantizing)
+    q2 = models.int8_copy(target)
+    assert "loaded from the cache" in capsys.readouterr().err
+    ids = list(range(30, 50))
+    l1 = dec.prefill(q1.model, ids, dec.DynamicCache())
+    l2 = dec.prefill(q2.model, ids, dec.DynamicCache())
+    assert torch.equal(l1, l2)
+    # a damaged cache file is made again, not a failed run
+    monkeypatch.setattr(models, "_quantize", real)
+    path.write_bytes(b"not a state dict")
+    q3 = models.int8_copy(target)
+    assert "unusable" in capsys.readouterr().err
+    assert torch.equal(dec.prefill(q3.model, ids, dec.DynamicCache()), l1)
