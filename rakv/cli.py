@@ -139,6 +139,7 @@ class Session:
         self.last_decision: dict = {}
         self.starts: dict = {}
         self.gated: dict[int, list[dict]] = {}
+        self.copies: dict[int, list[int]] = {}    # request -> [copied, copies accepted]
         self.stream = None
         self.recorder = None
         self.profile = None
@@ -199,6 +200,10 @@ class Session:
             if self.stream_text:
                 self.stream = TextStream(self.engine.target.tokenizer)
         elif isinstance(rec, Round):
+            if rec.draft_source == "lookup":         # n-gram copies a gate verified in a k = 0 round
+                c = self.copies.setdefault(rec.request_id, [0, 0])
+                c[0] += rec.drafted
+                c[1] += rec.accepted
             if self.stream is not None:
                 write_out(self.stream.push(rec.emitted))
             if rec.draft_stop:
@@ -212,6 +217,7 @@ class Session:
         """generate's --json object of one request."""
         dec = self.last_decision.get(end.request_id)
         start = self.starts.get(end.request_id)
+        copied, copies_accepted = self.copies.pop(end.request_id, (0, 0))
         return {
             "request_id": end.request_id, "prompt_tokens": end.prompt_tokens,
             "output_ids": end.output_ids, "text": end.text, "hit_tokens": end.hit_tokens,
@@ -220,7 +226,11 @@ class Session:
                             "feasible": c["feasible"], **({"reason": c["reason"]} if c.get("reason") else {})}
                            for c in (dec.candidates if dec else [])],
             "latency_ms": end.latency_ms, "ttft_ms": end.ttft_ms, "tokens_per_s": end.tokens_per_s,
-            "drafted": end.drafted, "accepted": end.accepted, "rounds": end.rounds,
+            # drafted / accepted: the draft's own rounds; copied / copies_accepted: n-gram tokens the
+            # gate verified in k = 0 rounds (the gate entries count both); the totals add them up
+            "drafted": end.drafted, "accepted": end.accepted, "copied": copied, "copies_accepted": copies_accepted,
+            "drafted_total": end.drafted + copied, "accepted_total": end.accepted + copies_accepted,
+            "rounds": end.rounds,
             "alpha_ewma": end.alpha_ewma, "alpha_star": dec.alpha_star if dec else {},
             "predicted_ms": end.predicted_ms, "stopped": end.stopped, "policy": self.policy.name,
             "numerics": self.engine.target.numerics,

@@ -117,3 +117,39 @@ def test_int8_draft_is_cached_and_loads_identical(arch, tmp_path, monkeypatch, c
     q3 = models.int8_copy(target)
     assert "unusable" in capsys.readouterr().err
     assert torch.equal(dec.prefill(q3.model, ids, dec.DynamicCache()), l1)
+
+
+# ----------------------------------------------------------------------------- --json counts agree
+def _session_for_counts():
+    from types import SimpleNamespace
+
+    from rakv.cli import Session
+
+    s = object.__new__(Session)
+    s.args = SimpleNamespace(json=True)
+    s.on_record, s.recorder, s.stream, s.stream_text = None, None, None, False
+    s.last_decision, s.starts, s.gated, s.copies = {}, {}, {}, {}
+    s.policy = SimpleNamespace(name="adaptive:gate")
+    s.engine = SimpleNamespace(target=SimpleNamespace(numerics="fp32"))
+    return s
+
+
+def test_json_counts_agree_with_the_gate_entries():
+    from rakv.records import RequestEnd, Round
+
+    s = _session_for_counts()
+    rounds = [Round(request_id=0, index=1, kind="ar", k=0, drafted=5, accepted=3, draft_stop="source",
+                    draft_source="lookup"),                                   # copies in a k = 0 round
+              Round(request_id=0, index=2, kind="spec", k=4, drafted=4, accepted=2, draft_stop="gate"),
+              Round(request_id=0, index=3, kind="ar", k=0, drafted=6, accepted=2, draft_stop="k_max",
+                    draft_source="lookup")]
+    for r in rounds:
+        s.callback(r)
+    end = RequestEnd(request_id=0, drafted=4, accepted=2, action={"reuse": 1, "k": 0})
+    o = s.request_json(end)
+    assert (o["drafted"], o["accepted"], o["copied"], o["copies_accepted"]) == (4, 2, 11, 5)
+    assert o["drafted_total"] == sum(g["drafted"] for g in o["gate"]) == 15
+    assert o["accepted_total"] == sum(g["accepted"] for g in o["gate"]) == 7
+    # the next request starts from zero
+    o2 = s.request_json(RequestEnd(request_id=1, action={"reuse": 0, "k": 0}))
+    assert (o2["copied"], o2["drafted_total"], o2["accepted_total"]) == (0, 0, 0) and "gate" not in o2
