@@ -164,8 +164,12 @@ class Worker(QObject):
                 self.recording = self.sessions / time.strftime(f"session-%Y%m%d-%H%M%S-{n}.jsonl")
             self.recorder = Recorder(self.recording)
         # "loaded" first: the GUI starts a fresh session state, which then receives the header
+        from rakv.prompts import template_notice
+
         self.loaded.emit({"target": target.name, "draft": getattr(draft, "name", "none"),
                           "numerics": getattr(target, "numerics", "fp32"),
+                          "notice": template_notice(target.tokenizer, c.chat_template, target.name).replace(
+                              "pass --raw", "tick raw prompt"),
                           "recording": str(self.recording) if self.recording else ""})
         self.engine.header()
 

@@ -144,6 +144,11 @@ class Session:
         self.recorder = None
         self.profile = None
         target, draft = load_pair(args, self.config)
+        from .prompts import template_notice
+
+        notice = template_notice(target.tokenizer, self.config.chat_template, target.name)
+        if notice:
+            print(f"[rakv] {notice}", file=sys.stderr, flush=True)
         k_max = self.k_max = max(max(self.config.k_set), self.policy.k, 1)
         if self.policy.adaptive or args.recalibrate:
             self.profile = get_profile(target, draft, k_max, force=args.recalibrate, sampling=self.config.sampling)

@@ -153,3 +153,38 @@ def test_json_counts_agree_with_the_gate_entries():
     # the next request starts from zero
     o2 = s.request_json(RequestEnd(request_id=1, action={"reuse": 0, "k": 0}))
     assert (o2["copied"], o2["drafted_total"], o2["accepted_total"]) == (0, 0, 0) and "gate" not in o2
+
+
+# ----------------------------------------------------------------------------- no chat template
+def test_no_chat_template_gives_one_notice(tmp_path, capsys):
+    from rakv.cli import main
+    from rakv.prompts import template_notice
+    from tests.tiny import save_tiny, tiny_tokenizer
+
+    assert "no chat template" in template_notice(tiny_tokenizer(), True, "m")
+    assert template_notice(tiny_tokenizer(), False) == "" and template_notice(tiny_tokenizer(chat=True)) == ""
+    save_tiny(tmp_path / "base", "llama")
+    save_tiny(tmp_path / "chat", "llama", chat=True)
+    for name, want in (("base", 1), ("chat", 0)):
+        assert main(["generate", "--target", str(tmp_path / name), "--draft", "ngram", "--policy", "ar",
+                     "--max-new-tokens", "3", "--prompt", "hello there", "--json"]) == 0
+        err = capsys.readouterr().err
+        assert err.count("has no chat template") == want, err
+    assert main(["generate", "--target", str(tmp_path / "base"), "--draft", "none", "--policy", "ar", "--raw",
+                 "--max-new-tokens", "3", "--prompt", "hello there"]) == 0
+    assert "no chat template" not in capsys.readouterr().err          # --raw asked for raw text
+
+
+def test_explorer_status_says_no_chat_template(qtbot, tmp_path):
+    from app.window import MainWindow
+    from tests.tiny import save_tiny
+
+    save_tiny(tmp_path / "base", "llama")
+    win = MainWindow()
+    qtbot.addWidget(win)
+    seen = []
+    win.worker.loaded.connect(lambda info: seen.append(info))
+    win.worker.load_models(str(tmp_path / "base"), "ngram", 2)
+    qtbot.waitUntil(lambda: bool(seen), timeout=60000)
+    assert "no chat template" in seen[0]["notice"] and "tick raw prompt" in seen[0]["notice"]
+    qtbot.waitUntil(lambda: "no chat template" in win.msg.text(), timeout=10000)
