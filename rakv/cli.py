@@ -270,6 +270,7 @@ def write_out(text: str) -> None:
 
 
 # ----------------------------------------------------------------------------- chat
+CHAT_MAX_NEW_TOKENS = 256     # chat's default (generate keeps 64): a code answer finishes
 CHAT_HELP = "/reset starts a new conversation, /stats shows each turn's reuse and timing, /exit (or Ctrl-D) ends"
 
 
@@ -278,6 +279,7 @@ def add_chat_parser(sub) -> None:
                         description="A multi-turn chat. On a terminal: a prompt with history; " + CHAT_HELP +
                                     "; Ctrl-C stops the answer. Otherwise one user turn per stdin line.")
     add_run_args(ch)
+    ch.set_defaults(max_new_tokens=CHAT_MAX_NEW_TOKENS)      # an answer (code included) gets room to finish
 
 
 class ChatSession:

@@ -188,3 +188,27 @@ def test_explorer_status_says_no_chat_template(qtbot, tmp_path):
     qtbot.waitUntil(lambda: bool(seen), timeout=60000)
     assert "no chat template" in seen[0]["notice"] and "tick raw prompt" in seen[0]["notice"]
     qtbot.waitUntil(lambda: "no chat template" in win.msg.text(), timeout=10000)
+
+
+# ----------------------------------------------------------------------------- defaults
+def test_chat_default_is_256_tokens_and_generate_keeps_64():
+    from rakv.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["chat"]).max_new_tokens == 256
+    assert p.parse_args(["generate", "--prompt", "x"]).max_new_tokens == 64
+    from app.settings import Settings
+
+    assert Settings.DEFAULTS["run/max_new_tokens"] == 256
+
+
+def test_bench_quick_runs_a_small_plan(capsys):
+    from rakv.bench import QUICK_POLICIES, build_parser
+
+    assert "a few minutes" in build_parser().format_help()
+    from rakv.bench.runner import default_arm_names
+
+    class D:
+        name = "int8"
+    names = [n for n in default_arm_names([0, 2, 4], True, D()) if n in QUICK_POLICIES]
+    assert "ar" in names and "adaptive:request" in names and len(names) <= len(QUICK_POLICIES)
