@@ -1139,24 +1139,48 @@ def _save_int8(q: torch.nn.Module, path: Path) -> None:
 
 
 def _load_int8(target: LoadedModel, path: Path) -> torch.nn.Module:
-    """The int8 draft from its cached state dict: the float copy's every Linear swapped for an empty
-    dynamic int8 Linear (what quantize_dynamic makes), then the saved weights loaded strictly
-    (``weights_only``: tensors, no code)."""
+    """The int8 draft from its cached state dict, without a float copy of the weights: the target
+    copied with every linear's weight and bias on the meta device (no memory, no time), each linear
+    then an empty dynamic int8 Linear (what quantize_dynamic makes), and the saved tensors loaded
+    strictly and assigned (``weights_only``: tensors, no code)."""
+    import copy
     import warnings
 
     import torch.ao.nn.quantized.dynamic as nnqd
+
+    from .kernels import fastpath
 
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sd = torch.load(path, map_location="cpu", weights_only=True)
-        m = _float_copy(target)
+        with fastpath.plain_copies():
+            memo: dict = {}
+            for mod in target.model.modules():
+                if type(mod).__name__ in ("Linear", "FastLinear", "Conv1D"):
+                    for p in (getattr(mod, "weight", None), getattr(mod, "bias", None)):
+                        if isinstance(p, torch.Tensor) and id(p) not in memo:
+                            memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+            m = copy.deepcopy(target.model, memo)
+        for mod in list(m.modules()):
+            for name, child in list(mod.named_children()):
+                if type(child).__name__ == "Conv1D":          # GPT-2: W [in, out], as _conv1d_to_linear
+                    w = child.weight
+                    with torch.device("meta"):
+                        setattr(mod, name, torch.nn.Linear(w.shape[0], w.shape[1], bias=child.bias is not None))
+        m.float()
+        if target.lean:
+            from .kernels import lean
+
+            lean.fuse_for_quantization(m)
         for mod in list(m.modules()):
             for name, child in list(mod.named_children()):
                 if type(child) is torch.nn.Linear:
                     setattr(mod, name, nnqd.Linear(child.in_features, child.out_features,
                                                    bias_=child.bias is not None, dtype=torch.qint8))
-        m.load_state_dict(sd, strict=True)
+        m.load_state_dict(sd, strict=True, assign=True)
+    if any(p.is_meta for p in m.parameters()) or any(b.is_meta for b in m.buffers()):
+        raise ValueError("the cached state dict left weights unset")
     m.eval()
     log(f"int8 draft loaded from the cache in {time.perf_counter() - t0:.1f} s ({path.name})")
     return m
