@@ -365,7 +365,7 @@ def test_bad_stored_settings_fall_back_with_a_warning(tmp_path, capsys):
     s.sync()
     s = Settings(ini)
     assert s.get("run/policy") == "adaptive" and s.get("controls/granularity") == "round"
-    assert s.get("run/max_new_tokens") == 64 and s.get("controls/k_set") == "0,1,2,4,6,8"
+    assert s.get("run/max_new_tokens") == Settings.DEFAULTS["run/max_new_tokens"] == 256 and s.get("controls/k_set") == "0,1,2,4,6,8"
     assert s.get("controls/budget_mib") == 512
     err = capsys.readouterr().err
     assert "run/policy='bogus'" in err and "warning" in err
