@@ -106,7 +106,9 @@ def test_int8_draft_is_cached_and_loads_identical(arch, tmp_path, monkeypatch, c
     real = models._quantize
     monkeypatch.setattr(models, "_quantize", no_quantizing)
     q2 = models.int8_copy(target)
-    assert "loaded from the cache" in capsys.readouterr().err
+    assert getattr(q2.model, "_rakv_int8_cached", "") == path.name
+    lazy = models.int8_copy(target, lazy=True)
+    assert lazy.model is not None and "int8 draft loaded from the cache" in capsys.readouterr().err
     ids = list(range(30, 50))
     l1 = dec.prefill(q1.model, ids, dec.DynamicCache())
     l2 = dec.prefill(q2.model, ids, dec.DynamicCache())
