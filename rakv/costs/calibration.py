@@ -126,12 +126,14 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     steps = len(pf_ns) * (2 if dmodel is not None else 1) + len(ctxs) * (2 if dmodel is not None else 1) + 1 + 2
     done = 0
     phases: dict[str, float] = {}
-    t_phase = [now()]
+    phases_cpu: dict[str, float] = {}          # main-thread CPU seconds: ~ the wall time a quiet machine takes
+    t_phase = [now(), cpu_clock()]
 
     def phase(name: str):
-        t = now()
+        t, c = now(), cpu_clock()
         phases[name] = round(phases.get(name, 0.0) + t - t_phase[0], 2)
-        t_phase[0] = t
+        phases_cpu[name] = round(phases_cpu.get(name, 0.0) + c - t_phase[1], 2)
+        t_phase[0], t_phase[1] = t, c
 
     def tick(what: str):
         nonlocal done
@@ -217,6 +219,7 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     prof.calibration_s = now() - t_start
     prof.quality["estimate_s"] = round(est, 1)
     prof.quality["phases_s"] = phases
+    prof.quality["phases_cpu_s"] = phases_cpu
     prof.calibrated_at = time.strftime("%Y-%m-%dT%H:%M:%S")
     return prof
 
