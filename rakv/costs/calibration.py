@@ -52,11 +52,13 @@ def calibration_ids(tokenizer, n: int, vocab: int) -> list[int]:
 
 
 # The calibration's grid: few points and repeats, chosen so the demo pair calibrates in ~10-20 s
-# on a quiet 2-core machine. What the cost model needs stays: prefill and step curves in length
-# (3 points each: piecewise-linear, checked to rise), V(k) for every k up to k_max, d, medians of
-# repeats with a spread check (a noisy term is measured again, rakv/meter.py).
+# on a quiet 2-core machine. Prefill tokens dominate its time (under q8 numerics a prefill row
+# costs about a decode step), so lengths stay short and the curves extrapolate linearly past them
+# (online refinement corrects the prefill's scale). What the cost model needs stays: prefill in
+# length (3 points) and the step by context (2), checked to rise; V(k) for every k up to k_max; d;
+# medians of repeats with a spread check (a noisy term is measured again, rakv/meter.py).
 GRID = {
-    "full": {"reps": 3, "pf_ns": [8, 64, 256], "ctxs": [16, 128, 384], "n_steps": 8, "v_reps": 5,
+    "full": {"reps": 3, "pf_ns": [8, 32, 128], "ctxs": [16, 128], "n_steps": 8, "v_reps": 4,
              "alpha_rounds": 6, "regime_reps": 3},
     "quick": {"reps": 2, "pf_ns": [8, 32, 128], "ctxs": [16, 128], "n_steps": 5, "v_reps": 3,
               "alpha_rounds": 4, "regime_reps": 2},
@@ -77,13 +79,13 @@ def estimate_s(g: dict, step_ms: float, token_ms: float, draft_ms: float = 0.0, 
     """Seconds the calibration of grid ``g`` should take, from one target step (``step_ms``), the
     prefill cost per token (``token_ms``) and one draft step (``draft_ms``), timed just before.
     Counts every forward it runs; a margin for Python, re-measuring and the regime figures."""
-    pf_tok = (g["reps"] + 1) * sum(g["pf_ns"]) + sum(g["ctxs"]) + max(g["ctxs"]) + 3 * 64 + 128
+    pf_tok = g["reps"] * sum(g["pf_ns"]) + g["pf_ns"][0] + sum(g["ctxs"]) + max(g["ctxs"]) + 3 * 64 + 128
     steps = len(g["ctxs"]) * g["n_steps"] + 4 * g["regime_reps"] + 8
     keys = g["keys"]
     verify = (g["v_reps"] + 1) * sum(step_ms * (1 + 0.08 * k) for k in keys)
     drafts = 0.0
     if has_dmodel:
-        pf_tok_d = (g["reps"] + 1) * sum(g["pf_ns"]) + sum(g["ctxs"]) + max(g["ctxs"]) + 3 * 64
+        pf_tok_d = g["reps"] * sum(g["pf_ns"]) + g["pf_ns"][0] + sum(g["ctxs"]) + max(g["ctxs"]) + 3 * 64
         drafts = (pf_tok_d * token_ms * draft_ms / max(step_ms, 1e-9)
                   + (len(g["ctxs"]) * g["n_steps"] + (g["v_reps"] + 1) * sum(k for k in keys if k <= 8)
                      + 3 * g["alpha_rounds"] * 4) * draft_ms)
@@ -95,14 +97,14 @@ def estimate_s(g: dict, step_ms: float, token_ms: float, draft_ms: float = 0.0, 
 def _quick_timings(model, dmodel, ids) -> tuple[float, float, float]:
     """(target step ms at a short context, target prefill ms per token, draft step ms): the figures
     the up-front estimate scales from (a few forwards, after the warm-up)."""
-    def step_ms(m):
+    def step_ms(m):      # the fastest of a few (a first call can pay one-time costs)
         cache = dec.DynamicCache()
         dec.prefill(m, ids[:16], cache)
         dec.decode_one(m, ids[16], cache)
-        return time_reps(lambda: (dec.decode_one(m, ids[17], cache), dec.rollback(cache, 1)), 3).value
+        return min(time_reps(lambda: (dec.decode_one(m, ids[17], cache), dec.rollback(cache, 1)), 4).ms)
 
     t = step_ms(model)
-    p = time_reps(lambda: dec.prefill(model, ids[:32], dec.DynamicCache()), 1).value / 32
+    p = min(time_reps(lambda: dec.prefill(model, ids[:32], dec.DynamicCache()), 2).ms) / 32
     d = step_ms(dmodel) if dmodel is not None else 0.0
     return t, p, d
 
@@ -146,7 +148,8 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
             dec.prefill(model, ids[:n], dec.DynamicCache())
 
         def timing():
-            run()   # warm-up, excluded
+            if n == pf_ns[0]:
+                run()   # warm-up of the curve, excluded (later lengths run warm)
             return time_reps(run, reps)
         return meter.measure(f"{name}@{n}", timing).value
 
