@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--screenshot", metavar="PNG", help="save the window after the run / replay")
     ap.add_argument("--exit-after-run", action="store_true", help="quit after the run / replay (and screenshot)")
     ap.add_argument("--threads", type=A.threads,
-                    help=f"torch threads, 1 to {A.max_threads()} (default: cores - 1, at least 1)")
+                    help=f"torch threads, 1 to {A.max_threads()} (default: torch's choice, as the CLI: one cost profile for both)")
     ap.add_argument("--size", default=None, type=window_size, help="window size WxH (e.g. 1500x940)")
     add_device_args(ap)
     return ap
@@ -211,9 +211,10 @@ def run_main(argv: list[str], splash) -> int:
     quiet_libs()
     import torch
 
-    # leave a core to the GUI thread; a shorter GIL switch interval keeps the event loop responsive
-    threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
-    torch.set_num_threads(threads)
+    # the CLI's thread count (torch's default) unless told, so both share one cost profile; a shorter
+    # GIL switch interval keeps the event loop responsive
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sys.setswitchinterval(0.002)
     splash_say(splash, app, "building the window ...")
     from app.window import MainWindow

@@ -61,7 +61,7 @@ class Settings:
         "models/draft": "int8",
         "run/prompt": DEFAULT_PROMPT,
         "run/policy": "adaptive",
-        "run/max_new_tokens": 64,
+        "run/max_new_tokens": 256,            # lets a code answer finish (issue 44)
         "run/raw": False,                 # True: prompts go in as they are (no chat template)
         "run/conversation": False,        # True: each Run is the next turn of one conversation
         "controls/budget_mib": 512,

@@ -597,9 +597,10 @@ class MainWindow(QMainWindow):
             self.state = self.live
             self.tokens.pieces = self.live_pieces
         rec = info.get("recording") or "(not recorded)"
+        notice = info.get("notice") or ""
         self.run_panel.set_loaded(f"loaded {info['target']} + {info['draft']} ({info.get('numerics', 'fp32')} numerics)"
-                                  f"\nrecording to {Path(rec).name}")
-        self.msg.setText(f"models loaded · recording {rec}")
+                                  f"\nrecording to {Path(rec).name}" + (f"\n{notice}" if notice else ""))
+        self.msg.setText(notice or f"models loaded · recording {rec}")
         if not self.preloaded:
             t, d = self.loaded_pair or ("", "")
             for role, spec in (("target", t), ("draft", d)):

@@ -19,6 +19,7 @@ Thread-safety of the live controls:
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import traceback
@@ -90,7 +91,7 @@ class Worker(QObject):
             settle_heap(collect=False)        # (collections run on the GUI thread: app.gcguard)
             self.busy.emit("cost profile (calibrating once for this machine and pair) ...")
             prof, _ = load_or_calibrate(t, d, cache_dir(), k_max=max(1, k_max),
-                                        progress=lambda f, w: self.progress.emit(f, w))
+                                        progress=lambda f, w: self.progress.emit(f, w), log=self._say)
             self._install(t, d, prof, (target, draft))
             self._persist = True              # learning goes back to the user's profile
         except Exception as e:  # noqa: BLE001 - any failure becomes a dialog
@@ -98,6 +99,11 @@ class Worker(QObject):
             self._fail(f"cannot load models: {e}", e)
         finally:
             self.busy.emit("")
+
+    def _say(self, msg: str) -> None:
+        """A calibration's line (its estimate, a contended profile's note): stderr and the status bar."""
+        print(f"[rakv] {msg}", file=sys.stderr, flush=True)
+        self.busy.emit(msg)
 
     @Slot(bool)
     def recalibrate(self, quick: bool = False) -> None:
@@ -114,7 +120,7 @@ class Worker(QObject):
             self.busy.emit("recalibrating costs ...")
             k_max = max((8, *self.controls.k_set))
             prof, _ = load_or_calibrate(self.target, self.draft, cache_dir(), k_max=k_max, force=True, quick=quick,
-                                        progress=lambda f, w: self.progress.emit(f, w))
+                                        progress=lambda f, w: self.progress.emit(f, w), log=self._say)
             persist = self._persist
             self._install(self.target, self.draft, prof, self.pair)
             self._persist = persist
@@ -158,8 +164,12 @@ class Worker(QObject):
                 self.recording = self.sessions / time.strftime(f"session-%Y%m%d-%H%M%S-{n}.jsonl")
             self.recorder = Recorder(self.recording)
         # "loaded" first: the GUI starts a fresh session state, which then receives the header
+        from rakv.prompts import template_notice
+
         self.loaded.emit({"target": target.name, "draft": getattr(draft, "name", "none"),
                           "numerics": getattr(target, "numerics", "fp32"),
+                          "notice": template_notice(target.tokenizer, c.chat_template, target.name).replace(
+                              "pass --raw", "tick raw prompt"),
                           "recording": str(self.recording) if self.recording else ""})
         self.engine.header()
 

@@ -96,6 +96,7 @@ def cmd_generate(args) -> int:
         for prompt in prompts:
             end = run.engine.generate(prompt)
             run.report(end)
+        run.remeasure_if_quiet()
     return 0
 
 
@@ -138,11 +139,17 @@ class Session:
         self.last_decision: dict = {}
         self.starts: dict = {}
         self.gated: dict[int, list[dict]] = {}
+        self.copies: dict[int, list[int]] = {}    # request -> [copied, copies accepted]
         self.stream = None
         self.recorder = None
         self.profile = None
         target, draft = load_pair(args, self.config)
-        k_max = max(max(self.config.k_set), self.policy.k, 1)
+        from .prompts import template_notice
+
+        notice = template_notice(target.tokenizer, self.config.chat_template, target.name)
+        if notice:
+            print(f"[rakv] {notice}", file=sys.stderr, flush=True)
+        k_max = self.k_max = max(max(self.config.k_set), self.policy.k, 1)
         if self.policy.adaptive or args.recalibrate:
             self.profile = get_profile(target, draft, k_max, force=args.recalibrate, sampling=self.config.sampling)
         from .engine import Engine
@@ -164,6 +171,20 @@ class Session:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def remeasure_if_quiet(self) -> None:
+        """After the run's requests: a profile flagged contended is measured again now if the machine
+        is quiet (announced, Ctrl-C skips; the next run uses it), never before the first token."""
+        if self.profile is None or not self.profile.contended:
+            return
+        from .costs.calibration import remeasure_if_quiet, text_progress
+        from .paths import cache_dir, log
+
+        save_learned(self.profile)       # what this run learned stays, whatever comes next
+        new = remeasure_if_quiet(self.profile, self.engine.target, self.engine.draft, cache_dir(), self.k_max,
+                                 progress=text_progress(), log=log)
+        if new is not None:
+            self.profile = None          # saved already; the old one's learning must not overwrite it
+
     def close(self) -> None:
         if self.recorder:
             self.recorder.close()
@@ -184,6 +205,10 @@ class Session:
             if self.stream_text:
                 self.stream = TextStream(self.engine.target.tokenizer)
         elif isinstance(rec, Round):
+            if rec.draft_source == "lookup":         # n-gram copies a gate verified in a k = 0 round
+                c = self.copies.setdefault(rec.request_id, [0, 0])
+                c[0] += rec.drafted
+                c[1] += rec.accepted
             if self.stream is not None:
                 write_out(self.stream.push(rec.emitted))
             if rec.draft_stop:
@@ -197,6 +222,7 @@ class Session:
         """generate's --json object of one request."""
         dec = self.last_decision.get(end.request_id)
         start = self.starts.get(end.request_id)
+        copied, copies_accepted = self.copies.pop(end.request_id, (0, 0))
         return {
             "request_id": end.request_id, "prompt_tokens": end.prompt_tokens,
             "output_ids": end.output_ids, "text": end.text, "hit_tokens": end.hit_tokens,
@@ -205,7 +231,11 @@ class Session:
                             "feasible": c["feasible"], **({"reason": c["reason"]} if c.get("reason") else {})}
                            for c in (dec.candidates if dec else [])],
             "latency_ms": end.latency_ms, "ttft_ms": end.ttft_ms, "tokens_per_s": end.tokens_per_s,
-            "drafted": end.drafted, "accepted": end.accepted, "rounds": end.rounds,
+            # drafted / accepted: the draft's own rounds; copied / copies_accepted: n-gram tokens the
+            # gate verified in k = 0 rounds (the gate entries count both); the totals add them up
+            "drafted": end.drafted, "accepted": end.accepted, "copied": copied, "copies_accepted": copies_accepted,
+            "drafted_total": end.drafted + copied, "accepted_total": end.accepted + copies_accepted,
+            "rounds": end.rounds,
             "alpha_ewma": end.alpha_ewma, "alpha_star": dec.alpha_star if dec else {},
             "predicted_ms": end.predicted_ms, "stopped": end.stopped, "policy": self.policy.name,
             "numerics": self.engine.target.numerics,
@@ -240,6 +270,7 @@ def write_out(text: str) -> None:
 
 
 # ----------------------------------------------------------------------------- chat
+CHAT_MAX_NEW_TOKENS = 256     # chat's default (generate keeps 64): a code answer finishes
 CHAT_HELP = "/reset starts a new conversation, /stats shows each turn's reuse and timing, /exit (or Ctrl-D) ends"
 
 
@@ -248,6 +279,7 @@ def add_chat_parser(sub) -> None:
                         description="A multi-turn chat. On a terminal: a prompt with history; " + CHAT_HELP +
                                     "; Ctrl-C stops the answer. Otherwise one user turn per stdin line.")
     add_run_args(ch)
+    ch.set_defaults(max_new_tokens=CHAT_MAX_NEW_TOKENS)      # an answer (code included) gets room to finish
 
 
 class ChatSession:
@@ -310,6 +342,7 @@ def cmd_chat(args) -> int:
             for line in stdin_lines():
                 if not chat_line(chat, line, interactive=False):
                     break
+        run.remeasure_if_quiet()
     return 0
 
 

@@ -36,7 +36,7 @@ SHARE_QUIET = 0.9        # ... at or above this (and a low spread): the machine 
 MAX_RETRIES = 2          # per term
 RETRY_BUDGET = 16        # per calibration (bounds the time a busy machine can add)
 RETRY_PAUSE_S = 0.05     # pause before the n-th retry: n * this (lets a burst of load pass)
-RETRY_DEADLINE_S = 120.0 # no re-measuring after a calibration has run this long (a busy machine's cap)
+RETRY_DEADLINE_S = 30.0  # no re-measuring after a calibration has run this long (a busy machine's cap)
 MONO_TOL = 0.05          # a curve may dip this much (relative) before it counts as falling
 
 now = clock                     # perf_counter after syncing an asynchronous device in use

@@ -545,9 +545,11 @@ def gguf_codes(gguf: Path, model: torch.nn.Module) -> dict:
         return {}
     from .kernels.fastpath import FastLinear
 
+    # the linears, and the token table (a plain nn.Embedding: its rows are a linear's, [V, H] = [N, K])
     layers = {n: (blockq._matrix(m) if isinstance(m, FastLinear) else m.weight.detach())
               for n, m in model.named_modules()
-              if isinstance(m, (torch.nn.Linear, FastLinear)) and m.weight.dtype == torch.float32}
+              if (isinstance(m, (torch.nn.Linear, FastLinear)) or type(m) is torch.nn.Embedding)
+              and m.weight.dtype == torch.float32}
     keys: dict[int, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(0)
 
@@ -588,9 +590,12 @@ def gguf_codes(gguf: Path, model: torch.nn.Module) -> dict:
             c = b if order == list(range(N)) else b.rows(order)
             if c.rebuilds(layers[name]):
                 out[name] = c
+    tables = {n for n, m in model.named_modules() if type(m) is torch.nn.Embedding}
+    lin = [n for n in out if n not in tables]
     if out:
-        log(f"{len(out)} of {len(layers)} linear layers keep the GGUF's codes "
-            f"({', '.join(sorted({b.kind for b in out.values()}))})")
+        log(f"{len(lin)} of {len(set(layers) - tables)} linear layers keep the GGUF's codes "
+            f"({', '.join(sorted({b.kind for b in out.values()}))})"
+            + (", and the token table" if set(out) & tables else ""))
     return out
 
 
@@ -639,9 +644,9 @@ def _from_slim(folder: Path, spec: str, weights: bool):
         raise ModelError(f"cannot load model {spec!r}: its codes file {CODES_FILE} is missing or damaged")
     missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
     model.tie_weights()
-    have = {k for k, _ in model.named_parameters(remove_duplicate=False)}
-    tied_to_rest = {k for k in missing if k in have and any(
-        model.get_parameter(k) is model.get_parameter(r) for r in rest if r in have)}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    from_rest = {id(params[r]) for r in rest if r in params}
+    tied_to_rest = {k for k in missing if k in params and id(params[k]) in from_rest}
     for name, b in codes.items():
         try:
             m = model.get_submodule(name)
@@ -649,7 +654,12 @@ def _from_slim(folder: Path, spec: str, weights: bool):
             raise ModelError(f"cannot load model {spec!r}: its codes name a layer {name} it does not have") from None
         if f"{name}.weight" in tied_to_rest:
             continue
+        if type(m) is torch.nn.Embedding:                  # rows looked up from the codes while unmade
+            m.__class__ = blockq.CodedEmbedding
+            m.block = b
         _set_weight(m, b, weights)
+    if weights and getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()                                # made twice from one code: one tensor again
     left = sorted(k for k in missing if k not in tied_to_rest and k.rsplit(".", 1)[0] not in codes
                   and k in model.state_dict())
     if left or unexpected:
@@ -693,6 +703,9 @@ def _materialize(lm: LoadedModel) -> None:
             if b is None:
                 raise ModelError(f"{lm.name}: no codes for layer {name} to make its weights from")
             _set_weight(m, b, True)
+        if getattr(lm.model.config, "tie_word_embeddings", False):
+            lm.model.tie_weights()
+        for _, m in todo:
             if hasattr(m, "repack"):
                 m.repack()
         log(f"{lm.name}: fp32 weights made from the codes of {len(todo)} layers in {time.perf_counter() - t0:.1f} s")
@@ -1210,19 +1223,38 @@ def int8_copy(target: LoadedModel, lazy: bool = False) -> LoadedModel:
     return lm
 
 
-def _quantized(target: LoadedModel) -> torch.nn.Module:
-    """The int8 draft's module: a float32 copy of the target, quantized in place."""
-    import copy
-    import warnings
+INT8_CACHE_VERSION = 1
 
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+def int8_cache_path(target: LoadedModel) -> Path | None:
+    """Where the int8 draft of ``target`` is cached: ``models/int8/<digest>.pt`` in the cache dir,
+    the digest of the target's weights (its weights_hash and key), the torch version and the layout
+    (fused for the lean forward). None where there is no cache dir to write."""
+    try:
+        from .paths import cache_dir
+
+        root = cache_dir()
+    except OSError:
+        return None
+    h = hashlib.blake2b(digest_size=10)
+    for part in (weights_hash(target.model), target.key, torch.__version__, f"lean={bool(target.lean)}",
+                 f"v{INT8_CACHE_VERSION}"):
+        h.update(part.encode() + b"|")
+    return root / "models" / "int8" / f"{h.hexdigest()}.pt"
+
+
+def _float_copy(target: LoadedModel) -> torch.nn.Module:
+    """A float32 copy of the target in the int8 draft's layout (Conv1D as Linear; fused q|k|v and
+    gate|up for the lean forward), not yet quantized."""
+    import copy
 
     from .kernels import fastpath
 
     unmade = {name: mod.block for name, mod in target.model.named_modules()      # a slim target's
-              if isinstance(getattr(mod, "weight", None), torch.Tensor) and placeholder(mod.weight)}
+              if isinstance(getattr(mod, "weight", None), torch.Tensor) and placeholder(mod.weight)
+              and not hasattr(mod, "lookup")}
     with fastpath.plain_copies():
-        m = copy.deepcopy(target.model).float()
+        m = copy.deepcopy(target.model, _coded_tables(target)).float()
     for name, b in unmade.items():                  # ... weights made in the copy from their codes
         _set_weight(m.get_submodule(name), b, True)
     _conv1d_to_linear(m)
@@ -1230,6 +1262,107 @@ def _quantized(target: LoadedModel) -> torch.nn.Module:
         from .kernels import lean
 
         lean.fuse_for_quantization(m)
+    return m
+
+
+def _coded_tables(target: LoadedModel) -> dict:
+    """A deepcopy memo that shares a slim target's unmade token tables (``blockq.CodedEmbedding``,
+    rows looked up from the codes): a copy would make a table of zeros."""
+    return {id(m.weight): m.weight for m in target.model.modules()
+            if hasattr(m, "lookup") and placeholder(m.weight)}
+
+
+def _quantized(target: LoadedModel) -> torch.nn.Module:
+    """The int8 draft's module: loaded from the cache (``int8_cache_path``) when a copy is there,
+    else a float32 copy of the target quantized in place and cached (written atomically) for the
+    next run."""
+    path = int8_cache_path(target)
+    if path is not None and path.exists():
+        try:
+            return _load_int8(target, path)
+        except Exception as e:  # noqa: BLE001 - a bad cache file is made again, never a failed run
+            log(f"the cached int8 draft {path} is unusable ({type(e).__name__}: {e}); quantizing again")
+    q = _quantize(target)
+    if path is not None:
+        try:
+            _save_int8(q, path)
+        except (OSError, RuntimeError) as e:
+            log(f"cannot cache the int8 draft at {path} ({e}); it is made again next run")
+    return q
+
+
+def _save_int8(q: torch.nn.Module, path: Path) -> None:
+    """The quantized state dict, atomically (a temp file in the same dir, then os.replace)."""
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(q.state_dict(), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _load_int8(target: LoadedModel, path: Path) -> torch.nn.Module:
+    """The int8 draft from its cached state dict, without a float copy of the weights: the target
+    copied with every linear's weight and bias on the meta device (no memory, no time), each linear
+    then an empty dynamic int8 Linear (what quantize_dynamic makes), and the saved tensors loaded
+    strictly and assigned (``weights_only``: tensors, no code)."""
+    import copy
+    import warnings
+
+    import torch.ao.nn.quantized.dynamic as nnqd
+
+    from .kernels import fastpath
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        with fastpath.plain_copies():
+            memo: dict = _coded_tables(target)
+            for mod in target.model.modules():
+                if type(mod).__name__ in ("Linear", "FastLinear", "Conv1D"):
+                    for p in (getattr(mod, "weight", None), getattr(mod, "bias", None)):
+                        if isinstance(p, torch.Tensor) and id(p) not in memo:
+                            memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+            m = copy.deepcopy(target.model, memo)
+        for mod in list(m.modules()):
+            for name, child in list(mod.named_children()):
+                if type(child).__name__ == "Conv1D":          # GPT-2: W [in, out], as _conv1d_to_linear
+                    w = child.weight
+                    with torch.device("meta"):
+                        setattr(mod, name, torch.nn.Linear(w.shape[0], w.shape[1], bias=child.bias is not None))
+        m.float()
+        if target.lean:
+            from .kernels import lean
+
+            lean.fuse_for_quantization(m)
+        for mod in list(m.modules()):
+            for name, child in list(mod.named_children()):
+                if type(child) is torch.nn.Linear:
+                    setattr(mod, name, nnqd.Linear(child.in_features, child.out_features,
+                                                   bias_=child.bias is not None, dtype=torch.qint8))
+        m.load_state_dict(sd, strict=True, assign=True)
+    if any(p.is_meta for p in m.parameters()) or any(b.is_meta for b in m.buffers()):
+        raise ValueError("the cached state dict left weights unset")
+    m.eval()
+    m._rakv_int8_cached = path.name       # (the lazy draft's log line says where it came from)
+    return m
+
+
+def _quantize(target: LoadedModel) -> torch.nn.Module:
+    """A float32 copy of the target, quantized in place (per-channel dynamic int8 Linears)."""
+    import warnings
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    m = _float_copy(target)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # in place: m is already our own copy (quantize_dynamic would deep-copy it once more)
@@ -1255,7 +1388,9 @@ class _LazyInt8(LoadedModel):
             t0 = time.perf_counter()
             self._model = _quantized(target)
             attach_lean(self, bool(target.lean))
-            log(f"int8 draft made in {time.perf_counter() - t0:.1f} s")
+            cached = getattr(self._model, "_rakv_int8_cached", "")
+            log(f"int8 draft {'loaded from the cache' if cached else 'made'} in {time.perf_counter() - t0:.1f} s"
+                + (f" ({cached})" if cached else " (cached for the next run)"))
         return self._model
 
     @model.setter

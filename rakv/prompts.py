@@ -37,6 +37,15 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def template_notice(tokenizer, chat_template: bool = True, name: str = "the model") -> str:
+    """One line when the chat template was asked for (the default) but the tokenizer has none, so
+    prompts go in as raw text (a base model then continues the text rather than answering); "" else."""
+    if not chat_template or tokenizer is None or has_chat_template(tokenizer):
+        return ""
+    return (f"{name} has no chat template: prompts are sent as raw text (a base model continues the text, "
+            "it does not answer; pass --raw to silence this)")
+
+
 def _as_ids(out) -> list[int]:
     """apply_chat_template's result (a list, or a BatchEncoding / dict in transformers 5) -> ids."""
     if isinstance(out, dict) or hasattr(out, "keys"):

@@ -83,6 +83,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--n-heldout", type=int, default=10)
     ap.add_argument("--exact-tokens", type=int, default=48)
+    ap.add_argument("--numerics", default="auto", help="auto (q8 for a GGUF), q8 or fp32")
     ap.add_argument("--out")
     a = ap.parse_args()
 
@@ -94,7 +95,7 @@ def main() -> int:
     from rakv.models import load_model
 
     torch.set_num_threads(a.threads)
-    target = load_model(a.gguf)
+    target = load_model(a.gguf, numerics=a.numerics)
     eng = Engine(target, None, RakvConfig(policy="ar"))
     engine_decode(eng, a.tokens)                                  # warm-up apart
     llama_bench(a.llama_bench, a.gguf, a.threads, a.tokens)
@@ -113,9 +114,9 @@ def main() -> int:
         "engine_tok_s": [round(x, 1) for x in mine], "llamacpp_tok_s": [round(x, 1) for x in peer],
         "engine_median": round(statistics.median(mine), 1), "llamacpp_median": round(statistics.median(peer), 1),
         "ratio_median": round(statistics.median(ratios), 3), "ratio_ci95": [round(x, 3) for x in bootstrap(ratios)],
-        "isa": " ".join(isa_flags()), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "numerics": target.numerics, "isa": " ".join(isa_flags()), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
-    if a.n_heldout > 0:
+    if a.n_heldout > 0 and target.numerics == "fp32":      # (q8 is not transformers' arithmetic)
         res["exact"] = exactness(target, a.gguf, a.n_heldout, a.exact_tokens)
     print(json.dumps(res))
     if a.out:

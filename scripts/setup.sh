@@ -53,14 +53,19 @@ install_torch() {
     say "no NVIDIA GPU, but the PyTorch CPU index ($CPU_INDEX) cannot be reached: installing $TORCH"
     say "from the default index (pip's configuration) instead"
   fi
-  say "(where that index has no CPU wheel, as on plain PyPI for Linux, this is the CUDA build: several GB)"
   $VPY -m pip install -q "$TORCH"
 }
 
 if ! $VPY -c "import torch" >/dev/null 2>&1; then
+  # numpy first: a torch imported without it warns "Failed to initialize NumPy"
+  $VPY -m pip install -q numpy
   install_torch
 fi
 $VPY -c "import torch; print('[setup] torch', torch.__version__, '(CUDA ' + str(torch.version.cuda) + ')' if torch.version.cuda else '(CPU build)')" >&2
+# said only when it happened: a CPU-only machine that got the CUDA build (the index had no CPU wheel)
+if ! command -v nvidia-smi >/dev/null 2>&1 && $VPY -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
+  say "note: this is torch's CUDA build (several GB; it runs on CPU too): the index pip used has no CPU wheel"
+fi
 $VPY -m pip install -q -e ".[test,bench]"
 # the explorer's window on Linux needs a few X11 libraries Qt does not ship (libxcb-icccm4, ...):
 # say which are missing and how to install them; never a reason to fail the setup

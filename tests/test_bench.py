@@ -275,3 +275,10 @@ def test_arm_orders_put_every_arm_after_every_other_equally_often(n):
     assert {o[0] for o in orders} == set(range(n))
     assert [arm_order(n, i, 0) for i in range(len(orders))] == orders
     assert arm_order(n, 3, 2) == arm_order(n, 5, 0)
+
+
+def test_a_peer_is_held_to_ars_tokens_only_in_fp32_numerics():
+    from rakv.bench.runner import token_exact
+
+    assert token_exact(None, peer=True) and token_exact(None, peer=False, numerics="q8")
+    assert not token_exact(None, peer=True, numerics="q8")       # transformers' forward around q8 linears

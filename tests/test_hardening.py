@@ -365,7 +365,7 @@ def test_bad_stored_settings_fall_back_with_a_warning(tmp_path, capsys):
     s.sync()
     s = Settings(ini)
     assert s.get("run/policy") == "adaptive" and s.get("controls/granularity") == "round"
-    assert s.get("run/max_new_tokens") == 64 and s.get("controls/k_set") == "0,1,2,4,6,8"
+    assert s.get("run/max_new_tokens") == Settings.DEFAULTS["run/max_new_tokens"] == 256 and s.get("controls/k_set") == "0,1,2,4,6,8"
     assert s.get("controls/budget_mib") == 512
     err = capsys.readouterr().err
     assert "run/policy='bogus'" in err and "warning" in err
@@ -545,14 +545,22 @@ def test_busy_machine_flags_the_profile(pair, tmp_path, capsys, monkeypatch):
     q = prof.quality
     assert fresh and q["contended"] and q["cpu_share"] < 0.8 and q["retries"] > 0 and "busy machine" in err
     assert C.load_profile(C.profile_path(tmp_path, prof.fingerprint)).contended
+    # a later run uses the contended profile at once: no probe, no wait before the first token
+    probes = []
+    monkeypatch.setattr("rakv.costs.calibration.quiet_probe", lambda t: probes.append(1) or M.Timing([1, 1], [1, 1]))
+    prof2, fresh2 = C.load_or_calibrate(target, draft, tmp_path, k_max=2, quick=True)
+    assert fresh2 is False and prof2.contended and not probes and "using it now" in capsys.readouterr().err
+    # after its requests: still busy keeps it; quiet measures it again (saved for the next run)
     monkeypatch.setattr("rakv.costs.calibration.is_quiet", lambda t: False)
-    assert C.load_or_calibrate(target, draft, tmp_path, k_max=2, quick=True)[1] is False
+    assert C.remeasure_if_quiet(prof2, target, draft, tmp_path, k_max=2) is None
     assert "still busy" in capsys.readouterr().err
     monkeypatch.setattr(M, "cpu_clock", real)
     monkeypatch.setattr("rakv.costs.calibration.cpu_clock", real)
     monkeypatch.setattr("rakv.costs.calibration.is_quiet", lambda t: True)
-    prof3, fresh3 = C.load_or_calibrate(target, draft, tmp_path, k_max=2, quick=True)
-    assert fresh3 and "quiet now" in capsys.readouterr().err
+    prof3 = C.remeasure_if_quiet(prof2, target, draft, tmp_path, k_max=2)
+    err = capsys.readouterr().err
+    assert prof3 is not None and "quiet now" in err and "calibrating: about" in err
+    assert C.load_profile(C.profile_path(tmp_path, prof.fingerprint)).calibrated_at == prof3.calibrated_at
 
 
 def test_calibrated_curves_rise_and_quality_is_recorded(pair):

@@ -438,7 +438,7 @@ def test_settings_of_the_wrong_type_fall_back(tmp_path, capsys):
     s = Settings(ini)
     assert s.geometry() == (None, None)
     assert s.get("controls/sampling") == "{}" and s.get("controls/budget_mib") == 512
-    assert s.get("run/max_new_tokens") == 64
+    assert s.get("run/max_new_tokens") == Settings.DEFAULTS["run/max_new_tokens"]
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("warning") >= 4
 

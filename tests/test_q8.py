@@ -249,3 +249,27 @@ def test_c_layers_run_q_k_v_on_codes_of_different_kinds(numerics):
         eng = Engine(target, NgramDraft(), RakvConfig(policy=policy))
         for p in prompts():
             assert eng.generate(p, 20).output_ids == want[tuple(p)], policy
+
+
+@kernel
+@pytest.mark.parametrize("split", [0, 1, 12, 23, 24, 40])
+def test_a_prefill_computes_each_row_as_its_decode_step_in_q8(split):
+    """Under q8 every forward runs the steps' arithmetic (the C layers, each row alone), so a
+    prefix hit's suffix (any length, past the attention kernel's old 17-row limit too) gives the
+    KV and logits of the same positions of a whole prefill, bit for bit."""
+    from rakv import decoding as dec
+
+    target, _ = _q8_pair("llama", "identical")
+    assert target.lean and target.model._rakv_lean.rows_alone()
+    ids = [(7 * i + 3) % 200 for i in range(41)]
+    whole = dec.DynamicCache()
+    want = dec.forward(target.model, ids, whole)                  # [41, V]
+    cache = dec.DynamicCache()
+    parts = [dec.forward(target.model, ids[:split], cache)] if split else []
+    parts.append(dec.forward(target.model, ids[split:split + 1], cache))         # one decode step
+    if split + 1 < len(ids):
+        parts.append(dec.forward(target.model, ids[split + 1:], cache))
+    got = torch.cat(parts)
+    assert torch.equal(got, want)
+    for a, b in zip(whole.layers, cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

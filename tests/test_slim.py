@@ -54,9 +54,9 @@ def test_the_converted_folder_holds_no_fp32_copy_of_a_coded_weight(kquant):
     with safe_open(str(folder / M.SLIM_FILE), "pt") as f:
         names = set(f.keys())
     assert names and not any(n.endswith(("proj.weight", "lm_head.weight")) for n in names)
-    assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
+    assert "model.embed_tokens.weight" not in names and "model.norm.weight" in names     # the table too
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    assert size < 2 * kquant.stat().st_size             # codes + norms + embedding, not fp32 weights
+    assert size < 2 * kquant.stat().st_size             # codes + norms, not fp32 weights
 
 
 @kernel
@@ -65,6 +65,7 @@ def test_a_q8_load_leaves_the_weights_unmade_and_equals_q8_on_made_weights(kquan
     slim = M.load_model(str(kquant), fast=True, numerics="q8")
     assert slim.slim and slim.numerics == "q8" and slim.lean == "llama"
     assert all(M.placeholder(m.weight) for _, m in _linears(slim))
+    assert M.placeholder(slim.model.model.embed_tokens.weight)           # its rows come from the codes
     assert slim.blockq["layers"] == slim.blockq["of"] == 15
     full = M.set_numerics(M.load_model(str(kquant), fast=True, numerics="fp32"), "q8")
     assert not full.slim and not any(M.placeholder(m.weight) for _, m in _linears(full))
@@ -84,8 +85,8 @@ def test_fp32_numerics_and_an_int8_copy_make_the_weights_from_the_codes(kquant):
     assert slim.slim and all(M.placeholder(m.weight) for _, m in _linears(slim))
     ref = M.int8_copy(fp32)
     for (n, a), (_, b) in zip(sorted(q.model.state_dict().items()), sorted(ref.model.state_dict().items())):
-        if isinstance(a, torch.Tensor) and a.dtype == torch.float32:
-            assert torch.equal(a, b), n
+        if isinstance(a, torch.Tensor) and a.dtype == torch.float32 and not M.placeholder(a):
+            assert torch.equal(a, b), n                  # (the token table: rows from the codes)
     assert _ids(slim, "spec:4", ModelDraft(q)) == _ids(slim)
     M.set_numerics(slim, "fp32")                              # switched: the weights made, bit for bit
     assert not slim.slim
@@ -103,3 +104,42 @@ def test_a_slim_folder_without_its_codes_is_converted_again(kquant, capsys):
     lm = M.load_model(str(kquant), fast=True, numerics="q8")
     assert "converting it again" in capsys.readouterr().err
     assert lm.slim and lm.blockq["layers"] == 15
+
+
+@kernel
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quant_codes_are_saved_without_fp32_scales_and_make_the_same_ones(qtype, tmp_path):
+    from rakv.kernels import blockq
+
+    from .test_gguf_codes import _raw
+
+    N, K = 64, 512
+    raw, w = _raw(qtype, N, K)
+    b = blockq.from_gguf(raw, qtype, N, K)
+    assert b.compact and b.d is not None and torch.equal(b.dequantize(), w)
+    blockq.save_codes(tmp_path / "c.safetensors", {"w": b, "tied": b})
+    got = blockq.load_codes(tmp_path / "c.safetensors")
+    assert got["tied"] is got["w"]                                   # one copy of a shared weight
+    c = got["w"]
+    assert c.d is None and c.m is None and c.nbytes < b.nbytes
+    x = torch.randn(3, K)
+    assert torch.equal(c.with_numerics("q8")(x), b.with_numerics("q8")(x))     # q8 never needs them
+    assert c.d is None
+    assert torch.equal(c(x), b(x))                                   # fp32 arithmetic makes them ...
+    assert torch.equal(c.d, b.d) and torch.equal(c.m, b.m)           # ... the very floats from_gguf made
+    assert torch.equal(c.rows([5, 1]).dequantize(), b.dequantize()[[5, 1]])
+
+
+@kernel
+@needs_onednn
+def test_the_int8_draft_of_a_slim_target_looks_its_rows_up_from_the_codes_and_is_cached(kquant, tmp_path):
+    slim = M.load_model(str(kquant), fast=True, numerics="q8")
+    fp32 = M.load_model(str(kquant), fast=True, numerics="fp32")
+    made = M.int8_copy(slim)                                   # quantized (then cached)
+    loaded = M.int8_copy(slim)                                 # from the cache
+    ref = M.int8_copy(fp32)
+    ids = torch.tensor([PROMPTS[0]])
+    want = ref.model(ids).logits
+    for q in (made, loaded):
+        assert M.placeholder(q.model.model.embed_tokens.weight)              # no table of zeros
+        assert torch.equal(q.model(ids).logits, want)

@@ -51,7 +51,7 @@ class RunPanel(QWidget):
         self.policy.setToolTip(POLICIES_HELP + "  (tree:N and adaptive:tree verify token trees; use the ngram draft)")
         self.max_new = QSpinBox()
         self.max_new.setRange(1, 4096)
-        self.max_new.setValue(64)
+        self.max_new.setValue(256)
         self.raw = QCheckBox("Raw prompt (no chat template)")
         self.raw.setToolTip("send the text as it is; unchecked, a model whose tokenizer has a chat template "
                             "gets the prompt as one user turn (an instruct model then answers)")

@@ -26,7 +26,10 @@ from .workloads import ALL_WORKLOADS, WIKITEXT_ENV, WIKITEXT_HELP, WORKLOADS
 OUTPUT_FILES = ("executions.csv", "candidates.csv", "summary.md", "meta.json", "profile.json", "latency.png",
                 "predicted_vs_measured.png", "speedup_vs_alpha.png", "llama_cpp.json")
 
-QUICK = dict(buckets="32,128", gens="32", n_prompts=6, repeats=1, k_set="0,2,4")
+QUICK = dict(buckets="32,128", gens="32", n_prompts=4, repeats=1, k_set="0,2,4")
+# --quick's policies (unless --policies): the baselines, the paper's Joint-k4, the controller and one
+# transformers peer; the full default adds spec:K / joint:K for every K, adaptive:round and more peers
+QUICK_POLICIES = ("ar", "kv", "joint:4", "adaptive:request", "hf:assist")
 FULL = dict(buckets="32,128,512", gens="32,128", n_prompts=8, repeats=2, k_set="0,1,2,4,6,8")
 TINY = dict(buckets="16,48", gens="8", n_prompts=4, repeats=1, k_set="0,2,4")
 
@@ -60,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                     f"(default {FULL['repeats']}; --quick {QUICK['repeats']})")
     ap.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
     ap.add_argument("--quick", action="store_true",
-                    help=f"small grid: buckets {QUICK['buckets']}, N {QUICK['gens']}, {QUICK['n_prompts']} "
-                         f"requests per stream, K {QUICK['k_set']} (minutes)")
+                    help=f"a few minutes: {QUICK['n_prompts']} requests per stream, N {QUICK['gens']}, "
+                         f"{QUICK['repeats']} repeat, K {QUICK['k_set']}, policies {', '.join(QUICK_POLICIES)} "
+                         f"(those that apply to the draft), buckets {QUICK['buckets']}, a quick calibration")
     ap.add_argument("--buckets", default=None, help=f"prompt-length buckets in tokens (default {FULL['buckets']})")
     ap.add_argument("--gens", default=None, help=f"generation lengths (default {FULL['gens']})")
     ap.add_argument("--max-new-tokens", type=A.int_range(1), default=None, help="one generation length (overrides --gens)")
@@ -278,6 +282,8 @@ def run(args, argv: list[str]) -> int:
     t_start = time.perf_counter()
     target, draft = load_models(args, args.draft)
     names = s["policies"] or default_arm_names(s["k_set"], args.peers, draft)
+    if args.quick and not s["policies"]:
+        names = [n for n in names if n in QUICK_POLICIES]
     arms = parse_arms(names, draft)
     if s.get("llama_cpp") is not None:
         from .runner import Arm

@@ -336,9 +336,13 @@ class BenchContext:
 NOT_COMPARED = -1    # "match" of an arm that is exact in distribution only (rejection verify, a sampling peer)
 
 
-def token_exact(sampling, peer: bool) -> bool:
-    """Must this arm give ar's very tokens? Greedy: every arm. Sampled: the engine's arms under
-    seeded verification (a peer samples with its own generator; rejection is exact in distribution)."""
+def token_exact(sampling, peer: bool, numerics: str = "fp32") -> bool:
+    """Must this arm give ar's very tokens? Greedy: every arm, but a peer only in fp32 numerics
+    (under q8 transformers' forward runs its own attention and norms around the q8 linears: another
+    computation than the engine's). Sampled: the engine's arms under seeded verification (a peer
+    samples with its own generator; rejection is exact in distribution)."""
+    if peer and numerics != "fp32":
+        return False
     return sampling is None or sampling.greedy or (not peer and sampling.verify == "seeded")
 
 
@@ -397,7 +401,7 @@ def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, ce
     for r in rows:
         d = first_diff(r["_ids"], ref)
         r["match"], r["first_diff"] = int(d < 0), ("" if d < 0 else d)
-        if not token_exact(ctx.config.sampling, r["policy"] in peers):
+        if not token_exact(ctx.config.sampling, r["policy"] in peers, getattr(ctx.target, "numerics", "fp32")):
             r["match"] = NOT_COMPARED
         if is_llama_arm(r["policy"]):      # another program's arithmetic: its text is compared, not counted
             if ref_text is None:

@@ -51,25 +51,91 @@ def calibration_ids(tokenizer, n: int, vocab: int) -> list[int]:
     return out[:n]
 
 
+# The calibration's grid: few points and repeats, chosen so the demo pair calibrates in ~10-20 s
+# on a quiet 2-core machine. Prefill tokens dominate its time (under q8 numerics a prefill row
+# costs about a decode step), so lengths stay short and the curves extrapolate linearly past them
+# (online refinement corrects the prefill's scale). What the cost model needs stays: prefill in
+# length (3 points) and the step by context (2), checked to rise; V(k) for every k up to k_max; d;
+# medians of repeats with a spread check (a noisy term is measured again, rakv/meter.py).
+GRID = {
+    "full": {"reps": 3, "pf_ns": [8, 32, 128], "ctxs": [16, 128], "n_steps": 8, "v_reps": 4,
+             "alpha_rounds": 6, "regime_reps": 3},
+    "quick": {"reps": 2, "pf_ns": [8, 32, 128], "ctxs": [16, 128], "n_steps": 5, "v_reps": 3,
+              "alpha_rounds": 4, "regime_reps": 2},
+}
+
+
+def calibration_grid(target, k_max: int, quick: bool) -> dict:
+    """The sizes and repeats one calibration measures (``GRID``, cut to the model's context)."""
+    g = dict(GRID["quick" if quick else "full"])
+    maxpos = target.max_positions or 2048
+    g["pf_ns"] = [n for n in g["pf_ns"] if n < maxpos // 2]
+    g["ctxs"] = [c for c in g["ctxs"] if c + 16 < maxpos]
+    g["keys"] = list(range(0, k_max + 1)) + [k for k in lookup_vs(k_max) if k > k_max]
+    return g
+
+
+def estimate_s(g: dict, step_ms: float, token_ms: float, draft_ms: float = 0.0, has_dmodel: bool = False) -> float:
+    """Seconds the calibration of grid ``g`` should take, from one target step (``step_ms``), the
+    prefill cost per token (``token_ms``) and one draft step (``draft_ms``), timed just before.
+    Counts every forward it runs; a margin for Python, re-measuring and the regime figures."""
+    pf_tok = g["reps"] * sum(g["pf_ns"]) + g["pf_ns"][0] + sum(g["ctxs"]) + max(g["ctxs"]) + 3 * 64 + 128
+    steps = len(g["ctxs"]) * g["n_steps"] + 4 * g["regime_reps"] + 8
+    keys = g["keys"]
+    verify = (g["v_reps"] + 1) * sum(step_ms * (1 + 0.08 * k) for k in keys)
+    drafts = 0.0
+    if has_dmodel:
+        pf_tok_d = g["reps"] * sum(g["pf_ns"]) + g["pf_ns"][0] + sum(g["ctxs"]) + max(g["ctxs"]) + 3 * 64
+        drafts = (pf_tok_d * token_ms * draft_ms / max(step_ms, 1e-9)
+                  + (len(g["ctxs"]) * g["n_steps"] + (g["v_reps"] + 1) * sum(k for k in keys if k <= 8)
+                     + 3 * g["alpha_rounds"] * 4) * draft_ms)
+    alpha = (3 if has_dmodel else 1) * g["alpha_rounds"] * step_ms * 1.3
+    ms = pf_tok * token_ms + steps * step_ms + verify + drafts + alpha
+    return 1.25 * ms / 1e3
+
+
+def _quick_timings(model, dmodel, ids) -> tuple[float, float, float]:
+    """(target step ms at a short context, target prefill ms per token, draft step ms): the figures
+    the up-front estimate scales from (a few forwards, after the warm-up)."""
+    def step_ms(m):      # the fastest of a few (a first call can pay one-time costs)
+        cache = dec.DynamicCache()
+        dec.prefill(m, ids[:16], cache)
+        dec.decode_one(m, ids[16], cache)
+        return min(time_reps(lambda: (dec.decode_one(m, ids[17], cache), dec.rollback(cache, 1)), 4).ms)
+
+    t = step_ms(model)
+    p = min(time_reps(lambda: dec.prefill(model, ids[:32], dec.DynamicCache()), 2).ms) / 32
+    d = step_ms(dmodel) if dmodel is not None else 0.0
+    return t, p, d
+
+
 def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], None] | None = None,
-              quick: bool = False, meter: Meter | None = None) -> CostProfile:
+              quick: bool = False, meter: Meter | None = None, say: Callable[[str], None] | None = None) -> CostProfile:
     """Measure every term of the cost model on this machine. ``draft`` is a DraftSource.
 
     Every term goes through a Meter (rakv/meter.py): noisy terms are measured again, prefill and
     step curves must rise with length, and the profile's ``quality`` says how clean it all was
-    (``contended`` when the machine was busy)."""
+    (``contended`` when the machine was busy). ``say`` gets one line with the up-front estimate
+    ("calibrating: about N s"); ``progress(frac, what)`` follows each term."""
     from ..drafts import ModelDraft
 
     t_start = now()
     meter = meter or Meter()
-    maxpos = target.max_positions or 2048
-    reps = 2 if quick else 3
-    pf_ns = [n for n in ([8, 32, 128] if quick else [8, 32, 128, 384]) if n < maxpos // 2]
-    ctxs = [c for c in ([16, 128] if quick else [16, 128, 512]) if c + 16 < maxpos]
+    g = calibration_grid(target, k_max, quick)
+    reps, pf_ns, ctxs = g["reps"], g["pf_ns"], g["ctxs"]
     ids = calibration_ids(target.tokenizer, max(pf_ns + ctxs) + k_max + 32, target.vocab_size)
     dmodel = draft.lm.model if isinstance(draft, ModelDraft) else None
     steps = len(pf_ns) * (2 if dmodel is not None else 1) + len(ctxs) * (2 if dmodel is not None else 1) + 1 + 2
     done = 0
+    phases: dict[str, float] = {}
+    phases_cpu: dict[str, float] = {}          # main-thread CPU seconds: ~ the wall time a quiet machine takes
+    t_phase = [now(), cpu_clock()]
+
+    def phase(name: str):
+        t, c = now(), cpu_clock()
+        phases[name] = round(phases.get(name, 0.0) + t - t_phase[0], 2)
+        phases_cpu[name] = round(phases_cpu.get(name, 0.0) + c - t_phase[1], 2)
+        t_phase[0], t_phase[1] = t, c
 
     def tick(what: str):
         nonlocal done
@@ -82,11 +148,12 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
             dec.prefill(model, ids[:n], dec.DynamicCache())
 
         def timing():
-            run()   # warm-up, excluded
+            if n == pf_ns[0]:
+                run()   # warm-up of the curve, excluded (later lengths run warm)
             return time_reps(run, reps)
         return meter.measure(f"{name}@{n}", timing).value
 
-    def step_cost(model, ctx, name, n_steps=5 if quick else 10):
+    def step_cost(model, ctx, name, n_steps=g["n_steps"]):
         def timing():
             cache = dec.DynamicCache()
             dec.prefill(model, ids[:ctx], cache)
@@ -106,18 +173,28 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     prof = CostProfile()
     model = target.model
     dec.prefill(model, ids[:16], dec.DynamicCache())   # global warm-up
+    if dmodel is not None:
+        dec.prefill(dmodel, ids[:16], dec.DynamicCache())
+    step_ms, token_ms, draft_ms = _quick_timings(model, dmodel, ids)
+    est = estimate_s(g, step_ms, token_ms, draft_ms, dmodel is not None)
+    if say:
+        say(f"calibrating: about {max(1, round(est))} s (a target step takes {step_ms:.1f} ms here"
+            + (f", a draft step {draft_ms:.1f} ms" if dmodel is not None else "") + ")")
+    phase("warm-up")
     prof.T_pf = curve(model, pf_ns, "T_pf", pf_cost)
     prof.t = curve(model, ctxs, "t", step_cost)
+    phase("target curves")
     V_ctx = min(128, max(ctxs))
     prof.V_ctx = V_ctx
     if dmodel is not None:
-        dec.prefill(dmodel, ids[:16], dec.DynamicCache())
         prof.D_pf = curve(dmodel, pf_ns, "D_pf", pf_cost)
         prof.d = curve(dmodel, ctxs, "d", step_cost)
+        phase("draft curves")
     # Verify costs and the draft step as *ratios to a target step*, measured interleaved in one
     # loop (rotated order) so that machine drift or a neighbour's load hits them all alike.
-    ratios = interleaved_ratios(model, dmodel, ids, V_ctx, k_max, reps=4 if quick else 7, tick=tick, meter=meter,
+    ratios = interleaved_ratios(model, dmodel, ids, V_ctx, k_max, reps=g["v_reps"], tick=tick, meter=meter,
                                 extra=lookup_vs(k_max))
+    phase("verify ratios")
     t_ref = interp(prof.t, V_ctx)
     # a verify of k+1 tokens does a step's work and more: a ratio below 1 is noise (layers:6 V(1)/t
     # 0.88, s13m), and calibration's ratios are what the controller keeps
@@ -135,12 +212,17 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     from ..gate import AcceptMap
 
     amap = AcceptMap()
-    prof.alpha0 = measure_alpha(target, draft, ids, k=4, rounds=4 if quick else 8, amap=amap)
+    prof.alpha0 = measure_alpha(target, draft, ids, k=4, rounds=g["alpha_rounds"], amap=amap)
     prof.accept_map = amap.counts()
     tick("acceptance")
+    phase("acceptance")
     prof.quality = meter.quality()
-    prof.regime = regime_figures(target, prof, reps=3 if quick else 5)
+    prof.regime = regime_figures(target, prof, reps=g["regime_reps"])
+    phase("regime")
     prof.calibration_s = now() - t_start
+    prof.quality["estimate_s"] = round(est, 1)
+    prof.quality["phases_s"] = phases
+    prof.quality["phases_cpu_s"] = phases_cpu
     prof.calibrated_at = time.strftime("%Y-%m-%dT%H:%M:%S")
     return prof
 
@@ -376,7 +458,10 @@ def load_or_calibrate(target, draft, cache: Path, k_max: int = 8, force: bool = 
     path = profile_path(cache, fp)
     if not force:
         prof = _usable(path, fp, k_max, say)
-        if prof is not None and not _stale_contended(prof, target, say):
+        if prof is not None:
+            if prof.contended:      # used at once: no probe, no wait before the first token
+                say("the saved cost profile was measured on a busy machine; using it now (refined as requests "
+                    "run), and measuring it again after a run on a quiet machine (or: rakv calibrate)")
             return prof, False
     with file_lock(path.with_suffix(".lock"),
                    on_wait=lambda: say("another process is calibrating this pair; waiting for its profile ...")):
@@ -384,14 +469,15 @@ def load_or_calibrate(target, draft, cache: Path, k_max: int = 8, force: bool = 
             again = _usable(path, fp, k_max, lambda m: None)    # saved meanwhile by that process?
             if again is not None and (prof is None or again.calibrated_at != prof.calibrated_at):
                 return again, False
-        say(f"calibrating costs for this machine and pair (one time; profile {path.name}) ...")
+        say(f"calibrating costs for this machine, pair, numerics and threads (one time; profile {path.name}) ...")
         meter = Meter()
         busy = busy_now(target)
         if busy:
             say(f"the machine is busy ({busy}): a quick calibration, saved marked contended and measured "
                 "again on a later run when the machine is quiet")
             meter.note(f"busy when calibration started: {busy}")
-        prof = calibrate(target, draft, k_max=k_max, progress=progress, quick=quick or bool(busy), meter=meter)
+        prof = calibrate(target, draft, k_max=k_max, progress=progress, quick=quick or bool(busy), meter=meter,
+                         say=say)
         prof.fingerprint = fp
         if prof.contended:
             say("calibration ran on a busy machine (" + "; ".join(prof.quality.get("reasons", [])) + "): the "
@@ -404,17 +490,25 @@ def load_or_calibrate(target, draft, cache: Path, k_max: int = 8, force: bool = 
     return prof, True
 
 
-def _stale_contended(prof: CostProfile, target, say) -> bool:
-    """A profile measured under contention: measure again if the machine is quiet now."""
-    if not prof.contended or not check_enabled():
-        return False
+def remeasure_if_quiet(prof: CostProfile, target, draft, cache: Path, k_max: int = 8, progress=None,
+                       log=None) -> CostProfile | None:
+    """After a run that used a profile flagged contended: a short probe of target steps (a second or
+    less), and if the machine is quiet now, the calibration again, announced with its estimate and
+    saved for the next run. Returns the new profile, or None (not contended, still busy, checks off)."""
+    say = log or (lambda m: print(f"[rakv] {m}", file=sys.stderr, flush=True))
+    if prof is None or not prof.contended or not check_enabled() or getattr(prof, "read_only", False):
+        return None
     probe = quiet_probe(target)
-    if is_quiet(probe):
-        say("the saved cost profile was measured on a busy machine and this one is quiet now: measuring again")
-        return True
-    say(f"the saved cost profile was measured on a busy machine (still busy: CPU share {probe.share:.0%}); "
-        "using it, refined as requests run")
-    return False
+    if not is_quiet(probe):
+        say(f"the cost profile stays marked contended (the machine is still busy: CPU share {probe.share:.0%})")
+        return None
+    say("the machine is quiet now: measuring the contended cost profile again for the next run (Ctrl-C skips)")
+    try:
+        new, _ = load_or_calibrate(target, draft, cache, k_max=k_max, force=True, progress=progress, log=log)
+    except KeyboardInterrupt:
+        say("skipped: the contended profile stays")
+        return None
+    return new
 
 
 def busy_now(target) -> str | None:

@@ -1,7 +1,8 @@
 """Cost profiles on disk: machine fingerprints, the file format, validation, where profiles live.
 
 A profile is a JSON file in the cache dir's ``profiles/``, named by a digest of its fingerprint
-(CPU model, threads, torch version, device and GPU name, fast path, the model pair and dtype): a
+(CPU model, threads, torch version, device and GPU name, fast path, the model pair, dtype and the
+target's numerics): a
 changed fingerprint means a new calibration. A malformed file is a ``ProfileError`` that names it.
 """
 
@@ -41,6 +42,7 @@ def pair_fingerprint(target, draft) -> dict:
 
     fp = fingerprint(target.key, getattr(draft, "key", "none"), str(next(target.model.parameters()).dtype),
                      device=str(model_device(target.model)), fast=is_enabled(target.model))
+    fp["numerics"] = getattr(target, "numerics", "fp32")     # q8 and fp32 steps cost differently: two profiles
     if one_row_kernel(target.model) == "packed":     # a step on the other kernel is another machine
         fp["one_row"] = "packed"
     lean = getattr(target.model, "_rakv_lean", None)

@@ -327,7 +327,8 @@ class BlockWeight:
     K: int
     qs: torch.Tensor               # q4: uint8 [N, K/32, 16] (input j low nibble, j + 16 high); q8: int8 [N, K/32, 32];
                                    # q8x: uint8 [N, K/32, 32]
-    d: torch.Tensor                # float32 [N, K/32] (q8x: [N, K/16], a scale per 16 inputs)
+    d: torch.Tensor | None         # float32 [N, K/32] (q8x: [N, K/16], a scale per 16 inputs); None in K-quant
+                                   # codes read back from a file (``scales`` makes d and m from isc .. mg)
     m: torch.Tensor | None         # float32, as d (q4 and q8x; None for q8)
     numerics: str = "fp32"         # "fp32": the fp32 linear of the rebuilt weights; "q8": integer dot
                                    # products with 8-bit activation blocks (blockq.c, "q8 numerics")
@@ -341,7 +342,26 @@ class BlockWeight:
 
     @property
     def nbytes(self) -> int:
+        if self.d is None:
+            return sum(t.numel() * t.element_size() for t in (self.qs, *self._extra().values()) if t is not None)
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    def scales(self) -> tuple:
+        """(d, m) as the fp32 arithmetic reads them; K-quant codes kept without them (``save_codes``
+        drops them: q8 arithmetic reads the file's own scales) get them made once from isc .. mg:
+        the same floats from_gguf made (a float16 times a small integer; m = -dmin mn, or -32 d)."""
+        if self.d is None:
+            nb = self.K // BLK
+            if self.kind == "q4":
+                dg = self.dg.repeat_interleave(QK_K // BLK, 1)[:, :nb]
+                mg = self.mg.repeat_interleave(QK_K // BLK, 1)[:, :nb]
+                self.d, self.m = (dg * self.isc.float()).contiguous(), (mg * self.imn.float()).contiguous()
+            else:                                            # q8x: Q6_K's int8 scales per 16 inputs
+                dg = self.dg.repeat_interleave(QK_K // 16, 1)[:, :2 * nb]
+                self.d = (dg * self.isc.float()).contiguous()
+                self.m = (-32.0 * self.d).contiguous()
+            self._fn = None                                  # described again with them
+        return self.d, self.m
 
     @property
     def compact(self) -> bool:
@@ -377,8 +397,11 @@ class BlockWeight:
     def _bind(self):
         """The kernel's entry and this layer's description for it (made once: a call then passes
         six plain arguments)."""
+        if self.d is None and not (self.numerics == "q8" and self.compact):
+            self.scales()                                    # fp32 arithmetic reads d and m
+        d = self.d.data_ptr() if self.d is not None else None      # (q8 on K-quant scales: never read)
         self._desc = _LayerDesc(KIND_CODES[self.kind], self.N, self.K, self.qs.data_ptr(),
-                                self.d.data_ptr(), self.m.data_ptr() if self.m is not None else self.d.data_ptr(),
+                                d, self.m.data_ptr() if self.m is not None else d,
                                 NUMERICS.index(self.numerics),
                                 *(t.data_ptr() if t is not None else None for t in (self.isc, self.imn, self.dg, self.mg)))
         self._ref = ctypes.byref(self._desc)
@@ -398,6 +421,7 @@ class BlockWeight:
 
     def dequantize(self) -> torch.Tensor:
         """W [N, K] float32 rebuilt from the codes (what the kernel multiplies by)."""
+        self.scales()
         d = self.d.unsqueeze(-1)
         if self.kind == "q4":
             q = torch.cat([self.qs & 15, self.qs >> 4], -1).float()
@@ -411,7 +435,8 @@ class BlockWeight:
     def rows(self, index) -> "BlockWeight":
         """The codes of the rows ``index`` (in that order)."""
         idx = torch.as_tensor(index, dtype=torch.long)
-        return BlockWeight(self.kind, int(idx.numel()), self.K, self.qs[idx].contiguous(), self.d[idx].contiguous(),
+        return BlockWeight(self.kind, int(idx.numel()), self.K, self.qs[idx].contiguous(),
+                           None if self.d is None else self.d[idx].contiguous(),
                            None if self.m is None else self.m[idx].contiguous(), self.numerics,
                            **{k: None if t is None else t[idx].contiguous() for k, t in self._extra().items()})
 
@@ -595,10 +620,11 @@ def _kquant_scales(b, qtype: str, N: int, K: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- attention
-def attend_ok(k: torch.Tensor, v: torch.Tensor, n: int, Hq: int, Hk: int, D: int) -> bool:
+def attend_ok(k: torch.Tensor, v: torch.Tensor, n: int, Hq: int, Hk: int, D: int, any_rows: bool = False) -> bool:
     """Whether ``attend`` takes this step: a float32 cache of batch 1 with rows of D contiguous
-    values (the lean forward's growing buffer, or a prefill's own KV), at most ATTEND_ROWS new rows."""
-    return (n <= ATTEND_ROWS and D % 16 == 0 and Hq % Hk == 0 and k.dtype == torch.float32
+    values (the lean forward's growing buffer, or a prefill's own KV), at most ATTEND_ROWS new rows
+    (``any_rows``: any number, as q8 numerics run every forward)."""
+    return ((any_rows or n <= ATTEND_ROWS) and D % 16 == 0 and Hq % Hk == 0 and k.dtype == torch.float32
             and k.device.type == "cpu" and k.shape[0] == 1 and v.shape[0] == 1
             and k.stride(-1) == 1 and v.stride(-1) == 1 and k.stride(-2) == D and v.stride(-2) == D
             and library() is not None and env_enabled())
@@ -666,14 +692,22 @@ def _load_cached(path: Path) -> dict[str, BlockWeight | None]:
     except Exception:  # noqa: BLE001 - a missing or damaged cache is made again
         return {}
     out: dict[str, BlockWeight | None] = {}
+    aliases = {}
     for name, spec in meta.items():
         if spec == "none":
             out[name] = None
             continue
+        if spec.startswith("alias:"):                 # a weight shared by two modules: saved once
+            aliases[name] = spec[6:]
+            continue
         kind, N, K = spec.split(":")
-        out[name] = BlockWeight(kind, int(N), int(K), tensors[f"{name}.qs"], tensors[f"{name}.d"],
+        out[name] = BlockWeight(kind, int(N), int(K), tensors[f"{name}.qs"], tensors.get(f"{name}.d"),
                                 tensors.get(f"{name}.m"), "fp32",
                                 **{k: tensors.get(f"{name}.{k}") for k in ("isc", "imn", "dg", "mg")})
+    for name, of in aliases.items():
+        if of not in out:
+            return {}                                 # damaged: made again
+        out[name] = out[of]
     return out
 
 
@@ -681,14 +715,21 @@ def _save_cached(path: Path, codes: dict[str, BlockWeight | None]) -> None:
     from safetensors.torch import save_file
 
     tensors, meta = {}, {}
+    first: dict[int, str] = {}
     for name, b in codes.items():
         if b is None:
             meta[name] = "none"
             continue
+        if id(b) in first:
+            meta[name] = f"alias:{first[id(b)]}"
+            continue
+        first[id(b)] = name
         meta[name] = f"{b.kind}:{b.N}:{b.K}"
-        tensors[f"{name}.qs"], tensors[f"{name}.d"] = b.qs, b.d
-        if b.m is not None:
-            tensors[f"{name}.m"] = b.m
+        tensors[f"{name}.qs"] = b.qs
+        if not b.compact:                     # K-quant codes: d and m are made from their scales
+            tensors[f"{name}.d"] = b.d
+            if b.m is not None:
+                tensors[f"{name}.m"] = b.m
         for k, v in b._extra().items():
             if v is not None:
                 tensors[f"{name}.{k}"] = v
@@ -780,6 +821,25 @@ def attach(fls: list, key: str = "", offered: dict | None = None, trusted: bool 
     return info
 
 
+class CodedEmbedding(torch.nn.Embedding):
+    """An embedding table held as block codes (``block``; a slim load's, see models._from_slim):
+    while its weight is unmade (a placeholder) a lookup dequantizes just the rows asked for, the same
+    values F.embedding would read from the made table."""
+
+    block: BlockWeight | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lookup(ids)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> [..., H] float32."""
+        w = self.weight
+        if self.block is None or not (w.numel() > 1 and all(st == 0 for st in w.stride())):
+            return torch.nn.functional.embedding(ids, w)
+        flat = ids.reshape(-1).to(device="cpu", dtype=torch.long)
+        return self.block.rows(flat).dequantize().to(w.device).reshape(*ids.shape, self.block.K)
+
+
 def concat(blocks: list) -> BlockWeight | None:
     """The codes of layers stacked along their outputs (a fused q|k|v), when all have codes of one kind."""
     if not blocks or any(b is None for b in blocks) or len({(b.kind, b.K) for b in blocks}) != 1:
@@ -790,9 +850,25 @@ def concat(blocks: list) -> BlockWeight | None:
     extra = {}
     if all(b.compact for b in blocks) and len({b.imn is None for b in blocks}) == 1:
         extra = {k: torch.cat([b._extra()[k] for b in blocks]) for k, v in b0._extra().items() if v is not None}
-    return BlockWeight(b0.kind, sum(b.N for b in blocks), b0.K, torch.cat([b.qs for b in blocks]),
-                       torch.cat([b.d for b in blocks]),
-                       torch.cat([b.m for b in blocks]) if b0.m is not None else None, b0.numerics, **extra)
+    if not extra or any(b.d is not None for b in blocks):
+        for b in blocks:
+            b.scales()
+    d = None if any(b.d is None for b in blocks) else torch.cat([b.d for b in blocks])
+    m = torch.cat([b.m for b in blocks]) if d is not None and b0.m is not None else None
+    return BlockWeight(b0.kind, sum(b.N for b in blocks), b0.K, torch.cat([b.qs for b in blocks]), d, m,
+                       b0.numerics, **extra)
+
+
+def parts_of(fused: BlockWeight, sizes: list) -> list:
+    """The codes of stacked layers (``concat``'s result) part by part, as views of its tensors (rows
+    n0..n1 of each): the parts then keep no copy of their own."""
+    out, n0 = [], 0
+    for n in sizes:
+        sl = {k: None if t is None else t[n0:n0 + n] for k, t in fused._extra().items()}
+        out.append(BlockWeight(fused.kind, n, fused.K, fused.qs[n0:n0 + n], None if fused.d is None else fused.d[n0:n0 + n],
+                               None if fused.m is None else fused.m[n0:n0 + n], fused.numerics, **sl))
+        n0 += n
+    return out
 
 
 @torch.no_grad()

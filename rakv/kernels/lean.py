@@ -181,7 +181,11 @@ class _Fused(nn.Module):
             if all(c is not None for c in blocks):  # codes: no fp32 copy of the stacked weights
                 # stacked when of one kind; else (a Q4_K_M file's Q4_K q, k and Q6_K v) each its own
                 self._modules.pop("lin", None)
-                self.lin, self.version = _Coded(self.mods, blockq.concat(blocks), b), self._versions()
+                fused = blockq.concat(blocks)
+                if fused is not None:          # the parts' codes become views of the stack (one copy)
+                    for m, part in zip(self.mods, blockq.parts_of(fused, [c.N for c in blocks])):
+                        m.block = part
+                self.lin, self.version = _Coded(self.mods, fused, b), self._versions()
                 return
             w = torch.cat([m.weight.detach() for m in self.mods], 0)
             lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
@@ -555,17 +559,37 @@ class LeanLlama:
         m = torch.ones(n, past + n, dtype=torch.bool).tril(past)
         return m.triu(past - window + 1) if window else m
 
+    def rows_alone(self) -> bool:
+        """q8 numerics: each linear computes a row alone at every row count, so every forward (a
+        prefill, a long verify) runs the steps' own arithmetic too (``forward``): a position's KV
+        and logits then never depend on the rows beside it, and a prefix hit's suffix equals the
+        same positions of a whole prefill, bit for bit."""
+        return bool(getattr(getattr(self.lm_head, "block", None), "all_rows", False))
+
     def own_attention(self, cache, n: int) -> bool:
         """Whether this forward's attention runs ``blockq.attend`` (a decode or verify step on a
         cache it can read: one whose first layer is the lean forward's buffer or a contiguous
         prefill, as every layer's is) instead of torch's SDPA: each row then comes out the same
         whether it is computed alone or among the k + 1 rows of a verify."""
-        if n > blockq.ATTEND_ROWS or self.dtype != torch.float32:     # (the lean forward is CPU-only)
+        alone = self.rows_alone()
+        if (n > blockq.ATTEND_ROWS and not alone) or self.dtype != torch.float32:   # (CPU only)
             return False
         if not cache.layers or not cache.layers[0].is_initialized or cache.layers[0].keys.numel() == 0:
             return False                                             # a first forward: SDPA (a prefill)
         L = cache.layers[0]
-        return blockq.attend_ok(L.keys, L.values, n, self.n_heads, self.n_kv, self.head_dim)
+        return blockq.attend_ok(L.keys, L.values, n, self.n_heads, self.n_kv, self.head_dim, any_rows=alone)
+
+    def _start_empty(self, cache) -> bool:
+        """A first forward under ``rows_alone``: every layer given an empty KV of its shape, so the
+        prefill runs in the C layers, each row as its decode step would (False where they cannot)."""
+        if not self.rows_alone() or self.dtype != torch.float32 or not self.c_layers_on():
+            return False
+        if cache.layers and any(L.is_initialized and L.keys.numel() for L in cache.layers):
+            return False
+        empty = torch.empty(1, self.n_kv, 0, self.head_dim)
+        for i in range(len(self.layers)):
+            cache.update(empty, empty, i)
+        return True
 
     def _attention(self, q, k, v, past: int, n: int, window: int | None, masks: dict) -> torch.Tensor:
         """Torch's attention of q [1, Hq, n, D] over k, v [1, Hk, past + n, D] (a prefill, a long
@@ -678,7 +702,8 @@ class LeanLlama:
         n = ids.shape[1]
         past = cache.get_seq_length()
         self._sync(weights_may_change(past))
-        x = F.embedding(ids, self.embed.weight)                      # [1, n, H]
+        lookup = getattr(self.embed, "lookup", None)                 # a coded table (blockq.CodedEmbedding)
+        x = lookup(ids) if lookup is not None else F.embedding(ids, self.embed.weight)   # [1, n, H]
         if self.embed_scale is not None:                             # Gemma: times sqrt(hidden), as HF
             x = x * self.embed_scale.to(x.dtype)
         ropes = {t: r.at(past, n) for t, r in self.ropes.items()}   # [n, 1, R] (broadcast over heads)
@@ -687,7 +712,7 @@ class LeanLlama:
             ropes = {t: (c[tree.depth], s[tree.depth]) for t, (c, s) in ropes.items()}
         Hq, Hk, D = self.n_heads, self.n_kv, self.head_dim
         sq, sk = Hq * D, Hk * D
-        own_attention = self.own_attention(cache, n)
+        own_attention = self.own_attention(cache, n) or (past == 0 and tree is None and self._start_empty(cache))
         if tree is not None and not own_attention:                   # torch's attention: the tree's masks
             masks = {w: tree.mask(past, w) for w in {L.window for L in self.layers}}
         act = self.act
