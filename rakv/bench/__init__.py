@@ -1,7 +1,7 @@
 """``rakv bench``: every policy and the transformers peers on the same seeded request streams.
 
     rakv bench [--target M] [--draft M]
-               [--workload chat|chat-heldout|conversation|conversation-heldout|wikitext|humaneval|repetitive|mixed|FILE]
+               [--workload chat|chat-heldout|code|code-heldout|conversation|conversation-heldout|wikitext|humaneval|repetitive|mixed|FILE]
                [--policies ...] [--repeats R] [--out DIR] [--quick] [--raw] [--prompts WIKITEXT_FILE]
 
 Writes DIR/executions.csv (one row per timed execution), DIR/candidates.csv (the adaptive
@@ -24,7 +24,7 @@ from rakv import argtypes as A
 from .workloads import ALL_WORKLOADS, WIKITEXT_ENV, WIKITEXT_HELP, WORKLOADS
 
 OUTPUT_FILES = ("executions.csv", "candidates.csv", "summary.md", "meta.json", "profile.json", "latency.png",
-                "predicted_vs_measured.png", "speedup_vs_alpha.png")
+                "predicted_vs_measured.png", "speedup_vs_alpha.png", "llama_cpp.json")
 
 QUICK = dict(buckets="32,128", gens="32", n_prompts=4, repeats=1, k_set="0,2,4")
 # --quick's policies (unless --policies): the baselines, the paper's Joint-k4, the controller and one
@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(ap)
     add_sampling_args(ap, seed_flag="--sample-seed")
     ap.add_argument("--workload", default="chat",
-                    help="chat (default; instruction prompts shipped with rakv) | chat-heldout | conversation "
+                    help="chat (default; instruction prompts shipped with rakv) | chat-heldout | code (code "
+                         "completions and edits shipped with rakv: Python, JavaScript, C, SQL, shell) | code-heldout | "
+                         "conversation "
                          "(multi-turn conversations shipped with rakv; reuse and latency per turn) | "
                          "conversation-heldout | wikitext "
                          "(needs --prompts) | humaneval | repetitive | mixed (needs --prompts) | a prompts FILE; "
@@ -77,6 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="include the transformers peers (hf:assist, hf:confidence, hf:lookup)")
     ap.add_argument("--peer-gguf", default=None, metavar="FILE",
                     help="a GGUF of the target's weights: adds the llama.cpp peer (needs llama-cpp-python)")
+    ap.add_argument("--peer-llama-cpp", action="store_true",
+                    help="add llama.cpp's own tools as peers on the same GGUF files, request by request: "
+                         "llama.cpp:ar (llama-completion, greedy) and llama.cpp:spec:N (llama-speculative-simple "
+                         "with the draft's file); needs a GGUF target (a preset or .gguf) and the tools "
+                         "(bash scripts/build_llama_cpp.sh)")
+    ap.add_argument("--llama-cpp-dir", default=None, metavar="DIR",
+                    help="the folder holding llama-completion (or llama-cli) and llama-speculative-simple "
+                         "(default: the build script's, in the cache dir)")
+    ap.add_argument("--llama-cpp-draft-lengths", default=None, metavar="LIST",
+                    help="llama.cpp:spec:N arms, N = --spec-draft-n-max (default 2,4,8,16)")
     ap.add_argument("--lookup-k", type=A.int_range(1, 64), default=None, help="prompt_lookup_num_tokens (default: max K)")
     ap.add_argument("--budget-mib", type=A.finite_float(0), default=512.0)
     ap.add_argument("--recalibrate", action="store_true", help="measure the cost profile again before running")
@@ -131,6 +143,11 @@ def settings(args) -> dict:
     if why:
         raise ValueError(why)
     check_out(args, s["workloads"])
+    from .llama_cli import configure
+
+    if getattr(args, "peer_llama_cpp", False) and args.temperature:
+        raise ValueError("--peer-llama-cpp runs llama.cpp greedy: use it with --temperature 0")
+    s["llama_cpp"] = configure(args)          # tools and GGUF files found (or one line) before any model loads
     return s
 
 
@@ -170,7 +187,8 @@ def parse_workloads(text: str) -> list[str]:
         raise ValueError("--workload is empty")
     for w in names:
         if w not in ALL_WORKLOADS and not Path(w).is_file():
-            raise ValueError(f"unknown workload {w!r} (chat, chat-heldout, conversation, conversation-heldout, "
+            raise ValueError(f"unknown workload {w!r} (chat, chat-heldout, code, code-heldout, conversation, "
+                             f"conversation-heldout, "
                              f"wikitext, humaneval, repetitive, mixed, or a prompts file)")
     return names
 
@@ -267,6 +285,14 @@ def run(args, argv: list[str]) -> int:
     if args.quick and not s["policies"]:
         names = [n for n in names if n in QUICK_POLICIES]
     arms = parse_arms(names, draft)
+    if s.get("llama_cpp") is not None:
+        from .runner import Arm
+
+        lc = s["llama_cpp"]
+        if lc.draft_gguf is None:
+            log(f"--peer-llama-cpp: the draft {args.draft!r} is no GGUF file, so llama.cpp runs without "
+                "speculation (llama.cpp:ar only)")
+        arms += [Arm(n, peer=True) for n in lc.arm_names()]
     fixed_k = [a.action[1] for a in arms if a.action is not None]
     k_max = max(s["k_set"] + fixed_k + [1])
     lookup_k = args.lookup_k or max(s["k_set"] + [1])
@@ -284,7 +310,7 @@ def run(args, argv: list[str]) -> int:
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     log(f"bench: {len(streams)} streams x {s['n_prompts']} requests x {s['repeats']} repeats x "
         f"{len(arms)} policies ({', '.join(a.name for a in arms)}) -> {out}")
-    ctx = BenchContext(target, draft, config, profile, arms, lookup_k, raw=args.raw)
+    ctx = BenchContext(target, draft, config, profile, arms, lookup_k, raw=args.raw, llama_cpp=s.get("llama_cpp"))
     n_exec, n_bad = run_streams(ctx, streams, s["repeats"], out, show_progress=not args.no_progress,
                                 resume=args.resume)
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
@@ -325,7 +351,20 @@ def run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile=None
                 device=str(next(target.model.parameters()).device), fast=bool(getattr(target, "fast", False)),
                 started=time.strftime("%Y-%m-%dT%H:%M:%S"), elapsed_s=0.0,
                 regime=None if profile is None else regime(profile),
-                sampling=None if sampling is None else sampling.to_dict())
+                sampling=None if sampling is None else sampling.to_dict(),
+                llama_cpp=llama_cpp_meta(s.get("llama_cpp"), args))
+
+
+def llama_cpp_meta(lc, args) -> dict | None:
+    """What the llama.cpp peer ran: its tools, the files, the draft lengths, how the prompt was sent."""
+    if lc is None:
+        return None
+    return dict(tools=str(lc.tools.folder), completion=lc.tools.completion.name, target_gguf=lc.target_gguf,
+                draft_gguf=lc.draft_gguf, draft_lengths=list(lc.draft_lengths) if lc.draft_gguf else [],
+                prompt=("the text of the ids our bench feeds every policy (decoded with the special tokens kept, "
+                        "parsed by llama.cpp), " + ("raw" if args.raw else "through the chat template where "
+                                                    "the workload uses it")),
+                greedy=True)
 
 
 def main(argv: list[str] | None = None) -> int:

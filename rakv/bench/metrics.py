@@ -40,7 +40,7 @@ NUMERIC = {"rep", "index", "bucket", "gen", "prompt_tokens", "order", "latency_m
            "output_tokens", "drafted", "accepted", "rounds", "mean_accept_len", "alpha_req", "hit_tokens",
            "exact_repeat", "reuse", "k", "mean_k", "predicted_ms", "match", "first_diff", "feasible", "chosen",
            "explore_ms", "cpu_share", "alpha_decided", "turn", "previous_tokens",
-           "kept_tokens"}
+           "kept_tokens", "decode_tps", "peer_prompt_tokens", "peer_wall_ms", "text_match"}
 REFS = ("ar", "kv", "joint:4")
 MIN_REPEATS = 3          # executions of every action per request for a de-noised oracle
 

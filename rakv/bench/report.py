@@ -351,6 +351,7 @@ def write_summary(out: Path) -> Path:
     text += "\n## Adaptive against every policy (paired ratios)\n" + adaptive_vs_md(rows)
     text += "\n## Adaptive against the best fixed policy of each workload\n\n" + best_fixed_md(rows)
     text += explore_md(rows)
+    text += llama_cpp_md(rows, out)
     quiet, dropped = M.quiet_rows(rows)
     if dropped:
         text += (f"\n### The same without contended requests\n\n{dropped} of {len({M.key(r) for r in rows})} "
@@ -370,6 +371,73 @@ def write_summary(out: Path) -> Path:
     path = out / "summary.md"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def llama_cpp_table(rows: list[dict]) -> list[dict]:
+    """llama.cpp's arms (--peer-llama-cpp) next to ours: per policy, median tokens/s (end to end and
+    decode only), acceptance (sum accepted / sum drafted), and for each llama.cpp arm the paired
+    median ratios of its tokens/s to our ar's, to our counterpart's (spec:N for llama.cpp:spec:N, ar
+    for llama.cpp:ar) and to our fastest policy's (by median tokens/s)."""
+    from .llama_cli import PREFIX, is_arm
+
+    pols = M.policies_in(rows)
+    theirs = [p for p in pols if is_arm(p)]
+    if not theirs:
+        return []
+    ours = [p for p in pols if not is_arm(p) and p != "llama.cpp" and not p.startswith("hf:")]
+
+    def tps(p):
+        return {M.key(r): r["tokens_per_s"] for r in rows if r["policy"] == p and r["tokens_per_s"]}
+
+    def med(p, col):
+        return M.median(r.get(col) for r in rows if r["policy"] == p and isinstance(r.get(col), (int, float)))
+
+    fastest = max(ours, key=lambda p: med(p, "tokens_per_s") or 0.0) if ours else None
+    out = []
+    for p in ours + theirs:
+        rs = [r for r in rows if r["policy"] == p]
+        dr = sum(r["drafted"] for r in rs if isinstance(r.get("drafted"), (int, float)))
+        ac = sum(r["accepted"] for r in rs if isinstance(r.get("accepted"), (int, float)))
+        t = dict(policy=p, side="llama.cpp" if p in theirs else "rakv", n=len(rs), tokens_per_s=med(p, "tokens_per_s"),
+                 decode_tps=med(p, "decode_tps"), acceptance=ac / dr if dr else None,
+                 prompt_tokens=med(p, "prompt_tokens"), peer_prompt_tokens=med(p, "peer_prompt_tokens"),
+                 text_match=(sum(1 for r in rs if r.get("text_match") == 1) / len(rs)) if p in theirs and rs else None)
+        if p in theirs:
+            mine = p[len(PREFIX):]
+            for name, ref in (("vs_ar", "ar"), ("vs_counterpart", mine if mine in ours else None),
+                              ("vs_fastest", fastest)):
+                a, b = tps(p), tps(ref) if ref else {}
+                t[name] = M.median(a[k] / b[k] for k in a if k in b and b[k])
+                t[name + "_policy"] = ref
+        out.append(t)
+    return out
+
+
+def llama_cpp_md(rows: list[dict], out: Path | None = None) -> str:
+    """The llama.cpp section of summary.md (and llama_cpp.json beside it)."""
+    t = llama_cpp_table(rows)
+    if not t:
+        return ""
+    if out is not None:
+        (out / "llama_cpp.json").write_text(json.dumps(t, indent=1), encoding="utf-8")
+    body = []
+    for p in t:
+        body.append([p["policy"], p["side"], str(p["n"]), fmt(p["tokens_per_s"], 1), fmt(p["decode_tps"], 1),
+                     fmt(p["acceptance"], 0, pct=True),
+                     fmt(p["peer_prompt_tokens"] if p["side"] == "llama.cpp" else p["prompt_tokens"], 0),
+                     fmt(p["text_match"], 0, pct=True),
+                     fmt(p.get("vs_ar"), x=True), fmt(p.get("vs_counterpart"), x=True),
+                     (fmt(p.get("vs_fastest"), x=True) + (f" ({p['vs_fastest_policy']})" if p.get("vs_fastest_policy")
+                                                          else "")) if p["side"] == "llama.cpp" else "-"])
+    return ("\n## llama.cpp on the same files (--peer-llama-cpp)\n\n"
+            "Interleaved with our policies request by request, the same prompts and max new tokens, greedy, the same "
+            "thread count. tok/s: output tokens / (prompt + decode time), llama.cpp's own timings (model loading "
+            "excluded on both sides); decode tok/s: the tokens after the first over the time after it (llama.cpp: "
+            "its eval / decoded lines); acceptance: accepted / drafted; prompt: median prompt tokens as each side "
+            "tokenized it; same text: share of requests where llama.cpp's text and our ar's agree as far as the shorter goes. Ratios: paired "
+            "medians of llama.cpp's tokens/s over ours (> 1: llama.cpp faster).\n\n"
+            + md_table(["policy", "side", "n", "tok/s", "decode tok/s", "acceptance", "prompt", "same text",
+                        "/ our ar", "/ our counterpart", "/ our fastest"], body))
 
 
 def conversation_md(rows: list[dict]) -> str:
@@ -462,7 +530,7 @@ def header_md(rows: list[dict], meta: dict, reg: dict | None = None) -> str:
     n_bad = sum(1 for r in rows if not r["match"])
     kinds = {k: sum(1 for r in rows if r["kind"] == k and r["policy"] == "ar") for k in ("unrelated", "shared", "repeat")}
     lines = ["# rakv bench summary", ""]
-    natural = any(str(w).startswith(("chat", "conversation")) or "/" in str(w) or "." in str(w) for w in meta.get("workloads", []))
+    natural = any(str(w).startswith(("chat", "code", "conversation")) or "/" in str(w) or "." in str(w) for w in meta.get("workloads", []))
     if meta.get("command"):
         lines += [f"Command: `{meta['command']}`", ""]
     lines += [f"- target `{meta.get('target', '?')}`, draft `{meta.get('draft', '?')}`, "
@@ -473,7 +541,7 @@ def header_md(rows: list[dict], meta: dict, reg: dict | None = None) -> str:
               f"generation lengths {meta.get('gens', '?')}; {meta.get('n_prompts', '?')} requests per stream; "
               f"repeats {meta.get('repeats', '?')}; seed {meta.get('seed', '?')}"
               + (f"; chat prompts {'through the chat template' if meta['chat_template'] else 'raw'}"
-                 if "chat_template" in meta and any(str(w).startswith(("chat", "conversation"))
+                 if "chat_template" in meta and any(str(w).startswith(("chat", "code", "conversation"))
                                                     for w in meta.get("workloads", []))
                  else ""),
               f"- requests per kind (per repeat x stream): unrelated {kinds['unrelated']}, shared context "

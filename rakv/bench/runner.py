@@ -26,6 +26,7 @@ from rakv.engine import Engine
 from rakv.gate import judged
 from rakv.records import Decision, Round
 
+from .llama_cli import is_arm as is_llama_arm
 from .peers import DEFAULT_PEERS, PEERS, LlamaCppPeer, peer_available, run_peer
 from .workloads import Request, TurnBuilder
 
@@ -38,6 +39,7 @@ EXEC_COLUMNS = [
     "mean_accept_len", "alpha_req", "hit_tokens", "exact_repeat", "reuse", "k", "mean_k", "predicted_ms",
     "match", "first_diff", "stopped", "explore_ms", "cpu_share", "gate_stops", "gate_tokens", "lookup_drafted", "lookup_accepted",
     "alpha_decided", "turn", "ids_from", "previous_tokens", "kept_tokens",
+    "decode_tps", "peer_prompt_tokens", "peer_wall_ms", "text_match",
 ]
 GATE_ARMS = ("adaptive:gate", "adaptive:nogate")     # per request, with / without the confidence gate
 ADAPTIVE_ARMS = ("adaptive", "adaptive:request", "adaptive:round") + GATE_ARMS
@@ -197,7 +199,7 @@ def run_engine(slot: Slot, req: Request) -> tuple[dict, list[dict]]:
                mean_k=round(sum(r.k for r in rounds) / len(rounds), 3) if rounds else 0,
                predicted_ms="" if end.predicted_ms is None else round(end.predicted_ms, 3),
                stopped=end.stopped, explore_ms=round(end.explore_ms, 3), _ids=end.output_ids,
-               **gate_columns(rounds))
+               decode_tps=decode_tps(len(end.output_ids), end.latency_ms, end.ttft_ms), **gate_columns(rounds))
     cands = []
     dec = slot.collector.decision
     if slot.arm.policy.startswith("adaptive") and dec is not None:
@@ -220,6 +222,43 @@ def run_peer_slot(slot: Slot, req: Request, target, draft, lookup_k: int, sampli
                exact_repeat=0, reuse=0, k="", mean_k="", predicted_ms="",
                stopped="eos" if n < req.gen else "max_new_tokens", _ids=res.output_ids)
     return row, []
+
+
+def decode_tps(n: int, latency_ms: float, ttft_ms: float | None):
+    """Tokens after the first over the time after the first: the decode rate, prompt excluded."""
+    if ttft_ms is None or n < 2 or latency_ms <= ttft_ms:
+        return ""
+    return round((n - 1) / ((latency_ms - ttft_ms) / 1e3), 3)
+
+
+def run_llama_slot(slot: Slot, req: Request, ctx: "BenchContext") -> tuple[dict, list[dict]]:
+    """One llama.cpp tool run (rakv.bench.llama_cli) on the request's text, the same max new tokens."""
+    import torch
+
+    tok = ctx.target.tokenizer
+    prompt = tok.decode(list(req.ids), skip_special_tokens=False)
+    res = ctx.llama_cpp.run(slot.arm.name, prompt, req.gen, torch.get_num_threads())
+    ids = list(tok(res.text, add_special_tokens=False)["input_ids"]) if res.text else []
+    n = res.output_tokens if res.output_tokens is not None else len(ids)
+    row = dict(latency_ms=round(res.latency_ms, 3), ttft_ms="" if res.ttft_ms is None else round(res.ttft_ms, 3),
+               tokens_per_s=round(n / (res.latency_ms / 1e3), 3) if res.latency_ms else 0.0, output_tokens=n,
+               drafted="" if res.drafted is None else res.drafted, accepted="" if res.accepted is None else res.accepted,
+               rounds="", mean_accept_len="",
+               alpha_req=round(res.accepted / res.drafted, 4) if res.drafted else "", hit_tokens=0,
+               exact_repeat=0, reuse=0, k="", mean_k="", predicted_ms="",
+               stopped="eos" if n < req.gen else "max_new_tokens", _ids=ids, _text=res.text,
+               decode_tps=round(res.decode_tps, 3), peer_prompt_tokens=res.prompt_tokens,
+               peer_wall_ms=round(res.wall_ms, 1))
+    return row, []
+
+
+def same_text(theirs: str, ours: str) -> bool:
+    """Do two outputs agree as far as the shorter goes? (llama-speculative-simple can run past N, and
+    either side may stop at an end of generation first.)"""
+    a, b = (theirs or "").strip(), (ours or "").strip()
+    if not a or not b:
+        return a == b
+    return a.startswith(b) or b.startswith(a)
 
 
 def turn_columns(req: Request) -> dict:
@@ -291,6 +330,7 @@ class BenchContext:
     arms: list[Arm]
     lookup_k: int
     raw: bool = False          # chat and conversation workloads: without the chat template
+    llama_cpp: object = None   # rakv.bench.llama_cli.LlamaCppCli: llama.cpp's tools as arms (--peer-llama-cpp)
 
 
 NOT_COMPARED = -1    # "match" of an arm that is exact in distribution only (rejection verify, a sampling peer)
@@ -336,7 +376,9 @@ def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, ce
     rows, cands = [], []
     for pos, slot in enumerate(slots[i] for i in arm_order(len(slots), req.index, rep)):
         c0, w0 = cpu_clock(), now()
-        if slot.arm.peer:
+        if slot.arm.peer and is_llama_arm(slot.arm.name):
+            row, cc = run_llama_slot(slot, req, ctx)
+        elif slot.arm.peer:
             row, cc = run_peer_slot(slot, req, ctx.target, ctx.draft, ctx.lookup_k, ctx.config.sampling)
         else:
             row, cc = run_engine(slot, req)
@@ -344,6 +386,8 @@ def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, ce
         # the main thread's CPU time over wall time: ~1 on a quiet machine (it computes or spins
         # through every forward); lower when another process took the CPU during this execution
         row["cpu_share"] = round(min(1.0, (cpu_clock() - c0) / wall), 3) if wall > 0 else ""
+        if slot.arm.peer and is_llama_arm(slot.arm.name):
+            row["cpu_share"] = ""          # another process computes: this thread's share says nothing
         base = dict(rep=rep, cell=cell, index=req.index, workload=req.workload, kind=req.kind,
                     context_id=req.context_id, bucket=req.bucket, gen=req.gen, prompt_tokens=len(req.ids),
                     policy=slot.arm.name, order=pos, turn=req.turn, **turn_columns(req))
@@ -353,11 +397,16 @@ def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, ce
             progress.tick(f"{cell} #{req.index} {slot.arm.name}")
     ref = next(r["_ids"] for r in rows if r["policy"] == "ar")
     peers = {s.arm.name for s in slots if s.arm.peer}
+    ref_text = None
     for r in rows:
         d = first_diff(r["_ids"], ref)
         r["match"], r["first_diff"] = int(d < 0), ("" if d < 0 else d)
         if not token_exact(ctx.config.sampling, r["policy"] in peers, getattr(ctx.target, "numerics", "fp32")):
             r["match"] = NOT_COMPARED
+        if is_llama_arm(r["policy"]):      # another program's arithmetic: its text is compared, not counted
+            if ref_text is None:
+                ref_text = ctx.target.tokenizer.decode(ref, skip_special_tokens=True).strip()
+            r["match"], r["text_match"] = NOT_COMPARED, int(same_text(r.get("_text", ""), ref_text))
     rows.sort(key=lambda r: [s.arm.name for s in slots].index(r["policy"]))
     return rows, cands
 

@@ -28,6 +28,9 @@ chat template (unless raw), so every request shares the template's system prefix
 unrelated = a fresh instruction (it hits the template's prefix only), shared = an earlier
 instruction with a follow-up sentence appended (it also reuses that instruction's tokens),
 repeat = an exact repeat. Their ``bucket`` is 0 (natural length).
+The code workloads (``code``, ``code-heldout``) are chat workloads of code prompts: completions (a
+function's signature and docstring to finish) and edits (a function and a change to make), in Python,
+JavaScript, C, SQL and shell; a shared request appends a code follow-up (``CODE_FOLLOW_UPS``).
 Everything is deterministic given the seed.
 """
 
@@ -41,12 +44,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WORKLOADS = ("wikitext", "humaneval", "repetitive")       # bucketed sources (``mixed`` draws from these)
-CHAT_WORKLOADS = ("chat", "chat-heldout")                # shipped instruction prompts, chat-templated
+CODE_WORKLOADS = ("code", "code-heldout")                # shipped code completions and edits, chat-templated
+CHAT_WORKLOADS = ("chat", "chat-heldout") + CODE_WORKLOADS   # shipped instruction prompts, chat-templated
 CONVERSATION_WORKLOADS = ("conversation", "conversation-heldout")   # shipped multi-turn conversations
 ALL_WORKLOADS = WORKLOADS + CHAT_WORKLOADS + CONVERSATION_WORKLOADS + ("mixed",)
 KIND_WEIGHTS = {"unrelated": 0.4, "shared": 0.4, "repeat": 0.2}
 DATA_DIR = Path(__file__).resolve().parent / "data"
-CHAT_FILES = {"chat": DATA_DIR / "chat.jsonl", "chat-heldout": DATA_DIR / "chat_heldout.jsonl"}
+CHAT_FILES = {"chat": DATA_DIR / "chat.jsonl", "chat-heldout": DATA_DIR / "chat_heldout.jsonl",
+              "code": DATA_DIR / "code.jsonl", "code-heldout": DATA_DIR / "code_heldout.jsonl"}
 CONVERSATION_FILES = {"conversation": DATA_DIR / "conversation.jsonl",
                       "conversation-heldout": DATA_DIR / "conversation_heldout.jsonl"}
 MIN_CONTEXT_CHARS = 3000
@@ -220,6 +225,21 @@ FOLLOW_UPS = [
 ]
 
 
+# the same for the code workloads: a change asked of the same code
+CODE_FOLLOW_UPS = [
+    " Add one short comment to the code.",
+    " Also handle invalid input.",
+    " Keep it as short as you can.",
+    " Then show one example call.",
+    " Use descriptive variable names.",
+]
+
+
+def follow_ups(name: str) -> list[str]:
+    """The follow-up sentences a workload's shared requests append."""
+    return CODE_FOLLOW_UPS if name in CODE_WORKLOADS else FOLLOW_UPS
+
+
 def conversations(name: str = "conversation") -> list[list[str]]:
     """The shipped conversations of a conversation workload: each a list of user messages."""
     return [r["turns"] for r in _shipped(CONVERSATION_FILES[name], f"the {name} conversations", "reinstall rakv")]
@@ -304,10 +324,11 @@ def chat_stream(prompts: list[str], tokenizer, n: int, gen: int, seed: int, raw:
             continue
         if kind == "shared":
             base = rng.choice(sorted(used))
-            free = [x for x in range(len(FOLLOW_UPS)) if x not in used[base]]
-            f = rng.choice(free or list(range(len(FOLLOW_UPS))))
+            more = follow_ups(name)
+            free = [x for x in range(len(more)) if x not in used[base]]
+            f = rng.choice(free or list(range(len(more))))
             used[base].add(f)
-            text = prompts[base] + FOLLOW_UPS[f]
+            text = prompts[base].rstrip("\n") + "\n\n" + more[f].strip() if name in CODE_WORKLOADS else prompts[base] + more[f]
         else:
             if not fresh:
                 fresh = rng.sample(range(len(prompts)), len(prompts))
