@@ -559,8 +559,8 @@ class Handler(BaseHTTPRequestHandler):
             if not sse.started:
                 raise
             sse.send(e.body())            # the stream had begun: the error is its last event
-            sse.done()
             self._log(e.status, e.message)
+            sse.done()
             return
         use = api.usage(res.end.prompt_tokens, len(res.end.output_ids))
         self.note = "stream; " + _summary(res)
@@ -568,10 +568,13 @@ class Handler(BaseHTTPRequestHandler):
             sse.begin()
         try:
             sse.send(api.chunk(ask, rid, model, None, finish=res.finish, usage=use, rakv=res.rakv))
-            sse.done()
         except OSError:
             self.note += "; the client went away"
-        self._log(200, self.note)
+        self._log(200, self.note)         # before [DONE]: a client that saw the end finds its line
+        try:
+            sse.done()
+        except OSError:
+            pass
 
     # ---------------------------------------------------------------- reading and writing
     def _body(self):
@@ -601,10 +604,10 @@ class Handler(BaseHTTPRequestHandler):
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
+        if log:                  # before the body: a client that has its answer has its log line too
+            self._log(status, self.note)
         self.wfile.write(data)
         self.wfile.flush()
-        if log:
-            self._log(status, self.note)
 
     def _error(self, e: ApiError) -> None:
         try:
