@@ -1293,20 +1293,9 @@ def _quantized(target: LoadedModel) -> torch.nn.Module:
 
 def _save_int8(q: torch.nn.Module, path: Path) -> None:
     """The quantized state dict, atomically (a temp file in the same dir, then os.replace)."""
-    import tempfile
+    from .paths import replace_atomic
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(q.state_dict(), tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    replace_atomic(path, lambda tmp: torch.save(q.state_dict(), tmp))
 
 
 def _load_int8(target: LoadedModel, path: Path) -> torch.nn.Module:

@@ -12,12 +12,14 @@ import tempfile
 from pathlib import Path
 
 
-def write_atomic(path: Path, text: str) -> None:
+def replace_atomic(path: Path, fill) -> None:
+    """``fill(tmp)`` writes a temporary file beside ``path``, which then replaces ``path`` whole
+    (a reader never sees it half-written; on any error the temporary file is removed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        fill(tmp)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -25,6 +27,10 @@ def write_atomic(path: Path, text: str) -> None:
         except OSError:
             pass
         raise
+
+
+def write_atomic(path: Path, text: str) -> None:
+    replace_atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def env_on(name: str) -> bool:
