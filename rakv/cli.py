@@ -47,6 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the 'measure every action' rows go (default: OUT.oracle.csv beside --csv, "
                         "written only when the recording has oracle measurements)")
 
+    v = sub.add_parser("advise", help="the speculative_config a serving engine's cost profile supports")
+    v.add_argument("--engine", choices=["vllm"], default="vllm")
+    v.add_argument("--profile", required=True,
+                   help="a vLLM cost profile (python -m rakv.integrations.vllm_run calibrate; docs/vllm.md)")
+    v.add_argument("--alpha", type=A.finite_float(0), default=None, help="the workload's per-token acceptance")
+    v.add_argument("--metrics", default=None,
+                   help="a vLLM server's URL or a saved /metrics text: the acceptance it measured")
+    v.add_argument("--k-max", type=A.int_range(1, 64), default=8)
+    v.add_argument("--json", action="store_true")
+
     b = sub.add_parser("bench", help="benchmark policies (see rakv bench --help)", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)
     return ap
@@ -571,7 +581,20 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     quiet_libs()
     return _guard(lambda: {"generate": cmd_generate, "chat": cmd_chat, "calibrate": cmd_calibrate,
-                                "replay": cmd_replay, "serve": cmd_serve}[args.cmd](args))
+                                "replay": cmd_replay, "serve": cmd_serve, "advise": cmd_advise}[args.cmd](args))
+
+
+def cmd_advise(args) -> int:
+    from .integrations.vllm_advise import advise, format_text
+
+    if args.alpha is not None and args.alpha > 1:
+        raise CliError("--alpha is a per-token acceptance in [0, 1]")
+    try:
+        a = advise(args.profile, args.alpha, args.metrics, args.k_max)
+    except (KeyError, json.JSONDecodeError) as e:
+        raise CliError(f"{args.profile} is not a vLLM cost profile ({e})") from None
+    print(json.dumps(a) if args.json else format_text(a))
+    return 0
 
 
 def cmd_serve(args) -> int:

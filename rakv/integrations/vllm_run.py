@@ -129,7 +129,7 @@ def workload(n_copy: int = 5, n_chat: int = 5, tokenizer=None) -> list[dict]:
     from rakv.bench import workloads as W
 
     src = W.repetitive_source(0)
-    copies = [src.docs[i] + src.instructions[i % len(src.instructions)] for i in range(n_copy)]
+    copies = [src.contexts[i] + src.suffixes[i % len(src.suffixes)] for i in range(n_copy)]
     chats = W.chat_prompts("chat-heldout")[:n_chat]
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         chats = [tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
