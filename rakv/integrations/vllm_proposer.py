@@ -24,9 +24,9 @@ this is the controller's crossover: a request drafts k > 0 only where alpha > al
 smallest alpha with V(k) / E_k(alpha) <= t (``alpha_star``). k = 0 costs nothing: no draft, no
 verify rows.
 
-Costs come from a profile measured on the vLLM engine itself (``calibrate``: vLLM steps that
-verify k = 0..K rejected drafts, batch 1), named by the environment variable ``RAKV_VLLM_PROFILE``
-(a JSON file; the engine's worker processes inherit it). Without one a neutral CPU-like default is
+Costs come from a profile measured on the vLLM engine itself (``rakv.integrations.vllm_run
+calibrate``: vLLM steps that verify k = 0..K rejected drafts, batch 1), named by the environment
+variable ``RAKV_VLLM_PROFILE`` (a JSON file; the engine's worker processes inherit it). Without one a neutral CPU-like default is
 used (V(k) = t (1 + 0.08 k)) and a warning is logged.
 
 vLLM is imported lazily: ``rakv`` imports without it, and this module imports without it too.
@@ -48,7 +48,7 @@ log = logging.getLogger("rakv.vllm")
 
 PROFILE_ENV = "RAKV_VLLM_PROFILE"     # the cost profile (JSON) the proposer reads
 STATS_ENV = "RAKV_VLLM_STATS"         # where the proposer writes its counters (JSON), if set
-CONTROL_ENV = "RAKV_VLLM_CONTROL"     # calibration: a file holding the k the JunkProposer drafts
+CONTROL_ENV = "RAKV_VLLM_CONTROL"     # measurement: the file naming the SwitchProposer's arm
 FP_TOKENS = 32                        # a request is recognised by its first tokens and its length
 STATS_EVERY = 32                      # steps between two writes of the counters
 DEFAULT_V_SLOPE = 0.08                # no profile: V(k) = t (1 + DEFAULT_V_SLOPE k)
@@ -178,8 +178,6 @@ class RakvProposer:
         rq = self._reqs.get((row[: min(before, FP_TOKENS)].tobytes(), before))
         if rq is None:                       # a new request (or one that waited a step: it starts over)
             self.counts["requests"] += 1
-            if os.environ.get("RAKV_VLLM_DEBUG"):
-                log.warning("new request: n=%d sampled=%d known=%s", n, n_sampled, [k[1] for k in self._reqs])
             rq = _Req(n=n)
         return rq
 
