@@ -57,6 +57,15 @@ def switch_spec(k_max: int) -> dict:
     return speculative_config(k_max, cls="SwitchProposer")
 
 
+def _control_path() -> str:
+    """The control file's path, in the environment before the engine starts (its workers inherit it)."""
+    if not os.environ.get("RAKV_VLLM_CONTROL"):
+        fd, path = tempfile.mkstemp(prefix="rakv-vllm-ctl-")
+        os.close(fd)
+        os.environ["RAKV_VLLM_CONTROL"] = path
+    return os.environ["RAKV_VLLM_CONTROL"]
+
+
 class Switch:
     """The control file SwitchProposer reads."""
 
@@ -97,7 +106,7 @@ def calibrate(target: str, ks=(0, 1, 2, 4, 8), tokens: int = 32, repeats: int = 
     over k; per k the median over repeats of (ms for 1 + tokens outputs - ms for 1) / tokens."""
     import vllm
 
-    ctl = Switch(os.environ.setdefault("RAKV_VLLM_CONTROL", tempfile.mktemp(prefix="rakv-vllm-ctl-")))
+    ctl = Switch(_control_path())
     ctl.set("plain")
     llm = make_llm(target, switch_spec(max(ks)))
     prompt = prompt or ("The following is a short story about a lighthouse keeper who finds a message "
@@ -150,7 +159,7 @@ def bench(target: str, arms=ARMS, repeats: int = 2, max_tokens: int = 96, n_copy
           k_max: int = 8, separate: str | None = None, log=print) -> dict:
     """Every prompt through every arm, arms interleaved per prompt (order rotated), ``repeats``
     times; per (arm, prompt) the median wall and CPU seconds and the output ids."""
-    ctl = Switch(os.environ.setdefault("RAKV_VLLM_CONTROL", tempfile.mktemp(prefix="rakv-vllm-ctl-")))
+    ctl = Switch(_control_path())
     ctl.set("plain")
     if separate:       # one arm, on an engine configured as a user would
         arms = (separate,)
