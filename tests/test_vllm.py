@@ -111,6 +111,19 @@ def test_requests_are_tracked_across_rows():
     assert p.counts["requests"] == 2              # both recognised, none counted as new
 
 
+def test_identical_requests_keep_one_state_each():
+    p = VP.RakvProposer(k_max=4, max_model_len=256, profile=PROFILE)
+    a = [1, 2, 3, 4, 1, 2]
+    rows = np.zeros((2, 256), dtype=np.int32)
+    rows[0, :6] = rows[1, :6] = a
+    d = p.propose([[2], [2]], np.array([6, 6]), rows)
+    assert d[0] == d[1] and d[0]
+    rows[0, 6:6 + len(d[0]) + 1] = rows[1, 6:6 + len(d[0]) + 1] = d[0] + [9]
+    n = 6 + len(d[0]) + 1
+    p.propose([d[0] + [9], d[1] + [9]], np.array([n, n]), rows)
+    assert p.counts["requests"] == 2 and p.counts["accepted"] == 2 * len(d[0])
+
+
 # ---------------------------------------------------------------------------------- with vLLM
 def _vllm_python() -> str | None:
     exe = os.environ.get("RAKV_VLLM_PYTHON")

@@ -135,7 +135,7 @@ class RakvProposer:
         self.V = verify_costs(profile, self.k_max)
         self.alpha_star = alpha_star(self.V)
         self.lookup_map = AcceptMap(LOOKUP_ALPHA)
-        self._reqs: dict[tuple, _Req] = {}
+        self._reqs: dict[tuple, list[_Req]] = {}     # (first ids, length) -> the requests there
         self.steps = 0
         self.counts = {"rows": 0, "proposed_rows": 0, "drafted": 0, "accepted": 0, "judged": 0,
                        "k_hist": {}, "requests": 0, "propose_ms": 0.0}
@@ -150,7 +150,7 @@ class RakvProposer:
                 **kwargs) -> list[list[int]]:
         t0 = time.perf_counter()
         out: list[list[int]] = []
-        seen: dict[tuple, _Req] = {}
+        seen: dict[tuple, list[_Req]] = {}
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
             if not sampled:                  # a prefill chunk still running: nothing sampled, no draft
@@ -161,7 +161,7 @@ class RakvProposer:
             self._tell(rq, len(sampled) - 1)
             drafts = self._decide(rq, row, n)
             rq.n = n
-            seen[(row[: min(n, FP_TOKENS)].tobytes(), n)] = rq
+            seen.setdefault((row[: min(n, FP_TOKENS)].tobytes(), n), []).append(rq)
             out.append(drafts)
         self._reqs = seen                    # requests not in this step have finished (or wait)
         self.steps += 1
@@ -175,7 +175,8 @@ class RakvProposer:
     # ------------------------------------------------------------------ one request
     def _request(self, row, n: int, n_sampled: int) -> _Req:
         before = n - n_sampled              # its length when the last step proposed for it
-        rq = self._reqs.get((row[: min(before, FP_TOKENS)].tobytes(), before))
+        same = self._reqs.get((row[: min(before, FP_TOKENS)].tobytes(), before))
+        rq = same.pop(0) if same else None   # (identical requests side by side: one state each)
         if rq is None:                       # a new request (or one that waited a step: it starts over)
             self.counts["requests"] += 1
             rq = _Req(n=n)
