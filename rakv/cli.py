@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.add_argument("--check", action="store_true",
                    help="measure a few terms now and print how far the saved profile is from them")
+    c.add_argument("--engine", choices=["rakv", "vllm"], default="rakv",
+                   help="vllm: time a vLLM engine's steps (batch 1, eager; --target a model folder vLLM "
+                        "loads) and write a profile for its RAKV proposer (docs/vllm.md)")
+    c.add_argument("--out", default=None, help="--engine vllm: the profile's path (default vllm-profile.json)")
+    c.add_argument("--vllm-k", default="0,1,2,4,8", help="--engine vllm: the k timed")
+    c.add_argument("--tokens", type=A.int_range(2, 4096), default=32, help="--engine vllm: steps a repeat")
+    c.add_argument("--repeats", type=A.int_range(1, 100), default=3, help="--engine vllm: repeats per k")
 
     r = sub.add_parser("replay", help="derive a timing CSV from a recording")
     r.add_argument("file")
@@ -472,6 +479,8 @@ class stop_on_interrupt:
 
 
 def cmd_calibrate(args) -> int:
+    if args.engine == "vllm":
+        return cmd_calibrate_vllm(args)
     config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, threads=args.threads,
                         numerics=args.numerics, **device_kw(args))
     target, draft = load_pair(args, config)
@@ -489,6 +498,33 @@ def cmd_calibrate(args) -> int:
               f"largest spread {max(q.get('spread', {0: 0}).values()):.2f}"
               + (f"; CONTENDED: {'; '.join(q.get('reasons', []))}" if q.get("contended") else "; clean"))
     return 0
+
+
+def cmd_calibrate_vllm(args) -> int:
+    """`rakv calibrate --engine vllm`: in this Python if it has vLLM, else in RAKV_VLLM_PYTHON's."""
+    import importlib.util
+    import os
+    import subprocess
+
+    if args.target == "demo":
+        raise CliError("--engine vllm needs --target: a model folder vLLM loads (docs/vllm.md: the demo "
+                       "model as a vLLM folder)")
+    try:
+        ks = sorted({int(x) for x in args.vllm_k.split(",")} | {0})
+    except ValueError:
+        raise CliError(f"--vllm-k must be integers, e.g. 0,1,2,4,8, not {args.vllm_k!r}") from None
+    out = args.out or "vllm-profile.json"
+    argv = ["calibrate", "--target", args.target, "--out", out, "--k", ",".join(map(str, ks)),
+            "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+    if importlib.util.find_spec("vllm") is not None:
+        from .integrations.vllm_run import main as vllm_main
+
+        return vllm_main(argv)
+    exe = os.environ.get("RAKV_VLLM_PYTHON")
+    if not exe:
+        raise CliError("vLLM is not importable here: install its CPU build in its own venv (docs/vllm.md) "
+                       "and run this with that venv's rakv, or set RAKV_VLLM_PYTHON to its python")
+    return subprocess.run([exe, "-m", "rakv.integrations.vllm_run", *argv]).returncode
 
 
 def calibrate_check(target, draft, as_json: bool) -> int:

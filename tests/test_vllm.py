@@ -148,9 +148,12 @@ E2E = textwrap.dedent('''
         LlamaForCausalLM(cfg).save_pretrained(d)
         tiny_tokenizer().save_pretrained(d)
         from vllm import LLM, SamplingParams
+        from rakv.cli import main as rakv_main
         from rakv.integrations.vllm_advise import advise
         prof = os.path.join(os.path.dirname(out), "profile.json")
-        json.dump({"t_ms": 60.0, "V_ms": {"1": 62.0, "2": 64.0, "4": 68.0, "8": 76.0}}, open(prof, "w"))
+        os.environ["RAKV_VLLM_MEM"] = "0.05"
+        assert rakv_main(["calibrate", "--engine", "vllm", "--target", d, "--out", prof, "--tokens", "8",
+                          "--repeats", "1"]) == 0     # this engine's own costs
         a = advise(prof, alpha=0.5)              # `rakv advise --engine vllm`'s configs, used as they are
         os.environ.update(a["rakv"]["env"])       # (vLLM's engine processes inherit it)
         prompts = [CORPUS[1] + CORPUS[1][:20], CORPUS[0], "alpha beta gamma alpha beta", CORPUS[3]]
@@ -168,6 +171,7 @@ E2E = textwrap.dedent('''
             res[arm + "_metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
                                      if m.name.startswith("vllm:spec_decode_num")}
             del llm
+        res["profile"] = json.load(open(prof))
         json.dump(res, open(out, "w"))
     if __name__ == "__main__":
         main()
@@ -189,6 +193,8 @@ def test_vllm_greedy_ids_equal_plain(tmp_path):
                        env=env, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(out.read_text())
+    p = res["profile"]                                     # `rakv calibrate --engine vllm` measured it
+    assert p["engine"] == "vllm" and p["t_ms"] > 0 and sorted(p["V_ms"]) == ["1", "2", "4", "8"]
     assert res["rakv"] == res["plain"]                     # batched: exact by vLLM's own verification
     assert res["rakv_one"] == res["plain_one"]             # batch 1
     assert res["ngram"] == res["plain"]                    # advise's fixed n-gram config: accepted, exact
@@ -196,6 +202,19 @@ def test_vllm_greedy_ids_equal_plain(tmp_path):
     m = res["rakv_metrics"]
     assert m.get("vllm:spec_decode_num_draft_tokens", 0) > 0      # it did speculate ...
     assert m.get("vllm:spec_decode_num_accepted_tokens", 0) > 0   # ... and vLLM accepted some
+
+
+def test_calibrate_engine_vllm_without_vllm(tmp_path, capsys, monkeypatch):
+    from rakv.cli import main
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is importable here: the error path cannot be seen")
+    monkeypatch.delenv("RAKV_VLLM_PYTHON", raising=False)
+    assert main(["calibrate", "--engine", "vllm", "--target", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "vLLM is not importable here" in err and "RAKV_VLLM_PYTHON" in err and len(err.splitlines()) == 1
+    assert main(["calibrate", "--engine", "vllm"]) == 2                    # the demo name is not a vLLM folder
+    assert "needs --target" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------- rakv advise --engine vllm

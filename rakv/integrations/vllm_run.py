@@ -39,9 +39,19 @@ def _cpu_s() -> float:
     return tot
 
 
-def make_llm(target: str, spec: dict | None, max_model_len: int = 2048, mem: float = 0.2, block_size=None):
+def make_llm(target: str, spec: dict | None, max_model_len: int = 2048, mem: float | None = None, block_size=None):
+    """An eager fp32 engine; max_model_len at most the model's own (config.json), ``mem`` the share
+    of host memory vLLM's CPU backend reserves (default RAKV_VLLM_MEM, else 0.2)."""
     from vllm import LLM
 
+    try:
+        with open(os.path.join(target, "config.json")) as f:
+            own = json.load(f).get("max_position_embeddings")
+        if own:
+            max_model_len = min(max_model_len, int(own))
+    except (OSError, ValueError):
+        pass
+    mem = float(os.environ.get("RAKV_VLLM_MEM", 0.2)) if mem is None else mem
     kw = dict(model=target, enforce_eager=True, max_model_len=max_model_len, dtype="float32", seed=0,
               gpu_memory_utilization=mem, disable_log_stats=False)
     if block_size:
