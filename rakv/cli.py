@@ -627,8 +627,8 @@ def cmd_advise(args) -> int:
         raise CliError("--alpha is a per-token acceptance in [0, 1]")
     try:
         a = advise(args.profile, args.alpha, args.metrics, args.k_max)
-    except (KeyError, json.JSONDecodeError) as e:
-        raise CliError(f"{args.profile} is not a vLLM cost profile ({e})") from None
+    except (KeyError, TypeError, AttributeError, ValueError) as e:     # (JSONDecodeError is a ValueError)
+        raise CliError(f"{args.profile} is not a vLLM cost profile ({type(e).__name__}: {e})") from None
     print(json.dumps(a) if args.json else format_text(a))
     return 0
 
