@@ -98,6 +98,8 @@ def best_fixed_k(V: list[float], alpha: float, ks=None) -> tuple[int, dict]:
 
 def advise(profile_path: str, alpha: float | None = None, metrics: str | None = None, k_max: int = 8) -> dict:
     prof = load_profile(profile_path)
+    if not isinstance(prof, dict) or "t_ms" not in prof:
+        raise ValueError("it has no t_ms")
     V = verify_costs(prof, k_max)
     out = {"engine": "vllm", "profile": os.path.abspath(profile_path), "t_ms": round(V[0], 3),
            "V_ms": {str(k): round(v, 3) for k, v in enumerate(V) if k},
