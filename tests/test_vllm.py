@@ -264,6 +264,7 @@ def test_advise_cli(tmp_path, capsys):
     assert main(["advise", "--profile", str(prof), "--alpha", "0.5"]) == 0
     assert "alpha*(k)" in capsys.readouterr().out
     assert main(["advise", "--profile", str(tmp_path / "missing.json")]) == 2
+    assert len(capsys.readouterr().err.splitlines()) == 1
     for bad in ("[1, 2]", "{}", '{"t_ms": "fast"}', "not json", '{"t_ms": 1, "V_ms": [1]}'):
         prof.write_text(bad)
         assert main(["advise", "--profile", str(prof)]) == 2         # one line, no traceback
