@@ -660,8 +660,9 @@ def _from_slim(folder: Path, spec: str, weights: bool):
         _set_weight(m, b, weights)
     if weights and getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()                                # made twice from one code: one tensor again
+    state = model.state_dict(keep_vars=True)              # (once: not per missing key)
     left = sorted(k for k in missing if k not in tied_to_rest and k.rsplit(".", 1)[0] not in codes
-                  and k in model.state_dict())
+                  and k in state)
     if left or unexpected:
         raise ModelError(f"cannot load model {spec!r}: its slim copy "
                          f"{'lacks ' + left[0] if left else 'has an unknown tensor ' + sorted(unexpected)[0]}")
