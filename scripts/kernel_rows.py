@@ -16,6 +16,7 @@ the logits (bits, argmax, largest difference).
     .venv/bin/python scripts/kernel_rows.py                       # HEAD against the working tree
     .venv/bin/python scripts/kernel_rows.py --old REV --rows 1,8,32 --reps 9 --threads 2 --json
     .venv/bin/python scripts/kernel_rows.py --steps --reps 15 --threads 2 --ctx 128,512,2000
+    .venv/bin/python scripts/kernel_rows.py --steps --target qwen-coder-1.5b --numerics q8 --ks 1,4,8
 """
 from __future__ import annotations
 
@@ -103,13 +104,14 @@ def use(lib, blocks: list) -> None:
         b._fn = lib.rakv_linear
 
 
-def demo_model():
-    """The demo model on the fast path and its block-coded weights (the libraries swap under them)."""
+def demo_model(target: str = "demo", numerics: str = "fp32"):
+    """A model (default the demo) on the fast path and its block-coded weights (the libraries swap
+    under them)."""
     import gc
 
     from rakv.models import load_model
 
-    lm = load_model("demo", "float32", None, "cpu", fast=True)
+    lm = load_model(target, "float32", None, "cpu", fast=True, numerics=numerics)
     return lm, [o for o in gc.get_objects() if isinstance(o, blockq.BlockWeight)]
 
 
@@ -174,6 +176,9 @@ def main() -> int:
     ap.add_argument("--layers", default=",".join(SHAPES))
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--steps", action="store_true", help="whole forwards of the demo model instead")
+    ap.add_argument("--target", default="demo", help="--steps: the model (a preset, GGUF or folder)")
+    ap.add_argument("--numerics", default="fp32", choices=["fp32", "q8"], help="--steps: its numerics")
+    ap.add_argument("--ks", default="1,2,4,8,16", help="--steps: the verify sizes k (k + 1 rows)")
     ap.add_argument("--ctx", default="128", help="--steps: the context lengths the steps run at (comma list)")
     a = ap.parse_args()
     old_src = subprocess.run(["git", "show", f"{a.old}:rakv/kernels/blockq.c"], cwd=ROOT, capture_output=True,
@@ -183,11 +188,12 @@ def main() -> int:
     simd = getattr(libs["new"], "rakv_blockq_simd", None)
     if a.steps:
         torch.set_num_threads(a.threads)
-        lm, blocks = demo_model()
+        lm, blocks = demo_model(a.target, a.numerics)
         load = os.getloadavg()
         res = {"threads": a.threads, "old": a.old, "simd_new": int(simd()) if simd else None,
                "load_before": [round(x, 2) for x in load],
-               "contexts": [steps(libs, a.reps, lm, blocks, ctx=int(c)) for c in a.ctx.split(",")],
+               "contexts": [steps(libs, a.reps, lm, blocks, ks=tuple(int(k) for k in a.ks.split(",")), ctx=int(c))
+                            for c in a.ctx.split(",")],
                "load_after": [round(x, 2) for x in os.getloadavg()]}
         print(json.dumps(res, indent=None if a.json else 1))
         return 0 if all(c["same_argmax"] for c in res["contexts"]) else 1

@@ -72,7 +72,23 @@ def linear(bw, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tenso
         Dp = torch.cat([D, torch.zeros(N, 1)], 1) if nb % 2 else D
         D_lane = Dp.reshape(N, np_, 2)[:, :, blk_of_lane]
     acc = torch.zeros(M, N, 16)
-    for g in range(dx.shape[1]):
+    if bw.compact:
+        # K-quant codes: the integer scale of each lane (sc per block of 32, or per 16 for Q8X) times
+        # its lane sum, summed exactly in int32 over the super-block; then * dg, then * dx
+        sc = bw.isc.to(torch.int64)
+        if gs == 16:
+            scp = torch.cat([sc, torch.zeros(N, 2, dtype=torch.int64)], 1) if nb % 2 else sc
+            sc_lane = scp.reshape(N, np_, 4)[:, :, lane // 4]
+        else:
+            scp = torch.cat([sc, torch.zeros(N, 1, dtype=torch.int64)], 1) if nb % 2 else sc
+            sc_lane = scp.reshape(N, np_, 2)[:, :, blk_of_lane]
+        for g in range(dx.shape[1]):
+            S = (P[:, :, g * GROUP // 2:(g + 1) * GROUP // 2] * sc_lane[:, g * GROUP // 2:(g + 1) * GROUP // 2]
+                 .unsqueeze(0)).sum(2)                                             # [M, N, 16] exact
+            assert int(S.abs().max()) < 2 ** 31
+            t = S.to(torch.float32) * bw.dg[:, g].reshape(1, N, 1)
+            acc = acc + t * dx[:, g].reshape(M, 1, 1)
+    for g in range(0 if bw.compact else dx.shape[1]):
         t = torch.zeros(M, N, 16)
         for p in range(g * GROUP // 2, min((g + 1) * GROUP // 2, np_)):
             t = t + P[:, :, p].to(torch.float32) * D_lane[:, p].unsqueeze(0)

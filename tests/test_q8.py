@@ -206,9 +206,11 @@ def test_auto_numerics_follow_the_model_form():
 
 @kernel
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-def test_kquant_scales_as_the_file_holds_them_give_the_same_bits(qtype):
+def test_kquant_scales_as_the_file_holds_them_sum_in_integers(qtype):
     """Q4_K / Q6_K read with their own integer scales (what a q8 step streams: 4.75 / 8.6 bits a
-    weight) compute exactly what the same codes with float scales per 32 / 16 compute."""
+    weight) multiply each lane sum by its integer scale sc inside the int32 sum of the super-block,
+    then by the float dg once: the torch reference's bits, the float-scale form's values to float
+    rounding, and the same bits for a row whatever rows ride with it."""
     from tests.test_gguf_codes import _raw
 
     N, K = 9, 768
@@ -218,12 +220,16 @@ def test_kquant_scales_as_the_file_holds_them_give_the_same_bits(qtype):
     flat = blockq.BlockWeight(b.kind, b.N, b.K, b.qs, b.d, b.m)
     x = torch.randn(10, K)
     q, f = b.with_numerics("q8"), flat.with_numerics("q8")
-    assert torch.equal(q(x), f(x)) and torch.equal(q(x), ref.linear(f, x))
+    y = q(x)
+    assert torch.equal(y, ref.linear(q, x)) and torch.equal(f(x), ref.linear(f, x))
+    torch.testing.assert_close(y, f(x), rtol=1e-5, atol=1e-4)
+    for i in range(x.shape[0]):                                     # a row alone: the same bits
+        assert torch.equal(q(x[i:i + 1]), y[i:i + 1])
     assert q.streamed_bytes < f.streamed_bytes
     idx = [3, 0, 8, 1]
-    assert torch.equal(q.rows(idx)(x), f(x)[:, idx])                  # a row permutation keeps them
+    assert torch.equal(q.rows(idx)(x), y[:, idx])                   # a row permutation keeps them
     both = blockq.concat([q, q.rows(idx)])
-    assert both.compact and torch.equal(both(x), torch.cat([f(x), f(x)[:, idx]], 1))
+    assert both.compact and torch.equal(both(x), torch.cat([y, y[:, idx]], 1))
 
 
 @kernel
