@@ -60,6 +60,8 @@ def linear(bw, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tenso
     N, nb = bw.N, bw.K // BLK
     q4 = bw.kind == "q4"
     xq, dx, grp = quantize_rows(x.float())
+    if bw.compact:
+        return _tiled_kquant(bw, xq, dx, bias)
     w, D, gs = _codes(bw)
     P = (_pairs(w, q4).unsqueeze(0) * _pairs(xq, q4).unsqueeze(1)).sum(-1)      # [M, N, np, 16] exact
     np_ = P.shape[2]
@@ -72,23 +74,7 @@ def linear(bw, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tenso
         Dp = torch.cat([D, torch.zeros(N, 1)], 1) if nb % 2 else D
         D_lane = Dp.reshape(N, np_, 2)[:, :, blk_of_lane]
     acc = torch.zeros(M, N, 16)
-    if bw.compact:
-        # K-quant codes: the integer scale of each lane (sc per block of 32, or per 16 for Q8X) times
-        # its lane sum, summed exactly in int32 over the super-block; then * dg, then * dx
-        sc = bw.isc.to(torch.int64)
-        if gs == 16:
-            scp = torch.cat([sc, torch.zeros(N, 2, dtype=torch.int64)], 1) if nb % 2 else sc
-            sc_lane = scp.reshape(N, np_, 4)[:, :, lane // 4]
-        else:
-            scp = torch.cat([sc, torch.zeros(N, 1, dtype=torch.int64)], 1) if nb % 2 else sc
-            sc_lane = scp.reshape(N, np_, 2)[:, :, blk_of_lane]
-        for g in range(dx.shape[1]):
-            S = (P[:, :, g * GROUP // 2:(g + 1) * GROUP // 2] * sc_lane[:, g * GROUP // 2:(g + 1) * GROUP // 2]
-                 .unsqueeze(0)).sum(2)                                             # [M, N, 16] exact
-            assert int(S.abs().max()) < 2 ** 31
-            t = S.to(torch.float32) * bw.dg[:, g].reshape(1, N, 1)
-            acc = acc + t * dx[:, g].reshape(M, 1, 1)
-    for g in range(0 if bw.compact else dx.shape[1]):
+    for g in range(dx.shape[1]):
         t = torch.zeros(M, N, 16)
         for p in range(g * GROUP // 2, min((g + 1) * GROUP // 2, np_)):
             t = t + P[:, :, p].to(torch.float32) * D_lane[:, p].unsqueeze(0)
@@ -107,6 +93,40 @@ def linear(bw, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tenso
     for g in range(u.shape[1]):
         off[:, :, g % 16] = off[:, :, g % 16] + Mo[:, g].unsqueeze(0) * u[:, g].unsqueeze(1)
     y = y + _tree16(off)
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def _tiled_kquant(bw, xq: torch.Tensor, dx: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """K-quant codes with the file's integer scales (blockq.c, "tiled K-quant codes"): per row,
+    output and super-block g the exact integers S_g (and O_g for Q4), then per g in order
+    acc = acc + (S_g * dg_g) * dx_g (off likewise with O_g and mg_g); y = acc + off (+ bias)."""
+    M, nb = xq.shape[0], xq.shape[1]
+    N = bw.N
+    if bw.kind == "q4":
+        w = torch.cat([bw.qs & 15, bw.qs >> 4], -1).to(torch.int64)            # [N, nb, 32] in input order
+        I = (w.unsqueeze(0) * xq.unsqueeze(1)).sum(-1)                          # [M, N, nb] exact
+        S = I * bw.isc.to(torch.int64).unsqueeze(0)
+        O = bw.imn.to(torch.int64).unsqueeze(0) * xq.sum(-1).unsqueeze(1)     # [M, N, nb]
+        per = GROUP
+    else:
+        w = bw.qs.to(torch.int64).reshape(N, 2 * nb, 16)
+        x16 = xq.reshape(M, 2 * nb, 16)
+        I = (w.unsqueeze(0) * x16.unsqueeze(1)).sum(-1) - 32 * x16.sum(-1).unsqueeze(1)
+        S = I * bw.isc.to(torch.int64).unsqueeze(0)
+        O = None
+        per = 2 * GROUP
+    acc = torch.zeros(M, N)
+    off = torch.zeros(M, N)
+    for g in range(dx.shape[1]):
+        Sg = S[:, :, g * per:(g + 1) * per].sum(-1)
+        assert int(Sg.abs().max()) < 2 ** 31
+        acc = acc + (Sg.to(torch.float32) * bw.dg[:, g].float().unsqueeze(0)) * dx[:, g].unsqueeze(1)
+        if O is not None:
+            Og = O[:, :, g * per:(g + 1) * per].sum(-1)
+            off = off + (Og.to(torch.float32) * bw.mg[:, g].float().unsqueeze(0)) * dx[:, g].unsqueeze(1)
+    y = acc + off if O is not None else acc
     if bias is not None:
         y = y + bias
     return y

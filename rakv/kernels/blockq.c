@@ -873,6 +873,13 @@ typedef struct {
     const uint8_t *isc;    /* K-quant scales or NULL: Q4 uint8 [N, K/32] (Q4_K's 6-bit scales), Q8X int8 [N, K/16] */
     const uint8_t *imn;    /* Q4: uint8 [N, K/32], Q4_K's 6-bit minimums */
     const float *dg, *mg;  /* [N, K/256]: d (and, Q4, -dmin) per super-block */
+    /* K-quant codes under q8 numerics: the same codes and scales tiled by 16 outputs (T = N / 16
+       rounded up, zero past N), the "tiled K-quant" form below; NULL otherwise */
+    const uint8_t *tq;     /* Q4: [T, K/32, 4, 16, 4] bytes (byte i of quad v of output j: inputs 4v + i,
+                              low nibble, and 16 + 4v + i, high); Q8X: [T, K/16, 4, 16, 4] codes */
+    const uint8_t *tsc;    /* Q4: uint8 [T, K/32, 16]; Q8X: int8 [T, K/16, 16] */
+    const uint8_t *tmn;    /* Q4: uint8 [T, K/32, 16] */
+    const float *tdg, *tmg;  /* [T, K/256, 16] */
 } rakv_layer;
 
 /* ---- q8 numerics: integer dot products of 8-bit activation groups with the weight codes
@@ -909,13 +916,14 @@ typedef struct {
     int8_t *xb;          /* [np * 64] inputs in order, two blocks a pair */
     float *dx;           /* [ngroups] */
     float *u32, *v8, *u16;  /* [nb16], [nb16], [2 nb16 rounded]: per-block / per-16 offset factors */
+    int32_t *s32, *s16;  /* [nb16], [2 nb16 rounded]: the sum of xq per block of 32, and 32 x the sum per 16 */
 } qrow;
 
 static inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
 static size_t qrow_bytes(int64_t nb) {
     const int64_t np = (nb + 1) / 2, ng = (nb + QGROUP - 1) / QGROUP;
-    return (size_t)(np * 64 * 2 + round16(ng) * 4 + round16(nb) * 8 + round16(2 * nb) * 4 + 64 * 6);
+    return (size_t)(np * 64 * 2 + round16(ng) * 4 + round16(nb) * 12 + round16(2 * nb) * 8 + 64 * 8);
 }
 
 static qrow qrow_at(char *base, int64_t nb) {
@@ -927,7 +935,9 @@ static qrow qrow_at(char *base, int64_t nb) {
     r.dx = (float *)p; p += (round16(ng) * 4 + 63) / 64 * 64;
     r.u32 = (float *)p; p += (round16(nb) * 4 + 63) / 64 * 64;
     r.v8 = (float *)p; p += (round16(nb) * 4 + 63) / 64 * 64;
-    r.u16 = (float *)p;
+    r.u16 = (float *)p; p += (round16(2 * nb) * 4 + 63) / 64 * 64;
+    r.s32 = (int32_t *)p; p += (round16(nb) * 4 + 63) / 64 * 64;
+    r.s16 = (int32_t *)p;
     return r;
 }
 
@@ -964,6 +974,9 @@ static void quantize_row(const float *x, int64_t K, qrow *r) {
             r->v8[b] = -128.0f * r->u32[b];
             r->u16[2 * b] = dx * (float)s16[0];
             r->u16[2 * b + 1] = dx * (float)s16[1];
+            r->s32[b] = s16[0] + s16[1];
+            r->s16[2 * b] = 32 * s16[0];
+            r->s16[2 * b + 1] = 32 * s16[1];
         }
     }
 }
@@ -1296,6 +1309,181 @@ static void q8act_range(const rakv_layer *L, int mr, int64_t nb, int64_t n0, int
     }
 }
 
+/* ---- q8 numerics on tiled K-quant codes (Q4_K, Q6_K: the codes with the file's integer scales)
+
+   Outputs go 16 at a time (a tile; one output a lane). For row r and output n, every block b of 32
+   inputs (Q4) or group h of 16 (Q8X) gives an exact integer I = sum q xq; the super-block g (256
+   inputs, the row's activation group) then gives exact integers
+
+     Q4:  S_g = sum_b sc_b I_b,              O_g = sum_b mn_b (sum of b's xq)
+     Q8X: S_g = sum_h sc_h (I_h - 32 (sum of h's xq))       (Q6_K's codes are q + 32)
+
+   and only then floats, super-block after super-block, in this order:
+     acc = acc + ((float)S_g * dg_g) * dx_g;   off = off + ((float)O_g * mg_g) * dx_g   (Q4)
+   y = acc + off (Q4) or acc (Q8X), + bias. Every integer is exact whatever the order it is summed
+   in, so this build, the portable one and tests/q8_reference.py give the same bits, and a row's
+   output does not depend on the rows beside it or the threads. */
+
+#define TILE 16
+#define TROWS 4          /* rows sharing one pass over a tile's codes */
+
+#if defined(RAKV_VNNI)
+static inline __attribute__((always_inline)) __m512i bcast32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline __attribute__((always_inline)) void tiled_q4(int R, const rakv_layer *L, int64_t nb, int64_t t,
+                                                           const qrow *rows, float *y, int64_t N, const float *bias) {
+    const int64_t ng = (nb + QGROUP - 1) / QGROUP;
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 acc[TROWS], off[TROWS];
+    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512i S[TROWS], O[TROWS];
+        for (int r = 0; r < R; r++) S[r] = O[r] = _mm512_setzero_si512();
+        const int64_t b1 = (g + 1) * QGROUP < nb ? (g + 1) * QGROUP : nb;
+        for (int64_t b = g * QGROUP; b < b1; b++) {
+            const uint8_t *c = L->tq + (t * nb + b) * 256;
+            __m512i I[TROWS];
+            for (int r = 0; r < R; r++) I[r] = _mm512_setzero_si512();
+            for (int v = 0; v < 4; v++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(c + 64 * v));
+                const __m512i lo = _mm512_and_si512(raw, low);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xq = rows[r].xb + b * BLK;
+                    I[r] = _mm512_dpbusd_epi32(I[r], lo, bcast32(xq + 4 * v));
+                    I[r] = _mm512_dpbusd_epi32(I[r], hi, bcast32(xq + 16 + 4 * v));
+                }
+            }
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(L->tsc + (t * nb + b) * TILE)));
+            const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(L->tmn + (t * nb + b) * TILE)));
+            for (int r = 0; r < R; r++) {
+                S[r] = _mm512_add_epi32(S[r], _mm512_mullo_epi32(I[r], sc));
+                O[r] = _mm512_add_epi32(O[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(rows[r].s32[b])));
+            }
+        }
+        const __m512 dg = _mm512_loadu_ps(L->tdg + (t * ng + g) * TILE);
+        const __m512 mg = _mm512_loadu_ps(L->tmg + (t * ng + g) * TILE);
+        for (int r = 0; r < R; r++) {
+            const __m512 dx = _mm512_set1_ps(rows[r].dx[g]);
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S[r]), dg), dx));
+            off[r] = _mm512_add_ps(off[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(O[r]), mg), dx));
+        }
+    }
+    const int64_t n0 = t * TILE;
+    const __mmask16 k = N - n0 >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    for (int r = 0; r < R; r++) {
+        __m512 v = _mm512_add_ps(acc[r], off[r]);
+        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + n0));
+        _mm512_mask_storeu_ps(y + r * N + n0, k, v);
+    }
+}
+
+static inline __attribute__((always_inline)) void tiled_q8x(int R, const rakv_layer *L, int64_t nb, int64_t t,
+                                                            const qrow *rows, float *y, int64_t N, const float *bias) {
+    const int64_t ng = (nb + QGROUP - 1) / QGROUP, nh = 2 * nb;
+    __m512 acc[TROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512i S[TROWS];
+        for (int r = 0; r < R; r++) S[r] = _mm512_setzero_si512();
+        const int64_t h1 = (g + 1) * 2 * QGROUP < nh ? (g + 1) * 2 * QGROUP : nh;
+        for (int64_t h = g * 2 * QGROUP; h < h1; h++) {
+            const uint8_t *c = L->tq + (t * nh + h) * 256;
+            __m512i I[TROWS];
+            for (int r = 0; r < R; r++) I[r] = _mm512_set1_epi32(-rows[r].s16[h]);
+            for (int v = 0; v < 4; v++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(c + 64 * v));
+                for (int r = 0; r < R; r++) I[r] = _mm512_dpbusd_epi32(I[r], w, bcast32(rows[r].xb + h * 16 + 4 * v));
+            }
+            const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(L->tsc + (t * nh + h) * TILE)));
+            for (int r = 0; r < R; r++) S[r] = _mm512_add_epi32(S[r], _mm512_mullo_epi32(I[r], sc));
+        }
+        const __m512 dg = _mm512_loadu_ps(L->tdg + (t * ng + g) * TILE);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S[r]), dg),
+                                                         _mm512_set1_ps(rows[r].dx[g])));
+    }
+    const int64_t n0 = t * TILE;
+    const __mmask16 k = N - n0 >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    for (int r = 0; r < R; r++) {
+        __m512 v = acc[r];
+        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + n0));
+        _mm512_mask_storeu_ps(y + r * N + n0, k, v);
+    }
+}
+#else
+/* the portable form: the same integers, the same float operations lane by lane */
+static void tiled_any(int kind, int R, const rakv_layer *L, int64_t nb, int64_t t, const qrow *rows,
+                      float *y, int64_t N, const float *bias) {
+    const int64_t ng = (nb + QGROUP - 1) / QGROUP, nh = 2 * nb;
+    for (int r = 0; r < R; r++) {
+        float acc[TILE] = {0}, off[TILE] = {0};
+        for (int64_t g = 0; g < ng; g++) {
+            int32_t S[TILE] = {0}, O[TILE] = {0};
+            if (kind == 4) {
+                const int64_t b1 = (g + 1) * QGROUP < nb ? (g + 1) * QGROUP : nb;
+                for (int64_t b = g * QGROUP; b < b1; b++) {
+                    const uint8_t *c = L->tq + (t * nb + b) * 256;
+                    const int8_t *xq = rows[r].xb + b * BLK;
+                    for (int j = 0; j < TILE; j++) {
+                        int32_t I = 0;
+                        for (int v = 0; v < 4; v++)
+                            for (int i = 0; i < 4; i++) {
+                                const uint8_t q = c[64 * v + 4 * j + i];
+                                I += (q & 15) * xq[4 * v + i] + (q >> 4) * xq[16 + 4 * v + i];
+                            }
+                        S[j] += (int32_t)L->tsc[(t * nb + b) * TILE + j] * I;
+                        O[j] += (int32_t)L->tmn[(t * nb + b) * TILE + j] * rows[r].s32[b];
+                    }
+                }
+            } else {
+                const int64_t h1 = (g + 1) * 2 * QGROUP < nh ? (g + 1) * 2 * QGROUP : nh;
+                for (int64_t h = g * 2 * QGROUP; h < h1; h++) {
+                    const uint8_t *c = L->tq + (t * nh + h) * 256;
+                    const int8_t *xq = rows[r].xb + h * 16;
+                    for (int j = 0; j < TILE; j++) {
+                        int32_t I = -rows[r].s16[h];
+                        for (int v = 0; v < 4; v++)
+                            for (int i = 0; i < 4; i++) I += c[64 * v + 4 * j + i] * xq[4 * v + i];
+                        S[j] += (int32_t)((const int8_t *)L->tsc)[(t * nh + h) * TILE + j] * I;
+                    }
+                }
+            }
+            const float dx = rows[r].dx[g];
+            for (int j = 0; j < TILE; j++) {
+                acc[j] = acc[j] + ((float)S[j] * L->tdg[(t * ng + g) * TILE + j]) * dx;
+                if (kind == 4) off[j] = off[j] + ((float)O[j] * L->tmg[(t * ng + g) * TILE + j]) * dx;
+            }
+        }
+        for (int j = 0; j < TILE && t * TILE + j < N; j++) {
+            float v = kind == 4 ? acc[j] + off[j] : acc[j];
+            if (bias) v += bias[t * TILE + j];
+            y[r * N + t * TILE + j] = v;
+        }
+    }
+}
+#endif
+
+static void tiled_range(const rakv_layer *L, int R, int64_t nb, int64_t t0, int64_t t1, const qrow *rows,
+                        float *y, int64_t N, const float *bias) {
+#if defined(RAKV_VNNI)
+#define TILED_CASE(KIND, FN, RR) case (KIND) * 8 + (RR): \
+        for (int64_t t = t0; t < t1; t++) FN(RR, L, nb, t, rows, y, N, bias); break;
+    switch ((int)L->kind * 8 + R) {
+        TILED_CASE(4, tiled_q4, 1) TILED_CASE(4, tiled_q4, 2) TILED_CASE(4, tiled_q4, 3) TILED_CASE(4, tiled_q4, 4)
+        TILED_CASE(9, tiled_q8x, 1) TILED_CASE(9, tiled_q8x, 2) TILED_CASE(9, tiled_q8x, 3) TILED_CASE(9, tiled_q8x, 4)
+        default: break;
+    }
+#undef TILED_CASE
+#else
+    for (int64_t t = t0; t < t1; t++) tiled_any((int)L->kind, R, L, nb, t, rows, y, N, bias);
+#endif
+}
+
 /* y [M, N] = the q8 numerics' linear of x [M, K] with the layer's codes; returns 0, or 1 when out of memory */
 static int rakv_q8act_linear(const rakv_layer *L, const float *x, int64_t M, float *y, const float *bias,
                              int threads) {
@@ -1308,6 +1496,18 @@ static int rakv_q8act_linear(const rakv_layer *L, const float *x, int64_t M, flo
     for (int64_t i = 0; i < M; i++) {
         rows[i] = qrow_at(mem + i * rb, nb);
         quantize_row(x + i * K, K, rows + i);
+    }
+    if (L->tq) {                 /* tiled K-quant codes: tiles of 16 outputs, TROWS rows at a time */
+        const int64_t T = (N + TILE - 1) / TILE;
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t c = 0; c < (T + 3) / 4; c++) {
+            const int64_t t0 = 4 * c, t1 = t0 + 4 < T ? t0 + 4 : T;
+            for (int64_t r0 = 0; r0 < M; r0 += TROWS)
+                tiled_range(L, (int)(M - r0 < TROWS ? M - r0 : TROWS), nb, t0, t1, rows + r0, y + r0 * N, N, bias);
+        }
+        free(mem);
+        free(rows);
+        return 0;
     }
     for (int64_t r0 = 0; r0 < M; r0 += Q8ACT_ROWS) {
         const int mr = (int)(M - r0 < Q8ACT_ROWS ? M - r0 : Q8ACT_ROWS);

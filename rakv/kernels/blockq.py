@@ -312,7 +312,36 @@ class _LayerDesc(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int64), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
                 ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
                 ("numerics", ctypes.c_int64), ("isc", ctypes.c_void_p), ("imn", ctypes.c_void_p),
-                ("dg", ctypes.c_void_p), ("mg", ctypes.c_void_p)]
+                ("dg", ctypes.c_void_p), ("mg", ctypes.c_void_p),
+                ("tq", ctypes.c_void_p), ("tsc", ctypes.c_void_p), ("tmn", ctypes.c_void_p),
+                ("tdg", ctypes.c_void_p), ("tmg", ctypes.c_void_p)]
+
+TILE = 16       # outputs a tile of the tiled K-quant form (blockq.c)
+
+
+def _by_tiles(t: torch.Tensor) -> torch.Tensor:
+    """[N, G] -> [T, G, 16]: per tile of 16 outputs, each column's 16 values together (zero past N)."""
+    N = t.shape[0]
+    pad = -N % TILE
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.reshape(-1, TILE, *t.shape[1:]).transpose(1, 2).contiguous()
+
+
+def tiled(b: "BlockWeight") -> dict:
+    """The tiled K-quant form of ``b``'s codes and integer scales (blockq.c, "tiled K-quant codes"):
+    per tile of 16 outputs and block of 32 (Q4) or group of 16 (Q8X) inputs, 4 quads of 64 bytes, byte
+    4 j + i of quad v holding output j's code of input 4 v + i (Q4: and of 16 + 4 v + i, high nibble)."""
+    N, nb = b.N, b.K // BLK
+    if b.kind == "q4":
+        q = b.qs.reshape(N, nb, 4, 4)                      # byte 4 v + i: inputs 4 v + i and 16 + 4 v + i
+    else:
+        q = b.qs.reshape(N, 2 * nb, 4, 4)                  # the 16 codes of a group in order
+    tq = _by_tiles(q.reshape(N, -1, 16)).reshape(-1, q.shape[1], TILE, 4, 4).transpose(2, 3).contiguous()
+    out = {"tq": tq, "tsc": _by_tiles(b.isc), "tdg": _by_tiles(b.dg.float())}
+    if b.kind == "q4":
+        out.update(tmn=_by_tiles(b.imn), tmg=_by_tiles(b.mg.float()))
+    return out
 
 
 NUMERICS = ("fp32", "q8")       # rakv_layer.numerics in blockq.c: 0, 1
@@ -390,6 +419,7 @@ class BlockWeight:
 
     _fn = None
     _ref = None
+    _tiled = None          # q8 numerics on K-quant codes: the tiled form (``tiled``), made at the first call
 
     def __deepcopy__(self, memo):
         return self          # read-only codes, shared (a copy would keep a description of these tensors)
@@ -400,10 +430,14 @@ class BlockWeight:
         if self.d is None and not (self.numerics == "q8" and self.compact):
             self.scales()                                    # fp32 arithmetic reads d and m
         d = self.d.data_ptr() if self.d is not None else None      # (q8 on K-quant scales: never read)
+        if self.numerics == "q8" and self.compact and self._tiled is None:
+            self._tiled = tiled(self)
+        tl = self._tiled if self.numerics == "q8" and self.compact else {}
         self._desc = _LayerDesc(KIND_CODES[self.kind], self.N, self.K, self.qs.data_ptr(),
                                 d, self.m.data_ptr() if self.m is not None else d,
                                 NUMERICS.index(self.numerics),
-                                *(t.data_ptr() if t is not None else None for t in (self.isc, self.imn, self.dg, self.mg)))
+                                *(t.data_ptr() if t is not None else None for t in (self.isc, self.imn, self.dg, self.mg)),
+                                *(tl[k].data_ptr() if k in tl else None for k in ("tq", "tsc", "tmn", "tdg", "tmg")))
         self._ref = ctypes.byref(self._desc)
         self._fn = library().rakv_linear
         return self._fn
