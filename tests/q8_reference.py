@@ -62,6 +62,8 @@ def linear(bw, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tenso
     xq, dx, grp = quantize_rows(x.float())
     if bw.compact:
         return _tiled_kquant(bw, xq, dx, bias)
+    if bw.kind in ("q4", "q8"):
+        return _tiled_float_scales(bw, xq, dx, bias)
     w, D, gs = _codes(bw)
     P = (_pairs(w, q4).unsqueeze(0) * _pairs(xq, q4).unsqueeze(1)).sum(-1)      # [M, N, np, 16] exact
     np_ = P.shape[2]
@@ -127,6 +129,37 @@ def _tiled_kquant(bw, xq: torch.Tensor, dx: torch.Tensor, bias: torch.Tensor | N
             Og = O[:, :, g * per:(g + 1) * per].sum(-1)
             off = off + (Og.to(torch.float32) * bw.mg[:, g].float().unsqueeze(0)) * dx[:, g].unsqueeze(1)
     y = acc + off if O is not None else acc
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def _tiled_float_scales(bw, xq: torch.Tensor, dx: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Q4 / Q8 codes with a float scale per block (blockq.c, tiled_fb): I_b exact (Q8: its codes + 128,
+    less 128 x the block's sum of xq); per super-block t = t + I_b * d_b block after block, then
+    acc = acc + t * dx; Q4's offsets off = off + m_b * (dx (sum of b's xq)) block after block."""
+    M, nb = xq.shape[0], xq.shape[1]
+    N = bw.N
+    d, m = bw.scales()
+    if bw.kind == "q4":
+        w = torch.cat([bw.qs & 15, bw.qs >> 4], -1).to(torch.int64)
+        I = (w.unsqueeze(0) * xq.unsqueeze(1)).sum(-1)
+    else:
+        w = bw.qs.to(torch.int64).reshape(N, nb, BLK) + 128
+        I = (w.unsqueeze(0) * xq.unsqueeze(1)).sum(-1) - 128 * xq.sum(-1).unsqueeze(1)
+    grp = torch.arange(nb) // GROUP
+    acc = torch.zeros(M, N)
+    off = torch.zeros(M, N)
+    u = dx[:, grp] * xq.sum(-1).to(torch.float32)                               # [M, nb]
+    for g in range(dx.shape[1]):
+        t = torch.zeros(M, N)
+        for b in range(g * GROUP, min((g + 1) * GROUP, nb)):
+            t = t + I[:, :, b].to(torch.float32) * d[:, b].unsqueeze(0)
+        acc = acc + t * dx[:, g].unsqueeze(1)
+    if bw.kind == "q4":
+        for b in range(nb):
+            off = off + m[:, b].unsqueeze(0) * u[:, b].unsqueeze(1)
+    y = acc + off if bw.kind == "q4" else acc
     if bias is not None:
         y = y + bias
     return y

@@ -1415,11 +1415,112 @@ static inline __attribute__((always_inline)) void tiled_q8x(int R, const rakv_la
         _mm512_mask_storeu_ps(y + r * N + n0, k, v);
     }
 }
+
+/* Q4 and Q8 codes with a float scale per block (Q4_0, Q4_1, Q5_0, Q8_0 ...): I_b exact, then per
+   super-block t = t + (float)I_b * d_b block after block, acc = acc + t * dx; Q4's offsets
+   off = off + m_b * u_b block after block (u_b = dx (float)(sum of b's xq), the row's) */
+static inline __attribute__((always_inline)) void tiled_fb(int kind, int R, const rakv_layer *L, int64_t nb,
+                                                           int64_t t, const qrow *rows, float *y, int64_t N,
+                                                           const float *bias) {
+    const int64_t ng = (nb + QGROUP - 1) / QGROUP;
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512 acc[TROWS], off[TROWS];
+    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 tt[TROWS];
+        for (int r = 0; r < R; r++) tt[r] = _mm512_setzero_ps();
+        const int64_t b1 = (g + 1) * QGROUP < nb ? (g + 1) * QGROUP : nb;
+        for (int64_t b = g * QGROUP; b < b1; b++) {
+            __m512i I[TROWS];
+            if (kind == 4) {
+                const uint8_t *c = L->tq + (t * nb + b) * 256;
+                for (int r = 0; r < R; r++) I[r] = _mm512_setzero_si512();
+                for (int v = 0; v < 4; v++) {
+                    const __m512i raw = _mm512_loadu_si512((const void *)(c + 64 * v));
+                    const __m512i lo = _mm512_and_si512(raw, low);
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *xq = rows[r].xb + b * BLK;
+                        I[r] = _mm512_dpbusd_epi32(I[r], lo, bcast32(xq + 4 * v));
+                        I[r] = _mm512_dpbusd_epi32(I[r], hi, bcast32(xq + 16 + 4 * v));
+                    }
+                }
+            } else {
+                const uint8_t *c = L->tq + (t * nb + b) * 512;
+                for (int r = 0; r < R; r++) I[r] = _mm512_set1_epi32(-128 * rows[r].s32[b]);
+                for (int v = 0; v < 8; v++) {
+                    const __m512i w = _mm512_loadu_si512((const void *)(c + 64 * v));
+                    for (int r = 0; r < R; r++) I[r] = _mm512_dpbusd_epi32(I[r], w, bcast32(rows[r].xb + b * BLK + 4 * v));
+                }
+            }
+            const __m512 d = _mm512_loadu_ps(L->tdg + (t * nb + b) * TILE);
+            for (int r = 0; r < R; r++) tt[r] = _mm512_add_ps(tt[r], _mm512_mul_ps(_mm512_cvtepi32_ps(I[r]), d));
+            if (kind == 4) {
+                const __m512 m = _mm512_loadu_ps(L->tmg + (t * nb + b) * TILE);
+                for (int r = 0; r < R; r++) off[r] = _mm512_add_ps(off[r], _mm512_mul_ps(m, _mm512_set1_ps(rows[r].u32[b])));
+            }
+        }
+        for (int r = 0; r < R; r++) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(tt[r], _mm512_set1_ps(rows[r].dx[g])));
+    }
+    const int64_t n0 = t * TILE;
+    const __mmask16 k = N - n0 >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    for (int r = 0; r < R; r++) {
+        __m512 v = kind == 4 ? _mm512_add_ps(acc[r], off[r]) : acc[r];
+        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + n0));
+        _mm512_mask_storeu_ps(y + r * N + n0, k, v);
+    }
+}
+static inline __attribute__((always_inline)) void tiled_q4f(int R, const rakv_layer *L, int64_t nb, int64_t t,
+                                                            const qrow *rows, float *y, int64_t N, const float *bias) {
+    tiled_fb(4, R, L, nb, t, rows, y, N, bias);
+}
+static inline __attribute__((always_inline)) void tiled_q8f(int R, const rakv_layer *L, int64_t nb, int64_t t,
+                                                            const qrow *rows, float *y, int64_t N, const float *bias) {
+    tiled_fb(8, R, L, nb, t, rows, y, N, bias);
+}
 #else
 /* the portable form: the same integers, the same float operations lane by lane */
 static void tiled_any(int kind, int R, const rakv_layer *L, int64_t nb, int64_t t, const qrow *rows,
                       float *y, int64_t N, const float *bias) {
     const int64_t ng = (nb + QGROUP - 1) / QGROUP, nh = 2 * nb;
+    if (!L->tsc) {              /* a float scale per block (Q4 with offsets, Q8) */
+        for (int r = 0; r < R; r++) {
+            float acc[TILE] = {0}, off[TILE] = {0};
+            for (int64_t g = 0; g < ng; g++) {
+                float tt[TILE] = {0};
+                const int64_t b1 = (g + 1) * QGROUP < nb ? (g + 1) * QGROUP : nb;
+                for (int64_t b = g * QGROUP; b < b1; b++) {
+                    const int8_t *xq = rows[r].xb + b * BLK;
+                    for (int j = 0; j < TILE; j++) {
+                        int32_t I = 0;
+                        if (kind == 4) {
+                            const uint8_t *c = L->tq + (t * nb + b) * 256;
+                            for (int v = 0; v < 4; v++)
+                                for (int i = 0; i < 4; i++) {
+                                    const uint8_t q = c[64 * v + 4 * j + i];
+                                    I += (q & 15) * xq[4 * v + i] + (q >> 4) * xq[16 + 4 * v + i];
+                                }
+                        } else {
+                            const uint8_t *c = L->tq + (t * nb + b) * 512;
+                            I = -128 * rows[r].s32[b];
+                            for (int v = 0; v < 8; v++)
+                                for (int i = 0; i < 4; i++) I += c[64 * v + 4 * j + i] * xq[4 * v + i];
+                        }
+                        tt[j] = tt[j] + (float)I * L->tdg[(t * nb + b) * TILE + j];
+                        if (kind == 4) off[j] = off[j] + L->tmg[(t * nb + b) * TILE + j] * rows[r].u32[b];
+                    }
+                }
+                const float dx = rows[r].dx[g];
+                for (int j = 0; j < TILE; j++) acc[j] = acc[j] + tt[j] * dx;
+            }
+            for (int j = 0; j < TILE && t * TILE + j < N; j++) {
+                float v = kind == 4 ? acc[j] + off[j] : acc[j];
+                if (bias) v += bias[t * TILE + j];
+                y[r * N + t * TILE + j] = v;
+            }
+        }
+        return;
+    }
     for (int r = 0; r < R; r++) {
         float acc[TILE] = {0}, off[TILE] = {0};
         for (int64_t g = 0; g < ng; g++) {
@@ -1473,9 +1574,11 @@ static void tiled_range(const rakv_layer *L, int R, int64_t nb, int64_t t0, int6
 #if defined(RAKV_VNNI)
 #define TILED_CASE(KIND, FN, RR) case (KIND) * 8 + (RR): \
         for (int64_t t = t0; t < t1; t++) FN(RR, L, nb, t, rows, y, N, bias); break;
-    switch ((int)L->kind * 8 + R) {
+    switch (((int)L->kind + (L->tsc ? 0 : 16)) * 8 + R) {
         TILED_CASE(4, tiled_q4, 1) TILED_CASE(4, tiled_q4, 2) TILED_CASE(4, tiled_q4, 3) TILED_CASE(4, tiled_q4, 4)
         TILED_CASE(9, tiled_q8x, 1) TILED_CASE(9, tiled_q8x, 2) TILED_CASE(9, tiled_q8x, 3) TILED_CASE(9, tiled_q8x, 4)
+        TILED_CASE(20, tiled_q4f, 1) TILED_CASE(20, tiled_q4f, 2) TILED_CASE(20, tiled_q4f, 3) TILED_CASE(20, tiled_q4f, 4)
+        TILED_CASE(24, tiled_q8f, 1) TILED_CASE(24, tiled_q8f, 2) TILED_CASE(24, tiled_q8f, 3) TILED_CASE(24, tiled_q8f, 4)
         default: break;
     }
 #undef TILED_CASE

@@ -335,13 +335,25 @@ def tiled(b: "BlockWeight") -> dict:
     N, nb = b.N, b.K // BLK
     if b.kind == "q4":
         q = b.qs.reshape(N, nb, 4, 4)                      # byte 4 v + i: inputs 4 v + i and 16 + 4 v + i
+    elif b.kind == "q8":
+        q = (b.qs.view(torch.uint8) ^ 0x80).reshape(N, nb, 8, 4)     # q + 128, unsigned; 8 quads a block
     else:
         q = b.qs.reshape(N, 2 * nb, 4, 4)                  # the 16 codes of a group in order
-    tq = _by_tiles(q.reshape(N, -1, 16)).reshape(-1, q.shape[1], TILE, 4, 4).transpose(2, 3).contiguous()
+    nv = q.shape[2]
+    tq = _by_tiles(q.reshape(N, q.shape[1], -1)).reshape(-1, q.shape[1], TILE, nv, 4).transpose(2, 3).contiguous()
+    if not b.compact:                                      # a float scale (and offset) per block
+        d, m = b.scales()
+        return {"tq": tq, "tdg": _by_tiles(d), **({"tmg": _by_tiles(m)} if b.kind == "q4" else {})}
     out = {"tq": tq, "tsc": _by_tiles(b.isc), "tdg": _by_tiles(b.dg.float())}
     if b.kind == "q4":
         out.update(tmn=_by_tiles(b.imn), tmg=_by_tiles(b.mg.float()))
     return out
+
+
+def tiles(b: "BlockWeight") -> bool:
+    """Whether q8 numerics run ``b`` in the tiled form: K-quant codes, and Q4 / Q8 codes with a float
+    scale per block (Q8X codes with float scales per 16 keep the lane form)."""
+    return (b.compact or b.kind in ("q4", "q8")) and os.environ.get("RAKV_TILES", "1") != "0"
 
 
 NUMERICS = ("fp32", "q8")       # rakv_layer.numerics in blockq.c: 0, 1
@@ -430,9 +442,9 @@ class BlockWeight:
         if self.d is None and not (self.numerics == "q8" and self.compact):
             self.scales()                                    # fp32 arithmetic reads d and m
         d = self.d.data_ptr() if self.d is not None else None      # (q8 on K-quant scales: never read)
-        if self.numerics == "q8" and self.compact and self._tiled is None:
+        if self.numerics == "q8" and tiles(self) and self._tiled is None:
             self._tiled = tiled(self)
-        tl = self._tiled if self.numerics == "q8" and self.compact else {}
+        tl = self._tiled if self.numerics == "q8" and tiles(self) else {}
         self._desc = _LayerDesc(KIND_CODES[self.kind], self.N, self.K, self.qs.data_ptr(),
                                 d, self.m.data_ptr() if self.m is not None else d,
                                 NUMERICS.index(self.numerics),
