@@ -12,6 +12,8 @@ E'_k takes acceptance by draft position (``E_shaped``), eps_k is the last round'
                      ``copy_alpha`` (an exact repeat the n-gram lookup will copy);
   * when it probes:  ``Controller.maybe_probe`` (due, could pay, alpha's optimistic bound reaches
                      the crossover, the exploration balance covers the excess);
+  * when it explores a request: ``Controller.explore_request`` (its expected excess at most what it
+                     teaches the next EXPLORE_HORIZON requests), ``explore_holds`` (when it stops);
   * what it learns:  ``AlphaEWMA`` (per round), ``alpha_req`` (per request: the long run plus the
                      measured persistence of recent deviations), ``shape`` (by draft position).
 
@@ -51,7 +53,7 @@ PERSIST_MIN_TRIALS = 4  # a request counts toward persistence with at least this
 SHAPE_PRIOR = 16.0    # pseudo-trials per draft position at the pooled rate (the i.i.d. model) before any round
 SHAPE_DECAY = 0.005   # per-round ageing of the position counts (about the last 200 rounds)
 COPY_ALPHA = 0.99     # acceptance of an exact repeat whose earlier output the n-gram lookup copies
-EXPLORE_HORIZON = 2.0  # what an explored request teaches is counted for this many later requests like it
+EXPLORE_HORIZON = 4.0  # what an explored request teaches is counted for this many later requests like it
 # alpha's uncertainty as a normal over 5 Gauss-Hermite nodes (probabilists'): nodes and weights
 GH_NODES = ((-2.856970, 0.011257), (-1.355626, 0.222076), (0.0, 0.533333), (1.355626, 0.222076),
             (2.856970, 0.011257))
