@@ -384,7 +384,9 @@ class Engine:
                                 action={"reuse": rq.reuse, "k": rq.k}, alpha=self.alpha.value, reason="fixed"))
         if rq.k > 0 and not rq.has_draft and not policy.tree:     # (a tree's source is the n-gram lookup)
             raise EngineError(f"k={rq.k} needs a draft (--draft is 'none')")
-        rq.per_round = policy.adaptive and self.granularity == "round" and rq.force is None
+        # (an explored request runs its k, judged by explore_holds: per-round decisions at the prior
+        # never drafted, so it had explored again every request and learnt nothing)
+        rq.per_round = policy.adaptive and self.granularity == "round" and rq.force is None and not rq.explore
         self.planner.begin(rq)
         return choice
 
