@@ -12,6 +12,8 @@ E'_k takes acceptance by draft position (``E_shaped``), eps_k is the last round'
                      ``copy_alpha`` (an exact repeat the n-gram lookup will copy);
   * when it probes:  ``Controller.maybe_probe`` (due, could pay, alpha's optimistic bound reaches
                      the crossover, the exploration balance covers the excess);
+  * when it explores a request: ``Controller.explore_request`` (its expected excess at most what it
+                     teaches the next EXPLORE_HORIZON requests), ``explore_holds`` (when it stops);
   * what it learns:  ``AlphaEWMA`` (per round), ``alpha_req`` (per request: the long run plus the
                      measured persistence of recent deviations), ``shape`` (by draft position).
 
@@ -51,6 +53,27 @@ PERSIST_MIN_TRIALS = 4  # a request counts toward persistence with at least this
 SHAPE_PRIOR = 16.0    # pseudo-trials per draft position at the pooled rate (the i.i.d. model) before any round
 SHAPE_DECAY = 0.005   # per-round ageing of the position counts (about the last 200 rounds)
 COPY_ALPHA = 0.99     # acceptance of an exact repeat whose earlier output the n-gram lookup copies
+EXPLORE_HORIZON = 4.0  # what an explored request teaches is counted for this many later requests like it
+# alpha's uncertainty as a normal over 5 Gauss-Hermite nodes (probabilists'): nodes and weights
+GH_NODES = ((-2.856970, 0.011257), (-1.355626, 0.222076), (0.0, 0.533333), (1.355626, 0.222076),
+            (2.856970, 0.011257))
+
+
+def gh_nodes(a: float, sd: float) -> list[tuple[float, float]]:
+    """alpha ~ normal(a, sd) as GH_NODES' (alpha, weight), alpha clipped to [0, 1]."""
+    return [(min(1.0, max(0.0, a + x * sd)), w) for x, w in GH_NODES]
+
+
+def learnt_sd(a: float, n: float, m: float) -> float:
+    """How far m more trials may move alpha's estimate ``a``, now resting on n trials (the
+    preposterior sd of the knowledge gradient): sqrt(a (1 - a) (1/n - 1/(n + m)))."""
+    return math.sqrt(max(a * (1 - a), 0.01) * max(0.0, 1.0 / n - 1.0 / (n + m)))
+
+
+def explore_value(fns: dict, b0: float, nodes) -> float:
+    """What knowing alpha is worth to a later request like this one: E[max(0, b0 - min_k C_k(alpha))]
+    over alpha's ``nodes`` (once alpha is known, the request takes the better of k = 0 and drafting)."""
+    return sum(w * max(0.0, b0 - min(f(al) for f in fns.values())) for al, w in nodes)
 
 
 def spec_or_plain(best: Candidate, plain: list[Candidate]) -> Candidate:
@@ -209,6 +232,7 @@ class Choice:
     reason: str = "argmin"
     decide_ms: float = 0.0
     copy: bool = False
+    explore_ms: float = 0.0     # an explored request's expected cost over the best k = 0 action
 
 
 class Controller:
@@ -242,6 +266,7 @@ class Controller:
         # trials behind the acceptance estimate (this session's, plus what the profile saw before)
         self.evidence = min(MAX_EVIDENCE, float(profile.alpha_trials or 0.0))
         self._probe: tuple[int, float] | None = None     # (k, predicted excess ms) of a pending probe
+        self._explore: tuple[dict, float] | None = None   # an explored request's C_k(alpha) by action and its k = 0 cost
         self._pk_key, self._pk = None, []                 # probe_ks's cache (per acceptance estimate)
         self._can_key, self._can = None, []               # ... the k that pay at all (per context bucket)
         self._ksb_key, self._ksb = None, ()               # ks_below's cache
@@ -363,7 +388,13 @@ class Controller:
             best = prefer_reuse(best, feas)
             if best.k > 0:
                 best = prefer_reuse(spec_or_plain(best, [c for c in feas if c.k == 0]), feas)
-        reason = "argmin"
+        reason, explore_ms = "argmin", 0.0
+        self._explore = None
+        if best is not None and best.k == 0 and force is None and s.has_draft and not s.copy:
+            found = self.explore_request(feas, best, fns, s.N)
+            if found is not None:
+                best, explore_ms = found
+                reason = "probe"
         if force is not None:
             fr, fk = force
             forced = next((c for c in cands if c.reuse == fr and c.k == fk), None)
@@ -376,7 +407,47 @@ class Controller:
             best = Candidate(0, 0, self.cost(s, 0, 0, a))
         r = best.reuse
         stars = {str(k): self.alpha_star(s, r, k, fns) for k in ks if k > 0}
-        return Choice(best.reuse, best.k, best.predicted_ms, cands, a, stars, reason, (now() - t0) * 1e3, s.copy)
+        return Choice(best.reuse, best.k, best.predicted_ms, cands, a, stars, reason, (now() - t0) * 1e3, s.copy,
+                      round(explore_ms, 3))
+
+    def alpha_sd(self) -> float:
+        """alpha's standard error over the evidence (the same count as its optimistic bound's)."""
+        a = self.alpha_req
+        return math.sqrt(max(a * (1 - a), 0.01) / (self.evidence + PRIOR_TRIALS))
+
+    def explore_request(self, feas: list[Candidate], best: Candidate, fns: dict, s_N: int) -> tuple[Candidate, float] | None:
+        """Draft this request although the argmin says k = 0, when what it teaches is worth its
+        expected cost (value of information). alpha ~ normal(alpha_req, alpha_sd); a drafting
+        action's expected cost here is E[C_k(alpha)] (its draft prefill and catch-up included: they
+        are paid once a request, not a probe's lump); what the request teaches is worth, to each of
+        EXPLORE_HORIZON later requests like it, E[max(0, C_0 - min_k C_k(alpha'))] over the estimate
+        alpha' after this request's expected trials (the knowledge gradient: a settled estimate is
+        barely moved by one more request, an unsure one a lot). Explore with the drafting action of
+        least expected cost iff that cost over C_0 is at most the value. Nothing is computed past one
+        comparison per action unless alpha's optimistic bound makes some action beat C_0 by the
+        spec margin (where no k pays even at alpha = 1, never). C_0 is taken less the spec margin
+        throughout, as the argmin takes it (drafting's predictions run optimistic)."""
+        drafting = [c for c in feas if c.k > 0]
+        if not drafting:
+            return None
+        b0 = best.predicted_ms * (1 - SPEC_MARGIN)      # what drafting must beat (as in spec_or_plain)
+        a_hi = self.alpha_upper()
+        if all(fns[c.reuse, c.k](a_hi) >= b0 for c in drafting):
+            return None
+        a = self.alpha_req
+        nodes = gh_nodes(a, self.alpha_sd())
+        dfns = {(c.reuse, c.k): fns[c.reuse, c.k] for c in drafting}
+        expected = {key: sum(w * f(al) for al, w in nodes) for key, f in dfns.items()}
+        key = min(expected, key=expected.get)
+        excess = expected[key] - b0
+        n = max(0, s_N - 1) * self.out_frac
+        m = n / E(key[1], a) * (E(key[1], a) - a ** key[1])       # the trials this request would add
+        learnt = gh_nodes(a, learnt_sd(a, self.evidence + PRIOR_TRIALS, m))
+        if excess > EXPLORE_HORIZON * explore_value(dfns, b0, learnt):
+            return None
+        self._explore = (dfns, b0)
+        pick = prefer_reuse(next(c for c in drafting if (c.reuse, c.k) == key), feas)
+        return pick, max(0.0, excess)
 
     def decide_round(self, ctx: int, remaining: int, k_set=None, catchup_tokens: int = 0,
                      has_draft: bool = True, draft_model: bool = True) -> tuple[int, str, dict]:
@@ -415,6 +486,28 @@ class Controller:
         return d2x if catchup_tokens == 2 else max(0.0, p.D(catchup_tokens) - d)
 
     # ------------------------------------------------------------------ exploration
+    def explore_holds(self, ctx: float, k: int, remaining: int) -> bool:
+        """An explored request keeps drafting while the rule that explored it still holds, taken
+        again with what is sunk left out (the draft's prompt prefill) and the request's trials folded
+        into alpha: the expected cost of drafting the ``remaining`` tokens at k over plain steps (less
+        the spec margin) is at most what the request still teaches (``explore_value``). Judged only
+        from PRIOR_TRIALS trials on: two early rejections at a true 0.9 (1 in 100) had stopped it."""
+        if self._explore is None or self._req_T < PRIOR_TRIALS:     # not judged on fewer trials than the prior's weight
+            return True
+        p = self.profile
+        n0 = max(0.0, self.evidence - self._req_T) + PRIOR_TRIALS      # (evidence already counts them)
+        n = n0 + self._req_T
+        a = (self.alpha_req * n0 + self._req_S) / n
+        nodes = gh_nodes(a, math.sqrt(max(a * (1 - a), 0.01) / n))
+        d, d2x, v = p.round_terms(k, ctx)
+        rest0 = remaining * p.step(ctx) * (1 - SPEC_MARGIN)
+        restk = sum(w * ((remaining / E(k, al) + overshoot(k, al)) * (round_draft_ms(k, al, d, d2x) + v))
+                    for al, w in nodes)
+        fns, b0 = self._explore
+        m = sum(w * remaining / E(k, al) * (E(k, al) - al ** k) for al, w in nodes)   # trials still to come
+        learnt = gh_nodes(a, learnt_sd(a, n, m))
+        return restk - rest0 <= EXPLORE_HORIZON * explore_value(fns, b0, learnt)
+
     @property
     def probe_due(self) -> bool:
         return self.rounds_since_draft >= self.probe_every

@@ -69,6 +69,8 @@ class _Request:
     forward_ms: float = 0.0
     book_ms: float = 0.0
     explore_ms: float = 0.0
+    explore: bool = False        # an explored request (drafts to learn alpha) ...
+    dropped: bool = False        # ... that stopped drafting once its acceptance showed k does not pay
 
 
 def learned_state(p: CostProfile) -> dict:
@@ -369,17 +371,22 @@ class Engine:
                 stars = {str(k): ctl.alpha_star(s, r, k)} if k > 0 else {}
                 choice = Choice(r, k, c, [Candidate(r, k, c, ok, why)], self.alpha.value, stars, "fixed")
             rq.reuse, rq.k = choice.reuse, choice.k
+            rq.explore = choice.reason == "probe" and choice.k > 0 and not policy.tree
             self._emit(Decision(request_id=rq.rid, candidates=[c.to_dict() for c in choice.candidates],
                                 action={"reuse": rq.reuse, "k": rq.k}, alpha=choice.alpha,
                                 alpha_star=choice.alpha_star, reason=choice.reason, decide_ms=choice.decide_ms,
-                                explore_balance_ms=round(ctl.explore_balance, 3), copy=choice.copy))
+                                explore_balance_ms=round(ctl.explore_balance, 3), copy=choice.copy,
+                                explore_cost_ms=choice.explore_ms))
+            rq.explore_ms += choice.explore_ms      # an explored request's predicted excess (its k = 0 is not run)
         else:
             rq.reuse, rq.k = int(policy.reuse), policy.k
             self._emit(Decision(request_id=rq.rid, candidates=[Candidate(rq.reuse, rq.k, 0.0).to_dict()],
                                 action={"reuse": rq.reuse, "k": rq.k}, alpha=self.alpha.value, reason="fixed"))
         if rq.k > 0 and not rq.has_draft and not policy.tree:     # (a tree's source is the n-gram lookup)
             raise EngineError(f"k={rq.k} needs a draft (--draft is 'none')")
-        rq.per_round = policy.adaptive and self.granularity == "round" and rq.force is None
+        # (an explored request runs its k, judged by explore_holds: per-round decisions at the prior
+        # never drafted, so it had explored again every request and learnt nothing)
+        rq.per_round = policy.adaptive and self.granularity == "round" and rq.force is None and not rq.explore
         self.planner.begin(rq)
         return choice
 

@@ -306,9 +306,15 @@ class RoundPlanner:
         """This round's k: the request's, a per-round decision, or a priced probe at k = 0."""
         if rq.per_round:
             return self._decide_round(rq, seq, remaining)
-        if not (rq.policy.adaptive and rq.k == 0 and rq.has_draft):
-            return rq.k
         ctl = self.controller
+        if rq.explore and not rq.dropped and not ctl.explore_holds(len(seq), rq.k, remaining):
+            rq.dropped = True                      # an explored request whose acceptance says k does not pay
+            self.emit(Decision(request_id=rq.rid, round=rq.rounds + 1, action={"reuse": int(rq.reuse), "k": 0},
+                               alpha=self.alpha.value, reason="argmin",
+                               alpha_star=ctl.round_alpha_star(len(seq), (rq.k,))))
+        k_req = 0 if rq.dropped else rq.k
+        if not (rq.policy.adaptive and k_req == 0 and rq.has_draft):
+            return k_req
         if not ctl.probe_possible(len(seq), remaining, rq.k_set):
             return 0
         td = now()

@@ -433,7 +433,7 @@ def test_the_cheapest_drafting_k_is_taken_even_by_a_hair():
 def test_a_drafting_action_must_beat_k0_by_the_spec_margin():
     """A drafting action predicted better than k = 0 by a hair goes to k = 0 (drafting predictions
     ran optimistic where the gain is small); one better by more than SPEC_MARGIN is taken."""
-    from rakv.controller import SPEC_MARGIN
+    from rakv.controller import MAX_EVIDENCE, SPEC_MARGIN
 
     c = Controller(profile(), k_set=(0, 4), alpha_prior=0.5)
     s = situation()
@@ -447,6 +447,7 @@ def test_a_drafting_action_must_beat_k0_by_the_spec_margin():
 
     a = alpha_at(0.01)
     near = Controller(profile(), k_set=(0, 4), alpha_prior=a)
+    near.evidence = MAX_EVIDENCE          # a settled estimate (an unsure one may explore: see below)
     assert near.cost(s, 1, 4, a) < near.cost(s, 1, 0, a) < near.cost(s, 1, 4, a) * 1.02
     assert near.decide(s).k == 0
     a = alpha_at(SPEC_MARGIN + 0.02)
@@ -618,7 +619,7 @@ def test_the_spec_margin_keeps_the_reuse_near_tie():
     """A prompt with no hit: r = 0 and r = 1 cost the same. When drafting is predicted better by
     less than the spec margin, the plain action taken must still be r = 1 (it stores the prompt
     for later requests); it was once found taking r = 0 and a later exact repeat missing."""
-    from rakv.controller import SPEC_MARGIN
+    from rakv.controller import MAX_EVIDENCE, SPEC_MARGIN
     prof = profile()
     prof.clone_ms_per_token = 0.001
     s = situation(q=0)
@@ -628,6 +629,7 @@ def test_the_spec_margin_keeps_the_reuse_near_tie():
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if c.cost(s, 1, 2, mid) > 0.99 * c.cost(s, 1, 0, mid) else (lo, mid)
     c._lS, c._lT = hi * 1e4, 1e4
+    c.evidence = MAX_EVIDENCE                 # settled (an unsure estimate may explore, with r = 1 too)
     assert c.cost(s, 0, 2, c.alpha_req) < c.cost(s, 1, 0, c.alpha_req) * (1 - SPEC_MARGIN / 4)
     ch = c.decide(s)
     assert (ch.reuse, ch.k) == (1, 0)
@@ -757,3 +759,90 @@ def test_the_gate_s_verify_list_is_verify_of_each_k():
     for ctx in (10, 128, 600):
         assert p.verifies(12, ctx) == [p.step(ctx)] + [p.verify(k, ctx) for k in range(1, 13)]
     assert p.verifies(0, 128) == [p.step(128)]
+
+
+def pair_like_profile(alpha0=0.755):
+    """The Qwen 1.5B / 0.5B pair's ratios on the Xeon (docs/results/2026-12-06-xeon-qwen): d/t 0.35,
+    V(k)/t 1.29-2.48, the draft's prompt prefill ~0.45 of the target's."""
+    V = {1: 12.9, 2: 15.9, 3: 16.9, 4: 18.5, 5: 20.2, 6: 22.7, 7: 22.9, 8: 24.8}
+    return profile(t=10.0, d=3.47, V=V, T=(0.5, 1.3), D=(0.2, 0.55), alpha0=alpha0)
+
+
+def explore_stream(c, prof, alpha_true, n_requests, rng, P=66, N=64):
+    """A stream as the engine runs it, request-level exploration included (an explored request
+    stops drafting once ``explore_holds`` says k does not pay). Returns per request (k, reason, ms)."""
+    rows = []
+    for _ in range(n_requests):
+        ch = c.decide(situation(P=P, N=N))
+        k, ms, out, ctx = ch.k, prof.T(P) + (prof.D(P) if ch.k else 0.0), 1, P + 1
+        while out < N:
+            if ch.reason == "probe" and k and not c.explore_holds(ctx, k, N - out):
+                k = 0
+            kk = min(k, N - out - 1)
+            if kk > 0:
+                a = 0
+                while a < kk and rng.random() < alpha_true:
+                    a += 1
+                r_ms = kk * prof.draft_step(ctx) + prof.verify(kk, ctx)
+                c.observe_round(kk, a, r_ms, a + 1, ctx)
+                out, ctx = out + a + 1, ctx + a + 1
+            else:
+                r_ms = prof.step(ctx)
+                c.observe_plain(r_ms)
+                out, ctx = out + 1, ctx + 1
+            ms += r_ms
+        c.end_request(out, N, "max_new_tokens")
+        rows.append((ch.k, ch.reason, ms))
+    return rows
+
+
+def test_an_unsure_estimate_explores_a_request_where_drafting_may_pay():
+    """The prior (calibration's alpha0) is below every crossover, so the argmin says k = 0; but
+    with no evidence alpha may well be above it, and one drafting request (its draft prefill paid
+    once, not as a probe's lump) is worth what it teaches: the request explores, reason "probe",
+    its predicted excess recorded. With the estimate settled, or where no k pays even at alpha = 1,
+    it does not."""
+    from rakv.controller import MAX_EVIDENCE, SPEC_MARGIN
+
+    s = situation(P=66, N=64)
+    c = Controller(pair_like_profile(), k_set=(0, 1, 2, 4, 6, 8))
+    a = c.alpha_req
+    # the argmin's k = 0: no drafting action beats k = 0 by the spec margin at the estimate
+    assert min(c.cost(s, 1, k, a) for k in (1, 2, 4, 6, 8)) > c.cost(s, 1, 0, a) * (1 - SPEC_MARGIN)
+    ch = c.decide(s)
+    assert ch.reason == "probe" and ch.k > 0 and ch.reuse == 1 and ch.explore_ms > 0
+    settled = Controller(pair_like_profile(), k_set=(0, 1, 2, 4, 6, 8))
+    settled.evidence = MAX_EVIDENCE
+    assert settled.decide(s).k == 0 and settled.decide(s).reason == "argmin"
+    never = Controller(profile(t=10.0, d=6.0, V={k: 10.0 * (1 + 0.9 * k) for k in range(1, 9)}), alpha_prior=0.9)
+    assert never.decide(s).k == 0 and never.decide(s).explore_ms == 0.0
+
+
+def test_an_explored_request_stops_drafting_when_its_acceptance_says_k_does_not_pay():
+    """Inside an explored request the rule is taken again with the draft prefill sunk and the
+    request's trials folded in: a run of rejections stops drafting, a run of acceptances keeps it,
+    and one early rejection alone does not stop it (alpha could still be high)."""
+    s = situation(P=66, N=64)
+    for accepted, rounds, holds in ((0, 8, False), (1, 8, True), (0, 1, True)):
+        c = Controller(pair_like_profile())
+        ch = c.decide(s)
+        assert ch.reason == "probe" and c.explore_holds(100, ch.k, 60)      # no trials yet
+        for _ in range(rounds):
+            c.observe_round(ch.k, min(accepted, ch.k), 16.0, 1 + min(accepted, ch.k), 100)
+        assert c.explore_holds(100, ch.k, 50) == holds, (accepted, rounds)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_exploration_finds_a_high_acceptance_draft_and_costs_little_where_it_does_not(seed):
+    """The pair's case: alpha0 0.755 below the crossovers. At a true alpha of 0.9 the stream drafts
+    from its second request on at the latest; at 0.55 it explores one request, stops it early, and
+    the 6-request stream costs within 2% of never drafting."""
+    import random
+
+    hi = explore_stream(Controller(pair_like_profile()), pair_like_profile(), 0.9, 6, random.Random(seed))
+    assert hi[0][1] == "probe" and all(k > 0 for k, _, _ in hi[1:])
+    prof = pair_like_profile()
+    lo = explore_stream(Controller(prof), prof, 0.55, 6, random.Random(seed))
+    assert sum(r == "probe" for _, r, _ in lo) == 1 and all(k == 0 for k, _, _ in lo[1:])
+    plain = prof.T(66) + 63 * prof.step(100)
+    assert sum(ms for _, _, ms in lo) <= 1.02 * 6 * plain
