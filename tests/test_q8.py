@@ -6,6 +6,7 @@ and k on tiny random models equal to target-only decoding in q8, greedy and seed
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,6 +79,87 @@ def test_every_gguf_type_runs_from_its_own_codes_in_q8(qtype):
     x = torch.randn(9, K)
     assert torch.equal(q(x), ref.linear(q, x))
     assert torch.equal(q(x[4:5])[0], q(x)[4])
+
+
+@kernel
+@pytest.mark.parametrize("form", ["q4", "q8", "q8x", "Q4_K", "Q6_K"])
+def test_every_row_count_gives_a_rows_own_bits(form):
+    """Tiles of 16 outputs take 1 row (VNNI or portable) or 2+ rows at once (AMX tiles where the CPU
+    and kernel allow them, else TROWS at a time): a row's output is the same bits in every case, and
+    the torch reference's. N = 37 leaves a part tile."""
+    from tests.test_gguf_codes import _raw
+
+    N, K = 37, 768
+    if form.startswith("Q"):
+        raw, _ = _raw(form, N, K, seed=4)
+        b = blockq.from_gguf(raw, form, N, K).with_numerics("q8")
+    else:
+        b = _codes(form, N, K, seed=4).with_numerics("q8")
+    x = torch.randn(33, K, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([b(x[i:i + 1]) for i in range(x.shape[0])])
+    if b.kind != "q8x" or b.compact:
+        assert torch.equal(alone, ref.linear(b, x))
+    for M in (2, 3, 5, 9, 16, 17, 33):
+        assert torch.equal(b(x[:M]), alone[:M]), M
+    bias = torch.randn(N)
+    assert torch.equal(b(x[:9], bias), b(x[:9]) + bias)
+
+
+_AMX_SCRIPT = """
+import sys, torch
+from rakv.kernels import blockq
+from tests.test_q8 import _tiled_cases
+torch.save([b(x) for b, x in _tiled_cases()], sys.argv[1])
+"""
+
+
+def _tiled_cases():
+    from tests.test_gguf_codes import _raw
+
+    out = []
+    for form in ("q4", "q8", "Q4_K", "Q6_K"):
+        if form.startswith("Q"):
+            raw, _ = _raw(form, 37, 768, seed=4)
+            b = blockq.from_gguf(raw, form, 37, 768).with_numerics("q8")
+        else:
+            b = _codes(form, 37, 768, seed=4).with_numerics("q8")
+        out += [(b, torch.randn(M, 768, generator=torch.Generator().manual_seed(M))) for M in (2, 5, 9, 17)]
+    return out
+
+
+@kernel
+def test_amx_tiles_give_the_vnni_bits(tmp_path):
+    """RAKV_AMX=1 runs 2+ rows on AMX-INT8 tiles where the CPU and the OS allow them: the same exact
+    block sums, so the same bits as the default form."""
+    import ctypes
+    import os
+    import subprocess
+    import sys
+
+    if "amx_int8" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AMX-INT8 on this CPU")
+    out = tmp_path / "amx.pt"
+    env = dict(os.environ, RAKV_AMX="1")
+    code = ("import ctypes; from rakv.kernels import blockq; "
+            "print(blockq.library().rakv_tiled_simd(ctypes.c_int64(9)))")
+    form = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    if form.stdout.strip() != "2":
+        pytest.skip("AMX tiles refused here (the kernel did not grant the tile state)")
+    subprocess.run([sys.executable, "-c", _AMX_SCRIPT, str(out)], env=env, check=True,
+                   cwd=str(Path(__file__).resolve().parents[1]))
+    amx = torch.load(out)
+    assert blockq.library().rakv_tiled_simd(ctypes.c_int64(9)) != 2      # this process: the default form
+    assert all(torch.equal(a, b(x)) for a, (b, x) in zip(amx, _tiled_cases()))
+
+
+def test_the_tiled_form_in_use_is_named():
+    lib = blockq.library()
+    if lib is None:
+        pytest.skip(blockq.reason() or "no C kernel")
+    import ctypes
+
+    one, nine = lib.rakv_tiled_simd(ctypes.c_int64(1)), lib.rakv_tiled_simd(ctypes.c_int64(9))
+    assert one in (0, 1) and nine in (0, 1, 2) and (nine == 2) <= (one == 1)
 
 
 NARROWER = [("-mno-avx512vnni",), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")]

@@ -1325,7 +1325,9 @@ static void q8act_range(const rakv_layer *L, int mr, int64_t nb, int64_t n0, int
    output does not depend on the rows beside it or the threads. */
 
 #define TILE 16
-#define TROWS 4          /* rows sharing one pass over a tile's codes */
+#ifndef TROWS
+#define TROWS 5          /* rows sharing one pass over a tile's codes */
+#endif
 
 #if defined(RAKV_VNNI)
 static inline __attribute__((always_inline)) __m512i bcast32(const int8_t *p) {
@@ -1574,16 +1576,173 @@ static void tiled_range(const rakv_layer *L, int R, int64_t nb, int64_t t0, int6
 #if defined(RAKV_VNNI)
 #define TILED_CASE(KIND, FN, RR) case (KIND) * 8 + (RR): \
         for (int64_t t = t0; t < t1; t++) FN(RR, L, nb, t, rows, y, N, bias); break;
+#define TILED_KIND(KIND, FN) TILED_CASE(KIND, FN, 1) TILED_CASE(KIND, FN, 2) TILED_CASE(KIND, FN, 3) \
+        TILED_CASE(KIND, FN, 4) TILED_CASE(KIND, FN, 5) TILED_CASE(KIND, FN, 6) TILED_CASE(KIND, FN, 7)
     switch (((int)L->kind + (L->tsc ? 0 : 16)) * 8 + R) {
-        TILED_CASE(4, tiled_q4, 1) TILED_CASE(4, tiled_q4, 2) TILED_CASE(4, tiled_q4, 3) TILED_CASE(4, tiled_q4, 4)
-        TILED_CASE(9, tiled_q8x, 1) TILED_CASE(9, tiled_q8x, 2) TILED_CASE(9, tiled_q8x, 3) TILED_CASE(9, tiled_q8x, 4)
-        TILED_CASE(20, tiled_q4f, 1) TILED_CASE(20, tiled_q4f, 2) TILED_CASE(20, tiled_q4f, 3) TILED_CASE(20, tiled_q4f, 4)
-        TILED_CASE(24, tiled_q8f, 1) TILED_CASE(24, tiled_q8f, 2) TILED_CASE(24, tiled_q8f, 3) TILED_CASE(24, tiled_q8f, 4)
+        TILED_KIND(4, tiled_q4) TILED_KIND(9, tiled_q8x) TILED_KIND(20, tiled_q4f) TILED_KIND(24, tiled_q8f)
         default: break;
     }
+#undef TILED_KIND
 #undef TILED_CASE
 #else
     for (int64_t t = t0; t < t1; t++) tiled_any((int)L->kind, R, L, nb, t, rows, y, N, bias);
+#endif
+}
+
+/* ---- the tiled form on AMX-INT8 tiles (Intel AMX; a verify or prefill of 2+ rows): the same exact
+   block sums I (C [rows, 16 outputs] = A (the rows' xq of a block) . B (the tile's codes of it)), then
+   the same integer and float steps as above, so the bits equal the VNNI and portable forms' */
+#if defined(RAKV_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define RAKV_AMX 1
+#include <sys/syscall.h>
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start, rsv[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg;
+
+#define AMX_ROWS 16
+
+static int amx_state;          /* 0 not asked yet, 1 usable, -1 not (no RAKV_AMX=1, or the kernel refuses) */
+
+static int amx_usable(void) {
+    if (amx_state == 0) {
+        const char *e = getenv("RAKV_AMX");    /* opt-in: slower than VNNI at 2-64 rows (docs/fastpath.md) */
+        amx_state = !(e && e[0] == '1') ? -1 : (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                                        18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1);
+    }
+    return amx_state > 0;
+}
+
+/* tiles: 0 C [R, 16] int32; 1 A [R, 32] and 2 B [8 quads, 64] (blocks of 32); 3 A [R, 16] and 4 B [4, 64] (groups of 16) */
+static void amx_config(int R) {
+    amx_cfg c;
+    memset(&c, 0, sizeof(c));
+    c.palette = 1;
+    c.rows[0] = (uint8_t)R; c.colsb[0] = 64;
+    c.rows[1] = (uint8_t)R; c.colsb[1] = 32;
+    c.rows[2] = 8; c.colsb[2] = 64;
+    c.rows[3] = (uint8_t)R; c.colsb[3] = 16;
+    c.rows[4] = 4; c.colsb[4] = 64;
+    _tile_loadconfig(&c);
+}
+
+static inline __attribute__((always_inline)) void amx_sums32(const int8_t *a, int64_t rs, const uint8_t *b, int32_t *C) {
+    _tile_zero(0);
+    _tile_loadd(1, a, rs);
+    _tile_loadd(2, b, 64);
+    _tile_dpbsud(0, 1, 2);
+    _tile_stored(0, C, 64);
+}
+
+static inline __attribute__((always_inline)) void amx_sums16(const int8_t *a, int64_t rs, const uint8_t *b, int32_t *C) {
+    _tile_zero(0);
+    _tile_loadd(3, a, rs);
+    _tile_loadd(4, b, 64);
+    _tile_dpbsud(0, 3, 4);
+    _tile_stored(0, C, 64);
+}
+
+/* the 8 quads of Q4 block codes (4 x 64 bytes of nibbles) as bytes, in input order */
+static inline __attribute__((always_inline)) void q4_quads(const uint8_t *c, uint8_t *B) {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int v = 0; v < 4; v++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(c + 64 * v));
+        _mm512_store_si512((void *)(B + 64 * v), _mm512_and_si512(raw, low));
+        _mm512_store_si512((void *)(B + 64 * (4 + v)), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+    }
+}
+
+/* one tile of 16 outputs, R rows (rows[r].xb at a stride of rs bytes), on AMX */
+static void amx_tile(const rakv_layer *L, int R, int64_t nb, int64_t t, const qrow *rows, int64_t rs,
+                     float *y, int64_t N, const float *bias) {
+    const int kind = (int)L->kind, compact = L->tsc != NULL;
+    const int64_t ng = (nb + QGROUP - 1) / QGROUP, nh = 2 * nb;
+    __attribute__((aligned(64))) uint8_t B[512];
+    __attribute__((aligned(64))) int32_t C[AMX_ROWS * TILE];
+    __m512 acc[AMX_ROWS], off[AMX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm512_setzero_ps();
+    const int8_t *x0 = rows[0].xb;
+    for (int64_t g = 0; g < ng; g++) {
+        __m512i S[AMX_ROWS], O[AMX_ROWS];
+        __m512 tt[AMX_ROWS];
+        for (int r = 0; r < R; r++) { S[r] = O[r] = _mm512_setzero_si512(); tt[r] = _mm512_setzero_ps(); }
+        if (kind == 9) {               /* Q8X (Q6_K): groups of 16, integer scales */
+            const int64_t h1 = (g + 1) * 2 * QGROUP < nh ? (g + 1) * 2 * QGROUP : nh;
+            for (int64_t h = g * 2 * QGROUP; h < h1; h++) {
+                amx_sums16(x0 + h * 16, rs, L->tq + (t * nh + h) * 256, C);
+                const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(L->tsc + (t * nh + h) * TILE)));
+                for (int r = 0; r < R; r++) {
+                    const __m512i I = _mm512_sub_epi32(_mm512_load_si512((const void *)(C + r * TILE)),
+                                                       _mm512_set1_epi32(rows[r].s16[h]));
+                    S[r] = _mm512_add_epi32(S[r], _mm512_mullo_epi32(I, sc));
+                }
+            }
+        } else {
+            const int64_t b1 = (g + 1) * QGROUP < nb ? (g + 1) * QGROUP : nb;
+            for (int64_t b = g * QGROUP; b < b1; b++) {
+                if (kind == 4) {
+                    q4_quads(L->tq + (t * nb + b) * 256, B);
+                    amx_sums32(x0 + b * BLK, rs, B, C);
+                } else {
+                    amx_sums32(x0 + b * BLK, rs, L->tq + (t * nb + b) * 512, C);
+                }
+                if (compact) {         /* Q4_K: integer scales and minimums */
+                    const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(L->tsc + (t * nb + b) * TILE)));
+                    const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(L->tmn + (t * nb + b) * TILE)));
+                    for (int r = 0; r < R; r++) {
+                        S[r] = _mm512_add_epi32(S[r], _mm512_mullo_epi32(_mm512_load_si512((const void *)(C + r * TILE)), sc));
+                        O[r] = _mm512_add_epi32(O[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(rows[r].s32[b])));
+                    }
+                } else {               /* a float scale (and Q4 offset) per block */
+                    const __m512 d = _mm512_loadu_ps(L->tdg + (t * nb + b) * TILE);
+                    for (int r = 0; r < R; r++) {
+                        __m512i I = _mm512_load_si512((const void *)(C + r * TILE));
+                        if (kind == 8) I = _mm512_sub_epi32(I, _mm512_set1_epi32(128 * rows[r].s32[b]));
+                        tt[r] = _mm512_add_ps(tt[r], _mm512_mul_ps(_mm512_cvtepi32_ps(I), d));
+                    }
+                    if (kind == 4) {
+                        const __m512 m = _mm512_loadu_ps(L->tmg + (t * nb + b) * TILE);
+                        for (int r = 0; r < R; r++)
+                            off[r] = _mm512_add_ps(off[r], _mm512_mul_ps(m, _mm512_set1_ps(rows[r].u32[b])));
+                    }
+                }
+            }
+        }
+        if (compact) {
+            const __m512 dg = _mm512_loadu_ps(L->tdg + (t * ng + g) * TILE);
+            const __m512 mg = kind == 4 ? _mm512_loadu_ps(L->tmg + (t * ng + g) * TILE) : _mm512_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                const __m512 dx = _mm512_set1_ps(rows[r].dx[g]);
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S[r]), dg), dx));
+                if (kind == 4)
+                    off[r] = _mm512_add_ps(off[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(O[r]), mg), dx));
+            }
+        } else {
+            for (int r = 0; r < R; r++) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(tt[r], _mm512_set1_ps(rows[r].dx[g])));
+        }
+    }
+    const int64_t n0 = t * TILE;
+    const __mmask16 k = N - n0 >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    for (int r = 0; r < R; r++) {
+        __m512 v = kind == 4 ? _mm512_add_ps(acc[r], off[r]) : acc[r];
+        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + n0));
+        _mm512_mask_storeu_ps(y + r * N + n0, k, v);
+    }
+}
+#endif
+
+/* which form runs the tiled codes: 2 AMX (rows >= 2 where usable), 1 VNNI, 0 portable */
+int rakv_tiled_simd(int64_t M) {
+#if defined(RAKV_AMX)
+    if (M >= 2 && amx_usable()) return 2;
+#endif
+#if defined(RAKV_VNNI)
+    return 1;
+#else
+    (void)M;
+    return 0;
 #endif
 }
 
@@ -1600,8 +1759,34 @@ static int rakv_q8act_linear(const rakv_layer *L, const float *x, int64_t M, flo
         rows[i] = qrow_at(mem + i * rb, nb);
         quantize_row(x + i * K, K, rows + i);
     }
-    if (L->tq) {                 /* tiled K-quant codes: tiles of 16 outputs, TROWS rows at a time */
+    if (L->tq) {                 /* tiled codes: tiles of 16 outputs, TROWS (AMX: 16) rows at a time */
         const int64_t T = (N + TILE - 1) / TILE;
+#if defined(RAKV_AMX)
+        if (rakv_tiled_simd(M) == 2) {
+            #pragma omp parallel num_threads(threads)
+            {
+                int configured = 0;
+                #pragma omp for schedule(static)
+                for (int64_t c = 0; c < (T + 3) / 4; c++) {
+                    const int64_t t0 = 4 * c, t1 = t0 + 4 < T ? t0 + 4 : T;
+                    for (int64_t r0 = 0; r0 < M; r0 += AMX_ROWS) {
+                        const int R = (int)(M - r0 < AMX_ROWS ? M - r0 : AMX_ROWS);
+                        if (R == 1) {
+                            tiled_range(L, 1, nb, t0, t1, rows + r0, y + r0 * N, N, bias);
+                            continue;
+                        }
+                        if (configured != R) { amx_config(R); configured = R; }
+                        for (int64_t t = t0; t < t1; t++)
+                            amx_tile(L, R, nb, t, rows + r0, (int64_t)rb, y + r0 * N, N, bias);
+                    }
+                }
+                if (configured) _tile_release();
+            }
+            free(mem);
+            free(rows);
+            return 0;
+        }
+#endif
         #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t c = 0; c < (T + 3) / 4; c++) {
             const int64_t t0 = 4 * c, t1 = t0 + 4 < T ? t0 + 4 : T;
