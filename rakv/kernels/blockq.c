@@ -1615,33 +1615,35 @@ static int amx_usable(void) {
     return amx_state > 0;
 }
 
-/* tiles: 0 C [R, 16] int32; 1 A [R, 32] and 2 B [8 quads, 64] (blocks of 32); 3 A [R, 16] and 4 B [4, 64] (groups of 16) */
-static void amx_config(int R) {
+/* tiles: 0-3 C [R, 16] int32 of four tiles of outputs; 4 A [R, 32] (Q8X: [R, 16]) the rows' inputs of
+   one block (group); 5, 6 B [8 quads, 64] (Q8X: [4, 64]) the codes of a tile, two in flight */
+static void amx_config(int R, int k16) {
     amx_cfg c;
     memset(&c, 0, sizeof(c));
     c.palette = 1;
-    c.rows[0] = (uint8_t)R; c.colsb[0] = 64;
-    c.rows[1] = (uint8_t)R; c.colsb[1] = 32;
-    c.rows[2] = 8; c.colsb[2] = 64;
-    c.rows[3] = (uint8_t)R; c.colsb[3] = 16;
-    c.rows[4] = 4; c.colsb[4] = 64;
+    for (int i = 0; i < 4; i++) { c.rows[i] = (uint8_t)R; c.colsb[i] = 64; }
+    c.rows[4] = (uint8_t)R; c.colsb[4] = k16 ? 16 : 32;
+    c.rows[5] = c.rows[6] = k16 ? 4 : 8; c.colsb[5] = c.colsb[6] = 64;
     _tile_loadconfig(&c);
 }
 
-static inline __attribute__((always_inline)) void amx_sums32(const int8_t *a, int64_t rs, const uint8_t *b, int32_t *C) {
-    _tile_zero(0);
-    _tile_loadd(1, a, rs);
-    _tile_loadd(2, b, 64);
-    _tile_dpbsud(0, 1, 2);
+/* C [4][R, 16]: the exact sums of the rows' inputs a (stride rs) with four tiles' codes b[0..3] */
+static inline __attribute__((always_inline)) void amx_sums4(const int8_t *a, int64_t rs, const uint8_t *const *b,
+                                                            int32_t *C) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    _tile_loadd(4, a, rs);
+    _tile_loadd(5, b[0], 64);
+    _tile_loadd(6, b[1], 64);
+    _tile_dpbsud(0, 4, 5);
+    _tile_dpbsud(1, 4, 6);
+    _tile_loadd(5, b[2], 64);
+    _tile_loadd(6, b[3], 64);
+    _tile_dpbsud(2, 4, 5);
+    _tile_dpbsud(3, 4, 6);
     _tile_stored(0, C, 64);
-}
-
-static inline __attribute__((always_inline)) void amx_sums16(const int8_t *a, int64_t rs, const uint8_t *b, int32_t *C) {
-    _tile_zero(0);
-    _tile_loadd(3, a, rs);
-    _tile_loadd(4, b, 64);
-    _tile_dpbsud(0, 3, 4);
-    _tile_stored(0, C, 64);
+    _tile_stored(1, C + AMX_ROWS * TILE, 64);
+    _tile_stored(2, C + 2 * AMX_ROWS * TILE, 64);
+    _tile_stored(3, C + 3 * AMX_ROWS * TILE, 64);
 }
 
 /* the 8 quads of Q4 block codes (4 x 64 bytes of nibbles) as bytes, in input order */
@@ -1654,81 +1656,98 @@ static inline __attribute__((always_inline)) void q4_quads(const uint8_t *c, uin
     }
 }
 
-/* one tile of 16 outputs, R rows (rows[r].xb at a stride of rs bytes), on AMX */
-static void amx_tile(const rakv_layer *L, int R, int64_t nb, int64_t t, const qrow *rows, int64_t rs,
-                     float *y, int64_t N, const float *bias) {
+/* four tiles of 16 outputs t0 .. t0 + 3, R rows (rows[r].xb at a stride of rs bytes), on AMX */
+static void amx_chunk4(const rakv_layer *L, int R, int64_t nb, int64_t t0, const qrow *rows, int64_t rs,
+                       float *y, int64_t N, const float *bias) {
     const int kind = (int)L->kind, compact = L->tsc != NULL;
     const int64_t ng = (nb + QGROUP - 1) / QGROUP, nh = 2 * nb;
-    __attribute__((aligned(64))) uint8_t B[512];
-    __attribute__((aligned(64))) int32_t C[AMX_ROWS * TILE];
-    __m512 acc[AMX_ROWS], off[AMX_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm512_setzero_ps();
+    __attribute__((aligned(64))) uint8_t Bq[4][512];
+    __attribute__((aligned(64))) int32_t C[4 * AMX_ROWS * TILE];
+    __m512 acc[4][AMX_ROWS], off[4][AMX_ROWS], tt[4][AMX_ROWS];
+    __m512i S[4][AMX_ROWS], O[4][AMX_ROWS];
+    const uint8_t *bp[4];
+    for (int i = 0; i < 4; i++)
+        for (int r = 0; r < R; r++) acc[i][r] = off[i][r] = _mm512_setzero_ps();
     const int8_t *x0 = rows[0].xb;
     for (int64_t g = 0; g < ng; g++) {
-        __m512i S[AMX_ROWS], O[AMX_ROWS];
-        __m512 tt[AMX_ROWS];
-        for (int r = 0; r < R; r++) { S[r] = O[r] = _mm512_setzero_si512(); tt[r] = _mm512_setzero_ps(); }
+        for (int i = 0; i < 4; i++)
+            for (int r = 0; r < R; r++) { S[i][r] = O[i][r] = _mm512_setzero_si512(); tt[i][r] = _mm512_setzero_ps(); }
         if (kind == 9) {               /* Q8X (Q6_K): groups of 16, integer scales */
             const int64_t h1 = (g + 1) * 2 * QGROUP < nh ? (g + 1) * 2 * QGROUP : nh;
             for (int64_t h = g * 2 * QGROUP; h < h1; h++) {
-                amx_sums16(x0 + h * 16, rs, L->tq + (t * nh + h) * 256, C);
-                const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(L->tsc + (t * nh + h) * TILE)));
-                for (int r = 0; r < R; r++) {
-                    const __m512i I = _mm512_sub_epi32(_mm512_load_si512((const void *)(C + r * TILE)),
-                                                       _mm512_set1_epi32(rows[r].s16[h]));
-                    S[r] = _mm512_add_epi32(S[r], _mm512_mullo_epi32(I, sc));
+                for (int i = 0; i < 4; i++) bp[i] = L->tq + ((t0 + i) * nh + h) * 256;
+                amx_sums4(x0 + h * 16, rs, bp, C);
+                for (int i = 0; i < 4; i++) {
+                    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(L->tsc + ((t0 + i) * nh + h) * TILE)));
+                    for (int r = 0; r < R; r++) {
+                        const __m512i I = _mm512_sub_epi32(_mm512_load_si512((const void *)(C + (i * AMX_ROWS + r) * TILE)),
+                                                           _mm512_set1_epi32(rows[r].s16[h]));
+                        S[i][r] = _mm512_add_epi32(S[i][r], _mm512_mullo_epi32(I, sc));
+                    }
                 }
             }
         } else {
             const int64_t b1 = (g + 1) * QGROUP < nb ? (g + 1) * QGROUP : nb;
             for (int64_t b = g * QGROUP; b < b1; b++) {
-                if (kind == 4) {
-                    q4_quads(L->tq + (t * nb + b) * 256, B);
-                    amx_sums32(x0 + b * BLK, rs, B, C);
-                } else {
-                    amx_sums32(x0 + b * BLK, rs, L->tq + (t * nb + b) * 512, C);
-                }
-                if (compact) {         /* Q4_K: integer scales and minimums */
-                    const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(L->tsc + (t * nb + b) * TILE)));
-                    const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(L->tmn + (t * nb + b) * TILE)));
-                    for (int r = 0; r < R; r++) {
-                        S[r] = _mm512_add_epi32(S[r], _mm512_mullo_epi32(_mm512_load_si512((const void *)(C + r * TILE)), sc));
-                        O[r] = _mm512_add_epi32(O[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(rows[r].s32[b])));
-                    }
-                } else {               /* a float scale (and Q4 offset) per block */
-                    const __m512 d = _mm512_loadu_ps(L->tdg + (t * nb + b) * TILE);
-                    for (int r = 0; r < R; r++) {
-                        __m512i I = _mm512_load_si512((const void *)(C + r * TILE));
-                        if (kind == 8) I = _mm512_sub_epi32(I, _mm512_set1_epi32(128 * rows[r].s32[b]));
-                        tt[r] = _mm512_add_ps(tt[r], _mm512_mul_ps(_mm512_cvtepi32_ps(I), d));
-                    }
+                for (int i = 0; i < 4; i++) {
                     if (kind == 4) {
-                        const __m512 m = _mm512_loadu_ps(L->tmg + (t * nb + b) * TILE);
-                        for (int r = 0; r < R; r++)
-                            off[r] = _mm512_add_ps(off[r], _mm512_mul_ps(m, _mm512_set1_ps(rows[r].u32[b])));
+                        q4_quads(L->tq + ((t0 + i) * nb + b) * 256, Bq[i]);
+                        bp[i] = Bq[i];
+                    } else {
+                        bp[i] = L->tq + ((t0 + i) * nb + b) * 512;
+                    }
+                }
+                amx_sums4(x0 + b * BLK, rs, bp, C);
+                for (int i = 0; i < 4; i++) {
+                    const int64_t tb = ((t0 + i) * nb + b) * TILE;
+                    if (compact) {     /* Q4_K: integer scales and minimums */
+                        const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(L->tsc + tb)));
+                        const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(L->tmn + tb)));
+                        for (int r = 0; r < R; r++) {
+                            S[i][r] = _mm512_add_epi32(S[i][r], _mm512_mullo_epi32(
+                                _mm512_load_si512((const void *)(C + (i * AMX_ROWS + r) * TILE)), sc));
+                            O[i][r] = _mm512_add_epi32(O[i][r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(rows[r].s32[b])));
+                        }
+                    } else {           /* a float scale (and Q4 offset) per block */
+                        const __m512 d = _mm512_loadu_ps(L->tdg + tb);
+                        for (int r = 0; r < R; r++) {
+                            __m512i I = _mm512_load_si512((const void *)(C + (i * AMX_ROWS + r) * TILE));
+                            if (kind == 8) I = _mm512_sub_epi32(I, _mm512_set1_epi32(128 * rows[r].s32[b]));
+                            tt[i][r] = _mm512_add_ps(tt[i][r], _mm512_mul_ps(_mm512_cvtepi32_ps(I), d));
+                        }
+                        if (kind == 4) {
+                            const __m512 m = _mm512_loadu_ps(L->tmg + tb);
+                            for (int r = 0; r < R; r++)
+                                off[i][r] = _mm512_add_ps(off[i][r], _mm512_mul_ps(m, _mm512_set1_ps(rows[r].u32[b])));
+                        }
                     }
                 }
             }
         }
-        if (compact) {
-            const __m512 dg = _mm512_loadu_ps(L->tdg + (t * ng + g) * TILE);
-            const __m512 mg = kind == 4 ? _mm512_loadu_ps(L->tmg + (t * ng + g) * TILE) : _mm512_setzero_ps();
-            for (int r = 0; r < R; r++) {
-                const __m512 dx = _mm512_set1_ps(rows[r].dx[g]);
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S[r]), dg), dx));
-                if (kind == 4)
-                    off[r] = _mm512_add_ps(off[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(O[r]), mg), dx));
+        for (int i = 0; i < 4; i++) {
+            if (compact) {
+                const __m512 dg = _mm512_loadu_ps(L->tdg + ((t0 + i) * ng + g) * TILE);
+                const __m512 mg = kind == 4 ? _mm512_loadu_ps(L->tmg + ((t0 + i) * ng + g) * TILE) : _mm512_setzero_ps();
+                for (int r = 0; r < R; r++) {
+                    const __m512 dx = _mm512_set1_ps(rows[r].dx[g]);
+                    acc[i][r] = _mm512_add_ps(acc[i][r], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S[i][r]), dg), dx));
+                    if (kind == 4)
+                        off[i][r] = _mm512_add_ps(off[i][r], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(O[i][r]), mg), dx));
+                }
+            } else {
+                for (int r = 0; r < R; r++)
+                    acc[i][r] = _mm512_add_ps(acc[i][r], _mm512_mul_ps(tt[i][r], _mm512_set1_ps(rows[r].dx[g])));
             }
-        } else {
-            for (int r = 0; r < R; r++) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(tt[r], _mm512_set1_ps(rows[r].dx[g])));
         }
     }
-    const int64_t n0 = t * TILE;
-    const __mmask16 k = N - n0 >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
-    for (int r = 0; r < R; r++) {
-        __m512 v = kind == 4 ? _mm512_add_ps(acc[r], off[r]) : acc[r];
-        if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + n0));
-        _mm512_mask_storeu_ps(y + r * N + n0, k, v);
+    for (int i = 0; i < 4; i++) {
+        const int64_t n0 = (t0 + i) * TILE;
+        const __mmask16 k = N - n0 >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+        for (int r = 0; r < R; r++) {
+            __m512 v = kind == 4 ? _mm512_add_ps(acc[i][r], off[i][r]) : acc[i][r];
+            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + n0));
+            _mm512_mask_storeu_ps(y + r * N + n0, k, v);
+        }
     }
 }
 #endif
@@ -1771,13 +1790,14 @@ static int rakv_q8act_linear(const rakv_layer *L, const float *x, int64_t M, flo
                     const int64_t t0 = 4 * c, t1 = t0 + 4 < T ? t0 + 4 : T;
                     for (int64_t r0 = 0; r0 < M; r0 += AMX_ROWS) {
                         const int R = (int)(M - r0 < AMX_ROWS ? M - r0 : AMX_ROWS);
-                        if (R == 1) {
-                            tiled_range(L, 1, nb, t0, t1, rows + r0, y + r0 * N, N, bias);
+                        if (R == 1 || t1 - t0 < 4) {        /* one row, or a last part chunk: VNNI */
+                            for (int64_t q0 = 0; q0 < R; q0 += TROWS)
+                                tiled_range(L, (int)(R - q0 < TROWS ? R - q0 : TROWS), nb, t0, t1, rows + r0 + q0,
+                                            y + (r0 + q0) * N, N, bias);
                             continue;
                         }
-                        if (configured != R) { amx_config(R); configured = R; }
-                        for (int64_t t = t0; t < t1; t++)
-                            amx_tile(L, R, nb, t, rows + r0, (int64_t)rb, y + r0 * N, N, bias);
+                        if (configured != R) { amx_config(R, L->kind == 9); configured = R; }
+                        amx_chunk4(L, R, nb, t0, rows + r0, (int64_t)rb, y + r0 * N, N, bias);
                     }
                 }
                 if (configured) _tile_release();
