@@ -9,8 +9,8 @@ import sys
 from dataclasses import asdict
 
 from . import argtypes as A
-from .common import (CliError, add_model_args, add_sampling_args, device_kw, get_profile, load_pair,  # noqa: F401
-                     quiet_libs, read_prompts, sampling_of, save_learned)
+from .common import (CliError, add_model_args, add_sampling_args, device_kw, draft_vocab_of, get_profile,  # noqa: F401
+                     load_pair, quiet_libs, read_prompts, sampling_of, save_learned)
 from .config import DEFAULT_K_SET, POLICIES_HELP, Policy, RakvConfig, parse_k_set
 from .textstream import TextStream
 
@@ -128,6 +128,7 @@ def run_config(args) -> tuple[RakvConfig, Policy]:
     if policy.k > 0 and args.draft == "none":
         raise CliError(f"policy {policy.name} needs a draft; --draft is 'none'")
     kw = dict(target=args.target, draft=args.draft, revision=args.revision, dtype=args.dtype, numerics=args.numerics,
+              draft_vocab=draft_vocab_of(args),
               threads=args.threads, policy=policy.name, max_new_tokens=args.max_new_tokens,
               k_set=k_set, budget_mib=args.budget_mib, chat_template=not args.raw, sampling=sampling_of(args),
               **device_kw(args))
@@ -482,7 +483,7 @@ def cmd_calibrate(args) -> int:
     if args.engine == "vllm":
         return cmd_calibrate_vllm(args)
     config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, threads=args.threads,
-                        numerics=args.numerics, **device_kw(args))
+                        numerics=args.numerics, draft_vocab=draft_vocab_of(args), **device_kw(args))
     target, draft = load_pair(args, config)
     if args.check:
         return calibrate_check(target, draft, args.json)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from . import argtypes as A
-from .config import RakvConfig, env_fast
+from .config import DRAFT_VOCAB, RakvConfig, env_fast
 
 
 class CliError(Exception):
@@ -85,6 +85,10 @@ def add_model_args(ap) -> None:
     ap.add_argument("--draft", default="int8",
                     help="model (same forms; a preset such as 'qwen-coder-0.5b' for the 'qwen-coder-1.5b' target), "
                          "'int8' (default), 'ngram' or 'none'")
+    ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                    help="a separate draft model of at least 2N ids drafts from its first N ids and "
+                         f"its end-of-sequence ids, reading only those rows of its head (default {DRAFT_VOCAB}; "
+                         "0: every id). Exact either way: the target verifies every drafted token")
     ap.add_argument("--revision", default=None, help="hub revision of the target")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--numerics", choices=("auto", "q8", "fp32"), default="auto",
@@ -103,6 +107,16 @@ def add_device_args(ap) -> None:
     ap.add_argument("--fast", action=argparse.BooleanOptionalAction, default=None,
                     help="packed oneDNN linear layers on CPU (default on; --no-fast or RAKV_FAST=0: "
                          "torch's plain kernels, for comparison)")
+
+
+def draft_vocab_of(args) -> int:
+    """--draft-vocab (the config's default where absent); a negative count is refused (exit 2)."""
+    n = getattr(args, "draft_vocab", None)
+    if n is None:
+        return DRAFT_VOCAB
+    if n < 0:
+        raise CliError(f"--draft-vocab must be 0 (every id) or a positive count, not {n}")
+    return n
 
 
 def device_kw(args) -> dict:

@@ -15,6 +15,7 @@ POLICIES_HELP = "adaptive | adaptive:gate | adaptive:nogate | adaptive:tree | ar
 TREE_MAX_NODES = 16         # a tree verify of up to 17 rows keeps the block kernel's own attention
 LOOKUP_K = 16             # an n-gram lookup may verify up to this many tokens: drafting it is free, a verify of 17 costs ~1.7 steps
 HISTORY_TOKENS = 32768    # token ids of earlier requests an n-gram lookup may copy from (256 KiB; 0: off)
+DRAFT_VOCAB = 65536       # a separate draft model of a vocabulary of at least twice this drafts from its first this many ids
 GATE_BY_DEFAULT = True    # plain "adaptive" = adaptive:gate: it measured at least as fast as the paper's controller (docs/controller.md#constants)
 
 
@@ -31,6 +32,7 @@ class RakvConfig:
     revision: str | None = None     # hub revision for hub ids
     dtype: str = "float32"
     numerics: str = "auto"          # the target's (and a model draft's) linears: q8 | fp32 | auto (q8 for a GGUF-backed model)
+    draft_vocab: int = DRAFT_VOCAB  # a separate large-vocabulary draft model drafts from its first this many ids (0: all)
     device: str = "auto"            # auto (cuda, else mps, else cpu) | cpu | cuda | mps; the CLI stores the resolved one
     fast: bool = field(default_factory=env_fast)  # packed oneDNN linears on CPU (rakv.kernels.fastpath); --no-fast / RAKV_FAST=0
     threads: int | None = None      # torch.set_num_threads; None = torch default

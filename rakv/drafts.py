@@ -344,15 +344,38 @@ def confidence(logits, s: Sampling | None, token: int) -> float:
     return float(S.logprobs(logits, s)[token].exp())
 
 
+def vocab_ids(lm: LoadedModel, n: int):
+    """The ids a draft model drafts from when limited to ``n``: its first n (a BPE vocabulary runs
+    in merge order, the most frequent pieces first) and its end-of-sequence ids; None (every id)
+    where n is 0 or covers the vocabulary, or the model has no lean forward to limit."""
+    import torch
+
+    V = lm.vocab_size
+    lean = getattr(lm.model, "_rakv_lean", None) if lm.lean else None
+    if n <= 0 or n >= V or lean is None or not hasattr(lean, "limit_head"):
+        return None
+    extra = sorted(e for e in lm.eos_ids if n <= e < V)
+    return torch.cat([torch.arange(n), torch.tensor(extra, dtype=torch.long)])
+
+
 class ModelDraft(DraftSource):
-    """A draft model with its own DynamicCache and its own prefix-cache entries."""
+    """A draft model with its own DynamicCache and its own prefix-cache entries. ``vocab``: draft
+    from its first ``vocab`` ids (and its end-of-sequence ids) only, its head reading those rows
+    (``vocab_ids``; 0: every id). Any draft keeps every policy exact: the target verifies."""
 
     has_model = True
 
-    def __init__(self, lm: LoadedModel):
+    def __init__(self, lm: LoadedModel, vocab: int = 0):
         self.lm = lm
         self.name = lm.name
         self.key = lm.key
+        self.vocab = 0
+        ids = vocab_ids(lm, vocab)
+        if ids is not None:
+            lm.model._rakv_lean.limit_head(ids)
+            self.vocab = vocab
+            self.name = f"{lm.name} ({vocab} ids)"
+            self.key = f"{lm.key}+v{vocab}"          # its own cost profile (its step is cheaper)
         self._reset()
 
     def _reset(self):

@@ -194,7 +194,7 @@ def parse_workloads(text: str) -> list[str]:
 
 
 def load_models(args, draft_spec: str):
-    from rakv.common import device_kw, load_pair
+    from rakv.common import device_kw, draft_vocab_of, load_pair
     from rakv.config import RakvConfig
 
     kw = device_kw(args)
@@ -210,7 +210,8 @@ def load_models(args, draft_spec: str):
             set_fast(draft.lm, kw["fast"])
         return target, draft
     return load_pair(args, RakvConfig(target=args.target, draft=draft_spec, dtype=args.dtype,
-                                      numerics=getattr(args, "numerics", "auto"), **kw))
+                                      numerics=getattr(args, "numerics", "auto"), draft_vocab=draft_vocab_of(args),
+                                      **kw))
 
 
 def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
@@ -262,7 +263,7 @@ def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
 
 
 def run(args, argv: list[str]) -> int:
-    from rakv.common import device_kw, get_profile, quiet_libs
+    from rakv.common import device_kw, draft_vocab_of, get_profile, quiet_libs
     from rakv.config import RakvConfig
     from rakv.paths import log
 
@@ -304,6 +305,7 @@ def run(args, argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     save_profile(profile, out / "profile.json")
     config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, numerics=getattr(args, "numerics", "auto"),
+                        draft_vocab=draft_vocab_of(args),
                         k_set=tuple(s["k_set"]),
                         budget_mib=args.budget_mib, sampling=bench_sampling(args), **device_kw(args))
     meta = run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile, config.sampling)

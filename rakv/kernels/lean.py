@@ -465,6 +465,8 @@ class LeanLlama:
         self.windows = _windows(model)
         self.layers = layers if layers is not None else [self._layer(i, L) for i, L in enumerate(base.layers)]
         self.head = _Op(self.lm_head)
+        self.head_ids: torch.Tensor | None = None   # a draft's vocabulary (``limit_head``); None: every id
+        self._head_rows = None
         self.final_norm = _Norm(base.norm, self.gemma)
         self._descs = None
         self._final_c = False               # the final norm runs in the C call (set with the descriptions)
@@ -751,10 +753,40 @@ class LeanLlama:
             x = x + m
         if keep:
             x = x[:, -keep:]
-        logits = self.head(x if normed else self.final_norm(x))     # [1, keep or n, V]
+        h = x if normed else self.final_norm(x)
+        if self.head_ids is not None:
+            return self._limited_head(h)
+        logits = self.head(h)                                        # [1, keep or n, V]
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    # ---- a draft's vocabulary
+    def limit_head(self, ids: torch.Tensor | None) -> None:
+        """Logits for these ids only, every other id's -inf (None: every id): a draft model that
+        drafts from part of its vocabulary reads only those rows of its head."""
+        self.head_ids = None if ids is None else ids.to(torch.long).contiguous()
+        self._head_rows = None
+
+    def _limited_head(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., V] logits of h [..., H]: the head's rows of ``head_ids`` (the same arithmetic as
+        the whole head's rows: its codes' own rows, or its weight's), -inf elsewhere."""
+        ids = self.head_ids
+        if self._head_rows is None:
+            op = self.head
+            bias = None if op.bias is None else op.bias[ids].contiguous()
+            if op.block is not None:
+                rows = op.block.rows(ids)
+                self._head_rows = lambda x: rows(x, bias)
+            else:
+                w = self.lm_head.weight.detach()[ids].contiguous()
+                self._head_rows = lambda x: F.linear(x, w, bias)
+        small = self._head_rows(h)
+        if self.final_softcap:
+            small = torch.tanh(small / self.final_softcap) * self.final_softcap
+        out = small.new_full((*small.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
+        out[..., ids] = small
+        return out
 
 
 def _windows(model: nn.Module) -> list:
