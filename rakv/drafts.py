@@ -350,10 +350,12 @@ def vocab_ids(lm: LoadedModel, n: int):
     where n is 0 or covers the vocabulary, or the model has no lean forward to limit."""
     import torch
 
-    V = lm.vocab_size
-    lean = getattr(lm.model, "_rakv_lean", None) if lm.lean else None
-    if n <= 0 or n >= V or lean is None or not hasattr(lean, "limit_head"):
+    if n <= 0:
         return None
+    lean = getattr(lm.model, "_rakv_lean", None) if lm.lean else None
+    if lean is None or not hasattr(lean, "limit_head") or n >= lm.vocab_size:
+        return None
+    V = lm.vocab_size
     extra = sorted(e for e in lm.eos_ids if n <= e < V)
     return torch.cat([torch.arange(n), torch.tensor(extra, dtype=torch.long)])
 
