@@ -1325,9 +1325,7 @@ static void q8act_range(const rakv_layer *L, int mr, int64_t nb, int64_t n0, int
    output does not depend on the rows beside it or the threads. */
 
 #define TILE 16
-#ifndef TROWS
-#define TROWS 5          /* rows sharing one pass over a tile's codes */
-#endif
+#define TROWS 5          /* rows sharing one pass over a tile's codes (tiled_range has cases up to 5) */
 
 #if defined(RAKV_VNNI)
 static inline __attribute__((always_inline)) __m512i bcast32(const int8_t *p) {
@@ -1336,10 +1334,26 @@ static inline __attribute__((always_inline)) __m512i bcast32(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
+/* I[r]: the exact sums of block b's tiled Q4 codes (4 quads of nibbles at c) with row r's xq */
+static inline __attribute__((always_inline)) void q4_sums(int R, const uint8_t *c, const qrow *rows, int64_t b,
+                                                          __m512i *I) {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int r = 0; r < R; r++) I[r] = _mm512_setzero_si512();
+    for (int v = 0; v < 4; v++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(c + 64 * v));
+        const __m512i lo = _mm512_and_si512(raw, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        for (int r = 0; r < R; r++) {
+            const int8_t *xq = rows[r].xb + b * BLK;
+            I[r] = _mm512_dpbusd_epi32(I[r], lo, bcast32(xq + 4 * v));
+            I[r] = _mm512_dpbusd_epi32(I[r], hi, bcast32(xq + 16 + 4 * v));
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void tiled_q4(int R, const rakv_layer *L, int64_t nb, int64_t t,
                                                            const qrow *rows, float *y, int64_t N, const float *bias) {
     const int64_t ng = (nb + QGROUP - 1) / QGROUP;
-    const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[TROWS], off[TROWS];
     for (int r = 0; r < R; r++) acc[r] = off[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
@@ -1347,19 +1361,8 @@ static inline __attribute__((always_inline)) void tiled_q4(int R, const rakv_lay
         for (int r = 0; r < R; r++) S[r] = O[r] = _mm512_setzero_si512();
         const int64_t b1 = (g + 1) * QGROUP < nb ? (g + 1) * QGROUP : nb;
         for (int64_t b = g * QGROUP; b < b1; b++) {
-            const uint8_t *c = L->tq + (t * nb + b) * 256;
             __m512i I[TROWS];
-            for (int r = 0; r < R; r++) I[r] = _mm512_setzero_si512();
-            for (int v = 0; v < 4; v++) {
-                const __m512i raw = _mm512_loadu_si512((const void *)(c + 64 * v));
-                const __m512i lo = _mm512_and_si512(raw, low);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                for (int r = 0; r < R; r++) {
-                    const int8_t *xq = rows[r].xb + b * BLK;
-                    I[r] = _mm512_dpbusd_epi32(I[r], lo, bcast32(xq + 4 * v));
-                    I[r] = _mm512_dpbusd_epi32(I[r], hi, bcast32(xq + 16 + 4 * v));
-                }
-            }
+            q4_sums(R, L->tq + (t * nb + b) * 256, rows, b, I);
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(L->tsc + (t * nb + b) * TILE)));
             const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(L->tmn + (t * nb + b) * TILE)));
             for (int r = 0; r < R; r++) {
@@ -1425,7 +1428,6 @@ static inline __attribute__((always_inline)) void tiled_fb(int kind, int R, cons
                                                            int64_t t, const qrow *rows, float *y, int64_t N,
                                                            const float *bias) {
     const int64_t ng = (nb + QGROUP - 1) / QGROUP;
-    const __m512i low = _mm512_set1_epi8(15);
     __m512 acc[TROWS], off[TROWS];
     for (int r = 0; r < R; r++) acc[r] = off[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
@@ -1435,18 +1437,7 @@ static inline __attribute__((always_inline)) void tiled_fb(int kind, int R, cons
         for (int64_t b = g * QGROUP; b < b1; b++) {
             __m512i I[TROWS];
             if (kind == 4) {
-                const uint8_t *c = L->tq + (t * nb + b) * 256;
-                for (int r = 0; r < R; r++) I[r] = _mm512_setzero_si512();
-                for (int v = 0; v < 4; v++) {
-                    const __m512i raw = _mm512_loadu_si512((const void *)(c + 64 * v));
-                    const __m512i lo = _mm512_and_si512(raw, low);
-                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                    for (int r = 0; r < R; r++) {
-                        const int8_t *xq = rows[r].xb + b * BLK;
-                        I[r] = _mm512_dpbusd_epi32(I[r], lo, bcast32(xq + 4 * v));
-                        I[r] = _mm512_dpbusd_epi32(I[r], hi, bcast32(xq + 16 + 4 * v));
-                    }
-                }
+                q4_sums(R, L->tq + (t * nb + b) * 256, rows, b, I);
             } else {
                 const uint8_t *c = L->tq + (t * nb + b) * 512;
                 for (int r = 0; r < R; r++) I[r] = _mm512_set1_epi32(-128 * rows[r].s32[b]);
@@ -1575,9 +1566,9 @@ static void tiled_range(const rakv_layer *L, int R, int64_t nb, int64_t t0, int6
                         float *y, int64_t N, const float *bias) {
 #if defined(RAKV_VNNI)
 #define TILED_CASE(KIND, FN, RR) case (KIND) * 8 + (RR): \
-        for (int64_t t = t0; t < t1; t++) FN(RR, L, nb, t, rows, y, N, bias); break;
+        { for (int64_t t = t0; t < t1; t++) FN(RR, L, nb, t, rows, y, N, bias); } break;
 #define TILED_KIND(KIND, FN) TILED_CASE(KIND, FN, 1) TILED_CASE(KIND, FN, 2) TILED_CASE(KIND, FN, 3) \
-        TILED_CASE(KIND, FN, 4) TILED_CASE(KIND, FN, 5) TILED_CASE(KIND, FN, 6) TILED_CASE(KIND, FN, 7)
+        TILED_CASE(KIND, FN, 4) TILED_CASE(KIND, FN, 5)
     switch (((int)L->kind + (L->tsc ? 0 : 16)) * 8 + R) {
         TILED_KIND(4, tiled_q4) TILED_KIND(9, tiled_q8x) TILED_KIND(20, tiled_q4f) TILED_KIND(24, tiled_q8f)
         default: break;
@@ -1595,6 +1586,7 @@ static void tiled_range(const rakv_layer *L, int R, int64_t nb, int64_t t0, int6
 #if defined(RAKV_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define RAKV_AMX 1
 #include <sys/syscall.h>
+#include <unistd.h>
 
 typedef struct __attribute__((packed)) {
     uint8_t palette, start, rsv[14];
