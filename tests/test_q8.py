@@ -152,6 +152,28 @@ def test_amx_tiles_give_the_vnni_bits(tmp_path):
     assert all(torch.equal(a, b(x)) for a, (b, x) in zip(amx, _tiled_cases()))
 
 
+@kernel
+@pytest.mark.parametrize("form", ["q4", "q8", "Q4_K", "Q6_K"])
+def test_the_lane_form_keeps_a_rows_own_bits(form, monkeypatch):
+    """RAKV_TILES=0 (the lane form, kept for comparisons) is its own fixed order: a row's output is
+    the same bits whatever rows ride with it, and close to the tiled form's."""
+    from tests.test_gguf_codes import _raw
+
+    monkeypatch.setenv("RAKV_TILES", "0")
+    if form.startswith("Q"):
+        raw, _ = _raw(form, 37, 768, seed=6)
+        base = blockq.from_gguf(raw, form, 37, 768)
+    else:
+        base = _codes(form, 37, 768, seed=6)
+    lanes = base.with_numerics("q8")
+    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(7))
+    y = lanes(x)
+    assert lanes._tiled is None
+    assert all(torch.equal(lanes(x[i:i + 1])[0], y[i]) for i in range(9))
+    monkeypatch.setenv("RAKV_TILES", "1")
+    torch.testing.assert_close(base.with_numerics("q8")(x), y, rtol=1e-4, atol=1e-3)
+
+
 def test_the_tiled_form_in_use_is_named():
     lib = blockq.library()
     if lib is None:
