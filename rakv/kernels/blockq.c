@@ -1011,18 +1011,6 @@ static inline void lane_scales(const rakv_layer *L, int64_t nb, int64_t n, int64
     }
 }
 
-/* K-quant codes: each lane's integer scale sc of pair p of output n (0 for an absent block) */
-static inline void lane_iscales(const rakv_layer *L, int64_t nb, int64_t n, int64_t p, int32_t sc[16]) {
-    const int64_t b = 2 * p;
-    const int two = b + 1 < nb;
-    for (int l = 0; l < 16; l++) {
-        const int second = L->kind == 9 ? l >= 8 : (l / 4) % 2;
-        sc[l] = second && !two ? 0
-              : L->kind == 9 ? (int32_t)((const int8_t *)L->isc)[n * 2 * nb + 2 * b + l / 4]
-                             : (int32_t)L->isc[n * nb + b + (l / 4) % 2];
-    }
-}
-
 /* the integer lane sums of pair p of output n against row r (Q8's codes + 128) */
 static inline void lane_sums(int kind, const uint8_t *qs, int64_t nb, int64_t n, int64_t p, const qrow *r,
                              int32_t P[16]) {
@@ -1137,33 +1125,6 @@ static inline __attribute__((always_inline)) __m512 pair_scales(int kind, int co
     return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(g));
 }
 
-/* K-quant codes (compact): the integer scales of super-block p0 / 4 of output n as int16 words
-   (Q4: its 8 blocks' sc; Q8X: its 16 groups' sc), zero past the row's end */
-static inline __attribute__((always_inline)) __m512i group_scales16(int kind, const rakv_layer *L, int64_t nb,
-                                                                    int64_t n, int64_t p0) {
-    if (kind == 4) {
-        const int64_t c = nb - 2 * p0 < 8 ? nb - 2 * p0 : 8;
-        const __m128i b = _mm_maskz_loadu_epi8((__mmask16)((1u << c) - 1), L->isc + n * nb + 2 * p0);
-        return _mm512_castsi256_si512(_mm256_cvtepu8_epi16(b));
-    }
-    const int64_t c = 2 * nb - 4 * p0 < 16 ? 2 * nb - 4 * p0 : 16;
-    const __m128i b = _mm_maskz_loadu_epi8((__mmask16)((1u << c) - 1), (const int8_t *)L->isc + n * 2 * nb + 4 * p0);
-    return _mm512_castsi256_si512(_mm256_cvtepi8_epi16(b));
-}
-
-/* which word of group_scales16 each int16 word of pair j (of its group) multiplies: word w is half
-   of lane w / 2, whose inputs lie in block (lane / 4) % 2 of the pair (Q4) or group lane / 4 (Q8X) */
-static inline __attribute__((always_inline)) __m512i pair_index16(int kind, int j) {
-    if (kind == 4) {
-        const __m512i base = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
-                                              1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-        return _mm512_add_epi16(base, _mm512_set1_epi16((short)(2 * j)));
-    }
-    const __m512i base = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
-                                          1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    return _mm512_add_epi16(base, _mm512_set1_epi16((short)(4 * j)));
-}
-
 /* MR rows of output n: y[r * N + n] */
 static inline __attribute__((always_inline)) void q8act_out(int kind, int compact, int MR, const rakv_layer *L,
                                                             int64_t nb, int64_t n, const qrow *rows,
@@ -1172,28 +1133,7 @@ static inline __attribute__((always_inline)) void q8act_out(int kind, int compac
     const uint8_t *qs = L->qs;
     __m512 acc[Q8ACT_ROWS], t[Q8ACT_ROWS];
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
-    if (compact) {              /* integer scales: sum_p sc P in int32 over the super-block, then dg dx */
-        const int64_t ng = (nb + QGROUP - 1) / QGROUP;
-        __m512i S[Q8ACT_ROWS];
-        for (int64_t p0 = 0; p0 < np; p0 += QGROUP / 2) {
-            const int64_t p1 = p0 + QGROUP / 2 < np ? p0 + QGROUP / 2 : np;
-            const __m512i sc = group_scales16(kind, L, nb, n, p0);
-            for (int r = 0; r < MR; r++) S[r] = _mm512_setzero_si512();
-            for (int64_t p = p0; p < p1; p++) {
-                const __m512i w = pair_codes(kind, qs, nb, n, p);
-                const __m512i s = _mm512_permutexvar_epi16(pair_index16(kind, (int)(p - p0)), sc);
-                for (int r = 0; r < MR; r++) {
-                    const __m512i x = _mm512_load_si512((const void *)((kind == 4 ? rows[r].xa : rows[r].xb) + p * 64));
-                    S[r] = _mm512_dpwssd_epi32(S[r], _mm512_maddubs_epi16(w, x), s);
-                }
-            }
-            const __m512 dg = _mm512_set1_ps(L->dg[n * ng + p0 / (QGROUP / 2)]);
-            for (int r = 0; r < MR; r++)
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S[r]), dg),
-                                                             _mm512_set1_ps(rows[r].dx[p0 / (QGROUP / 2)])));
-        }
-    }
-    for (int64_t p0 = 0; !compact && p0 < np; p0 += QGROUP / 2) {
+    for (int64_t p0 = 0; p0 < np; p0 += QGROUP / 2) {
         const int64_t p1 = p0 + QGROUP / 2 < np ? p0 + QGROUP / 2 : np;
         for (int r = 0; r < MR; r++) t[r] = _mm512_setzero_ps();
         for (int64_t p = p0; p < p1; p++) {
@@ -1244,31 +1184,10 @@ static inline void q8act_out(int kind, int compact, int MR, const rakv_layer *L,
                              int64_t n, const qrow *rows, float *y, int64_t N, const float *bias) {
     const int64_t np = (nb + 1) / 2;
     const uint8_t *qs = L->qs;
+    (void)compact;
     float acc[Q8ACT_ROWS][16], t[Q8ACT_ROWS][16];
     memset(acc, 0, sizeof(acc));
-    if (compact) {              /* integer scales: sum_p sc P in int32 over the super-block, then dg dx */
-        const int64_t ng = (nb + QGROUP - 1) / QGROUP;
-        for (int64_t p0 = 0; p0 < np; p0 += QGROUP / 2) {
-            const int64_t p1 = p0 + QGROUP / 2 < np ? p0 + QGROUP / 2 : np;
-            int32_t S[Q8ACT_ROWS][16];
-            memset(S, 0, sizeof(S));
-            for (int64_t p = p0; p < p1; p++) {
-                int32_t sc[16];
-                lane_iscales(L, nb, n, p, sc);
-                for (int r = 0; r < MR; r++) {
-                    int32_t P[16];
-                    lane_sums(kind, qs, nb, n, p, rows + r, P);
-                    for (int l = 0; l < 16; l++) S[r][l] += sc[l] * P[l];
-                }
-            }
-            const float dg = L->dg[n * ng + p0 / (QGROUP / 2)];
-            for (int r = 0; r < MR; r++) {
-                const float dx = rows[r].dx[p0 / (QGROUP / 2)];
-                for (int l = 0; l < 16; l++) acc[r][l] = acc[r][l] + ((float)S[r][l] * dg) * dx;
-            }
-        }
-    }
-    for (int64_t p0 = 0; !compact && p0 < np; p0 += QGROUP / 2) {
+    for (int64_t p0 = 0; p0 < np; p0 += QGROUP / 2) {
         const int64_t p1 = p0 + QGROUP / 2 < np ? p0 + QGROUP / 2 : np;
         memset(t, 0, sizeof(t));
         for (int64_t p = p0; p < p1; p++) {
