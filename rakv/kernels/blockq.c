@@ -878,7 +878,7 @@ typedef struct {
     const uint8_t *tq;     /* Q4: [T, K/32, 4, 16, 4] bytes (byte i of quad v of output j: inputs 4v + i,
                               low nibble, and 16 + 4v + i, high); Q8X: [T, K/16, 4, 16, 4] codes */
     const uint8_t *tsc;    /* Q4: uint8 [T, K/32, 16]; Q8X: int8 [T, K/16, 16] */
-    const uint8_t *tmn;    /* Q4: uint8 [T, K/32, 16] */
+    const int16_t *tmn;    /* Q4: int16 [T, K/64 rounded up, 16, 2]: lane j's minimums of blocks 2p, 2p + 1 */
     const float *tdg, *tmg;  /* [T, K/256, 16] */
 } rakv_layer;
 
@@ -917,13 +917,14 @@ typedef struct {
     float *dx;           /* [ngroups] */
     float *u32, *v8, *u16;  /* [nb16], [nb16], [2 nb16 rounded]: per-block / per-16 offset factors */
     int32_t *s32, *s16;  /* [nb16], [2 nb16 rounded]: the sum of xq per block of 32, and 32 x the sum per 16 */
+    int32_t *s32p;       /* [np rounded]: s32 of blocks 2p, 2p + 1 as two int16 (|s32| <= 32 x 127), 0 if absent */
 } qrow;
 
 static inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
 static size_t qrow_bytes(int64_t nb) {
     const int64_t np = (nb + 1) / 2, ng = (nb + QGROUP - 1) / QGROUP;
-    return (size_t)(np * 64 * 2 + round16(ng) * 4 + round16(nb) * 12 + round16(2 * nb) * 8 + 64 * 8);
+    return (size_t)(np * 64 * 2 + round16(ng) * 4 + round16(nb) * 12 + round16(2 * nb) * 8 + round16(np) * 4 + 64 * 9);
 }
 
 static qrow qrow_at(char *base, int64_t nb) {
@@ -937,7 +938,8 @@ static qrow qrow_at(char *base, int64_t nb) {
     r.v8 = (float *)p; p += (round16(nb) * 4 + 63) / 64 * 64;
     r.u16 = (float *)p; p += (round16(2 * nb) * 4 + 63) / 64 * 64;
     r.s32 = (int32_t *)p; p += (round16(nb) * 4 + 63) / 64 * 64;
-    r.s16 = (int32_t *)p;
+    r.s16 = (int32_t *)p; p += (round16(2 * nb) * 4 + 63) / 64 * 64;
+    r.s32p = (int32_t *)p;
     return r;
 }
 
@@ -978,6 +980,10 @@ static void quantize_row(const float *x, int64_t K, qrow *r) {
             r->s16[2 * b] = 32 * s16[0];
             r->s16[2 * b + 1] = 32 * s16[1];
         }
+    }
+    for (int64_t p = 0; p < np; p++) {
+        const int32_t hi = 2 * p + 1 < nb ? r->s32[2 * p + 1] : 0;
+        r->s32p[p] = (int32_t)(((uint32_t)(uint16_t)(int16_t)hi << 16) | (uint16_t)(int16_t)r->s32[2 * p]);
     }
 }
 
@@ -1244,7 +1250,7 @@ static void q8act_range(const rakv_layer *L, int mr, int64_t nb, int64_t n0, int
    output does not depend on the rows beside it or the threads. */
 
 #define TILE 16
-#define TROWS 5          /* rows sharing one pass over a tile's codes (tiled_range has cases up to 5) */
+#define TROWS 9          /* rows sharing one pass over a tile's codes (tiled_range has cases up to 9) */
 
 #if defined(RAKV_VNNI)
 static inline __attribute__((always_inline)) __m512i bcast32(const int8_t *p) {
@@ -1272,35 +1278,40 @@ static inline __attribute__((always_inline)) void q4_sums(int R, const uint8_t *
 
 static inline __attribute__((always_inline)) void tiled_q4(int R, const rakv_layer *L, int64_t nb, int64_t t,
                                                            const qrow *rows, float *y, int64_t N, const float *bias) {
-    const int64_t ng = (nb + QGROUP - 1) / QGROUP;
-    __m512 acc[TROWS], off[TROWS];
-    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm512_setzero_ps();
+    const int64_t ng = (nb + QGROUP - 1) / QGROUP, np = (nb + 1) / 2;
+    __attribute__((aligned(64))) float acc[TROWS][TILE], off[TROWS][TILE];   /* in L1: touched once a super-block */
+    for (int r = 0; r < R; r++) {
+        _mm512_store_ps(acc[r], _mm512_setzero_ps());
+        _mm512_store_ps(off[r], _mm512_setzero_ps());
+    }
     for (int64_t g = 0; g < ng; g++) {
-        __m512i S[TROWS], O[TROWS];
-        for (int r = 0; r < R; r++) S[r] = O[r] = _mm512_setzero_si512();
-        const int64_t b1 = (g + 1) * QGROUP < nb ? (g + 1) * QGROUP : nb;
-        for (int64_t b = g * QGROUP; b < b1; b++) {
+        __m512i S[TROWS];
+        for (int r = 0; r < R; r++) S[r] = _mm512_setzero_si512();
+        const int64_t b0 = g * QGROUP, b1 = (g + 1) * QGROUP < nb ? (g + 1) * QGROUP : nb;
+        for (int64_t b = b0; b < b1; b++) {
             __m512i I[TROWS];
             q4_sums(R, L->tq + (t * nb + b) * 256, rows, b, I);
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(L->tsc + (t * nb + b) * TILE)));
-            const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(L->tmn + (t * nb + b) * TILE)));
-            for (int r = 0; r < R; r++) {
-                S[r] = _mm512_add_epi32(S[r], _mm512_mullo_epi32(I[r], sc));
-                O[r] = _mm512_add_epi32(O[r], _mm512_mullo_epi32(mn, _mm512_set1_epi32(rows[r].s32[b])));
-            }
+            for (int r = 0; r < R; r++) S[r] = _mm512_add_epi32(S[r], _mm512_mullo_epi32(I[r], sc));
         }
         const __m512 dg = _mm512_loadu_ps(L->tdg + (t * ng + g) * TILE);
         const __m512 mg = _mm512_loadu_ps(L->tmg + (t * ng + g) * TILE);
         for (int r = 0; r < R; r++) {
+            __m512i O = _mm512_setzero_si512();      /* sum_b mn_b (sum of b's xq), two blocks an instruction */
+            for (int64_t p = b0 / 2; p < (b1 + 1) / 2; p++)
+                O = _mm512_dpwssd_epi32(O, _mm512_loadu_si512((const void *)(L->tmn + (t * np + p) * 2 * TILE)),
+                                        _mm512_set1_epi32(rows[r].s32p[p]));
             const __m512 dx = _mm512_set1_ps(rows[r].dx[g]);
-            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S[r]), dg), dx));
-            off[r] = _mm512_add_ps(off[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(O[r]), mg), dx));
+            _mm512_store_ps(acc[r], _mm512_add_ps(_mm512_load_ps(acc[r]),
+                                                  _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S[r]), dg), dx)));
+            _mm512_store_ps(off[r], _mm512_add_ps(_mm512_load_ps(off[r]),
+                                                  _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(O), mg), dx)));
         }
     }
     const int64_t n0 = t * TILE;
     const __mmask16 k = N - n0 >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
     for (int r = 0; r < R; r++) {
-        __m512 v = _mm512_add_ps(acc[r], off[r]);
+        __m512 v = _mm512_add_ps(_mm512_load_ps(acc[r]), _mm512_load_ps(off[r]));
         if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + n0));
         _mm512_mask_storeu_ps(y + r * N + n0, k, v);
     }
@@ -1309,8 +1320,8 @@ static inline __attribute__((always_inline)) void tiled_q4(int R, const rakv_lay
 static inline __attribute__((always_inline)) void tiled_q8x(int R, const rakv_layer *L, int64_t nb, int64_t t,
                                                             const qrow *rows, float *y, int64_t N, const float *bias) {
     const int64_t ng = (nb + QGROUP - 1) / QGROUP, nh = 2 * nb;
-    __m512 acc[TROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    __attribute__((aligned(64))) float acc[TROWS][TILE];      /* in L1: touched once a super-block */
+    for (int r = 0; r < R; r++) _mm512_store_ps(acc[r], _mm512_setzero_ps());
     for (int64_t g = 0; g < ng; g++) {
         __m512i S[TROWS];
         for (int r = 0; r < R; r++) S[r] = _mm512_setzero_si512();
@@ -1328,13 +1339,13 @@ static inline __attribute__((always_inline)) void tiled_q8x(int R, const rakv_la
         }
         const __m512 dg = _mm512_loadu_ps(L->tdg + (t * ng + g) * TILE);
         for (int r = 0; r < R; r++)
-            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(S[r]), dg),
-                                                         _mm512_set1_ps(rows[r].dx[g])));
+            _mm512_store_ps(acc[r], _mm512_add_ps(_mm512_load_ps(acc[r]), _mm512_mul_ps(_mm512_mul_ps(
+                _mm512_cvtepi32_ps(S[r]), dg), _mm512_set1_ps(rows[r].dx[g]))));
     }
     const int64_t n0 = t * TILE;
     const __mmask16 k = N - n0 >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
     for (int r = 0; r < R; r++) {
-        __m512 v = acc[r];
+        __m512 v = _mm512_load_ps(acc[r]);
         if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + n0));
         _mm512_mask_storeu_ps(y + r * N + n0, k, v);
     }
@@ -1347,8 +1358,11 @@ static inline __attribute__((always_inline)) void tiled_fb(int kind, int R, cons
                                                            int64_t t, const qrow *rows, float *y, int64_t N,
                                                            const float *bias) {
     const int64_t ng = (nb + QGROUP - 1) / QGROUP;
-    __m512 acc[TROWS], off[TROWS];
-    for (int r = 0; r < R; r++) acc[r] = off[r] = _mm512_setzero_ps();
+    __attribute__((aligned(64))) float acc[TROWS][TILE], off[TROWS][TILE];   /* in L1 */
+    for (int r = 0; r < R; r++) {
+        _mm512_store_ps(acc[r], _mm512_setzero_ps());
+        _mm512_store_ps(off[r], _mm512_setzero_ps());
+    }
     for (int64_t g = 0; g < ng; g++) {
         __m512 tt[TROWS];
         for (int r = 0; r < R; r++) tt[r] = _mm512_setzero_ps();
@@ -1369,15 +1383,17 @@ static inline __attribute__((always_inline)) void tiled_fb(int kind, int R, cons
             for (int r = 0; r < R; r++) tt[r] = _mm512_add_ps(tt[r], _mm512_mul_ps(_mm512_cvtepi32_ps(I[r]), d));
             if (kind == 4) {
                 const __m512 m = _mm512_loadu_ps(L->tmg + (t * nb + b) * TILE);
-                for (int r = 0; r < R; r++) off[r] = _mm512_add_ps(off[r], _mm512_mul_ps(m, _mm512_set1_ps(rows[r].u32[b])));
+                for (int r = 0; r < R; r++)
+                    _mm512_store_ps(off[r], _mm512_add_ps(_mm512_load_ps(off[r]), _mm512_mul_ps(m, _mm512_set1_ps(rows[r].u32[b]))));
             }
         }
-        for (int r = 0; r < R; r++) acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(tt[r], _mm512_set1_ps(rows[r].dx[g])));
+        for (int r = 0; r < R; r++)
+            _mm512_store_ps(acc[r], _mm512_add_ps(_mm512_load_ps(acc[r]), _mm512_mul_ps(tt[r], _mm512_set1_ps(rows[r].dx[g]))));
     }
     const int64_t n0 = t * TILE;
     const __mmask16 k = N - n0 >= TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
     for (int r = 0; r < R; r++) {
-        __m512 v = kind == 4 ? _mm512_add_ps(acc[r], off[r]) : acc[r];
+        __m512 v = kind == 4 ? _mm512_add_ps(_mm512_load_ps(acc[r]), _mm512_load_ps(off[r])) : _mm512_load_ps(acc[r]);
         if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, bias + n0));
         _mm512_mask_storeu_ps(y + r * N + n0, k, v);
     }
@@ -1450,7 +1466,7 @@ static void tiled_any(int kind, int R, const rakv_layer *L, int64_t nb, int64_t 
                                 I += (q & 15) * xq[4 * v + i] + (q >> 4) * xq[16 + 4 * v + i];
                             }
                         S[j] += (int32_t)L->tsc[(t * nb + b) * TILE + j] * I;
-                        O[j] += (int32_t)L->tmn[(t * nb + b) * TILE + j] * rows[r].s32[b];
+                        O[j] += (int32_t)L->tmn[((t * ((nb + 1) / 2) + b / 2) * TILE + j) * 2 + b % 2] * rows[r].s32[b];
                     }
                 }
             } else {
@@ -1484,11 +1500,12 @@ static void tiled_any(int kind, int R, const rakv_layer *L, int64_t nb, int64_t 
 static void tiled_range(const rakv_layer *L, int R, int64_t nb, int64_t t0, int64_t t1, const qrow *rows,
                         float *y, int64_t N, const float *bias) {
 #if defined(RAKV_VNNI)
-#define TILED_CASE(KIND, FN, RR) case (KIND) * 8 + (RR): \
+#define TILED_CASE(KIND, FN, RR) case (KIND) * 16 + (RR): \
         { for (int64_t t = t0; t < t1; t++) FN(RR, L, nb, t, rows, y, N, bias); } break;
 #define TILED_KIND(KIND, FN) TILED_CASE(KIND, FN, 1) TILED_CASE(KIND, FN, 2) TILED_CASE(KIND, FN, 3) \
-        TILED_CASE(KIND, FN, 4) TILED_CASE(KIND, FN, 5)
-    switch (((int)L->kind + (L->tsc ? 0 : 16)) * 8 + R) {
+        TILED_CASE(KIND, FN, 4) TILED_CASE(KIND, FN, 5) TILED_CASE(KIND, FN, 6) TILED_CASE(KIND, FN, 7) \
+        TILED_CASE(KIND, FN, 8) TILED_CASE(KIND, FN, 9)
+    switch (((int)L->kind + (L->tsc ? 0 : 16)) * 16 + R) {
         TILED_KIND(4, tiled_q4) TILED_KIND(9, tiled_q8x) TILED_KIND(20, tiled_q4f) TILED_KIND(24, tiled_q8f)
         default: break;
     }
@@ -1613,7 +1630,8 @@ static void amx_chunk4(const rakv_layer *L, int R, int64_t nb, int64_t t0, const
                     const int64_t tb = ((t0 + i) * nb + b) * TILE;
                     if (compact) {     /* Q4_K: integer scales and minimums */
                         const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(L->tsc + tb)));
-                        const __m512i mn = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(L->tmn + tb)));
+                        const __m512i mp = _mm512_loadu_si512((const void *)(L->tmn + (((t0 + i) * ((nb + 1) / 2) + b / 2) * TILE) * 2));
+                        const __m512i mn = b % 2 ? _mm512_srai_epi32(mp, 16) : _mm512_srai_epi32(_mm512_slli_epi32(mp, 16), 16);
                         for (int r = 0; r < R; r++) {
                             S[i][r] = _mm512_add_epi32(S[i][r], _mm512_mullo_epi32(
                                 _mm512_load_si512((const void *)(C + (i * AMX_ROWS + r) * TILE)), sc));
@@ -1684,11 +1702,26 @@ static int rakv_q8act_linear(const rakv_layer *L, const float *x, int64_t M, flo
     char *mem = aligned_alloc(64, (size_t)(M > 0 ? M : 1) * rb);
     qrow *rows = malloc(sizeof(qrow) * (size_t)(M > 0 ? M : 1));
     if (!mem || !rows) { free(mem); free(rows); return 1; }
-    #pragma omp parallel for num_threads(threads) schedule(static) if (M > 1)
-    for (int64_t i = 0; i < M; i++) {
-        rows[i] = qrow_at(mem + i * rb, nb);
-        quantize_row(x + i * K, K, rows + i);
+    for (int64_t i = 0; i < M; i++) rows[i] = qrow_at(mem + i * rb, nb);
+    if (L->tq && rakv_tiled_simd(M) != 2) {   /* one parallel region: the rows quantized, then the tiles */
+        const int64_t T = (N + TILE - 1) / TILE;
+        #pragma omp parallel num_threads(threads)
+        {
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, K, rows + i);
+            #pragma omp for schedule(static)
+            for (int64_t c = 0; c < (T + 3) / 4; c++) {
+                const int64_t t0 = 4 * c, t1 = t0 + 4 < T ? t0 + 4 : T;
+                for (int64_t r0 = 0; r0 < M; r0 += TROWS)
+                    tiled_range(L, (int)(M - r0 < TROWS ? M - r0 : TROWS), nb, t0, t1, rows + r0, y + r0 * N, N, bias);
+            }
+        }
+        free(mem);
+        free(rows);
+        return 0;
     }
+    #pragma omp parallel for num_threads(threads) schedule(static) if (M > 1)
+    for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, K, rows + i);
     if (L->tq) {                 /* tiled codes: tiles of 16 outputs, TROWS (AMX: 16) rows at a time */
         const int64_t T = (N + TILE - 1) / TILE;
 #if defined(RAKV_AMX)
@@ -1861,8 +1894,11 @@ static void linear_parts(const rakv_layer *whole, const rakv_layer *const *parts
     }
 }
 
+/* row-wise steps of a few rows run on one thread: a parallel region costs more than the work */
+#define SERIAL_ROWS 16
+
 static void rms_rows(const float *x, int64_t n, int64_t H, const float *w, float eps, float *y, int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static) if (n > 1)
+    #pragma omp parallel for num_threads(threads) schedule(static) if (n > SERIAL_ROWS)
     for (int64_t i = 0; i < n; i++) {
         const float *xi = x + i * H;
         float ss = 0.0f;
@@ -1920,7 +1956,7 @@ int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, i
         rms_rows(x, n, H, L->ln1, eps, xn, threads);
         const rakv_layer *qkv_parts[3] = {L->q_part, L->k_part, L->v_part};
         linear_parts(L->qkv, qkv_parts, 3, xn, n, h, W, L->qkv_bias, tmp, threads);
-        #pragma omp parallel for num_threads(threads) schedule(static) if (n > 1)
+        #pragma omp parallel for num_threads(threads) schedule(static) if (n > SERIAL_ROWS)
         for (int64_t i = 0; i < n; i++) {
             float *hi = h + i * W;
             rotate_heads(hi, Hq + Hk, D, cos + i * D, sin + i * D);            /* q, then k: adjacent */
@@ -1940,7 +1976,7 @@ int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, i
         rms_rows(x, n, H, L->ln2, eps, xn, threads);
         const rakv_layer *gu_parts[2] = {L->gate_part, L->up_part};
         linear_parts(L->gate_up, gu_parts, 2, xn, n, y, 2 * I, L->gate_up_bias, tmp, threads);
-        #pragma omp parallel for num_threads(threads) schedule(static) if (n > 1)
+        #pragma omp parallel for num_threads(threads) schedule(static) if (n > SERIAL_ROWS)
         for (int64_t i = 0; i < n; i++) silu_mul(y + i * 2 * I, y + i * 2 * I + I, m + i * I, I);
         rakv_linear(L->down, m, n, y, L->down_bias, threads);
         for (int64_t j = 0; j < n * H; j++) x[j] = x[j] + y[j];

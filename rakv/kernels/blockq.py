@@ -346,7 +346,10 @@ def tiled(b: "BlockWeight") -> dict:
         return {"tq": tq, "tdg": _by_tiles(d), **({"tmg": _by_tiles(m)} if b.kind == "q4" else {})}
     out = {"tq": tq, "tsc": _by_tiles(b.isc), "tdg": _by_tiles(b.dg.float())}
     if b.kind == "q4":
-        out.update(tmn=_by_tiles(b.imn), tmg=_by_tiles(b.mg.float()))
+        mn = b.imn.to(torch.int16)
+        if mn.shape[1] % 2:
+            mn = torch.cat([mn, mn.new_zeros(N, 1)], 1)
+        out.update(tmn=_by_tiles(mn.reshape(N, -1, 2)), tmg=_by_tiles(b.mg.float()))    # int16 pairs of blocks
     return out
 
 
