@@ -250,7 +250,8 @@ class Session:
                            for c in (dec.candidates if dec else [])],
             "latency_ms": end.latency_ms, "ttft_ms": end.ttft_ms, "tokens_per_s": end.tokens_per_s,
             # drafted / accepted: the draft's own rounds; copied / copies_accepted: n-gram tokens the
-            # gate verified in k = 0 rounds (the gate entries count both); the totals add them up
+            # gate verified (draft_source lookup: k = 0 rounds, or in place of the model draft; the gate
+            # entries count both); the totals add them up
             "drafted": end.drafted, "accepted": end.accepted, "copied": copied, "copies_accepted": copies_accepted,
             "drafted_total": end.drafted + copied, "accepted_total": end.accepted + copies_accepted,
             "rounds": end.rounds,

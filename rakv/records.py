@@ -414,9 +414,9 @@ CSV_COLUMNS = [
     ("k", "k of the chosen action (per-request decision)"),
     ("output_tokens", "generated tokens"),
     ("rounds", "decoding rounds after the first token"),
-    ("drafted", "draft tokens proposed"),
-    ("accepted", "draft tokens accepted"),
-    ("mean_accept_len", "1 + accepted/rounds"),
+    ("drafted", "draft tokens proposed (the draft's own rounds; gate copies are in copied)"),
+    ("accepted", "draft tokens accepted (the draft's own rounds; gate copies are in copies_accepted)"),
+    ("mean_accept_len", "tokens per decoding round after the first token: 1 + (accepted + copies_accepted) / rounds"),
     ("alpha_ewma", "acceptance EWMA at the end of the request"),
     ("prefill_ms", "target prompt forward time (0 on exact repeat)"),
     ("draft_ms", "sum of draft time over rounds (incl. catch-up)"),
@@ -433,7 +433,18 @@ CSV_COLUMNS = [
     ("gate_stops", "why the gate's drafts stopped, counted: k_max / gate / cut / source"),
     ("gate_pred", "mean predicted acceptance of the judged drafted tokens (accepted + first rejected)"),
     ("gate_observed", "their observed acceptance rate (compare with gate_pred)"),
+    ("copied", "n-gram tokens the confidence gate copied and verified (rounds with draft_source lookup, "
+               "k = 0 ones included; as rakv generate --json)"),
+    ("copies_accepted", "of them accepted by the target (the explorer's gate copy tokens)"),
 ]
+
+
+def accept_len(accepted: int, rounds: int) -> float:
+    """Mean acceptance length: tokens per decoding round (one target forward each) after the first
+    token, 1 + accepted / rounds, where ``accepted`` counts every accepted drafted token, the
+    confidence gate's n-gram copies included (a k = 0 round that copies 5 tokens gives 6 tokens for
+    its forward); 1.0 without rounds. The timing CSV and the bench executions CSV both use it."""
+    return round(1 + accepted / rounds, 4) if rounds else 1.0
 
 
 def request_rows(records: Iterable) -> list[dict]:
@@ -443,13 +454,17 @@ def request_rows(records: Iterable) -> list[dict]:
         rid = getattr(r, "request_id", None)
         if isinstance(r, RequestStart):
             rows[rid] = {"request_id": rid, "prompt_tokens": r.prompt_tokens, "prefill_ms": 0.0,
-                         "draft_ms": 0.0, "verify_ms": 0.0, "templated": int(r.templated),
+                         "draft_ms": 0.0, "verify_ms": 0.0, "copied": 0, "copies_accepted": 0,
+                         "templated": int(r.templated),
                          "template_prefix": r.template_prefix}
         elif isinstance(r, CacheLookup) and rid in rows and r.model == "target":
             rows[rid]["prefill_ms"] = round(r.prefill_ms, 3)
         elif isinstance(r, Round) and rid in rows and r.kind != "prefill":
             rows[rid]["draft_ms"] += r.draft_ms
             rows[rid]["verify_ms"] += r.verify_ms
+            if r.draft_source == "lookup":       # gate copies: not in RequestEnd.drafted / accepted
+                rows[rid]["copied"] += r.drafted
+                rows[rid]["copies_accepted"] += r.accepted
             if r.draft_stop:
                 _gate_row(rows[rid], r)
         elif isinstance(r, RequestEnd) and rid in rows:
@@ -458,7 +473,7 @@ def request_rows(records: Iterable) -> list[dict]:
                        reuse=r.action.get("reuse", 0), k=r.action.get("k", 0),
                        output_tokens=len(r.output_ids), rounds=r.rounds, drafted=r.drafted,
                        accepted=r.accepted,
-                       mean_accept_len=round(1 + r.accepted / r.rounds, 4) if r.rounds else 1.0,
+                       mean_accept_len=accept_len(r.accepted + row["copies_accepted"], r.rounds),
                        alpha_ewma=round(r.alpha_ewma, 4), ttft_ms=round(r.ttft_ms, 3),
                        latency_ms=round(r.latency_ms, 3),
                        predicted_ms="" if r.predicted_ms is None else round(r.predicted_ms, 3),

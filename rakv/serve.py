@@ -640,9 +640,12 @@ class Handler(BaseHTTPRequestHandler):
 
 def _summary(res: Result) -> str:
     e = res.end
+    n = (res.rakv or {}).get("copies_accepted", 0)       # the gate's copies, as the explorer counts them
+    copies = f" + copy {n}" if n else ""
     return (f"request {e.request_id}, {len(e.output_ids)} tokens, TTFT {e.ttft_ms:.0f} ms, "
-            f"r={e.action.get('reuse')} k={e.action.get('k')}, hit {e.hit_tokens}/{e.prompt_tokens}, "
-            f"accepted {e.accepted}/{e.drafted}, finish {res.finish}")
+            f"r={e.action.get('reuse')} k={e.action.get('k')}{copies}, hit {e.hit_tokens}/{e.prompt_tokens}, "
+            f"accepted {e.accepted}/{e.drafted}"
+            + (f", copied {n}/{(res.rakv or {}).get('copied', 0)}" if n else "") + f", finish {res.finish}")
 
 
 class EventStream:

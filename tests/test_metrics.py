@@ -238,3 +238,68 @@ def test_a_one_token_request_is_left_out_of_the_accuracies():
     q = M.controller_quality(cands + c1, rows + r1, AD)
     assert q["decisions"] == 9 and q["k_free"] == 3
     assert q["action_acc_spread"] == pytest.approx(5 / 6) and q["spec_acc"] == pytest.approx(5 / 6)
+
+
+# ----------------------------------------------------------------------------- accept length with gate copies
+def test_accept_len_counts_gate_copies_per_round(tmp_path):
+    """accept len = 1 + (accepted + lookup_accepted) / rounds: a k = 0 execution whose gate copied 10
+    tokens in 5 rounds made 3 tokens a round, not 1; the draft's own accepted tokens count as before;
+    peers (no rounds) are left out; a row without counts keeps its mean_accept_len."""
+    copies = {**row(0, 0, "adaptive:gate", 100), "rounds": 5, "accepted": 0, "drafted": 0,
+              "lookup_drafted": 12, "lookup_accepted": 10, "mean_accept_len": 3.0}
+    drafts = {**row(0, 1, "adaptive:gate", 100), "rounds": 4, "accepted": 4, "drafted": 8,
+              "lookup_drafted": 0, "lookup_accepted": 0, "mean_accept_len": 2.0}
+    both = {**row(0, 2, "adaptive:gate", 100), "rounds": 4, "accepted": 2, "lookup_accepted": 6}
+    peer = {**row(0, 0, "hf:lookup", 100), "rounds": None, "accepted": None, "mean_accept_len": None}
+    old = {k: v for k, v in row(0, 0, "kv", 100).items() if k != "accepted"} | {"rounds": 2, "mean_accept_len": 1.5}
+    assert M.accept_len(copies) == 3.0 and M.accept_len(drafts) == 2.0 and M.accept_len(both) == 3.0
+    assert M.accept_len(peer) is None and M.accept_len(old) == 1.5
+    # an executions.csv written before copies were counted in mean_accept_len: the counts decide
+    assert M.accept_len({**copies, "mean_accept_len": 1.0}) == 3.0
+    t = {p["policy"]: p for p in M.policy_table([copies, drafts, both, peer, old])}
+    assert t["adaptive:gate"]["accept_len"] == pytest.approx((3.0 + 2.0 + 3.0) / 3)
+    assert t["hf:lookup"]["accept_len"] is None and t["kv"]["accept_len"] == 1.5
+    # the copy columns are numbers when read back (an empty cell: no count)
+    path = tmp_path / "executions.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(copies))
+        w.writeheader()
+        w.writerow(copies)
+        w.writerow({**copies, "index": 3, "lookup_drafted": "", "lookup_accepted": ""})
+    back = M.load_csv(path)
+    assert back[0]["lookup_accepted"] == 10 and back[1]["lookup_accepted"] is None
+    assert M.accept_len(back[0]) == 3.0 and M.accept_len(back[1]) == 1.0
+
+
+def test_bench_rows_count_k0_copies_like_the_timing_csv():
+    """Real records (the tiny pair, the model draft priced out so every request is k = 0, a repeat
+    that copies its earlier output): the executions row's lookup columns and mean_accept_len agree
+    with the timing CSV's copied / copies_accepted / mean_accept_len and with the rounds themselves."""
+    from rakv.bench.runner import Arm, make_slots, run_engine
+    from rakv.bench.workloads import Request
+    from rakv.config import RakvConfig
+    from rakv.records import Round, request_rows
+    from tests.tiny import make_pair, synthetic_profile
+
+    target, draft = make_pair("llama", "mostly")
+    from rakv.drafts import ModelDraft
+
+    (slot,) = make_slots([Arm("adaptive:gate", policy="adaptive:gate")], target, ModelDraft(draft),
+                         RakvConfig(k_set=(0, 2, 4)), synthetic_profile(d=5.0, alpha0=0.2), learned={})
+    recs = []
+    collect = slot.engine.callback
+    slot.engine.callback = lambda r: (recs.append(r), collect(r))
+    ids = tuple([3, 4, 5, 6] * 6)
+    req = Request(0, "w", "repeat", len(ids), 40, ids, "c0")
+    run_engine(slot, req)
+    row, _ = run_engine(slot, req)            # the repeat copies from the history
+    looked = [r for r in slot.collector.rounds if r.draft_source == "lookup"]
+    assert row["k"] == 0 and row["accepted"] == 0 and row["lookup_accepted"] == sum(r.accepted for r in looked) > 0
+    assert all(r.k == 0 for r in looked if r.drafted)
+    assert row["mean_accept_len"] == pytest.approx(1 + row["lookup_accepted"] / row["rounds"], abs=1e-4)
+    assert row["mean_accept_len"] > 1.0
+    csv_row = request_rows(recs)[-1]
+    assert (csv_row["copied"], csv_row["copies_accepted"]) == (row["lookup_drafted"], row["lookup_accepted"])
+    assert csv_row["mean_accept_len"] == row["mean_accept_len"]
+    assert M.accept_len(row) == pytest.approx(row["mean_accept_len"], abs=1e-4)
+    assert sum(isinstance(r, Round) for r in recs) > 0

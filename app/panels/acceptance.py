@@ -1,7 +1,12 @@
 """Acceptance: alpha EWMA over rounds and requests, with the alpha* crossover lines of the latest
 per-request decision (chosen k bright, others dim) and the region where speculation pays shaded.
 With the confidence gate (policy adaptive:gate) a second plot shows its calibration: drafted tokens
-binned by predicted acceptance, observed rate against prediction (on the diagonal = calibrated)."""
+binned by predicted acceptance, observed rate against prediction (on the diagonal = calibrated).
+
+Rounds are marked by where their drafts came from: dots for the draft's own rounds, teal diamonds
+for the gate's copy rounds (n-gram lookups it verified, in k = 0 rounds or in place of the model
+draft). A count line under the info line gives the current request's drafted / accepted tokens and,
+apart, its gate copies: the same numbers the token stream colours (accepted draft, gate copy)."""
 
 from __future__ import annotations
 
@@ -10,9 +15,9 @@ import pyqtgraph as pg
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-from app.state import SessionState, sampling_text
+from app.state import SessionState, counts_text, k_text, sampling_text
 
-from . import NoData, k_color, make_plot, nice_ceiling
+from . import PROVENANCE_COLORS, NoData, k_color, make_plot, nice_ceiling
 
 MAX_BOUNDARIES = 60
 LABEL_GAP_PX = 46          # a request boundary is labelled only this far (pixels) right of the last labelled one
@@ -24,9 +29,16 @@ class AcceptancePanel(QWidget):
         super().__init__()
         self.info = QLabel("alpha: —")
         self.info.setWordWrap(True)
-        self.info.setToolTip("blue: acceptance EWMA after each round (dots: rounds that drafted)\n"
+        self.info.setToolTip("blue: acceptance EWMA after each round (dots: rounds the draft drafted;\n"
+                             "teal diamonds: rounds the gate verified n-gram copies, k = 0 ones included)\n"
                              "dashed: crossover alpha*(k) of the request's decision (chosen k bold)\n"
                              "green band: where speculation with the chosen k pays")
+        self.counts = QLabel("")
+        self.counts.setWordWrap(True)
+        self.counts.setToolTip("this request's rounds: tokens the draft proposed and the target accepted (green in\n"
+                               "the token stream), and apart from them the gate's n-gram copies (teal): a copy\n"
+                               "round's tokens are not the draft's acceptance and leave alpha alone")
+        self._counts: dict = {}
         self.plot = make_plot("alpha (EWMA)", "round (session)")
         pi = self.plot.getPlotItem()
         pi.setYRange(0, 1.05, padding=0)
@@ -36,6 +48,11 @@ class AcceptancePanel(QWidget):
         self.region.setZValue(-20)
         pi.addItem(self.region)
         self.curve = pi.plot([], [], pen=pg.mkPen("#08519c", width=2), antialias=True)
+        self.draft_pts = pg.ScatterPlotItem(size=5, pen=pg.mkPen(None), brush=pg.mkBrush("#08519c"), name="drafted")
+        self.copy_pts = pg.ScatterPlotItem(size=9, symbol="d", pen=pg.mkPen("#1b7a5a"),
+                                           brush=pg.mkBrush(PROVENANCE_COLORS["copy"]), name="gate copies")
+        pi.addItem(self.draft_pts)
+        pi.addItem(self.copy_pts)
         pi.disableAutoRange(axis="x")
         pi.vb.sigResized.connect(self._label_bounds)
         self.nodata = NoData(self.plot, (0.0, 10.0), (0.0, 1.05))
@@ -63,6 +80,7 @@ class AcceptancePanel(QWidget):
         lay = QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addWidget(self.info)
+        lay.addWidget(self.counts)
         row = QHBoxLayout()
         row.addWidget(self.plot, 1)
         row.addWidget(self.rel)
@@ -78,6 +96,10 @@ class AcceptancePanel(QWidget):
             x = np.array([p.x for p in pts], dtype=float)
             y = np.array([p.alpha for p in pts], dtype=float)
             self.curve.setData(x, y)
+            drew = [i for i, p in enumerate(pts) if p.drafted and not p.copy_round]
+            copied = [i for i, p in enumerate(pts) if p.copy_round]
+            self.draft_pts.setData(x[drew], y[drew])
+            self.copy_pts.setData(x[copied], y[copied])
             self.nodata.set(not len(x))
             if len(x):
                 self._range(x)
@@ -96,7 +118,7 @@ class AcceptancePanel(QWidget):
         else:
             txt = "alpha: —"
         if self._chosen_k is not None:
-            txt += f" · chosen k={self._chosen_k}"
+            txt += f" · chosen {k_text(self._chosen_k, state.counts_since(1, self._chosen_k))}"
         if state.sampling:
             txt += f" · {sampling_text(state.sampling, state.verify)}"
         self._draw_gate(state)
@@ -107,6 +129,13 @@ class AcceptancePanel(QWidget):
             txt += " · α*: " + ", ".join(f"k{k} {'never' if v is None else f'{v:.2f}'}"
                                          for k, v in sorted(self._stars.items(), key=lambda kv: int(kv[0])))
         self.info.setText(txt)
+        self._counts = state.counts.as_dict() if state.request_id >= 0 else {}
+        ses = state.session_counts
+        self.counts.setText("" if state.request_id < 0 else
+                            f"request {state.request_id}: {counts_text(state.counts)}"
+                            + (f" · session: {ses.accepted} accepted, {ses.copies_accepted} copied"
+                               if (ses.accepted, ses.copies_accepted) != (state.counts.accepted,
+                                                                          state.counts.copies_accepted) else ""))
 
     def _draw_gate(self, state: SessionState) -> None:
         key = (id(state), state.gate_rounds)
@@ -207,4 +236,6 @@ class AcceptancePanel(QWidget):
                 "stars": {k: v for k, v in self._stars.items()}, "chosen_k": self._chosen_k,
                 "region": tuple(round(v, 6) for v in self.region.getRegion()),
                 "gate_bins": len(self.rel_pts.data), "empty": bool(self.nodata.empty),
+                "counts": dict(self._counts), "counts_text": self.counts.text(),
+                "draft_rounds": len(self.draft_pts.data), "copy_rounds": len(self.copy_pts.data),
                 "bound_labels": [ln.label.toPlainText() for ln in self._bounds]}

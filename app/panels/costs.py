@@ -1,5 +1,7 @@
 """Action costs: one bar per candidate (r, k) of a Decision; chosen highlighted, infeasible greyed
-(reason as tooltip); after the request, the measured latency beside the prediction.
+(reason as tooltip); after the request, the measured latency beside the prediction. A chosen k = 0
+whose rounds the confidence gate filled with n-gram copies says so: "k=0 + copy n" (n copied tokens
+the target accepted), as the token stream and the acceptance panel count them.
 
 Third view, "measured: every action" (an ``OracleResult``): every action's predicted bar with its
 measured median beside it (whisker: fastest to slowest run), the oracle (best measured feasible
@@ -14,7 +16,7 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-from app.state import SessionState
+from app.state import SessionState, k_text
 
 from . import NoData, make_plot
 
@@ -172,7 +174,10 @@ class CostsPanel(QWidget):
         per_round = self.which.currentIndex() == 1
         d = state.round_decision if per_round else state.decision
         measured = None if per_round or d is None else state.measured_ms(d.request_id)
-        key = (id(d), measured)
+        # what the chosen k led to in this request's rounds (since the re-decision), gate copies included
+        copies = (state.counts_since(max(d.round, 1), d.action.get("k"))
+                  if d is not None and d.request_id == state.request_id else None)
+        key = (id(d), measured, copies.copies_accepted if copies is not None else 0)
         if key == self._key:
             return
         self._key = key
@@ -216,8 +221,11 @@ class CostsPanel(QWidget):
         self._cands, self._chosen, self._measured = cands, chosen, measured
         pred = cands[chosen]["predicted_ms"] if chosen >= 0 else float("nan")
         where = "per-request decision" if d.round < 0 else f"round {d.round} re-decision"
-        txt = (f"request {d.request_id} · {where} · chosen (r={act.get('reuse')}, k={act.get('k')}) "
+        txt = (f"request {d.request_id} · {where} · chosen (r={act.get('reuse')}, {k_text(act.get('k'), copies)}) "
                f"by {d.reason} · alpha {d.alpha:.2f} · predicted {pred:.0f} ms")
+        if copies is not None and copies.copy_rounds:
+            txt += (f" · the gate copied {copies.copies_accepted} of {copies.copied} verified tokens in "
+                    f"{copies.copy_rounds} round{'s' if copies.copy_rounds != 1 else ''}")
         if measured is not None:
             txt += f" · measured {measured:.0f} ms"
         n_inf = sum(1 for c in cands if not c.get("feasible", True))

@@ -74,8 +74,12 @@ class TimelinePanel(QWidget):
         if pts:
             tot_d, tot_v = float(dm.sum()), float(vm.sum())
             n_tok = sum(p.accepted + 1 for p in pts)
+            n_copy = sum(p.copied for p in pts)
+            n_copy_rounds = sum(1 for p in pts if p.copy_round)
+            copies = (f", {n_copy} of them gate copies in {n_copy_rounds} copy round"
+                      f"{'s' if n_copy_rounds != 1 else ''}" if n_copy_rounds else "")
             self.info.setText(f"last {len(pts)} rounds: draft {tot_d:.0f} ms + verify {tot_v:.0f} ms "
-                              f"for {n_tok} tokens · light = draft, solid = verify")
+                              f"for {n_tok} tokens{copies} · light = draft, solid = verify")
             self.nodata.set(False)
             self._range(float(x[0]), float(x[-1]), float((dm + vm).max()))
         else:

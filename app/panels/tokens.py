@@ -6,7 +6,7 @@ from PySide6.QtCore import QEvent, Qt
 from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor, QTextFormat
 from PySide6.QtWidgets import QLabel, QTextEdit, QToolTip, QVBoxLayout, QWidget
 
-from app.state import KINDS, SessionState, Tok
+from app.state import COPY, DRAFT, KINDS, SessionState, Tok, is_copy_round
 
 from . import PROVENANCE_COLORS, PROVENANCE_LABELS
 
@@ -75,6 +75,7 @@ class TokenPanel(QWidget):
             self._fmt[kind] = f
         self._key = None          # (request id, prompt signature) currently rendered
         self._n = 0               # tokens rendered
+        self._kinds: dict[str, int] = {}   # output tokens rendered, by kind (what the colours count)
 
     # ------------------------------------------------------------------ drawing
     def refresh(self, state: SessionState) -> None:
@@ -85,6 +86,7 @@ class TokenPanel(QWidget):
         if key != self._key or len(toks) < self._n:
             self.view.clear()
             self._key, self._n = key, 0
+            self._kinds = {}
         if len(toks) > self._n:
             cur = QTextCursor(self.view.document())
             cur.movePosition(QTextCursor.MoveOperation.End)
@@ -95,6 +97,8 @@ class TokenPanel(QWidget):
                 if i == P and P:
                     cur.insertText("  \u2503  ", QTextCharFormat())   # prompt | output separator
                 cur.insertText(visible(self.pieces(t.id)), f)
+                if i >= P:
+                    self._kinds[t.kind] = self._kinds.get(t.kind, 0) + 1
             self._n = len(toks)
             sb = self.view.verticalScrollBar()
             sb.setValue(sb.maximum())
@@ -105,7 +109,13 @@ class TokenPanel(QWidget):
             turn = (f"Conversation {t.conversation}, turn {t.turn} (the prompt is the whole conversation) · "
                     if t is not None and t.request_id == state.request_id else "")
             self.title.setText(f"{turn}Request {state.request_id} · policy {state.policy} · prompt {P} tokens · "
-                               f"generated {state.generated} · {status}")
+                               f"generated {state.generated}{self._drafts_text()} · {status}")
+
+    def _drafts_text(self) -> str:
+        """The coloured output tokens that did not come from a plain target step, counted."""
+        d, c = self._kinds.get(DRAFT, 0), self._kinds.get(COPY, 0)
+        parts = ([f"{d} accepted draft"] if d else []) + ([f"{c} gate copies"] if c else [])
+        return f" ({', '.join(parts)})" if parts else ""
 
     # ------------------------------------------------------------------ hover
     def tooltip(self, idx: int) -> str:
@@ -130,6 +140,11 @@ class TokenPanel(QWidget):
         lines = [head, f"output token {t.pos - st.prompt_tokens + 1} · round {r.index} ({r.kind}, k={r.k})"]
         if r.kind == "prefill":
             lines.append(f"first token after prefill · TTFT {r.round_ms:.1f} ms")
+        elif is_copy_round(r):
+            lines.append(f"gate copy round: {r.drafted} n-gram tokens copied and verified, {r.accepted} accepted "
+                         f"(k={r.k}{': no model draft' if r.k == 0 else ''}; not the draft's acceptance) · "
+                         f"alpha EWMA {r.alpha:.2f}")
+            lines.append(f"lookup {r.draft_ms:.1f} ms · verify {r.verify_ms:.1f} ms · round {r.round_ms:.1f} ms")
         else:
             lines.append(f"drafted {r.drafted}, accepted {r.accepted} · alpha EWMA {r.alpha:.2f}")
             lines.append(f"draft {r.draft_ms:.1f} ms · verify {r.verify_ms:.1f} ms · round {r.round_ms:.1f} ms"
@@ -138,4 +153,5 @@ class TokenPanel(QWidget):
         return "\n".join(lines)
 
     def snapshot(self) -> dict:
-        return {"text": self.view.toPlainText(), "title": self.title.text(), "n": self._n}
+        return {"text": self.view.toPlainText(), "title": self.title.text(), "n": self._n,
+                "kinds": dict(self._kinds)}

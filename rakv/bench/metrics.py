@@ -1,5 +1,13 @@
 """Metrics over the executions CSV (definitions are repeated in summary.md).
 
+Accept length of an execution (``accept_len``): tokens per decoding round after the first token,
+1 + (accepted + lookup_accepted) / rounds. ``accepted`` is the draft's own accepted tokens
+(``RequestEnd.accepted``) and ``lookup_accepted`` the n-gram copies the confidence gate verified and
+the target accepted, k = 0 rounds included (``rakv generate --json``: ``copies_accepted``): a k = 0
+round that copies 5 tokens yields 6 tokens for its forward, as the explorer counts it. The summary's
+*accept len* is its mean over the executions that ran rounds (computed from the counts, so an
+executions.csv written before copies were counted in ``mean_accept_len`` gives the same figure).
+
 Speedup of policy P vs a reference policy R: for every request (repeat, stream, index) that both
 ran, latency_R / latency_P; the median of these paired ratios (> 1: P is faster).
 
@@ -40,7 +48,8 @@ NUMERIC = {"rep", "index", "bucket", "gen", "prompt_tokens", "order", "latency_m
            "output_tokens", "drafted", "accepted", "rounds", "mean_accept_len", "alpha_req", "hit_tokens",
            "exact_repeat", "reuse", "k", "mean_k", "predicted_ms", "match", "first_diff", "feasible", "chosen",
            "explore_ms", "cpu_share", "alpha_decided", "turn", "previous_tokens",
-           "kept_tokens", "decode_tps", "peer_prompt_tokens", "peer_wall_ms", "text_match"}
+           "kept_tokens", "decode_tps", "peer_prompt_tokens", "peer_wall_ms", "text_match",
+           "lookup_drafted", "lookup_accepted"}
 REFS = ("ar", "kv", "joint:4")
 MIN_REPEATS = 3          # executions of every action per request for a de-noised oracle
 
@@ -105,13 +114,27 @@ def paired_speedup(rows: list[dict], policy: str, ref: str) -> float | None:
     return median(b[k] / a[k] for k in a if k in b and a[k])
 
 
+def accept_len(r: dict) -> float | None:
+    """An execution's accept length, 1 + (accepted + lookup_accepted) / rounds (gate copies counted);
+    None without rounds (peers). A row without an ``accepted`` count keeps its ``mean_accept_len``."""
+    rounds = r.get("rounds")
+    if not isinstance(rounds, (int, float)) or rounds <= 0:
+        return None
+    acc = r.get("accepted")
+    if not isinstance(acc, (int, float)):
+        v = r.get("mean_accept_len")
+        return float(v) if isinstance(v, (int, float)) else None
+    copies = r.get("lookup_accepted")
+    return 1 + (acc + (copies if isinstance(copies, (int, float)) else 0)) / rounds
+
+
 def policy_table(rows: list[dict]) -> list[dict]:
     """One row per policy: latency / throughput medians, acceptance, reuse, exactness, speedups."""
     out = []
     refs = [r for r in REFS if any(x["policy"] == r for x in rows)]
     for p in policies_in(rows):
         rs = [r for r in rows if r["policy"] == p]
-        mal = [r["mean_accept_len"] for r in rs if r["rounds"]]
+        mal = [v for v in (accept_len(r) for r in rs) if v is not None]
         t = dict(policy=p, n=len(rs), latency_ms=median(r["latency_ms"] for r in rs),
                  p90_ms=quantile([r["latency_ms"] for r in rs], 0.9), ttft_ms=median(r["ttft_ms"] for r in rs),
                  tokens_per_s=median(r["tokens_per_s"] for r in rs),

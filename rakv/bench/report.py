@@ -19,8 +19,10 @@ DEFINITIONS = """\
   order; each engine policy has its own engine and prefix cache that sees the same stream.
 - **latency**: wall time of the request (ms); **TTFT**: time to the first output token;
   **tokens/s**: output tokens / latency. Tables show medians (p90 where marked).
-- **accept len**: mean acceptance length, 1 + accepted / rounds (tokens per target forward after
-  the first token), mean over executions that ran decoding rounds (peers: not reported).
+- **accept len**: mean acceptance length, 1 + (accepted + copies accepted) / rounds (tokens per
+  target forward after the first token), mean over executions that ran decoding rounds (peers: not
+  reported). Copies are the n-gram tokens the confidence gate verified, k = 0 rounds included
+  (`lookup_accepted` in executions.csv); `drafted` / `accepted` count the draft's own rounds.
 - **hit %**: share of executions whose prompt hit the prefix cache (q > 0).
 - **exact**: every execution's output ids are compared with `ar` on the same request; a
   mismatch is any difference. The count must be 0.

@@ -10,6 +10,14 @@ streams and repeats, as a running tool keeps its profile: what it learned online
 request-level acceptance, output-length share) carries over, while its prefix cache and per-round
 state start fresh with every stream. (With --resume, learning restarts from the calibrated profile.)
 A warm-up pass (every arm on one request, throwaway engines) is run first and not recorded.
+
+Acceptance columns of an engine execution (``EXEC_COLUMNS``): ``drafted`` / ``accepted`` count the
+draft's own rounds (``RequestEnd``); ``lookup_drafted`` / ``lookup_accepted`` the n-gram copies the
+confidence gate verified (rounds with ``draft_source == "lookup"``, k = 0 rounds included: what
+``rakv generate --json`` calls ``copied`` / ``copies_accepted``; 0 without any); ``rounds`` every
+decoding round after the first token; ``mean_accept_len`` = 1 + (accepted + lookup_accepted) / rounds,
+tokens per round with the copies counted (``rakv.records.accept_len``); ``alpha_req`` the draft's own
+acceptance (copies are not the draft's).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from pathlib import Path
 from rakv.config import Policy, RakvConfig
 from rakv.engine import Engine
 from rakv.gate import judged
-from rakv.records import Decision, Round
+from rakv.records import Decision, Round, accept_len
 
 from .llama_cli import is_arm as is_llama_arm
 from .peers import DEFAULT_PEERS, PEERS, LlamaCppPeer, peer_available, run_peer
@@ -170,14 +178,20 @@ def alpha_of(rounds: list[Round]) -> float | None:
     return acc / trials if trials else None
 
 
+def copy_columns(rounds: list[Round]) -> dict:
+    """The gate's n-gram copies of one execution (k = 0 rounds included), apart from the draft's own
+    drafted / accepted: tokens verified and accepted (0 and 0 without any)."""
+    looked = [r for r in rounds if r.draft_source == "lookup"]
+    return {"lookup_drafted": sum(r.drafted for r in looked), "lookup_accepted": sum(r.accepted for r in looked)}
+
+
 def gate_columns(rounds: list[Round]) -> dict:
     """The confidence gate's rounds of one execution: stop reasons counted, and every judged drafted
     token as "predicted:outcome" (accepted 1 / first rejected 0), for its reliability diagram."""
+    out = copy_columns(rounds)
     gated = [r for r in rounds if r.draft_stop]
     if not gated:
-        return {}
-    looked = [r for r in rounds if r.draft_source == "lookup"]
-    out = {"lookup_drafted": sum(r.drafted for r in looked), "lookup_accepted": sum(r.accepted for r in looked)}
+        return out
     stops: dict[str, int] = {}
     toks = []
     for r in gated:
@@ -191,9 +205,10 @@ def run_engine(slot: Slot, req: Request) -> tuple[dict, list[dict]]:
     end = slot.engine.generate(req.prompt if req.prompt is not None else list(req.ids), req.gen)
     rounds = slot.collector.rounds
     a = alpha_of(rounds)
+    copies = copy_columns(rounds)["lookup_accepted"]
     row = dict(latency_ms=end.latency_ms, ttft_ms=end.ttft_ms, tokens_per_s=end.tokens_per_s,
                output_tokens=len(end.output_ids), drafted=end.drafted, accepted=end.accepted,
-               rounds=end.rounds, mean_accept_len=round(1 + end.accepted / end.rounds, 4) if end.rounds else 1.0,
+               rounds=end.rounds, mean_accept_len=accept_len(end.accepted + copies, end.rounds),
                alpha_req="" if a is None else round(a, 4), hit_tokens=end.hit_tokens,
                exact_repeat=int(end.exact_repeat), reuse=end.action["reuse"], k=end.action["k"],
                mean_k=round(sum(r.k for r in rounds) / len(rounds), 3) if rounds else 0,
