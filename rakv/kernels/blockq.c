@@ -1250,6 +1250,9 @@ static void q8act_range(const rakv_layer *L, int mr, int64_t nb, int64_t n0, int
    output does not depend on the rows beside it or the threads. */
 
 #define TILE 16
+#ifndef PF_AHEAD
+#define PF_AHEAD 2048    /* bytes of codes prefetched ahead of the pass (the next blocks of the tile, or the next tile) */
+#endif
 #define TROWS 9          /* rows sharing one pass over a tile's codes (tiled_range has cases up to 9) */
 
 #if defined(RAKV_VNNI)
@@ -1290,6 +1293,8 @@ static inline __attribute__((always_inline)) void tiled_q4(int R, const rakv_lay
         const int64_t b0 = g * QGROUP, b1 = (g + 1) * QGROUP < nb ? (g + 1) * QGROUP : nb;
         for (int64_t b = b0; b < b1; b++) {
             __m512i I[TROWS];
+            const uint8_t *pf = L->tq + (t * nb + b) * 256 + PF_AHEAD;
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)pf + 64 * i, _MM_HINT_T0);
             q4_sums(R, L->tq + (t * nb + b) * 256, rows, b, I);
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(L->tsc + (t * nb + b) * TILE)));
             for (int r = 0; r < R; r++) S[r] = _mm512_add_epi32(S[r], _mm512_mullo_epi32(I[r], sc));
@@ -1328,6 +1333,7 @@ static inline __attribute__((always_inline)) void tiled_q8x(int R, const rakv_la
         const int64_t h1 = (g + 1) * 2 * QGROUP < nh ? (g + 1) * 2 * QGROUP : nh;
         for (int64_t h = g * 2 * QGROUP; h < h1; h++) {
             const uint8_t *c = L->tq + (t * nh + h) * 256;
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)c + PF_AHEAD + 64 * i, _MM_HINT_T0);
             __m512i I[TROWS];
             for (int r = 0; r < R; r++) I[r] = _mm512_set1_epi32(-rows[r].s16[h]);
             for (int v = 0; v < 4; v++) {
@@ -1370,9 +1376,12 @@ static inline __attribute__((always_inline)) void tiled_fb(int kind, int R, cons
         for (int64_t b = g * QGROUP; b < b1; b++) {
             __m512i I[TROWS];
             if (kind == 4) {
+                const uint8_t *pf = L->tq + (t * nb + b) * 256 + PF_AHEAD;
+                for (int i = 0; i < 4; i++) _mm_prefetch((const char *)pf + 64 * i, _MM_HINT_T0);
                 q4_sums(R, L->tq + (t * nb + b) * 256, rows, b, I);
             } else {
                 const uint8_t *c = L->tq + (t * nb + b) * 512;
+                for (int i = 0; i < 8; i++) _mm_prefetch((const char *)c + PF_AHEAD + 64 * i, _MM_HINT_T0);
                 for (int r = 0; r < R; r++) I[r] = _mm512_set1_epi32(-128 * rows[r].s32[b]);
                 for (int v = 0; v < 8; v++) {
                     const __m512i w = _mm512_loadu_si512((const void *)(c + 64 * v));
