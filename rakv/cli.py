@@ -128,7 +128,7 @@ def run_config(args) -> tuple[RakvConfig, Policy]:
     if policy.k > 0 and args.draft == "none":
         raise CliError(f"policy {policy.name} needs a draft; --draft is 'none'")
     kw = dict(target=args.target, draft=args.draft, revision=args.revision, dtype=args.dtype, numerics=args.numerics,
-              draft_vocab=draft_vocab_of(args),
+              draft_vocab=draft_vocab_of(args), draft_codes=getattr(args, "draft_codes", "auto") or "auto",
               threads=args.threads, policy=policy.name, max_new_tokens=args.max_new_tokens,
               k_set=k_set, budget_mib=args.budget_mib, chat_template=not args.raw, sampling=sampling_of(args),
               **device_kw(args))
@@ -484,7 +484,7 @@ def cmd_calibrate(args) -> int:
     if args.engine == "vllm":
         return cmd_calibrate_vllm(args)
     config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, threads=args.threads,
-                        numerics=args.numerics, draft_vocab=draft_vocab_of(args), **device_kw(args))
+                        numerics=args.numerics, draft_vocab=draft_vocab_of(args), draft_codes=getattr(args, "draft_codes", "auto") or "auto", **device_kw(args))
     target, draft = load_pair(args, config)
     if args.check:
         return calibrate_check(target, draft, args.json)

@@ -89,6 +89,11 @@ def add_model_args(ap) -> None:
                     help="a separate draft model of at least 2N ids drafts from its first N ids and "
                          f"its end-of-sequence ids, reading only those rows of its head (default {DRAFT_VOCAB}; "
                          "0: every id). Exact either way: the target verifies every drafted token")
+    ap.add_argument("--draft-codes", choices=("auto", "file", "q4"), default="auto",
+                    help="a separate draft model's weight codes: file (as its file holds them), q4 (every "
+                         "layer wider than 4 bits requantized to Q4_1 once at load: a cheaper draft step), "
+                         "auto (default: q4 under q8 numerics). Exact either way: the target verifies every "
+                         "drafted token")
     ap.add_argument("--revision", default=None, help="hub revision of the target")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--numerics", choices=("auto", "q8", "fp32"), default="auto",

@@ -33,6 +33,7 @@ class RakvConfig:
     dtype: str = "float32"
     numerics: str = "auto"          # the target's (and a model draft's) linears: q8 | fp32 | auto (q8 for a GGUF-backed model)
     draft_vocab: int = DRAFT_VOCAB  # a separate large-vocabulary draft model drafts from its first this many ids (0: all)
+    draft_codes: str = "auto"       # a separate draft model's codes: file | q4 | auto (q4 under q8 numerics)
     device: str = "auto"            # auto (cuda, else mps, else cpu) | cpu | cuda | mps; the CLI stores the resolved one
     fast: bool = field(default_factory=env_fast)  # packed oneDNN linears on CPU (rakv.kernels.fastpath); --no-fast / RAKV_FAST=0
     threads: int | None = None      # torch.set_num_threads; None = torch default

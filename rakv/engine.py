@@ -601,7 +601,7 @@ class Engine:
 
 def make_draft(spec: str, target: LoadedModel, config: RakvConfig) -> DraftSource:
     """--draft: a model (hub id / dir / .gguf), 'int8', 'layers:L', 'ngram' or 'none'."""
-    from .models import check_same_tokenizer, int8_copy, layers_copy, load_model
+    from .models import check_same_tokenizer, int8_copy, layers_copy, load_model, narrow_draft
 
     s = (spec or "none").strip()
     if s == "none":
@@ -619,7 +619,19 @@ def make_draft(spec: str, target: LoadedModel, config: RakvConfig) -> DraftSourc
     lm = load_model(s, config.dtype, None, config.device, fast=config.fast,
                     numerics="q8" if target.numerics == "q8" and config.numerics != "fp32" else config.numerics)
     check_same_tokenizer(target, lm)
+    codes = draft_codes(lm, config.draft_codes)
+    if codes != "file":
+        narrow_draft(lm, codes)
     return ModelDraft(lm, vocab=draft_vocab(lm, config.draft_vocab))
+
+
+def draft_codes(lm: LoadedModel, codes: str) -> str:
+    """--draft-codes: ``auto`` narrows a q8 draft to 4-bit codes, as its file's Q8_0 / Q5_0 / Q6_K
+    layers cost it 1.5x the bytes a step for about one drafted token in 200 changed (docs/results.md,
+    the draft's codes); fp32 numerics keep the file's codes."""
+    if codes == "auto":
+        return "q4" if lm.numerics == "q8" else "file"
+    return codes
 
 
 def draft_vocab(lm: LoadedModel, n: int) -> int:

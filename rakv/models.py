@@ -57,6 +57,7 @@ class LoadedModel:
     numerics: str = "fp32"           # the linears' arithmetic: "fp32" or "q8" (``set_numerics``)
     slim: bool = False               # loaded from a slim converted GGUF: its coded linears' fp32 weights are made
                                      # from the codes only when fp32 arithmetic needs them (``_materialize``)
+    narrow: str = ""                 # "q4": a draft's wider codes requantized to Q4_1 (``narrow_draft``)
 
     @property
     def config(self):
@@ -164,6 +165,8 @@ def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
         if why:
             raise ModelError(f"--numerics q8 is not available for {lm.name}: {why}")
         _q8_blocks(lm)
+        if lm.narrow:
+            _narrow_blocks(lm)
     lm.key = _numerics_key(lm.key, lm.numerics)
     attach_lean(lm, lm.fast and lean.env_enabled())
     if lm.fast and lm.blockq.get("layers") and lm.blockq["layers"] == lm.blockq.get("of") \
@@ -229,6 +232,50 @@ def _q8_blocks(lm: LoadedModel) -> None:
         kinds[b.kind] = kinds.get(b.kind, 0) + 1
     lm.blockq = dict(lm.blockq, numerics="q8", layers=lm.blockq.get("of", len(seen)), reason="",
                      bytes=sum(b.streamed_bytes for b in seen.values()), kinds=kinds)
+
+
+def _narrow_blocks(lm: LoadedModel) -> None:
+    """Every linear whose codes are wider than 4 bits (Q8_0, Q5_0, Q6_K ...) on Q4_1 codes of its
+    own weights (``blockq.narrower_q4``), made once per load (a 0.5B draft: about a second)."""
+    from .kernels import blockq
+    from .kernels.fastpath import FastLinear
+
+    path = blockq._cache_path(lm.key.replace("+n4", "") + "+n4")        # made once, then read back (mmap)
+    saved = blockq.load_codes(path)
+    seen: dict[int, blockq.BlockWeight] = {}
+    made: dict = {}
+    for name, m in lm.model.named_modules():
+        if isinstance(m, FastLinear) and m.block is not None:
+            if id(m.block) not in seen:
+                b = saved.get(name)
+                ok = b is not None and (b.kind, b.N, b.K) == ("q4", m.block.N, m.block.K)
+                seen[id(m.block)] = b.with_numerics(m.block.numerics) if ok else blockq.narrower_q4(m.block)
+            m.block = seen[id(m.block)]
+            made[name] = m.block
+    if made and any(saved.get(n) is None for n in made):
+        blockq.save_codes(path, made)
+    lm.blockq = dict(lm.blockq, narrow=lm.narrow,
+                     bytes=sum(b.streamed_bytes for b in {id(b): b for b in seen.values()}.values()))
+
+
+def narrow_draft(lm: LoadedModel, codes: str) -> LoadedModel:
+    """A draft model's codes: ``file`` (as its file holds them) or ``q4`` (every layer wider than 4
+    bits requantized to Q4_1, under q8 numerics): a cheaper draft step for a small change in what it
+    proposes; every policy stays exact, since the target verifies every token. In place; returns lm."""
+    if codes not in DRAFT_CODES:
+        raise ModelError(f"--draft-codes must be one of {', '.join(DRAFT_CODES)}, not {codes!r}")
+    want = "q4" if codes == "q4" else ""
+    if want == lm.narrow:
+        return lm
+    if want and lm.numerics != "q8":
+        raise ModelError(f"--draft-codes q4 needs q8 numerics for the draft ({lm.name} runs {lm.numerics})")
+    lm.narrow = want
+    set_fast(lm, lm.fast)
+    lm.key = lm.key.replace("+n4", "") + ("+n4" if want else "")   # its own cost profile and cache entries
+    return lm
+
+
+DRAFT_CODES = ("file", "q4")
 
 
 def _q8_unavailable(lm: LoadedModel) -> str:

@@ -210,7 +210,7 @@ def load_models(args, draft_spec: str):
             set_fast(draft.lm, kw["fast"])
         return target, draft
     return load_pair(args, RakvConfig(target=args.target, draft=draft_spec, dtype=args.dtype,
-                                      numerics=getattr(args, "numerics", "auto"), draft_vocab=draft_vocab_of(args),
+                                      numerics=getattr(args, "numerics", "auto"), draft_vocab=draft_vocab_of(args), draft_codes=getattr(args, "draft_codes", "auto") or "auto",
                                       **kw))
 
 
@@ -305,7 +305,7 @@ def run(args, argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     save_profile(profile, out / "profile.json")
     config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, numerics=getattr(args, "numerics", "auto"),
-                        draft_vocab=draft_vocab_of(args),
+                        draft_vocab=draft_vocab_of(args), draft_codes=getattr(args, "draft_codes", "auto") or "auto",
                         k_set=tuple(s["k_set"]),
                         budget_mib=args.budget_mib, sampling=bench_sampling(args), **device_kw(args))
     meta = run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile, config.sampling)

@@ -932,3 +932,32 @@ def quantize_q8_0(weight: torch.Tensor) -> BlockWeight:
     q = torch.round(w / safe.unsqueeze(-1)).clamp_(-127, 127)
     q = torch.where(d.unsqueeze(-1) > 0, q, torch.zeros_like(q))
     return BlockWeight("q8", N, nb * BLK, q.to(torch.int8).contiguous(), d.contiguous(), None)
+
+
+@torch.no_grad()
+def quantize_q4_1(weight: torch.Tensor) -> BlockWeight:
+    """Q4_1 codes of ``weight`` [N, K] (K a multiple of 32) as llama.cpp quantizes to Q4_1: per block
+    of 32, m = float16(min w), d = float16((max w - m) / 15), q = round((w - m) / d) in 0 .. 15.
+    A draft's codes made narrower (``models.narrow_draft``): a step streams 6 bits a weight instead
+    of 9 for Q8_0 or Q5_0 codes; the draft changes, every policy stays exact (the target verifies)."""
+    w = weight.detach().float().reshape(weight.shape[0], -1, BLK)
+    N, nb = w.shape[0], w.shape[1]
+    lo, hi = w.amin(-1), w.amax(-1)
+    m = lo.to(torch.float16).float()
+    d = ((hi - m) / 15.0).to(torch.float16).float()
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round((w - m.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 15)
+    q = torch.where(d.unsqueeze(-1) > 0, q, torch.zeros_like(q)).to(torch.uint8)
+    qs = (q[..., :16] | (q[..., 16:] << 4)).contiguous()              # input j low nibble, j + 16 high
+    return BlockWeight("q4", N, nb * BLK, qs, d.contiguous(), m.contiguous())
+
+
+def narrower_q4(b: BlockWeight, rows: int = 8192) -> BlockWeight:
+    """``b`` as Q4_1 codes of its own weights (rows at a time: no whole fp32 copy), under b's
+    numerics; ``b`` itself where its codes are 4-bit already."""
+    if b.kind == "q4":
+        return b
+    parts = [quantize_q4_1(b.rows(torch.arange(r0, min(r0 + rows, b.N))).dequantize()) for r0 in range(0, b.N, rows)]
+    out = BlockWeight("q4", b.N, b.K, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]),
+                      torch.cat([p.m for p in parts]))
+    return out.with_numerics(b.numerics)
