@@ -167,8 +167,10 @@ def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
         _q8_blocks(lm)
         if lm.narrow:
             _narrow_blocks(lm)
-    lm.key = _numerics_key(lm.key, lm.numerics)
+    lm.key = _numerics_key(lm.key.replace("+n4", ""), lm.numerics) + ("+n4" if lm.narrow else "")
     attach_lean(lm, lm.fast and lean.env_enabled())
+    if lm.fast and lm.numerics == "q8" and lm.blockq.get("layers"):
+        lm.blockq = dict(lm.blockq, tiles=_attach_tiles(lm))
     if lm.fast and lm.blockq.get("layers") and lm.blockq["layers"] == lm.blockq.get("of") \
             and os.environ.get("RAKV_ONE_ROW", "auto").strip().lower() not in ("plain", "packed"):
         # every linear runs one row from its codes: the one-row fp32 kernel is never called, so
@@ -234,13 +236,32 @@ def _q8_blocks(lm: LoadedModel) -> None:
                      bytes=sum(b.streamed_bytes for b in seen.values()), kinds=kinds)
 
 
+def _attach_tiles(lm: LoadedModel) -> dict:
+    """The tiled form of every block the forward calls, read from (once: made into) the cache dir
+    (``blockq.attach_tiles``): the lean forward's stacked layers and head, else each linear's codes."""
+    from .kernels import blockq
+    from .kernels.fastpath import FastLinear
+
+    lean = getattr(lm.model, "_rakv_lean", None) if lm.lean else None
+    if lean is not None and hasattr(lean, "coded_blocks"):
+        blocks = lean.coded_blocks()
+    else:
+        blocks = [(n, m.block) for n, m in lm.model.named_modules() if isinstance(m, FastLinear) and m.block is not None]
+    named, seen = {}, set()
+    for n, b in blocks:
+        if isinstance(b, blockq.BlockWeight) and id(b) not in seen:
+            seen.add(id(b))
+            named[n] = b
+    return blockq.attach_tiles(named, lm.key)
+
+
 def _narrow_blocks(lm: LoadedModel) -> None:
     """Every linear whose codes are wider than 4 bits (Q8_0, Q5_0, Q6_K ...) on Q4_1 codes of its
     own weights (``blockq.narrower_q4``), made once per load (a 0.5B draft: about a second)."""
     from .kernels import blockq
     from .kernels.fastpath import FastLinear
 
-    path = blockq._cache_path(lm.key.replace("+n4", "") + "+n4")        # made once, then read back (mmap)
+    path = blockq._cache_path(_numerics_key(lm.key.replace("+n4", ""), "q8") + "+n4")   # made once, then read back
     saved = blockq.load_codes(path)
     seen: dict[int, blockq.BlockWeight] = {}
     made: dict = {}
@@ -270,9 +291,7 @@ def narrow_draft(lm: LoadedModel, codes: str) -> LoadedModel:
     if want and lm.numerics != "q8":
         raise ModelError(f"--draft-codes q4 needs q8 numerics for the draft ({lm.name} runs {lm.numerics})")
     lm.narrow = want
-    set_fast(lm, lm.fast)
-    lm.key = lm.key.replace("+n4", "") + ("+n4" if want else "")   # its own cost profile and cache entries
-    return lm
+    return set_fast(lm, lm.fast)            # the key gets "+n4": its own cost profile and cache entries
 
 
 DRAFT_CODES = ("file", "q4")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -360,6 +361,95 @@ def tiles(b: "BlockWeight") -> bool:
 
 
 NUMERICS = ("fp32", "q8")       # rakv_layer.numerics in blockq.c: 0, 1
+TILE_FIELDS = ("tq", "tsc", "tmn", "tdg", "tmg")
+
+
+def _tiles_fit(b: "BlockWeight", t: dict) -> bool:
+    """Whether ``t`` (tiles read back from a file) has the fields and shapes ``tiled(b)`` makes."""
+    T, nb = (b.N + TILE - 1) // TILE, b.K // BLK
+    nv = {"q4": (nb, 4), "q8": (nb, 8), "q8x": (2 * nb, 4)}[b.kind]
+    need = {"tq", "tdg"} | ({"tsc"} if b.compact else set()) | ({"tmn", "tmg"} if b.kind == "q4" and b.compact else set()) \
+        | ({"tmg"} if b.kind == "q4" and not b.compact else set())
+    return set(t) == need and tuple(t["tq"].shape) == (T, nv[0], nv[1], TILE, 4)
+
+
+def attach_tiles(named: dict, key: str) -> dict:
+    """Give every q8 block of ``named`` ({name: BlockWeight}, each block once) its tiled form from
+    the cache dir: a safetensors file per model key, memory-mapped, so the pages are the file's
+    (shared, reclaimable) and a first request does not tile. Made and saved once where missing,
+    then read back from the file. Returns {"tiled": blocks, "made": made now, "bytes": file size}."""
+    want = {n: b for n, b in named.items() if b.numerics == "q8" and tiles(b)}
+    info = {"tiled": 0, "made": 0, "bytes": 0}
+    if not want or not key:
+        return info
+    path = _cache_path(key + "+tiles")
+    loaded = _read_tiles(path)
+    missing = [n for n in want if not _tiles_fit(want[n], {k: loaded[f"{n}.{k}"] for k in TILE_FIELDS
+                                                            if f"{n}.{k}" in loaded})]
+    if missing:
+        tensors = {f"{n}.{k}": v for n in want
+                   for k, v in (tiled(want[n]) if n in missing else
+                                {k: loaded[f"{n}.{k}"] for k in TILE_FIELDS if f"{n}.{k}" in loaded}).items()}
+        info["made"] = len(missing)
+        if _write_tiles(path, tensors):
+            loaded = _read_tiles(path)          # the file's pages, not the copies just made
+        else:                                   # a read-only cache dir: the copies in memory
+            loaded = tensors
+    for n, b in want.items():
+        t = {k: loaded[f"{n}.{k}"] for k in TILE_FIELDS if f"{n}.{k}" in loaded}
+        if _tiles_fit(b, t):
+            b._tiled, b._fn, b._ref = t, None, None     # bound again at the next call
+            info["tiled"] += 1
+    info["bytes"] = path.stat().st_size if path.exists() else 0
+    return info
+
+
+_ST_DTYPES = {"U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "F32": torch.float32}
+
+
+def _read_tiles(path: Path) -> dict:
+    """The tensors of a safetensors file as views of one private memory map of it (its pages the
+    file's until written, which nothing does): {} where missing or damaged."""
+    try:
+        if not path.exists():
+            return {}
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= size - 8:
+                return {}
+            header = json.loads(f.read(n))
+        mem = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+        flat = torch.empty(0, dtype=torch.uint8).set_(mem)
+        out = {}
+        for name, spec in header.items():
+            if name == "__metadata__":
+                continue
+            dt = _ST_DTYPES[spec["dtype"]]
+            a, b = (8 + n + int(o) for o in spec["data_offsets"])
+            if not a <= b <= size:
+                return {}
+            out[name] = flat[a:b].view(dt).view(spec["shape"]) if b > a else torch.empty(spec["shape"], dtype=dt)
+        return out
+    except Exception:  # noqa: BLE001 - a damaged file is made again
+        return {}
+
+
+def _write_tiles(path: Path, tensors: dict) -> bool:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(tmp))
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        return False
 
 
 @dataclass

@@ -509,6 +509,19 @@ class LeanLlama:
         out.rope = getattr(a, "layer_type", "") if len(self.ropes) > 1 else ""
         return out
 
+    def coded_blocks(self) -> list:
+        """[(name, BlockWeight)] every block of codes this forward calls: each op's (stacked) codes,
+        or the parts' where a fused layer runs them apart; names by position (stable for a model)."""
+        out = []
+        for i, op in enumerate(self.ops):
+            if getattr(op, "block", None) is not None:
+                out.append((f"op{i}", op.block))
+                continue
+            lin = op.mod.current() if isinstance(op.mod, _Fused) and not op.mod.split else None
+            if isinstance(lin, _Coded):
+                out += [(f"op{i}.{j}", m.block) for j, m in enumerate(lin.mods) if getattr(m, "block", None) is not None]
+        return out
+
     def _state(self, weights: bool = True) -> tuple:
         return (sum(map(_VERSION, self.params)) if weights else self.state[0],
                 getattr(self.probe, "one_row_plain", None))
