@@ -4,6 +4,7 @@
                   [--screenshot PNG] [--exit-after-run] [--policy P] [--max-new-tokens N]
                   [--k-set 0,2,4] [--measure-all [--measure-prompt TEXT] [--repeats R]]
                   [--device auto|cpu|cuda|mps] [--no-fast] [--attach URL]
+                  [--watch-vllm URL [--vllm-profile FILE]]
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--replay", metavar="FILE", help="replay a JSONL recording at start")
     ap.add_argument("--attach", metavar="URL", type=attach_url,
                     help="show a running `rakv serve`'s requests live, read-only (e.g. http://127.0.0.1:8000)")
+    ap.add_argument("--watch-vllm", metavar="URL",
+                    help="poll a vLLM server's /metrics, read-only (e.g. http://127.0.0.1:8000; with --screenshot: "
+                         "taken after the fifth poll)")
+    ap.add_argument("--vllm-profile", metavar="FILE",
+                    help="--watch-vllm: a vLLM cost profile (rakv calibrate --engine vllm) for the crossover alpha*(k)")
     ap.add_argument("--screenshot", metavar="PNG", help="save the window after the run / replay")
     ap.add_argument("--exit-after-run", action="store_true", help="quit after the run / replay (and screenshot)")
     ap.add_argument("--threads", type=A.threads,
@@ -288,6 +294,19 @@ def run_main(argv: list[str], splash) -> int:
     win.errorShown.connect(on_error)
     if args.attach:
         QTimer.singleShot(0, lambda: win.attach_server(args.attach))
+    if args.watch_vllm:
+        def start_watch():
+            if not win.watch_vllm(args.watch_vllm, args.vllm_profile or ""):
+                return
+            if (args.screenshot or args.exit_after_run) and not (args.replay or args.autorun or args.measure_all):
+                fired = []
+
+                def polled(rec):
+                    if rec.poll >= 5 and not fired:
+                        fired.append(1)
+                        done()
+                win.vwatch.applied.connect(polled)
+        QTimer.singleShot(0, start_watch)
     if args.replay:
         def start_replay():
             if not win.open_recording(args.replay, play=False):
@@ -312,7 +331,7 @@ def run_main(argv: list[str], splash) -> int:
         QTimer.singleShot(0, win.run)
     elif args.measure_all:
         QTimer.singleShot(0, measure)
-    elif args.screenshot or args.exit_after_run:
+    elif (args.screenshot or args.exit_after_run) and not args.watch_vllm:
         QTimer.singleShot(800, done)
     code = app.exec()
     # closing the last window posted a Quit event that this loop never handled: left queued, it would

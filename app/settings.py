@@ -139,6 +139,23 @@ class Settings:
     def add_recent_recording(self, path: str) -> None:
         self._push("recent/recordings", str(Path(path).resolve()))
 
+    # ------------------------------------------------------------------ a watched vLLM server
+    def vllm_url(self) -> str:
+        """The last vLLM server watched ("" if none)."""
+        v = self.q.value("vllm/url", "")
+        return v if isinstance(v, str) else ""
+
+    def set_vllm_url(self, url: str) -> None:
+        self.q.setValue("vllm/url", str(url))
+
+    def vllm_profile(self) -> str:
+        """The last vLLM cost profile used for the crossover ("" if none)."""
+        v = self.q.value("vllm/profile", "")
+        return v if isinstance(v, str) else ""
+
+    def set_vllm_profile(self, path: str) -> None:
+        self.q.setValue("vllm/profile", str(Path(path).resolve()))
+
     # ------------------------------------------------------------------ window
     def geometry(self) -> tuple[QByteArray | None, QByteArray | None]:
         """The saved window geometry and dock state (None each where there is none, or a value that

@@ -63,6 +63,9 @@ class MainWindow(QMainWindow):
         self.state = self.live
         self.replayer: Replayer | None = None
         self.attachment = None               # an attached `rakv serve` (app/attach.py), shown read-only
+        self.vwatch = None                   # a watched vLLM server (app/vllm_watch.py), read-only
+        self.vllm_panel = None               # its panel and dock, made on first use
+        self.vllm_dock = None
         self.running = False
         self.measuring = False
         self.measure_dialog: QProgressDialog | None = None
@@ -201,6 +204,13 @@ class MainWindow(QMainWindow):
         self.act_detach = self._action("&Detach from server", self.detach_server)
         self.act_detach.setEnabled(False)
         f.addAction(self.act_detach)
+        self.act_vllm_watch = self._action("&Watch a vLLM server ...", lambda: self.watch_vllm(), "Ctrl+Shift+W")
+        self.act_vllm_watch.setToolTip("poll a vLLM server's /metrics (read-only): acceptance per position, "
+                                       "alpha against the crossover alpha*(k) of a cost profile, prefix-cache hit rate")
+        f.addAction(self.act_vllm_watch)
+        self.act_vllm_detach = self._action("Detach from the v&LLM server", lambda: self.unwatch_vllm())
+        self.act_vllm_detach.setEnabled(False)
+        f.addAction(self.act_vllm_detach)
         f.addSeparator()
         f.addAction(self._action("&Quit", self.close, QKeySequence.StandardKey.Quit))
         r = mb.addMenu("&Run")
@@ -218,7 +228,7 @@ class MainWindow(QMainWindow):
         self.act_recalibrate.setToolTip("measure the loaded pair's cost profile again (and save it); "
                                         "a new session starts")
         r.addAction(self.act_recalibrate)
-        v = mb.addMenu("&View")
+        v = self.view_menu = mb.addMenu("&View")
         for d in self.docks.values():
             v.addAction(d.toggleViewAction())
         h = mb.addMenu("&Help")
@@ -666,6 +676,8 @@ class MainWindow(QMainWindow):
             if not full:
                 self._rr = (j + 1) % n
                 break
+        if self.vllm_panel is not None:
+            self.vllm_panel.refresh()
         self._busy_elapsed()
         mx, p99, n = self.lag.stats()
         if n:
@@ -690,9 +702,12 @@ class MainWindow(QMainWindow):
     def panel_snapshot(self) -> dict:
         self.redraw()
         self.chat.refresh(self.state)
-        return {name: p.snapshot() for name, p in (("tokens", self.tokens), ("chat", self.chat), ("cache", self.cache),
+        snap = {name: p.snapshot() for name, p in (("tokens", self.tokens), ("chat", self.chat), ("cache", self.cache),
                                                     ("costs", self.costs), ("acceptance", self.acceptance),
                                                     ("timeline", self.timeline), ("tree", self.tree))}
+        if self.vllm_panel is not None:
+            snap["vllm"] = self.vllm_panel.snapshot()
+        return snap
 
     # ------------------------------------------------------------------ replay
     def open_recording(self, path: str | None = None, play: bool = True) -> bool:
@@ -764,6 +779,19 @@ class MainWindow(QMainWindow):
         from app.attach import detach
 
         detach(self)
+
+    # ------------------------------------------------------------------ a watched vLLM server
+    def watch_vllm(self, url: str | None = None, profile: str | None = None, interval: float | None = None) -> bool:
+        """Poll a vLLM server's /metrics, read-only (None: ask for its address); ``profile``: a vLLM
+        cost profile for the crossover (None: the remembered one, "": none)."""
+        from app.vllm_watch import watch
+
+        return watch(self, url, profile, interval)
+
+    def unwatch_vllm(self) -> None:
+        from app.vllm_watch import unwatch
+
+        unwatch(self)
 
     # ------------------------------------------------------------------ export
     def export_csv(self, path: str | None = None) -> int | None:
@@ -899,6 +927,7 @@ class MainWindow(QMainWindow):
         self.redraw_timer.stop()
         self.lag.stop()
         self.detach_server()
+        self.unwatch_vllm()
         if self.replayer is not None:
             self.replayer.pause()
         if self.thread_.isRunning():
