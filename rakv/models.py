@@ -486,13 +486,30 @@ def _install(tmp: Path, out: Path, damaged: int | None = None) -> None:
 
 
 def convert_gguf(gguf: Path, out: Path, source: dict | None = None, damaged: int | None = None) -> None:
-    """Dequantize ``gguf`` with transformers' GGUF loader and save it into the folder ``out`` as
-    safetensors (float32) plus its tokenizer, atomically (see above). ``source``: what to record
-    about the file in the marker; ``damaged``: see ``_install``."""
+    """Convert ``gguf`` into the folder ``out`` once, atomically (see above): straight from the file
+    (``_convert_direct``: its codes as they are, the other tensors in float32, tensor by tensor),
+    else, for a file that path does not cover, through transformers' GGUF loader (every tensor
+    dequantized to float32 at once, then the codes matched back). ``source``: what to record about
+    the file in the marker; ``damaged``: see ``_install``."""
     t0 = time.perf_counter()
-    log(f"converting {gguf.name} to safetensors (one time; later runs load the converted copy) ...")
+    log(f"converting {gguf.name} (one time; later runs load the converted copy) ...")
+    try:
+        direct = _convert_direct(gguf)
+    except Exception as e:  # noqa: BLE001 - any gap in the direct path: transformers' loader converts it
+        log(f"converting it through transformers' GGUF loader instead ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''})")
+        direct = None
+    if direct is not None:
+        model, tok, codes = direct
+        _save_checked(gguf, out, model, tok, codes, source, t0, damaged)
+        return
     model, tok = _load_gguf(gguf)
     codes = gguf_codes(gguf, model)
+    _save_checked(gguf, out, model, tok, codes, source, t0, damaged)
+
+
+def _save_checked(gguf: Path, out: Path, model, tok, codes: dict, source: dict | None, t0: float,
+                  damaged: int | None) -> None:
     log(f"saving the converted model into {out} ...")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent))
@@ -507,6 +524,102 @@ def convert_gguf(gguf: Path, out: Path, source: dict | None = None, damaged: int
         shutil.rmtree(tmp, ignore_errors=True)
     _note_failed(out, None)
     log(f"{gguf.name} converted in {time.perf_counter() - t0:.1f} s")
+
+
+class _Direct(Exception):
+    """A GGUF the direct conversion does not cover (transformers' loader converts it instead)."""
+
+
+CHECK_ROWS = 64        # rows of each coded tensor checked against the gguf package's own dequantization
+
+
+def _convert_direct(gguf: Path):
+    """(model, tokenizer, codes) for a slim copy of ``gguf`` read straight from the file: the
+    architecture from its metadata (transformers' GGUF config and tokenizer readers), each linear
+    layer's and the token table's codes as the file holds them (``blockq.from_gguf``; rows reordered
+    where transformers' tensor processor reorders them, as for Llama's q and k), every other tensor
+    dequantized and processed as transformers' loader would, one at a time: no float32 copy of the
+    coded weights, memory about the file's size. The model's coded weights are left on the meta
+    device (the slim copy does not hold them). Raises ``_Direct`` where the file needs more
+    (a processor that reshapes a linear's rows, a tensor of another kind, a layer left without one)."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map, load_gguf_checkpoint)
+
+    from .kernels import blockq
+
+    with _gguf_read_once():
+        parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        reader = GGUFReader(str(gguf))
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        for attr in ("quantization_config",):
+            if hasattr(config, attr):
+                try:
+                    delattr(config, attr)
+                except AttributeError:
+                    setattr(config, attr, None)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed.get("config", {}))
+        names = get_gguf_hf_weights_map(model, processor)
+    mods = dict(model.named_modules())
+    codes: dict = {}
+    rest: dict = {}
+    for t in reader.tensors:
+        qtype = getattr(t.tensor_type, "name", "")
+        shape = [int(x) for x in reversed(t.shape)]            # numpy order: [N, K] for a matrix
+        mod = None
+        probe = processor.process(weights=np.zeros(shape, dtype=np.float32), name=t.name,
+                                  tensor_key_mapping=names, parsed_parameters=parsed)
+        if probe.name not in names:
+            continue                                           # as transformers' loader: not the model's
+        hf = names[probe.name]
+        mname, _, leaf = hf.rpartition(".")
+        mod = mods.get(mname)
+        coded = (leaf == "weight" and len(shape) == 2 and qtype in blockq.GGUF_BLOCK
+                 and type(mod) in (torch.nn.Linear, torch.nn.Embedding))
+        if coded:
+            N, K = shape
+            b = blockq.from_gguf(t.data, qtype, N, K)
+            if b is None:
+                raise _Direct(f"{t.name}: {qtype} codes the kernel does not run")
+            rows = processor.process(weights=np.arange(N, dtype=np.float32).reshape(N, 1), name=t.name,
+                                     tensor_key_mapping=names, parsed_parameters=parsed).weights
+            rows = np.asarray(rows)
+            if rows.shape != (N, 1) or sorted(rows[:, 0].astype(np.int64).tolist()) != list(range(N)):
+                raise _Direct(f"{t.name}: its rows are reshaped, not reordered")
+            order = rows[:, 0].astype(np.int64).tolist()
+            if order != list(range(N)):
+                b = b.rows(order)
+            n = min(N, CHECK_ROWS)            # the codes against the gguf package's values of those rows
+            raw = np.asarray(t.data).reshape(N, -1)
+            want = dequantize(raw[order[:n]], t.tensor_type).reshape(n, K)
+            if not torch.equal(b.rows(list(range(n))).dequantize(), torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32))):
+                raise _Direct(f"{t.name}: its codes do not rebuild the file's values")
+            codes[mname] = b
+            continue
+        w = dequantize(t.data, t.tensor_type).reshape(shape)
+        w = processor.process(weights=w, name=t.name, tensor_key_mapping=names, parsed_parameters=parsed).weights
+        rest[hf] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+    model.load_state_dict(rest, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        emb = model.get_input_embeddings()
+        head = model.get_output_embeddings()
+        ename = next((n for n, m in mods.items() if m is emb), None)
+        hname = next((n for n, m in mods.items() if m is head), None)
+        if ename in codes and hname and hname not in codes:
+            codes[hname] = codes[ename]                         # one table, both ends (tied)
+    left = [n for n, p in model.named_parameters() if p.is_meta and n.rpartition(".")[0] not in codes]
+    left += [n for n, t in _slim_state(model, codes).items() if t.is_meta]
+    if left:
+        raise _Direct(f"no tensor in the file for {left[0]}")
+    model.generation_config = GenerationConfig.from_model_config(config)
+    model.eval()
+    return model, tok, codes
 
 
 def _refresh_codes(lm: LoadedModel, gguf: Path, folder: Path) -> None:
