@@ -542,19 +542,19 @@ def _convert_direct(gguf: Path):
     coded weights, memory about the file's size. The model's coded weights are left on the meta
     device (the slim copy does not hold them). Raises ``_Direct`` where the file needs more
     (a processor that reshapes a linear's rows, a tensor of another kind, a layer left without one)."""
+    import gguf as G
     import numpy as np
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                          get_gguf_hf_weights_map, load_gguf_checkpoint)
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     from .kernels import blockq
 
-    with _gguf_read_once():
-        parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    with _gguf_read_once():                   # the file's header parsed once (G.GGUFReader is shared)
         config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        reader = GGUFReader(str(gguf))
+        reader = G.GGUFReader(str(gguf))
+        parsed = {"config": config.to_dict()}
         arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
         for attr in ("quantization_config",):
             if hasattr(config, attr):
@@ -573,7 +573,7 @@ def _convert_direct(gguf: Path):
         qtype = getattr(t.tensor_type, "name", "")
         shape = [int(x) for x in reversed(t.shape)]            # numpy order: [N, K] for a matrix
         mod = None
-        probe = processor.process(weights=np.zeros(shape, dtype=np.float32), name=t.name,
+        probe = processor.process(weights=np.zeros(shape[:1] + [1] * (len(shape) > 1), dtype=np.float32), name=t.name,
                                   tensor_key_mapping=names, parsed_parameters=parsed)
         if probe.name not in names:
             continue                                           # as transformers' loader: not the model's
