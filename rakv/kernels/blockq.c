@@ -1712,8 +1712,37 @@ static int rakv_q8act_linear(const rakv_layer *L, const float *x, int64_t M, flo
     qrow *rows = malloc(sizeof(qrow) * (size_t)(M > 0 ? M : 1));
     if (!mem || !rows) { free(mem); free(rows); return 1; }
     for (int64_t i = 0; i < M; i++) rows[i] = qrow_at(mem + i * rb, nb);
-    if (L->tq && rakv_tiled_simd(M) != 2) {   /* one parallel region: the rows quantized, then the tiles */
-        const int64_t T = (N + TILE - 1) / TILE;
+    const int64_t T = (N + TILE - 1) / TILE;
+#if defined(RAKV_AMX)
+    if (L->tq && rakv_tiled_simd(M) == 2) {     /* AMX: up to 16 rows a tile product */
+        #pragma omp parallel num_threads(threads)
+        {
+            int configured = 0;
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, K, rows + i);
+            #pragma omp for schedule(static)
+            for (int64_t c = 0; c < (T + 3) / 4; c++) {
+                const int64_t t0 = 4 * c, t1 = t0 + 4 < T ? t0 + 4 : T;
+                for (int64_t r0 = 0; r0 < M; r0 += AMX_ROWS) {
+                    const int R = (int)(M - r0 < AMX_ROWS ? M - r0 : AMX_ROWS);
+                    if (R == 1 || t1 - t0 < 4) {        /* one row, or a last part chunk: VNNI */
+                        for (int64_t q0 = 0; q0 < R; q0 += TROWS)
+                            tiled_range(L, (int)(R - q0 < TROWS ? R - q0 : TROWS), nb, t0, t1, rows + r0 + q0,
+                                        y + (r0 + q0) * N, N, bias);
+                        continue;
+                    }
+                    if (configured != R) { amx_config(R, L->kind == 9); configured = R; }
+                    amx_chunk4(L, R, nb, t0, rows + r0, (int64_t)rb, y + r0 * N, N, bias);
+                }
+            }
+            if (configured) _tile_release();
+        }
+        free(mem);
+        free(rows);
+        return 0;
+    }
+#endif
+    if (L->tq) {                 /* tiled codes: tiles of 16 outputs, TROWS rows a pass; one parallel region */
         #pragma omp parallel num_threads(threads)
         {
             #pragma omp for schedule(static)
@@ -1731,45 +1760,6 @@ static int rakv_q8act_linear(const rakv_layer *L, const float *x, int64_t M, flo
     }
     #pragma omp parallel for num_threads(threads) schedule(static) if (M > 1)
     for (int64_t i = 0; i < M; i++) quantize_row(x + i * K, K, rows + i);
-    if (L->tq) {                 /* tiled codes: tiles of 16 outputs, TROWS (AMX: 16) rows at a time */
-        const int64_t T = (N + TILE - 1) / TILE;
-#if defined(RAKV_AMX)
-        if (rakv_tiled_simd(M) == 2) {
-            #pragma omp parallel num_threads(threads)
-            {
-                int configured = 0;
-                #pragma omp for schedule(static)
-                for (int64_t c = 0; c < (T + 3) / 4; c++) {
-                    const int64_t t0 = 4 * c, t1 = t0 + 4 < T ? t0 + 4 : T;
-                    for (int64_t r0 = 0; r0 < M; r0 += AMX_ROWS) {
-                        const int R = (int)(M - r0 < AMX_ROWS ? M - r0 : AMX_ROWS);
-                        if (R == 1 || t1 - t0 < 4) {        /* one row, or a last part chunk: VNNI */
-                            for (int64_t q0 = 0; q0 < R; q0 += TROWS)
-                                tiled_range(L, (int)(R - q0 < TROWS ? R - q0 : TROWS), nb, t0, t1, rows + r0 + q0,
-                                            y + (r0 + q0) * N, N, bias);
-                            continue;
-                        }
-                        if (configured != R) { amx_config(R, L->kind == 9); configured = R; }
-                        amx_chunk4(L, R, nb, t0, rows + r0, (int64_t)rb, y + r0 * N, N, bias);
-                    }
-                }
-                if (configured) _tile_release();
-            }
-            free(mem);
-            free(rows);
-            return 0;
-        }
-#endif
-        #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t c = 0; c < (T + 3) / 4; c++) {
-            const int64_t t0 = 4 * c, t1 = t0 + 4 < T ? t0 + 4 : T;
-            for (int64_t r0 = 0; r0 < M; r0 += TROWS)
-                tiled_range(L, (int)(M - r0 < TROWS ? M - r0 : TROWS), nb, t0, t1, rows + r0, y + r0 * N, N, bias);
-        }
-        free(mem);
-        free(rows);
-        return 0;
-    }
     for (int64_t r0 = 0; r0 < M; r0 += Q8ACT_ROWS) {
         const int mr = (int)(M - r0 < Q8ACT_ROWS ? M - r0 : Q8ACT_ROWS);
         const int64_t chunk = 16;
