@@ -24,8 +24,10 @@ the model is loaded or switched again. The choice is stored as ``lm.backend`` an
 HF model in tests, or one given a lean forward by hand) gets one at its first forward: the lean
 backend when a lean forward is attached, else the torch path.
 
-Layering: this module sits above ``rakv.kernels`` and below ``rakv.models`` / ``rakv.decoding``: it
-imports neither (a ``LoadedModel`` is read by duck typing).
+Layering: this module sits above ``rakv.kernels.blockq`` and below ``rakv.models`` /
+``rakv.decoding``: it imports neither (a ``LoadedModel`` is read by duck typing), nor
+``kernels.fastpath`` (which times decode steps through ``rakv.decoding``; a fast-path linear is
+known by its ``one_row_plain``) nor ``kernels.lean`` (the lean forward is an object it is given).
 """
 
 from __future__ import annotations
@@ -142,16 +144,15 @@ class Backend:
 
     def fingerprint(self) -> dict:
         """What decides this backend's costs (a profile measured under another is not reused)."""
-        from .kernels import fastpath
-
         m = self.model
         dev = model_device(m)
+        fast = next((f for f in m.modules() if hasattr(f, "one_row_plain")), None)   # a fast-path linear
         fp = {"kind": self.name, "numerics": self.numerics, "device": str(dev),
-              "threads": torch.get_num_threads(), "fast": bool(fastpath.is_enabled(m)), "isa": list(_isa())}
+              "threads": torch.get_num_threads(), "fast": fast is not None, "isa": list(_isa())}
         if dev.type == "cuda" and torch.cuda.is_available():
             fp["gpu"] = torch.cuda.get_device_name(dev)
-        if fastpath.is_enabled(m):
-            fp["one_row"] = fastpath.one_row_kernel(m) or ""
+        if fast is not None:                              # (all of a model's: ``fastpath.set_one_row``)
+            fp["one_row"] = "plain" if fast.one_row_plain else "packed"
         if self._blockq.get("layers") or self.uses_kernel():
             from .kernels import blockq
 
