@@ -106,7 +106,9 @@ def crop_views(cache, n_remove: int) -> None:
 # ----------------------------------------------------------------------------- the interface
 class Backend:
     """What runs one model's forward (see the module docstring). Logits are float32, batch 1
-    squeezed: ``forward`` [keep or n, V]."""
+    squeezed: ``forward`` [keep or n, V]. An implementation gives ``forward``, ``tree``,
+    ``rollback`` and ``fingerprint``; ``prefill``, ``step`` and ``verify`` are fixed calls of
+    ``forward`` (``rakv.decoding`` makes the same calls through its ``forward``, the one funnel)."""
 
     name = "backend"
     tree_ok = False                    # has a tree forward (``tree`` returns logits, not None)

@@ -28,23 +28,25 @@ def forward(model, tokens, cache: DynamicCache, keep: int = 0, tree=None) -> tor
 
     Runs the model's backend (``rakv.backend``: chosen once at load; a bare module gets the torch
     path, or its lean forward where one is attached). ``tree`` (a ``TreeLayout``, lean backends
-    only): the tokens form a token tree."""
+    only): the tokens form a token tree. ``prefill``, ``decode_one`` and ``verify`` come through
+    here (the backend's own ``prefill`` / ``step`` / ``verify`` are these same calls of its
+    ``forward``), so this is the one place every chain forward of the engine passes."""
     return backend_of(model).forward(tokens, cache, keep, tree)
 
 
 def prefill(model, ids, cache: DynamicCache) -> torch.Tensor:
     """Prompt (or prompt suffix) forward; logits of the last position only: [V]."""
-    return backend_of(model).prefill(ids, cache)
+    return forward(model, ids, cache, keep=1)[-1]             # = backend_of(model).prefill(ids, cache)
 
 
 def decode_one(model, token: int, cache: DynamicCache) -> torch.Tensor:
     """One AR step: feed one token, return next-token logits [V]."""
-    return backend_of(model).step(token, cache)
+    return forward(model, [token], cache, keep=1)[-1]         # = backend_of(model).step(token, cache)
 
 
 def verify(model, tokens: list[int], cache: DynamicCache) -> torch.Tensor:
     """Target forward over [pending, d_1..d_k]: logits [k+1, V]."""
-    return backend_of(model).verify(tokens, cache)
+    return forward(model, tokens, cache, keep=0)              # = backend_of(model).verify(tokens, cache)
 
 
 def tree_forward_ok(model) -> bool:
