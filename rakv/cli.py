@@ -238,6 +238,8 @@ class Session:
 
     def request_json(self, end) -> dict:
         """generate's --json object of one request."""
+        from .models import backend_name
+
         dec = self.last_decision.get(end.request_id)
         start = self.starts.get(end.request_id)
         copied, copies_accepted = self.copies.pop(end.request_id, (0, 0))
@@ -258,6 +260,7 @@ class Session:
             "alpha_ewma": end.alpha_ewma, "alpha_star": dec.alpha_star if dec else {},
             "predicted_ms": end.predicted_ms, "stopped": end.stopped, "policy": self.policy.name,
             "numerics": self.engine.target.numerics,
+            "backend": backend_name(self.engine.target),
             "templated": bool(start and start.templated),
             "sampling": start.sampling if start else {},
             "template_prefix": start.template_prefix if start else 0,

@@ -12,77 +12,53 @@ Shapes: ids [1, n]; logits [n, V] (batch 1 squeezed); KV per layer [1, heads, n,
 
 from __future__ import annotations
 
-import inspect
-from functools import lru_cache
-
 import torch
 from transformers import DynamicCache
 
-from .device import clock, model_device
+from .backend import _cache_arg, _ids, backend_of, crop, crop_views  # noqa: F401 - (_cache_arg, _ids: re-exported)
+from .device import clock
 from .prefix_cache import KV
 from .sampling import accept_rejection, accept_seeded, sample_rows
 
 now = clock          # perf_counter, after synchronizing an asynchronous device (CUDA / MPS) in use
 
 
-@lru_cache(maxsize=None)
-def _cache_arg(cls) -> str:
-    """transformers 5.x names the cache argument ``cache``; older releases ``past_key_values``."""
-    params = inspect.signature(cls.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _ids(tokens, device=None) -> torch.Tensor:
-    if isinstance(tokens, torch.Tensor):
-        return tokens.view(1, -1).to(device) if device is not None else tokens.view(1, -1)
-    return torch.tensor([list(tokens)], dtype=torch.long, device=device)
-
-
-@torch.inference_mode()
 def forward(model, tokens, cache: DynamicCache, keep: int = 0, tree=None) -> torch.Tensor:
     """Feed ``tokens`` ([n]) after what ``cache`` holds; returns logits [keep or n, V] (float32).
 
-    A model with a lean forward (``rakv.kernels.lean``, attached with the fast path) runs that; else HF's.
-    ``tree`` (a ``TreeLayout``, lean forward only): the tokens form a token tree."""
-    lean = getattr(model, "_rakv_lean", None)
-    if lean is not None:
-        if tree is not None:
-            return lean.forward(_ids(tokens), cache, keep, tree)[0].float()
-        return lean.forward(_ids(tokens), cache, keep)[0].float()
-    if tree is not None:
-        raise ValueError("a token tree needs the lean forward")
-    kw = {_cache_arg(type(model)): cache}
-    out = model(input_ids=_ids(tokens, model_device(model)), use_cache=True, logits_to_keep=keep, **kw)
-    return out.logits[0].float()
+    Runs the model's backend (``rakv.backend``: chosen once at load; a bare module gets the torch
+    path, or its lean forward where one is attached). ``tree`` (a ``TreeLayout``, lean backends
+    only): the tokens form a token tree. ``prefill``, ``decode_one`` and ``verify`` come through
+    here (the backend's own ``prefill`` / ``step`` / ``verify`` are these same calls of its
+    ``forward``), so this is the one place every chain forward of the engine passes."""
+    return backend_of(model).forward(tokens, cache, keep, tree)
 
 
 def prefill(model, ids, cache: DynamicCache) -> torch.Tensor:
     """Prompt (or prompt suffix) forward; logits of the last position only: [V]."""
-    return forward(model, ids, cache, keep=1)[-1]
+    return forward(model, ids, cache, keep=1)[-1]             # = backend_of(model).prefill(ids, cache)
 
 
 def decode_one(model, token: int, cache: DynamicCache) -> torch.Tensor:
     """One AR step: feed one token, return next-token logits [V]."""
-    return forward(model, [token], cache, keep=1)[-1]
+    return forward(model, [token], cache, keep=1)[-1]         # = backend_of(model).step(token, cache)
 
 
 def verify(model, tokens: list[int], cache: DynamicCache) -> torch.Tensor:
     """Target forward over [pending, d_1..d_k]: logits [k+1, V]."""
-    return forward(model, tokens, cache, keep=0)
+    return forward(model, tokens, cache, keep=0)              # = backend_of(model).verify(tokens, cache)
 
 
 def tree_forward_ok(model) -> bool:
-    """Whether ``model`` verifies a token tree in one forward (its lean forward; HF's forward and a
-    model off the CPU verify chains)."""
-    return getattr(model, "_rakv_lean", None) is not None
+    """Whether ``model`` verifies a token tree in one forward (a lean backend; the torch path
+    verifies chains)."""
+    return backend_of(model).tree_ok
 
 
 def verify_tree(model, tokens: list[int], parents: list[int], cache: DynamicCache) -> torch.Tensor | None:
     """Target forward over a token tree: row i is tokens[i], its parent row parents[i] (-1: after
-    the cache); logits [n, V], or None when the model has no tree forward (``tree_forward_ok``)."""
-    if not tree_forward_ok(model):
-        return None
-    return forward(model, tokens, cache, 0, model._rakv_lean.tree_layout(parents))
+    the cache); logits [n, V], or None when the model's backend has no tree forward (``tree_forward_ok``)."""
+    return backend_of(model).tree(tokens, parents, cache)
 
 
 @torch.inference_mode()
@@ -117,11 +93,14 @@ def cache_len(cache: DynamicCache) -> int:
 
 
 def rollback(cache: DynamicCache, n_remove: int) -> None:
-    """Remove the last ``n_remove`` positions (transformers 5.x: negative crop; a cache the C
-    layers wrote last: the same views, made for all layers at once by its buffers, ``lean._Views``)."""
-    views = getattr(cache, "_rakv_views", None)
-    if n_remove > 0 and not (views is not None and views.crop(cache, n_remove)):
-        cache.crop(-n_remove)
+    """Remove the last ``n_remove`` positions, as the backend that wrote ``cache`` does
+    (``Backend.rollback``): a cache the lean backend's C layers wrote last keeps the same views,
+    made for all layers at once by its buffers (``lean._Views``); any other is cropped (transformers
+    5.x: a negative crop). The cache, not a model, names it: a prefix-cache clone has no model."""
+    if getattr(cache, "_rakv_views", None) is not None:
+        crop_views(cache, n_remove)
+    else:
+        crop(cache, n_remove)
 
 
 def crop_to(cache: DynamicCache, length: int) -> None:

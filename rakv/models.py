@@ -58,6 +58,8 @@ class LoadedModel:
     slim: bool = False               # loaded from a slim converted GGUF: its coded linears' fp32 weights are made
                                      # from the codes only when fp32 arithmetic needs them (``_materialize``)
     narrow: str = ""                 # "q4": a draft's wider codes requantized to Q4_1 (``narrow_draft``)
+    backend: object = field(default=None, repr=False, compare=False)   # what runs its forward (rakv.backend),
+                                     # chosen at load by ``select_backend`` (``set_fast`` calls it last)
 
     @property
     def config(self):
@@ -150,35 +152,39 @@ def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
     """Switch ``lm`` to (or off) the fast forward path, in place; returns ``lm``. The fast path is
     the packed linears (``rakv.kernels.fastpath``) and, where the architecture allows, the lean forward
     (``rakv.kernels.lean``; ``RAKV_LEAN=0`` keeps HF's forward over the packed linears), with every linear
-    whose weights are exactly block-coded running from its codes (``rakv.kernels.blockq``; ``RAKV_BLOCKQ=0``)."""
-    from .kernels import fastpath, lean
+    whose weights are exactly block-coded running from its codes (``rakv.kernels.blockq``; ``RAKV_BLOCKQ=0``).
+    The environment's switches are read here, once (``backend.read_switches``), and the model's backend
+    is chosen last (``backend.select_backend``): every load and numerics switch chooses again."""
+    from .backend import read_switches, select_backend
+    from .kernels import fastpath
 
+    sw = read_switches()
     on = fastpath.default_enabled() if fast is None else bool(fast)
     if lm.slim and not (on and lm.numerics == "q8"):
         _materialize(lm)                    # fp32 arithmetic: the weights the codes stand for
     info = fastpath.set_fast(lm.model, on)
     lm.fast = bool(info["fast"])
     lm.fast_reason = "" if lm.fast or not on else info["reason"]
-    lm.blockq = _attach_codes(lm) if lm.fast else {}
+    lm.blockq = _attach_codes(lm, sw.blockq) if lm.fast else {}
     if lm.numerics == "q8":
-        why = _q8_unavailable(lm)
+        why = _q8_unavailable(lm, sw.blockq)
         if why:
             raise ModelError(f"--numerics q8 is not available for {lm.name}: {why}")
-        _q8_blocks(lm)
+        _q8_blocks(lm, lanes=not sw.tiles)
         if lm.narrow:
             _narrow_blocks(lm)
     lm.key = _numerics_key(lm.key.replace("+n4", ""), lm.numerics) + ("+n4" if lm.narrow else "")
-    attach_lean(lm, lm.fast and lean.env_enabled())
+    attach_lean(lm, lm.fast and sw.lean, switches=sw)
     if lm.fast and lm.numerics == "q8" and lm.blockq.get("layers"):
         lm.blockq = dict(lm.blockq, tiles=_attach_tiles(lm))
-    if lm.fast and lm.blockq.get("layers") and lm.blockq["layers"] == lm.blockq.get("of") \
-            and os.environ.get("RAKV_ONE_ROW", "auto").strip().lower() not in ("plain", "packed"):
+    if lm.fast and lm.blockq.get("layers") and lm.blockq["layers"] == lm.blockq.get("of") and sw.one_row == "auto":
         # every linear runs one row from its codes: the one-row fp32 kernel is never called, so
         # there is nothing to time (that takes seconds, and is not remembered on a busy machine)
         fastpath.set_one_row(lm.model, "plain")
         lm.one_row = {"kernel": "plain", "how": "every linear runs from block codes (unused)"}
     elif lm.fast:
-        lm.one_row = fastpath.choose_one_row(lm.model, lm.key, cache_dir())
+        lm.one_row = fastpath.choose_one_row(lm.model, lm.key, cache_dir(), forced=sw.one_row)
+    select_backend(lm, sw)
     return lm
 
 
@@ -215,9 +221,10 @@ def _numerics_key(key: str, numerics: str) -> str:
     return base[:at] + "+q8" + base[at:]
 
 
-def _q8_blocks(lm: LoadedModel) -> None:
+def _q8_blocks(lm: LoadedModel, lanes: bool = False) -> None:
     """Every fast-path linear of ``lm`` on its codes under q8 numerics (Q8_0 codes made for one
-    without), a weight shared by two modules (a tied head) one set of codes; ``lm.blockq`` says so."""
+    without), a weight shared by two modules (a tied head) one set of codes; ``lm.blockq`` says so.
+    ``lanes``: the lane form, not the tiled one (``RAKV_TILES=0`` as this load read it)."""
     from .kernels import blockq
     from .kernels.fastpath import FastLinear
 
@@ -227,7 +234,7 @@ def _q8_blocks(lm: LoadedModel) -> None:
             continue
         if id(m.weight) not in seen:
             b = m.block if m.block is not None else blockq.quantize_q8_0(blockq._matrix(m))
-            seen[id(m.weight)] = b.with_numerics("q8")
+            seen[id(m.weight)] = b.with_numerics("q8", lanes=lanes)
         m.block = seen[id(m.weight)]
     kinds: dict[str, int] = {}
     for b in seen.values():
@@ -270,7 +277,8 @@ def _narrow_blocks(lm: LoadedModel) -> None:
             if id(m.block) not in seen:
                 b = saved.get(name)
                 ok = b is not None and (b.kind, b.N, b.K) == ("q4", m.block.N, m.block.K)
-                seen[id(m.block)] = b.with_numerics(m.block.numerics) if ok else blockq.narrower_q4(m.block)
+                seen[id(m.block)] = b.with_numerics(m.block.numerics, lanes=m.block.lanes) if ok \
+                    else blockq.narrower_q4(m.block)
             m.block = seen[id(m.block)]
             made[name] = m.block
     if made and any(saved.get(n) is None for n in made):
@@ -297,7 +305,7 @@ def narrow_draft(lm: LoadedModel, codes: str) -> LoadedModel:
 DRAFT_CODES = ("file", "q4")
 
 
-def _q8_unavailable(lm: LoadedModel) -> str:
+def _q8_unavailable(lm: LoadedModel, blockq_on: bool | None = None) -> str:
     """Why q8 numerics cannot run ``lm`` ("" when they can): they need the fast path on CPU in
     float32 and the compiled kernel, and every linear's inputs in whole blocks of 32."""
     from .kernels import blockq
@@ -307,7 +315,7 @@ def _q8_unavailable(lm: LoadedModel) -> str:
         return lm.fast_reason or "the fast path is off (--no-fast or RAKV_FAST=0)"
     if blockq.library() is None:
         return f"the C kernel is unavailable ({blockq.reason() or 'RAKV_BLOCKQ=0'})"
-    if not blockq.env_enabled():
+    if not (blockq.env_enabled() if blockq_on is None else blockq_on):
         return "RAKV_BLOCKQ=0"
     for name, m in lm.model.named_modules():
         if isinstance(m, FastLinear) and m.in_features % blockq.BLK:
@@ -315,7 +323,7 @@ def _q8_unavailable(lm: LoadedModel) -> str:
     return ""
 
 
-def _attach_codes(lm: LoadedModel) -> dict:
+def _attach_codes(lm: LoadedModel, enabled: bool | None = None) -> dict:
     """Block codes for the fast path's linears (``blockq.attach``), offering those read from the
     model's GGUF (every GGUF type the kernel runs; each still checked against its weight)."""
     from .kernels import blockq
@@ -323,19 +331,29 @@ def _attach_codes(lm: LoadedModel) -> dict:
 
     offered = blockq.load_codes(Path(lm.codes_file)) if lm.codes_file else {}
     return blockq.attach([(n, m) for n, m in lm.model.named_modules() if isinstance(m, FastLinear)],
-                         lm.key, {n: b for n, b in offered.items() if b is not None}, trusted=lm.slim)
+                         lm.key, {n: b for n, b in offered.items() if b is not None}, trusted=lm.slim,
+                         enabled=enabled)
 
 
-def attach_lean(lm: LoadedModel, on: bool = True, like: LoadedModel | None = None) -> None:
-    """The lean forward for ``lm`` (``like``: the model whose layers it shares, for layers:L)."""
+def attach_lean(lm: LoadedModel, on: bool = True, like: LoadedModel | None = None, switches=None) -> None:
+    """The lean forward for ``lm`` (``like``: the model whose layers it shares, for layers:L), and
+    its backend chosen (``backend.select_backend``) with ``switches`` (the environment as the load
+    read it; None: read now)."""
+    from .backend import select_backend
     from .kernels import lean
 
     base = getattr(like.model, "_rakv_lean", None) if like is not None else None
     if on and base is not None and lean.supported(lm.model) is None:
         lm.model._rakv_lean = base.truncated(lm.model)
         lm.lean = lean.kind(lm.model)
-        return
-    lm.lean = lean.kind(lm.model) if lean.attach(lm.model, on) == "" else ""
+    else:
+        lm.lean = lean.kind(lm.model) if lean.attach(lm.model, on) == "" else ""
+    select_backend(lm, switches)
+
+
+def _switches_of(target: LoadedModel):
+    """The switches ``target``'s load read (a draft made from it, now or later, runs by them)."""
+    return getattr(getattr(target, "backend", None), "switches", None)
 
 
 # ----------------------------------------------------------------------------- converted once
@@ -1399,7 +1417,7 @@ def int8_copy(target: LoadedModel, lazy: bool = False) -> LoadedModel:
     if lazy:
         return _LazyInt8(target, **kw)
     lm = LoadedModel(model=_quantized(target), **kw)
-    attach_lean(lm, bool(target.lean))
+    attach_lean(lm, bool(target.lean), switches=_switches_of(target))
     return lm
 
 
@@ -1556,7 +1574,7 @@ class _LazyInt8(LoadedModel):
             target, self._target = self._target, None
             t0 = time.perf_counter()
             self._model = _quantized(target)
-            attach_lean(self, bool(target.lean))
+            attach_lean(self, bool(target.lean), switches=_switches_of(target))
             cached = getattr(self._model, "_rakv_int8_cached", "")
             log(f"int8 draft {'loaded from the cache' if cached else 'made'} in {time.perf_counter() - t0:.1f} s"
                 + (f" ({cached})" if cached else " (cached for the next run)"))
@@ -1609,7 +1627,7 @@ def layers_copy(target: LoadedModel, L: int) -> LoadedModel:
     setattr(parent, path[-1], torch.nn.ModuleList(list(layers)[:L]))
     lm = LoadedModel(name=f"{target.name}-layers{L}", model=new, tokenizer=target.tokenizer,
                      key=f"{target.key}:layers{L}", max_positions=target.max_positions, eos_ids=target.eos_ids)
-    attach_lean(lm, bool(target.lean), like=target)
+    attach_lean(lm, bool(target.lean), like=target, switches=_switches_of(target))
     return lm
 
 
@@ -1671,6 +1689,16 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
         raise ModelError(f"draft {draft.name!r} vocab size {dv} differs from target's {tv}")
 
 
+def backend_name(lm: LoadedModel) -> str:
+    """The name of what runs ``lm``'s forward (``rakv.backend``): torch | lean-fp32 | lean-q8."""
+    from .backend import backend_of
+
+    be = getattr(lm, "backend", None)
+    if be is None and getattr(lm, "model", None) is not None:
+        be = backend_of(lm.model)
+    return be.name if be is not None else ""
+
+
 def model_info(lm: LoadedModel) -> dict:
     c = lm.model.config
     n_params = sum(p.numel() for p in lm.model.parameters())
@@ -1679,6 +1707,7 @@ def model_info(lm: LoadedModel) -> dict:
             "numerics": lm.numerics,
             "layers": getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None),
             "max_positions": lm.max_positions, "device": str(dev), "fast": lm.fast, "lean": bool(lm.lean),
+            "backend": backend_name(lm),
             **({"fast_reason": lm.fast_reason} if lm.fast_reason else {}),
             **({"one_row_kernel": lm.one_row.get("kernel", "")} if lm.one_row else {}),
             **({"block_layers": lm.blockq["layers"], "block_kinds": lm.blockq["kinds"],

@@ -480,8 +480,10 @@ def test_a_step_runs_every_layer_in_c_and_keeps_its_tokens(kernel, arch, monkeyp
     """A decode or verify step of a block-coded Llama-family model runs all its layers in one C call
     (``blockq.decode_layers``: norms, rotary, KV write, attention, MLP); its logits are the Python
     layers' to float rounding, a verify row is still its decode step bit for bit, and every policy
-    still gives transformers' greedy ids (Mistral: a sliding window; Qwen2: q, k, v biases)."""
+    still gives transformers' greedy ids (Mistral: a sliding window; Qwen2: q, k, v biases).
+    ``RAKV_C_LAYERS`` is read when the backend is chosen (at load): each setting chooses again."""
     from rakv import decoding as dec
+    from rakv.backend import select_backend
 
     target, draft, _ = _block_pair(arch)
     m = target.model
@@ -492,6 +494,7 @@ def test_a_step_runs_every_layer_in_c_and_keeps_its_tokens(kernel, arch, monkeyp
     steps = {}
     for c_layers in ("1", "0"):
         monkeypatch.setenv("RAKV_C_LAYERS", c_layers)
+        select_backend(target)                                    # the switch is read at selection
         cache = dec.DynamicCache()
         dec.prefill(m, prompt, cache)
         one = [dec.forward(m, [t], cache)[-1] for t in (7, 8, 9)]
@@ -505,6 +508,7 @@ def test_a_step_runs_every_layer_in_c_and_keeps_its_tokens(kernel, arch, monkeyp
     for a, b in zip(steps["1"][0], steps["0"][0]):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
     monkeypatch.setenv("RAKV_C_LAYERS", "1")
+    select_backend(target)
     for policy in ("ar", "spec:4", "joint:2"):
         eng = Engine(target, ModelDraft(draft) if policy != "ar" else None, RakvConfig(policy=policy))
         for p in (prompt, prompt[:10] + [1, 2, 3] * 5):

@@ -202,15 +202,11 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
 
 
 def hf_forward(model, ids, cache, keep=0):
-    """HF's own forward through ``rakv.decoding.forward``, whatever the model has attached (its lean
-    forward is set aside for the call)."""
-    from rakv import decoding as dec
+    """HF's own forward (the torch backend, ``rakv.backend.TorchBackend``), whatever backend the
+    model has chosen."""
+    from rakv.backend import TorchBackend
 
-    saved, model._rakv_lean = getattr(model, "_rakv_lean", None), None
-    try:
-        return dec.forward(model, ids, cache, keep)
-    finally:
-        model._rakv_lean = saved
+    return TorchBackend(model).forward(ids, cache, keep)
 
 
 # ----------------------------------------------------------------------------- pairs

@@ -245,7 +245,7 @@ def regime_figures(target, prof: CostProfile, reps: int = 5) -> dict:
     d = interp(prof.d, ctx) if prof.d else 0.0
     return {
         "device": str(model_device(model)), "fast": is_enabled(model), "one_row_kernel": one_row_kernel(model),
-        "lean": getattr(model, "_rakv_lean", None) is not None,
+        "lean": _backend_name(target).startswith("lean"), "backend": _backend_name(target),
         "block_layers": target.blockq.get("layers", 0),
         **threads_info(), "isa": isa_flags(),
         "ctx": ctx, "step_ms": round(t, 3),
@@ -442,6 +442,12 @@ def alpha_prior(profile, target, draft, sampling, ids=None) -> float:
     a0 = measure_alpha(target, draft, ids, k=4, rounds=4, sampling=replace(sampling, seed=0))
     profile.alpha_by_setting[key] = {"alpha0": round(a0, 5)}
     return a0
+
+
+def _backend_name(lm) -> str:
+    from ..backend import backend_of
+
+    return (getattr(lm, "backend", None) or backend_of(lm.model)).name
 
 
 def load_or_calibrate(target, draft, cache: Path, k_max: int = 8, force: bool = False,

@@ -1,8 +1,9 @@
 """Cost profiles on disk: machine fingerprints, the file format, validation, where profiles live.
 
 A profile is a JSON file in the cache dir's ``profiles/``, named by a digest of its fingerprint
-(CPU model, threads, torch version, device and GPU name, fast path, the model pair, dtype and the
-target's numerics): a
+(CPU model, threads, torch version, device and GPU name, fast path, the model pair, dtype, the
+target's numerics and the target's backend's own fingerprint, ``rakv.backend.Backend.fingerprint``:
+its kind, numerics, device, threads, C layers on or off, the q8 tiles' form, the kernel build, ISA): a
 changed fingerprint means a new calibration. A malformed file is a ``ProfileError`` that names it.
 """
 
@@ -36,7 +37,9 @@ def fingerprint(target_key: str, draft_key: str, dtype: str, device: str = "cpu"
 
 
 def pair_fingerprint(target, draft) -> dict:
-    """The fingerprint of this machine and pair as loaded (device and fast path read off the model)."""
+    """The fingerprint of this machine and pair as loaded (device and fast path read off the model,
+    the backend as chosen at load: a profile measured under one backend is not reused under another)."""
+    from ..backend import LeanBackend, backend_of
     from ..device import model_device
     from ..kernels.fastpath import is_enabled, one_row_kernel
 
@@ -45,11 +48,12 @@ def pair_fingerprint(target, draft) -> dict:
     fp["numerics"] = getattr(target, "numerics", "fp32")     # q8 and fp32 steps cost differently: two profiles
     if one_row_kernel(target.model) == "packed":     # a step on the other kernel is another machine
         fp["one_row"] = "packed"
-    lean = getattr(target.model, "_rakv_lean", None)
-    if lean is not None:                                          # so is a step on the lean forward
+    be = getattr(target, "backend", None) or backend_of(target.model)
+    if isinstance(be, LeanBackend):                               # so is a step on the lean forward
         fp["lean"] = True
-        if getattr(lean, "c_layers_on", lambda: False)():        # and one with every layer in C
+        if be.lean.c_layers_on():                                 # and one with every layer in C
             fp["c_layers"] = True
+    fp["backend"] = be.fingerprint()                              # and one on another backend
     if target.blockq.get("layers"):                               # and one from exact block codes
         from ..kernels.blockq import build_id
 

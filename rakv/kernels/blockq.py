@@ -46,6 +46,7 @@ SOURCE = Path(__file__).with_name("blockq.c")
 
 
 def env_enabled() -> bool:
+    """``RAKV_BLOCKQ`` (on unless 0): read at load (``rakv.backend.read_switches``), not per call."""
     from ..paths import env_on
 
     return env_on("RAKV_BLOCKQ")
@@ -356,8 +357,14 @@ def tiled(b: "BlockWeight") -> dict:
 
 def tiles(b: "BlockWeight") -> bool:
     """Whether q8 numerics run ``b`` in the tiled form: K-quant codes, and Q4 / Q8 codes with a float
-    scale per block (Q8X codes with float scales per 16 keep the lane form)."""
-    return (b.compact or b.kind in ("q4", "q8")) and os.environ.get("RAKV_TILES", "1") != "0"
+    scale per block (Q8X codes with float scales per 16 keep the lane form), unless ``b`` was made
+    for the lane form (``b.lanes``: ``RAKV_TILES=0`` as read when its q8 codes were made, at load)."""
+    return (b.compact or b.kind in ("q4", "q8")) and not b.lanes
+
+
+def tiles_env_enabled() -> bool:
+    """``RAKV_TILES`` (on unless 0): read when q8 codes are made (at load), never at a call."""
+    return os.environ.get("RAKV_TILES", "1") != "0"
 
 
 NUMERICS = ("fp32", "q8")       # rakv_layer.numerics in blockq.c: 0, 1
@@ -473,6 +480,8 @@ class BlockWeight:
     imn: torch.Tensor | None = None    # q4: uint8 [N, K/32] (the minimums' 6-bit multipliers)
     dg: torch.Tensor | None = None     # float32 [N, K/256]: the super-block scale d
     mg: torch.Tensor | None = None     # q4: float32 [N, K/256], -dmin
+    lanes: bool = False                # q8 numerics in the lane form, not the tiled one (``tiles``): fixed
+                                       # when the q8 codes are made (``with_numerics``), from RAKV_TILES at load
 
     @property
     def nbytes(self) -> int:
@@ -577,15 +586,19 @@ class BlockWeight:
         return BlockWeight(self.kind, int(idx.numel()), self.K, self.qs[idx].contiguous(),
                            None if self.d is None else self.d[idx].contiguous(),
                            None if self.m is None else self.m[idx].contiguous(), self.numerics,
-                           **{k: None if t is None else t[idx].contiguous() for k, t in self._extra().items()})
+                           **{k: None if t is None else t[idx].contiguous() for k, t in self._extra().items()},
+                           lanes=self.lanes)
 
-    def with_numerics(self, numerics: str) -> "BlockWeight":
-        """The same codes under another arithmetic (``NUMERICS``), sharing the tensors."""
+    def with_numerics(self, numerics: str, lanes: bool | None = None) -> "BlockWeight":
+        """The same codes under another arithmetic (``NUMERICS``), sharing the tensors. ``lanes``
+        (q8): the lane form instead of the tiled one (None: as ``RAKV_TILES`` says now; a load passes
+        what it read once)."""
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, not {numerics!r}")
-        if numerics == self.numerics:
+        lanes = (not tiles_env_enabled() if lanes is None else bool(lanes)) if numerics == "q8" else False
+        if numerics == self.numerics and lanes == self.lanes:
             return self
-        return BlockWeight(self.kind, self.N, self.K, self.qs, self.d, self.m, numerics, **self._extra())
+        return BlockWeight(self.kind, self.N, self.K, self.qs, self.d, self.m, numerics, **self._extra(), lanes=lanes)
 
     @property
     def all_rows(self) -> bool:
@@ -759,14 +772,16 @@ def _kquant_scales(b, qtype: str, N: int, K: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- attention
-def attend_ok(k: torch.Tensor, v: torch.Tensor, n: int, Hq: int, Hk: int, D: int, any_rows: bool = False) -> bool:
+def attend_ok(k: torch.Tensor, v: torch.Tensor, n: int, Hq: int, Hk: int, D: int, any_rows: bool = False,
+              enabled: bool | None = None) -> bool:
     """Whether ``attend`` takes this step: a float32 cache of batch 1 with rows of D contiguous
     values (the lean forward's growing buffer, or a prefill's own KV), at most ATTEND_ROWS new rows
-    (``any_rows``: any number, as q8 numerics run every forward)."""
+    (``any_rows``: any number, as q8 numerics run every forward). ``enabled``: the RAKV_BLOCKQ switch
+    as the backend read it at load (the lean forward passes it); None reads it now (direct calls)."""
     return ((any_rows or n <= ATTEND_ROWS) and D % 16 == 0 and Hq % Hk == 0 and k.dtype == torch.float32
             and k.device.type == "cpu" and k.shape[0] == 1 and v.shape[0] == 1
             and k.stride(-1) == 1 and v.stride(-1) == 1 and k.stride(-2) == D and v.stride(-2) == D
-            and library() is not None and env_enabled())
+            and library() is not None and (env_enabled() if enabled is None else enabled))
 
 
 def attend(q: torch.Tensor, q_row: int, k: torch.Tensor, v: torch.Tensor, n: int, Hq: int, Hk: int,
@@ -902,7 +917,8 @@ def save_codes(path: Path, codes: dict[str, BlockWeight | None]) -> None:
     _save_cached(Path(path), codes)
 
 
-def attach(fls: list, key: str = "", offered: dict | None = None, trusted: bool = False) -> dict:
+def attach(fls: list, key: str = "", offered: dict | None = None, trusted: bool = False,
+           enabled: bool | None = None) -> dict:
     """Give every fast-path linear in ``fls`` ([(name, FastLinear)], ``fastpath.attach_codes``)
     whose weight is block-coded its codes (``.block``), taken from the cache dir when a saved copy
     still rebuilds the weight exactly, else from ``offered`` (codes by layer name, e.g. read from
@@ -919,7 +935,7 @@ def attach(fls: list, key: str = "", offered: dict | None = None, trusted: bool 
     if not fls:
         info["reason"] = "not on the fast path"
         return info
-    if not env_enabled():
+    if not (env_enabled() if enabled is None else enabled):      # (the load passes what it read)
         info["reason"] = "RAKV_BLOCKQ=0"
         return info
     if library() is None:
@@ -983,7 +999,7 @@ def concat(blocks: list) -> BlockWeight | None:
     """The codes of layers stacked along their outputs (a fused q|k|v), when all have codes of one kind."""
     if not blocks or any(b is None for b in blocks) or len({(b.kind, b.K) for b in blocks}) != 1:
         return None
-    if len({b.numerics for b in blocks}) != 1:
+    if len({(b.numerics, b.lanes) for b in blocks}) != 1:
         return None
     b0 = blocks[0]
     extra = {}
@@ -995,7 +1011,7 @@ def concat(blocks: list) -> BlockWeight | None:
     d = None if any(b.d is None for b in blocks) else torch.cat([b.d for b in blocks])
     m = torch.cat([b.m for b in blocks]) if d is not None and b0.m is not None else None
     return BlockWeight(b0.kind, sum(b.N for b in blocks), b0.K, torch.cat([b.qs for b in blocks]), d, m,
-                       b0.numerics, **extra)
+                       b0.numerics, **extra, lanes=b0.lanes)
 
 
 def parts_of(fused: BlockWeight, sizes: list) -> list:
@@ -1005,7 +1021,8 @@ def parts_of(fused: BlockWeight, sizes: list) -> list:
     for n in sizes:
         sl = {k: None if t is None else t[n0:n0 + n] for k, t in fused._extra().items()}
         out.append(BlockWeight(fused.kind, n, fused.K, fused.qs[n0:n0 + n], None if fused.d is None else fused.d[n0:n0 + n],
-                               None if fused.m is None else fused.m[n0:n0 + n], fused.numerics, **sl))
+                               None if fused.m is None else fused.m[n0:n0 + n], fused.numerics, **sl,
+                               lanes=fused.lanes))
         n0 += n
     return out
 
@@ -1050,4 +1067,4 @@ def narrower_q4(b: BlockWeight, rows: int = 8192) -> BlockWeight:
     parts = [quantize_q4_1(b.rows(torch.arange(r0, min(r0 + rows, b.N))).dequantize()) for r0 in range(0, b.N, rows)]
     out = BlockWeight("q4", b.N, b.K, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]),
                       torch.cat([p.m for p in parts]))
-    return out.with_numerics(b.numerics)
+    return out.with_numerics(b.numerics, lanes=b.lanes)

@@ -365,10 +365,12 @@ def set_one_row(model: nn.Module, kernel: str) -> None:
             m.one_row_plain = kernel != "packed"
 
 
-def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, rounds: int = 3) -> dict:
+def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, rounds: int = 3,
+                   forced: str | None = None) -> dict:
     """Set the one-row kernel of a fast-path model to the faster one on this machine.
 
-    Forced by ``RAKV_ONE_ROW`` (plain | packed); else remembered in ``cache/kernels.json`` per model,
+    Forced by ``RAKV_ONE_ROW`` (plain | packed; ``forced``: its value as the load read it, None:
+    read it now); else remembered in ``cache/kernels.json`` per model,
     thread count, torch build and CPU; else measured: real decode steps with each kernel,
     interleaved ``rounds`` times (~3 s on the demo model), medians compared."""
     from ..meter import Timing
@@ -376,7 +378,8 @@ def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, roun
 
     if not is_enabled(model):
         return {"kernel": "", "how": "not on the fast path"}
-    forced = os.environ.get("RAKV_ONE_ROW", "auto").strip().lower()
+    if forced is None:
+        forced = os.environ.get("RAKV_ONE_ROW", "auto").strip().lower()
     if forced in ("plain", "packed"):
         set_one_row(model, forced)
         return {"kernel": forced, "how": "RAKV_ONE_ROW"}

@@ -17,6 +17,9 @@ them and made again if a parameter changes in place), and ``supported`` refuses 
 forward does not reproduce (rope scaling, sliding windows, biases it does not carry, other
 activations), in which case the HF forward runs. Every policy goes through the same forward, so
 outputs stay identical across policies. ``RAKV_LEAN=0`` (or ``--no-fast``) keeps the HF forward.
+What runs a model's forward is its backend (``rakv.backend``), chosen once at load: it reads the
+switches (``RAKV_LEAN``, ``RAKV_C_LAYERS``, ``RAKV_BLOCKQ``) then and hands this forward its decisions
+(``configure``); nothing here reads the environment per forward.
 
 Shapes: x [1, n, H]; q [1, Hq, n, D]; k, v [1, Hkv, n, D] (the cache: [1, Hkv, past + n, D]).
 """
@@ -50,7 +53,8 @@ def env_enabled() -> bool:
 
 
 def fused_env_enabled() -> bool:
-    """``RAKV_C_LAYERS=0`` keeps every layer of a step in Python (for comparison)."""
+    """``RAKV_C_LAYERS=0`` keeps every layer of a step in Python (for comparison). Read at load
+    (``rakv.backend.read_switches``, or a lean forward's construction), not per forward."""
     return env_on("RAKV_C_LAYERS")
 
 
@@ -485,6 +489,15 @@ class LeanLlama:
         self.probe = next((m for m in model.modules() if hasattr(m, "one_row_plain")), None)
         self.state = self._state()
         self.dtype = self.embed.weight.dtype
+        if not hasattr(self, "use_c_layers"):       # the switches as at construction, until configured
+            self.configure(c_layers=fused_env_enabled(), attend=blockq.env_enabled())
+
+    def configure(self, c_layers: bool = True, attend: bool = True) -> None:
+        """The decisions the backend made at load (``rakv.backend.select_backend``): ``c_layers``,
+        a step's layers in one C call where the model allows (``RAKV_C_LAYERS``); ``attend``, the
+        block kernel's attention for steps (``RAKV_BLOCKQ``). Fixed until the next load / switch."""
+        self.use_c_layers = bool(c_layers)
+        self.use_attend = bool(attend)
 
     def _layer(self, i: int, L: nn.Module) -> _Layer:
         a, m = L.self_attn, L.mlp
@@ -592,7 +605,8 @@ class LeanLlama:
         if not cache.layers or not cache.layers[0].is_initialized or cache.layers[0].keys.numel() == 0:
             return False                                             # a first forward: SDPA (a prefill)
         L = cache.layers[0]
-        return blockq.attend_ok(L.keys, L.values, n, self.n_heads, self.n_kv, self.head_dim, any_rows=alone)
+        return blockq.attend_ok(L.keys, L.values, n, self.n_heads, self.n_kv, self.head_dim, any_rows=alone,
+                                enabled=self.use_attend)
 
     def _start_empty(self, cache) -> bool:
         """A first forward under ``rows_alone``: every layer given an empty KV of its shape, so the
@@ -678,9 +692,9 @@ class LeanLlama:
         return descs
 
     def c_layers_on(self):
-        """The layers' descriptions when this forward runs a step's layers in C (switch and model
-        both allow it), else False."""
-        return fused_env_enabled() and self._c_layers()
+        """The layers' descriptions when this forward runs a step's layers in C (the switch as the
+        backend read it at load, and the model, both allow it), else False."""
+        return self.use_c_layers and self._c_layers()
 
     def _c_forward(self, descs, x: torch.Tensor, cache, past: int, n: int, rope,
                    tree: TreeLayout | None = None) -> torch.Tensor:
@@ -1080,6 +1094,7 @@ def attach(model: nn.Module, on: bool = True) -> str:
     """Give ``model`` its lean forward (``model._rakv_lean``) when supported and ``on``; returns
     why not ("" when attached)."""
     model._rakv_lean = None
+    model._rakv_backend = None          # chosen again (rakv.backend) for the forward attached now
     if not on:
         return "switched off"
     why = supported(model)
