@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A screenshot of the explorer watching a real vLLM server (docs/gui.md, "Watching a vLLM server").
-# NOT RUN YET (written with the feature; no vLLM server was started then). Starts vLLM's OpenAI
+# Run on 2026-12-06 (docs/gui.md, the shot in docs/img/vllm-watch.png). Starts vLLM's OpenAI
 # server from the vLLM venv on CPU with vLLM's own n-gram speculation (k = 4) and prefix caching,
 # waits for /health, sends a few requests (copy-heavy, so n-gram drafts get accepted, and a
 # repeated prompt, so the prefix cache hits), launches the explorer under Xvfb pointed at it and
