@@ -252,10 +252,9 @@ def model_card(model: str, created: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- a client's side
-def server_url(text: str) -> str:
-    """The base URL of a running ``rakv serve`` from what a user typed: ``http://host:port``
-    (``host:port`` alone is taken as http; an OpenAI base URL's ``/v1`` is dropped). ValueError:
-    one line."""
+def user_url(text: str, schemes: tuple = ("http",), verb: str = "attached"):
+    """A server address a user typed, split (``urllib.parse.SplitResult``): ``host:port`` alone is
+    taken as http; a scheme outside ``schemes``, a bad port or no host: ValueError, one line."""
     from urllib.parse import urlsplit
 
     t = (text or "").strip()
@@ -264,14 +263,23 @@ def server_url(text: str) -> str:
     if "://" not in t:
         t = "http://" + t
     u = urlsplit(t)
-    if u.scheme != "http":
-        raise ValueError(f"only http:// servers can be attached, got {text!r}")
+    if u.scheme not in schemes:
+        raise ValueError(f"only {' or '.join(s + '://' for s in schemes)} servers can be {verb}, got {text!r}")
     try:
-        port = u.port
+        u.port
     except ValueError:
         raise ValueError(f"bad port in {text!r}") from None
     if not u.hostname:
         raise ValueError(f"no host in {text!r}")
+    return u
+
+
+def server_url(text: str) -> str:
+    """The base URL of a running ``rakv serve`` from what a user typed: ``http://host:port``
+    (``host:port`` alone is taken as http; an OpenAI base URL's ``/v1`` is dropped). ValueError:
+    one line."""
+    u = user_url(text)
+    port = u.port
     path = u.path.rstrip("/")
     if path in ("", "/v1"):
         path = ""

@@ -234,22 +234,9 @@ class Watch:
 def metrics_url(text: str) -> str:
     """A vLLM server's /metrics URL from what a user typed: ``host:port``, ``http://host:port``,
     its OpenAI base URL (``.../v1``) or the metrics URL itself (ValueError: one line)."""
-    from urllib.parse import urlsplit
+    from ..api import user_url
 
-    t = (text or "").strip()
-    if not t:
-        raise ValueError("no server URL given (e.g. http://127.0.0.1:8000)")
-    if "://" not in t:
-        t = "http://" + t
-    u = urlsplit(t)
-    if u.scheme not in ("http", "https"):
-        raise ValueError(f"only http:// or https:// servers can be watched, got {text!r}")
-    try:
-        u.port
-    except ValueError:
-        raise ValueError(f"bad port in {text!r}") from None
-    if not u.hostname:
-        raise ValueError(f"no host in {text!r}")
+    u = user_url(text, ("http", "https"), "watched")
     path = u.path.rstrip("/")
     for tail in ("/metrics", "/v1"):
         if path.endswith(tail):
