@@ -178,3 +178,26 @@ def test_worth_starting_and_remaining():
     assert VD.worth_starting(100.0, 20.0, 60.0, 16)          # 16 x 40 ms saved > 100 ms
     assert not VD.worth_starting(1000.0, 20.0, 60.0, 16)
     assert not VD.worth_starting(0.0, 60.0, 20.0, 100)       # slower than the other choice
+
+
+def test_switch_arms_share_one_draft(target, tmp_path, monkeypatch):
+    """The measuring switch: ``draft:K`` (the model at a fixed K), ``rakvcopy`` (copies only) and
+    ``rakv`` (both, gated) on one engine, one loaded draft between them."""
+    ctl = tmp_path / "ctl"
+    monkeypatch.setenv(VP.CONTROL_ENV, str(ctl))
+    monkeypatch.setenv(VD.DRAFT_ENV, "demo")
+    monkeypatch.delenv(VP.PROFILE_ENV, raising=False)
+    sw = VP.SwitchProposer(None)
+    sw.load_model()
+    prompt = chat(target, "Name three colours.")
+    ref = greedy(target, prompt, 12)
+    seq = list(prompt) + [ref[0]]
+    ctl.write_text("draft:3")
+    assert len(sw.propose([[ref[0]]], np.array([len(seq)]), row(seq))[0]) == 3
+    assert sw.arms["draft:3"].dlm is sw.rakv.dlm
+    import os
+    os.utime(ctl, ns=(1, 1))                          # (a new mtime: the switch re-reads it)
+    ctl.write_text("rakvcopy")
+    sw.propose([[ref[0]]], np.array([len(seq)]), row(seq))
+    assert sw.arms["rakvcopy"].dlm is None and sw.arms["rakvcopy"].counts["rows"] == 1
+    assert set(sw.stats()) == {"rakv", "rakvcopy", "draft:3"}
