@@ -20,7 +20,7 @@ from rakv.integrations import vllm_draft as VD
 from rakv.integrations import vllm_proposer as VP
 
 PROFILE = {"t_ms": 60.0, "V_ms": {"1": 62.0, "2": 64.0, "4": 68.0, "8": 76.0}}
-WIDTH = 512
+WIDTH = 1024
 
 
 @pytest.fixture(scope="module")
@@ -100,13 +100,34 @@ def test_model_draft_rolls_back_to_what_vllm_accepted(target, draft_lm):
     def check(seq, drafts):
         rq = next(iter(p._reqs.values()))[0]
         if drafts and rq.pending and rq.pending[2] == "model":
-            seen.append((drafts[0], fresh_first(draft_lm, seq)))
+            seen.append((drafts[0], fresh_first(draft_lm, seq[rq.off:])))
 
     assert serve(p, prompt, ref, check) == ref
     assert len(seen) >= 3 and all(a == b for a, b in seen)
     s = p.stats()
     assert s["model_starts"] == 1 and s["model_rows"] >= 3
     assert s["model_acceptance"] >= 0.8               # the target's own codes in q8: 0.95 measured
+
+
+def test_a_long_prompt_is_drafted_from_its_last_tokens(target, draft_lm):
+    """The draft reads at most DRAFT_WINDOW tokens: a long prompt's draft starts from its tail, and
+    its drafts stay what the draft computes afresh on that tail."""
+    p = proposer()
+    text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7} marbles." for i in range(40))
+    prompt = chat(target, text + " Now write a short story about these boxes.")
+    assert len(prompt) > VP.DRAFT_WINDOW
+    ref = greedy(target, prompt, 32)
+    seen = []
+
+    def check(seq, drafts):
+        rq = next(iter(p._reqs.values()))[0]
+        if drafts and rq.pending and rq.pending[2] == "model":
+            assert rq.off == len(prompt) + 1 - VP.DRAFT_WINDOW or rq.off > 0
+            seen.append((drafts[0], fresh_first(draft_lm, seq[rq.off:])))
+
+    p.dcost.prefill_ms_tok = 0.01                     # (cheap: the long prompt's draft starts at once)
+    assert serve(p, prompt, ref, check) == ref
+    assert seen and all(a == b for a, b in seen)
 
 
 def test_two_requests_side_by_side_keep_their_own_drafts(target):

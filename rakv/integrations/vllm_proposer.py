@@ -56,6 +56,7 @@ SIZES = (3, 2)                        # n-gram sizes of the lookup (rakv.drafts.
 MODEL_ALPHA = 0.6                     # a model draft's acceptance before any is judged, without a calibrated one
 POOL_PRIOR = 4.0                      # weight of MODEL_ALPHA in the pooled model acceptance
 HISTORY = 8                           # tokens after which a request's own ms per token speaks for it
+DRAFT_WINDOW = 256                    # a model draft reads at most a request's last tokens (its prefill)
 
 
 # ---------------------------------------------------------------------------------- the profile
@@ -118,6 +119,7 @@ class _Req:
     T: float = 0.0
     pending: tuple = field(default_factory=tuple)    # (confs, preds, source) of the drafts proposed last step
     md: object = None                        # its model draft (rakv.drafts.ModelDraft), once started
+    off: int = 0                             # where the draft's view of its tokens begins (DRAFT_WINDOW)
     m_hits: float = 0.0                      # its judged model drafts: accepted ...
     m_pred: float = 0.0                      # ... and predicted
     mS: float = 0.0                          # accepted / trials of its model drafts
@@ -312,7 +314,7 @@ class RakvProposer:
 
         a = model_alpha(rq.mS, rq.mT, self.m_pool[0] / self.m_pool[1])
         started = rq.md is not None and rq.md.cache is not None
-        behind = n - len(rq.md.cached) if started else 0
+        behind = n - rq.off - len(rq.md.cached) if started else 0
         sunk = self.dcost.prefill_ms_tok * max(0, behind - 2)     # tokens it missed (a normal round feeds 1-2)
         rate = self._model_gate(rq, k_cap, sunk).expected_rate(a)
         if rate <= rate_other:
@@ -320,7 +322,8 @@ class RakvProposer:
         if started:
             return True
         ms_tok_other = rq.ms / rq.tokens if rq.tokens >= HISTORY else 1.0 / rate_other
-        return worth_starting(self.dcost.prefill_ms_tok * n, 1.0 / rate, ms_tok_other, remaining(rq.tokens))
+        return worth_starting(self.dcost.prefill_ms_tok * min(n, DRAFT_WINDOW), 1.0 / rate, ms_tok_other,
+                              remaining(rq.tokens))
 
     def _model(self, rq: _Req, ids: list[int], k_cap: int):
         """Draft with the model: its cache rolled back to what vLLM accepted, then up to k_cap
@@ -331,9 +334,11 @@ class RakvProposer:
         md = rq.md
         if md is None or md.cache is None:
             md = rq.md = ModelDraft(self.dlm)
-            md.begin(ids[:-1], None, False)        # the last token is the pending one: the round feeds it
+            rq.off = max(0, len(ids) - DRAFT_WINDOW)
+            md.begin(ids[rq.off:-1], None, False)  # the last token is the pending one: the round feeds it
             self.counts["model_starts"] += 1
-        else:
+        ids = ids[rq.off:]                         # the draft's view
+        if md.cache is not None:
             md.commit(ids)
         fed_before = len(md.cached)
         k = min(self.fixed_k, k_cap) if self.fixed_k is not None else k_cap
