@@ -468,6 +468,8 @@ def test_fit_context_cuts_long_prompts():
     assert fit_context(ps, Tok(), 64, 16) == 1
     assert ps[0]["prompt"] == {"prompt_token_ids": list(range(52, 100))} and ps[0]["cut_from"] == 100
     assert ps[1]["prompt"] == "y" * 10
+    ps = [{"kind": "copy", "prompt": "x" * 100}]
+    assert fit_context(ps, Tok(), 64, 16, reserve=9) == 1 and len(ps[0]["prompt"]["prompt_token_ids"]) == 64 - 16 - 9
 
 
 # ---------------------------------------------------------------------------------- the CLI's bad input (no vLLM)
