@@ -296,7 +296,8 @@ def _rotated(arms, i: int) -> list:
 def bench(target: str, arms=ARMS, repeats: int = 2, max_tokens: int = 96, n_copy: int = 5, n_chat: int = 5,
           k_max: int = 8, separate: str | None = None, log=print, mode: str = "one") -> dict:
     """Every prompt through every arm, ``repeats`` times; vLLM's own counters (drafts, accepted,
-    prefix-cache hits) read before and after every ``generate`` call.
+    prefix-cache hits) read before and after every ``generate`` call. Before timing, every arm is
+    warmed and every prompt sent once (so all arms find it in the prefix cache alike).
 
     ``mode`` one: each prompt alone (batch 1), arms interleaved per prompt (order rotated);
     batched: all prompts of a class (copy, chat) in one ``generate`` call (batch = their number),
@@ -334,7 +335,12 @@ def bench(target: str, arms=ARMS, repeats: int = 2, max_tokens: int = 96, n_copy
         if not separate:
             ctl.set(arm)
         _gen(llm, "Hello Hello Hello Hello", 4)
-    log(f"vllm: engine ready in {start_s:.1f} s; {len(prompts)} prompts, {repeats} repeats, mode {mode}")
+    # every prompt once (one token, plain), so that every arm finds it in vLLM's prefix cache: else
+    # the first arm on a prompt pays the prefill the later ones skip (full 128-token blocks only)
+    ctl.set("plain")
+    _gen_many(llm, [p["prompt"] for p in prompts], 1)
+    log(f"vllm: engine ready in {start_s:.1f} s; {len(prompts)} prompts (in its prefix cache now), {repeats} "
+        f"repeats, mode {mode}")
 
     def timed(arm, batch):
         if not separate:
