@@ -86,7 +86,7 @@ def test_no_match_proposes_nothing_and_open_text_stays_plain():
 
 def test_rejected_copies_lower_the_request_trust():
     p = VP.RakvProposer(k_max=8, max_model_len=256, profile=PROFILE)
-    rq = VP._Req(n=0, pending=((0.6, 0.7, 0.75), (0.5, 0.5, 0.5)))
+    rq = VP._Req(n=0, pending=((0.6, 0.7, 0.75), (0.5, 0.5, 0.5), "copy"))
     p._tell(rq, 0)                                # vLLM rejected the first draft: one trial, no hit
     assert (rq.lk_hits, rq.T, rq.S) == (0.0, 1.0, 0.0) and rq.lk_pred > 0 and rq.pending == ()
     block = list(range(10, 40))

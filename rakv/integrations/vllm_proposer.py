@@ -53,6 +53,9 @@ FP_TOKENS = 32                        # a request is recognised by its first tok
 STATS_EVERY = 32                      # steps between two writes of the counters
 DEFAULT_V_SLOPE = 0.08                # no profile: V(k) = t (1 + DEFAULT_V_SLOPE k)
 SIZES = (3, 2)                        # n-gram sizes of the lookup (rakv.drafts.NgramDraft's)
+MODEL_ALPHA = 0.6                     # a model draft's acceptance before any is judged, without a calibrated one
+POOL_PRIOR = 4.0                      # weight of MODEL_ALPHA in the pooled model acceptance
+HISTORY = 8                           # tokens after which a request's own ms per token speaks for it
 
 
 # ---------------------------------------------------------------------------------- the profile
@@ -143,6 +146,12 @@ def alpha_star(V: list[float]) -> dict[str, float | None]:
     return out
 
 
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 # ---------------------------------------------------------------------------------- per request
 @dataclass
 class _Req:
@@ -153,7 +162,15 @@ class _Req:
     lk_pred: float = 0.0                     # ... and predicted
     S: float = 0.0                           # accepted / trials over its drafting steps
     T: float = 0.0
-    pending: tuple = field(default_factory=tuple)    # (confs, preds) of the drafts proposed last step
+    pending: tuple = field(default_factory=tuple)    # (confs, preds, source) of the drafts proposed last step
+    md: object = None                        # its model draft (rakv.drafts.ModelDraft), once started
+    m_hits: float = 0.0                      # its judged model drafts: accepted ...
+    m_pred: float = 0.0                      # ... and predicted
+    mS: float = 0.0                          # accepted / trials of its model drafts
+    mT: float = 0.0
+    tokens: int = 0                          # tokens it has produced since it was first seen ...
+    ms: float = 0.0                          # ... and what its steps cost (V(j), its drafting)
+    last_ms: float = 0.0                     # the cost of the step proposed last
 
     @property
     def alpha(self) -> float | None:
@@ -165,12 +182,21 @@ class RakvProposer:
     the project's measured-cost gate (see the module's doc). Constructed by vLLM with its config."""
 
     def __init__(self, vllm_config=None, *, k_max: int | None = None, max_model_len: int | None = None,
-                 profile: dict | None = None):
+                 profile: dict | None = None, draft: tuple | None | bool = True, copies: bool = True,
+                 fixed_k: int | None = None, vocab: int | None = None):
+        """``draft``: (model spec, numerics) of a model draft, True = the environment's
+        (``RAKV_VLLM_DRAFT``), None / False = copies only; ``copies``: propose n-gram copies;
+        ``fixed_k``: measurement only, the model draft at a fixed k with no gate."""
         if vllm_config is not None:
             k_max = vllm_config.speculative_config.num_speculative_tokens
             max_model_len = vllm_config.model_config.max_model_len
+            try:
+                vocab = vllm_config.model_config.get_vocab_size()
+            except Exception:           # noqa: BLE001 - an older config: no cut by vocabulary
+                vocab = None
         self.k_max = int(k_max or 8)
         self.max_model_len = int(max_model_len or 1 << 30)
+        self.vocab = int(vocab) if vocab else None
         if profile is None:
             path = os.environ.get(PROFILE_ENV)
             profile = load_profile(path)
@@ -181,15 +207,36 @@ class RakvProposer:
         self.V = verify_costs(profile, self.k_max)
         self.alpha_star = alpha_star(self.V)
         self.lookup_map = AcceptMap(LOOKUP_ALPHA)
+        drafted = (profile or {}).get("draft") or {}
+        a0 = float(drafted.get("alpha") or MODEL_ALPHA)    # the calibration's measured acceptance, if any
+        self.draft_map = AcceptMap(a0)               # a model draft's confidence -> its chance
+        self.m_pool = [a0 * POOL_PRIOR, POOL_PRIOR]  # pooled model-draft accepted, trials
+        self.copies = copies
+        self.fixed_k = fixed_k
+        if draft is True:
+            from .vllm_draft import default_spec
+
+            draft = default_spec(drafted)
+        self.draft_spec = tuple(draft) if draft else None
+        self.dlm = None                              # the draft's LoadedModel (load_model)
+        self.dcost = None                            # its measured costs (vllm_draft.DraftCosts)
         self._reqs: dict[tuple, list[_Req]] = {}     # (first ids, length) -> the requests there
         self.steps = 0
         self.counts = {"rows": 0, "proposed_rows": 0, "drafted": 0, "accepted": 0, "judged": 0,
-                       "k_hist": {}, "requests": 0, "propose_ms": 0.0}
+                       "k_hist": {}, "requests": 0, "propose_ms": 0.0, "model_rows": 0, "model_drafted": 0,
+                       "model_accepted": 0, "model_judged": 0, "model_starts": 0, "draft_ms": 0.0}
         self._stats_path = os.environ.get(STATS_ENV)
 
-    # vLLM calls this after building the drafter (a model-less one has nothing to load)
+    # vLLM calls this after building the drafter: load the model draft, if any, and time it here
     def load_model(self, *args, **kwargs) -> None:
-        pass
+        if self.draft_spec is None or self.dlm is not None:
+            return
+        from .vllm_draft import DraftCosts, load_draft
+
+        self.dlm = load_draft(*self.draft_spec)
+        self.dcost = DraftCosts.measure(self.dlm)
+        log.info("RakvProposer: draft %s, d = %.2f ms, prefill %.3f ms a token (t = %.2f ms), %d threads",
+                 self.draft_spec[0], self.dcost.d_ms, self.dcost.prefill_ms_tok, self.V[0], _threads())
 
     # ------------------------------------------------------------------ the hook
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
@@ -205,6 +252,8 @@ class RakvProposer:
             row = token_ids_cpu[i]
             rq = self._request(row, n, len(sampled))
             self._tell(rq, len(sampled) - 1)
+            rq.tokens += len(sampled)
+            rq.ms += rq.last_ms
             drafts = self._decide(rq, row, n)
             rq.n = n
             seen.setdefault((row[: min(n, FP_TOKENS)].tobytes(), n), []).append(rq)
@@ -232,14 +281,26 @@ class RakvProposer:
         """What vLLM accepted of the drafts proposed for this request last step."""
         if not rq.pending:
             return
-        confs, preds = rq.pending
+        confs, preds, source = rq.pending
         m = len(confs)
         a = max(0, min(accepted, m))
+        amap = self.draft_map if source == "model" else self.lookup_map
         for c, ok in judged(confs, m, a):
-            rq.lk_pred += self.lookup_map.p(c)
-            rq.lk_hits += ok
-        self.lookup_map.observe(list(confs), list(preds), a)
+            if source == "model":
+                rq.m_pred += amap.p(c)
+                rq.m_hits += ok
+            else:
+                rq.lk_pred += amap.p(c)
+                rq.lk_hits += ok
+        amap.observe(list(confs), list(preds), a)
         trials = a + (1 if a < m else 0)
+        if source == "model":
+            rq.mS += a
+            rq.mT += trials
+            self.m_pool[0] += a
+            self.m_pool[1] += trials
+            self.counts["model_accepted"] += a
+            self.counts["model_judged"] += trials
         rq.S += a
         rq.T += trials
         self.counts["accepted"] += a
@@ -247,26 +308,97 @@ class RakvProposer:
         rq.pending = ()
 
     def _decide(self, rq: _Req, row, n: int) -> list[int]:
-        """The gate: copy the n-gram continuation, keep the verify length with the best expected
-        tokens per ms (0: a plain step)."""
+        """This step's draft for one request: the n-gram continuation (free) or the model draft,
+        whichever promises more tokens per ms, each cut to its best verify length; none (a plain
+        step) where neither beats 1 / t."""
         k_cap = min(self.k_max, self.max_model_len - n - 1)
         if k_cap < 1:
             return []
+        ids = row[:n].tolist()
+        toks, source, gate = [], "", None
+        rate = 1.0 / self.V[0]                         # a plain step
+        if self.copies and self.fixed_k is None:
+            toks, gate = self._copies(rq, ids, k_cap)
+            if toks:
+                source, rate = "copy", gate.rate(len(toks))
+        if self.dlm is not None and (self.fixed_k is not None or self._model_pays(rq, n, k_cap, rate)):
+            m_toks, m_gate = self._model(rq, ids, k_cap)
+            if m_toks or self.fixed_k is not None:
+                toks, gate, source = m_toks, m_gate, "model"
+        k = len(toks)
+        rq.last_ms = self.V[k] + (self.dcost.d_ms * k if source == "model" else 0.0)
+        hist = self.counts["k_hist"]
+        hist[str(k)] = hist.get(str(k), 0) + 1
+        if k:
+            confs = tuple(gate.confs[:k]) if gate is not None else (1.0,) * k
+            preds = tuple(gate.preds[:k]) if gate is not None else (1.0,) * k
+            rq.pending = (confs, preds, source)
+            self.counts["proposed_rows"] += 1
+            self.counts["drafted"] += k
+        return [int(x) for x in toks]
+
+    def _copies(self, rq: _Req, ids: list[int], k_cap: int):
+        """The gate on free n-gram copies: the copied tokens worth verifying (maybe none)."""
         from ..drafts import NgramDraft
 
-        ids = row[:n].tolist()
         gate = RoundGate(Trusted(self.lookup_map, request_trust(rq.lk_hits, rq.lk_pred)), k_cap, 0.0,
                          self.V[: k_cap + 1])
         prop = NgramDraft(SIZES).propose(ids, k_cap, gate)
         toks = prop.tokens[: gate.verify_length(len(prop.tokens))] if prop.tokens else []
-        k = len(toks)
-        hist = self.counts["k_hist"]
-        hist[str(k)] = hist.get(str(k), 0) + 1
-        if k:
-            rq.pending = (tuple(gate.confs[:k]), tuple(gate.preds[:k]))
-            self.counts["proposed_rows"] += 1
-            self.counts["drafted"] += k
-        return [int(x) for x in toks]
+        return toks, gate
+
+    def _model_gate(self, rq: _Req, k_cap: int, sunk: float) -> RoundGate:
+        return RoundGate(Trusted(self.draft_map, request_trust(rq.m_hits, rq.m_pred)), k_cap,
+                         self.dcost.d_ms, self.V[: k_cap + 1], sunk=sunk)
+
+    def _model_pays(self, rq: _Req, n: int, k_cap: int, rate_other: float) -> bool:
+        """The model draft's expected tokens per ms (its catch-up included) against the best other
+        choice; a request's first model round must also pay for the prompt's prefill."""
+        from .vllm_draft import model_alpha, remaining, worth_starting
+
+        a = model_alpha(rq.mS, rq.mT, self.m_pool[0] / self.m_pool[1])
+        started = rq.md is not None and rq.md.cache is not None
+        behind = n - len(rq.md.cached) if started else 0
+        sunk = self.dcost.prefill_ms_tok * max(0, behind - 2)     # tokens it missed (a normal round feeds 1-2)
+        rate = self._model_gate(rq, k_cap, sunk).expected_rate(a)
+        if rate <= rate_other:
+            return False
+        if started:
+            return True
+        ms_tok_other = rq.ms / rq.tokens if rq.tokens >= HISTORY else 1.0 / rate_other
+        return worth_starting(self.dcost.prefill_ms_tok * n, 1.0 / rate, ms_tok_other, remaining(rq.tokens))
+
+    def _model(self, rq: _Req, ids: list[int], k_cap: int):
+        """Draft with the model: its cache rolled back to what vLLM accepted, then up to k_cap
+        tokens under the gate (none with fixed_k: all of them)."""
+        from ..drafts import ModelDraft
+
+        t0 = time.perf_counter()
+        md = rq.md
+        if md is None or md.cache is None:
+            md = rq.md = ModelDraft(self.dlm)
+            md.begin(ids[:-1], None, False)        # the last token is the pending one: the round feeds it
+            self.counts["model_starts"] += 1
+        else:
+            md.commit(ids)
+        fed_before = len(md.cached)
+        k = min(self.fixed_k, k_cap) if self.fixed_k is not None else k_cap
+        sunk = self.dcost.prefill_ms_tok * max(0, len(ids) - fed_before - 2) if md.cache is not None else 0.0
+        gate = self._model_gate(rq, k, sunk) if self.fixed_k is None else None
+        prop = md.propose(ids, k, gate)
+        toks = list(prop.tokens)
+        if prop.prefill is not None:
+            self.dcost.observe_prefill(prop.prefill.ms, len(ids) - 1)
+        self.dcost.observe_round(prop.forward_ms, len(toks), prop.fed)
+        if gate is not None:
+            toks = toks[: gate.verify_length(len(toks))]
+        if self.vocab is not None:                 # an id the target does not have ends the draft
+            toks = toks[: next((i for i, x in enumerate(toks) if x >= self.vocab), len(toks))]
+        self.counts["draft_ms"] += (time.perf_counter() - t0) * 1e3
+        if toks:
+            self.counts["model_rows"] += 1
+            self.counts["model_drafted"] += len(toks)
+        return toks, gate
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict:
@@ -275,7 +407,10 @@ class RakvProposer:
         c.update(steps=self.steps, k_max=self.k_max, V_ms=[round(v, 3) for v in self.V],
                  alpha_star=self.alpha_star, profile=bool(self.profile),
                  acceptance=round(c["accepted"] / c["judged"], 4) if c["judged"] else None,
-                 lookup_map=self.lookup_map.reliability())
+                 lookup_map=self.lookup_map.reliability(),
+                 draft=self.draft_spec[0] if self.draft_spec else None,
+                 draft_costs=self.dcost.as_dict() if self.dcost else None,
+                 model_acceptance=round(c["model_accepted"] / c["model_judged"], 4) if c["model_judged"] else None)
         return c
 
     def write_stats(self) -> None:
@@ -297,7 +432,10 @@ class SwitchProposer:
                    token a step, so the step's time is V(K); calibration)
       ``ngram:K``  vLLM's own n-gram lookup (its ``NgramProposer`` numba function, min/max n from
                    ``RAKV_VLLM_NGRAM``, default 2,4) with a fixed K
-      ``rakv``     ``RakvProposer`` (one instance, learning across requests as in a server)
+      ``rakv``     ``RakvProposer`` (one instance, learning across requests as in a server), with
+                   the model draft named by ``RAKV_VLLM_DRAFT`` if set
+      ``rakvcopy`` ``RakvProposer`` with n-gram copies only
+      ``draft:K``  the model draft at a fixed K, no gate, no copies (needs ``RAKV_VLLM_DRAFT``)
     """
 
     def __init__(self, vllm_config=None):
@@ -308,10 +446,33 @@ class SwitchProposer:
         self.ngram_n = (lo, hi)
         self._mtime = None
         self.mode, self.k = "plain", 0
+        self.vllm_config = vllm_config
         self.rakv = RakvProposer(vllm_config)
+        self.arms: dict[str, RakvProposer] = {"rakv": self.rakv}
+        if self.rakv.draft_spec:
+            self.arms["rakvcopy"] = RakvProposer(vllm_config, draft=None)
+        for p in self.arms.values():
+            p._stats_path = None                     # the switch writes every arm's counters
+        self.steps = 0
 
     def load_model(self, *args, **kwargs) -> None:
-        pass
+        self.rakv.load_model()
+
+    def _arm(self, mode: str, k: int) -> RakvProposer | None:
+        if mode == "draft":
+            if not self.rakv.draft_spec:
+                raise RuntimeError("the draft:K arm needs RAKV_VLLM_DRAFT (a model draft)")
+            key = f"draft:{k}"
+            if key not in self.arms:
+                p = self.arms[key] = RakvProposer(self.vllm_config, draft=self.rakv.draft_spec, copies=False,
+                                                  fixed_k=k)
+                p._stats_path = None
+                p.dlm, p.dcost = self.rakv.dlm, self.rakv.dcost
+            return self.arms[key]
+        if mode == "rakvcopy" and mode not in self.arms:
+            self.arms[mode] = RakvProposer(self.vllm_config, draft=None)
+            self.arms[mode]._stats_path = None
+        return self.arms.get(mode)
 
     def _read(self) -> None:
         if not self.path:
@@ -329,8 +490,12 @@ class SwitchProposer:
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **kwargs):
         self._read()
-        if self.mode == "rakv":
-            return self.rakv.propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        self.steps += 1
+        if self.steps % STATS_EVERY == 0:
+            self.write_stats()
+        arm = self._arm(self.mode, self.k) if self.mode in ("rakv", "rakvcopy", "draft") else None
+        if arm is not None:
+            return arm.propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         if self.mode == "junk":
             return [([0] * self.k if s else []) for s in sampled_token_ids]
         if self.mode == "ngram" and self.k > 0:
@@ -346,6 +511,18 @@ class SwitchProposer:
                 out.append([int(x) for x in d])
             return out
         return [[] for _ in sampled_token_ids]
+
+    def stats(self) -> dict:
+        return {name: p.stats() for name, p in self.arms.items()}
+
+    def write_stats(self) -> None:
+        path = os.environ.get(STATS_ENV)
+        if not path:
+            return
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.stats(), f)
+        os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------- configuration
