@@ -495,6 +495,9 @@ def test_bench_peer_vllm_bad_input(tmp_path, capsys, monkeypatch):
     _one_line_error(capsys, B + ["--vllm-target", str(model), "--vllm-arms", "rakv,ngram:4"], "must include plain")
     _one_line_error(capsys, B + ["--vllm-target", str(model), "--vllm-arms", "plain,eagle"], "unknown arm")
     _one_line_error(capsys, B + ["--vllm-target", str(model), "--vllm-arms", "plain,ngram:16"], "--vllm-k-max")
+    _one_line_error(capsys, B + ["--vllm-target", str(model), "--vllm-arms", "plain,plain"], "named twice")
+    monkeypatch.delenv("RAKV_VLLM_DRAFT", raising=False)
+    _one_line_error(capsys, B + ["--vllm-target", str(model), "--vllm-arms", "plain,draft:4"], "RAKV_VLLM_DRAFT")
     _one_line_error(capsys, B + ["--vllm-target", str(model), "--vllm-mode", "all"], "invalid choice")
     _one_line_error(capsys, B + ["--peer", "sglang"], "invalid choice")
     (tmp_path / "bad.json").write_text('{"t_ms": 1, "by_batch": {"two": {}}}')
@@ -510,6 +513,9 @@ def test_bench_peer_vllm_bad_input(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "arms (6): plain, ngram:1, ngram:2, ngram:4, ngram:8, rakv" in out
     assert "generate calls: 72 one at a time + 24 batched (batch 3) = 96" in out
+    assert main(B + ["--vllm-target", str(model), "--dry-run", "--vllm-arms", "plain,rakvcopy,rakv",
+                     "--vllm-mode", "batched", "--repeats", "1"]) == 0
+    assert "generate calls: 0 one at a time + 6 batched (batch 5) = 6" in capsys.readouterr().out
     if importlib.util.find_spec("vllm") is None:       # no vLLM here: one line, nothing written
         monkeypatch.delenv("RAKV_VLLM_PYTHON", raising=False)
         _one_line_error(capsys, B + ["--vllm-target", str(model), "--out", str(tmp_path / "o")],

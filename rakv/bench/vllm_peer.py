@@ -41,7 +41,9 @@ def add_args(ap) -> None:
                    help="one: each prompt alone (batch 1); batched: each class's prompts in one generate "
                         "call; both (default)")
     g.add_argument("--vllm-arms", default=None, metavar="LIST",
-                   help="default plain,ngram:1,ngram:2,ngram:4,ngram:8,rakv")
+                   help="comma-separated, default plain,ngram:1,ngram:2,ngram:4,ngram:8,rakv; also rakvcopy (the "
+                        "RAKV proposer with copies only) and draft:K (its model draft at a fixed K); rakv, "
+                        "rakvcopy and draft:K use the model draft RAKV_VLLM_DRAFT names (docs/vllm.md)")
     g.add_argument("--vllm-k-max", type=int, default=8, metavar="K",
                    help="the engine's num_speculative_tokens: the most drafts an arm may verify (default 8)")
 
@@ -75,7 +77,7 @@ def plan(args) -> dict:
     arms = check_arms((args.vllm_arms or ",".join(ARMS)).split(","))
     if "plain" not in arms:
         raise ValueError("--vllm-arms must include plain (the base of every ratio and of the ids check)")
-    big = [a for a in arms if a.startswith("ngram:") and int(a.split(":")[1]) > args.vllm_k_max]
+    big = [a for a in arms if a.startswith(("ngram:", "draft:")) and int(a.split(":")[1]) > args.vllm_k_max]
     if big:
         raise ValueError(f"--vllm-arms: {big[0]} drafts more than --vllm-k-max {args.vllm_k_max}")
     pick = lambda name: getattr(args, name) if getattr(args, name) is not None else DEFAULTS[name]  # noqa: E731

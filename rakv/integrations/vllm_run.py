@@ -257,14 +257,23 @@ def check_target(target: str) -> None:
         raise ValueError(f"{target} has no config.json: not a model folder vLLM loads (docs/vllm.md)")
 
 
+ARMS_HELP = ("plain, ngram:K (vLLM's n-gram lookup at a fixed K), rakv (the RAKV proposer: copies, and the "
+             "model draft RAKV_VLLM_DRAFT names if set), rakvcopy (copies only), draft:K (the model draft at a "
+             "fixed K; needs RAKV_VLLM_DRAFT)")
+
+
 def check_arms(arms) -> tuple:
+    """The switch's arms (``SwitchProposer``), checked: one line for a name it does not know, a
+    repeated one, or ``draft:K`` without a model draft in ``RAKV_VLLM_DRAFT``."""
     arms = tuple(a.strip() for a in arms if a.strip())
     for a in arms:
-        if a in ("plain", "rakv"):
+        if a in ("plain", "rakv", "rakvcopy"):
             continue
         kind, _, k = a.partition(":")
-        if kind != "ngram" or not k.isdigit() or int(k) < 1:
-            raise ValueError(f"unknown arm {a!r} (plain, ngram:K with K >= 1, rakv)")
+        if kind not in ("ngram", "draft") or not k.isdigit() or int(k) < 1:
+            raise ValueError(f"unknown arm {a!r} ({ARMS_HELP})")
+        if kind == "draft" and not os.environ.get("RAKV_VLLM_DRAFT"):
+            raise ValueError(f"arm {a} needs a model draft: set RAKV_VLLM_DRAFT (docs/vllm.md)")
     if not arms:
         raise ValueError("no arms")
     if len(set(arms)) != len(arms):
@@ -622,7 +631,7 @@ def main(argv=None) -> int:
         arms = check_arms(a.arms.split(","))
         if a.separate:
             check_arms([a.separate])
-        big = [x for x in arms + ((a.separate,) if a.separate else ()) if x.startswith("ngram:")
+        big = [x for x in arms + ((a.separate,) if a.separate else ()) if x.startswith(("ngram:", "draft:"))
                and int(x.split(":")[1]) > a.k_max]
         if big:
             raise ValueError(f"arm {big[0]} drafts more than --k-max {a.k_max}")
