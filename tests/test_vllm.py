@@ -1,9 +1,13 @@
 """The RAKV proposer for vLLM (rakv/integrations/vllm_proposer.py).
 
 The proposer's logic is tested here without vLLM (it is called with the arrays vLLM passes). The
-end-to-end test runs vLLM on a tiny random Llama saved to a tmp dir: greedy ids with the proposer
-equal vLLM's without speculation. It needs a Python with vLLM (docs/vllm.md): this one, or the one
-named by RAKV_VLLM_PYTHON (vLLM's CPU build lives in its own venv); otherwise it is skipped.
+end-to-end test (the eager vLLM smoke test) runs vLLM on a tiny random Llama saved to a tmp dir:
+plain, vLLM's own n-gram method and the RAKV proposer give identical greedy ids, and vLLM's
+spec-decode metrics are read. It needs a Python with vLLM: this one, or the one named by
+RAKV_VLLM_PYTHON (vLLM's CPU build lives in its own venv: `bash scripts/setup_vllm.sh`, which CI's
+.ci/run runs; docs/vllm.md#install); otherwise it is skipped, with that reason.
+The end-to-end test also calibrates at batch sizes 1, 2, 4, runs the per-batch-size schedule
+`rakv advise --json` prints as an engine's speculative_config, and runs `rakv bench --peer vllm`.
 """
 
 from __future__ import annotations
@@ -132,11 +136,17 @@ def _vllm_python() -> str | None:
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 
+# vLLM's own n-gram method as a user configures it (the fixed-k arm the proposer is measured against)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
 E2E = textwrap.dedent('''
-    import contextlib, io, json, os, sys
+    import contextlib, io, json, os, sys, time
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    NGRAM = %r
     def main():
         d, out = sys.argv[1], sys.argv[2]
+        t0 = time.perf_counter()
+        times = {}
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
         sys.path.insert(0, os.path.join(os.environ["RAKV_ROOT"], "tests"))
@@ -147,25 +157,31 @@ E2E = textwrap.dedent('''
                           initializer_range=0.02, eos_token_id=None, bos_token_id=0, tie_word_embeddings=False)
         LlamaForCausalLM(cfg).save_pretrained(d)
         tiny_tokenizer().save_pretrained(d)
+        import vllm
         from vllm import LLM, SamplingParams
         from rakv.cli import main as rakv_main
-        from rakv.integrations.vllm_advise import advise
+        from rakv.integrations.vllm_advise import acceptance, spec_counters
+        from rakv.integrations.vllm_proposer import speculative_config
+        times["model+imports"] = time.perf_counter() - t0
         prof = os.path.join(os.path.dirname(out), "profile.json")
         os.environ["RAKV_VLLM_MEM"] = "0.05"
+        t = time.perf_counter()
         assert rakv_main(["calibrate", "--engine", "vllm", "--target", d, "--out", prof, "--tokens", "8",
                           "--repeats", "1", "--batch-sizes", "1,2,4"]) == 0     # this engine's own costs
+        times["calibrate"] = time.perf_counter() - t
         buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):     # `rakv advise --engine vllm --json`'s printed configs, as they are
+        with contextlib.redirect_stdout(buf):     # `rakv advise --engine vllm --json`: what it prints, as it is
             assert rakv_main(["advise", "--engine", "vllm", "--profile", prof, "--alpha", "0.5", "--json"]) == 0
-        a = json.loads(buf.getvalue())
-        os.environ.update(a["rakv"]["env"])       # (vLLM's engine processes inherit it)
+        a = json.loads(buf.getvalue())           # the proposer's env and config, the per-batch-size schedule
+        os.environ.update(a["rakv"]["env"])       # RAKV_VLLM_PROFILE (vLLM's engine processes inherit it)
         prompts = [CORPUS[1] + CORPUS[1][:20], CORPUS[0], "alpha beta gamma alpha beta", CORPUS[3]]
         sp = SamplingParams(temperature=0, max_tokens=48)
-        res = {"advise": a}
-        arms = [("plain", None), ("rakv", a["rakv"]["speculative_config"]), ("ngram", a["fixed"]["speculative_config"])]
-        if a["per_batch"]["speculative_config"]:      # the per-batch-size schedule (vLLM's dynamic speculation)
-            arms.append(("ngram_batch", a["per_batch"]["speculative_config"]))
-        for arm, spec in arms:
+        res = {"vllm": vllm.__version__, "torch": torch.__version__, "advise": a,
+               "configs": {"plain": None, "ngram": NGRAM, "rakv": speculative_config(8)}}
+        if a["per_batch"]["speculative_config"]:      # vLLM's n-gram with advise's per-batch-size schedule
+            res["configs"]["ngram_batch"] = a["per_batch"]["speculative_config"]
+        for arm, spec in res["configs"].items():
+            t = time.perf_counter()
             kw = dict(model=d, enforce_eager=True, max_model_len=512, dtype="float32", seed=0,
                       gpu_memory_utilization=0.05, disable_log_stats=False)
             if spec:
@@ -173,29 +189,52 @@ E2E = textwrap.dedent('''
             llm = LLM(**kw)
             res[arm] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
             res[arm + "_one"] = [list(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
-            res[arm + "_metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
-                                     if m.name.startswith("vllm:spec_decode_num")}
+            # vLLM's spec-decode counters, read the way `rakv advise --metrics` reads a server's /metrics
+            samples = []
+            for m in llm.get_metrics():
+                if not m.name.startswith(("vllm:spec_decode", "vllm:prefix_cache")):
+                    continue
+                name = m.name if m.name.endswith("_total") else m.name + "_total"
+                if hasattr(m, "values"):                  # a Vector: one value per draft position
+                    samples += [(name, {**m.labels, "position": str(j)}, float(v)) for j, v in enumerate(m.values)]
+                elif isinstance(getattr(m, "value", None), (int, float)):
+                    samples.append((name, dict(m.labels), float(m.value)))
+            c = spec_counters(samples)
+            res[arm + "_metrics"] = {"names": sorted({n for n, _, _ in samples}), "counters": c,
+                                     "acceptance": acceptance(c)}
             del llm
+            times[arm] = time.perf_counter() - t
         res["profile"] = json.load(open(prof))
         # `rakv bench --peer vllm`: its arms one at a time and batched (prompts cut to the tiny context)
-        bench_out = os.path.join(os.path.dirname(out), "bench")
+        t = time.perf_counter()
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             res["bench_rc"] = rakv_main(["bench", "--peer", "vllm", "--vllm-target", d, "--vllm-profile", prof,
                                          "--n-prompts", "2", "--max-new-tokens", "12", "--repeats", "1",
-                                         "--vllm-arms", "plain,ngram:2,rakv", "--out", bench_out])
+                                         "--vllm-arms", "plain,ngram:2,rakv",
+                                         "--out", os.path.join(os.path.dirname(out), "bench")])
         res["bench_stdout"] = buf.getvalue()
+        times["bench"] = time.perf_counter() - t
+        times["total"] = time.perf_counter() - t0
+        res["times_s"] = {k: round(v, 1) for k, v in times.items()}
         json.dump(res, open(out, "w"))
     if __name__ == "__main__":
         main()
-''')
+''' % NGRAM)
 
 
 def test_vllm_greedy_ids_equal_plain(tmp_path):
+    """The eager vLLM smoke test (issue 45, item 5): a tiny random Llama on three engines, plain,
+    vLLM's own n-gram method and the RAKV proposer; identical greedy ids (batched and one at a
+    time), and vLLM's spec-decode metrics read for each (the speculative ones drafted and had some
+    drafts accepted). CI (.ci/run) installs vLLM with scripts/setup_vllm.sh and sets RAKV_VLLM_PYTHON.
+    Also (issue 45, items 2 and 3): the calibration at batch sizes 1, 2, 4; a fourth engine with the
+    per-batch-size schedule advise printed (vLLM's CPU build accepts it; ids equal plain); and
+    `rakv bench --peer vllm` (both modes, every arm's ids equal plain's, vLLM's counters read)."""
     exe = _vllm_python()
     if exe is None:
-        pytest.skip("vLLM is not importable here (install its CPU build in its own venv: docs/vllm.md; "
-                    "RAKV_VLLM_PYTHON=/path/to/that/python runs this test with it)")
+        pytest.skip("vLLM is not importable here (bash scripts/setup_vllm.sh installs its CPU build in its own "
+                    "venv, docs/vllm.md; RAKV_VLLM_PYTHON=/path/to/that/python runs this test with it)")
     script = tmp_path / "e2e.py"
     script.write_text(E2E)
     out = tmp_path / "out.json"
@@ -203,25 +242,41 @@ def test_vllm_greedy_ids_equal_plain(tmp_path):
     env = {**os.environ, "RAKV_ROOT": str(ROOT), "PYTHONPATH": str(ROOT), "RAKV_VLLM_STATS": str(stats),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     r = subprocess.run([exe, str(script), str(tmp_path / "model"), str(out)], capture_output=True, text=True,
-                       env=env, timeout=600, cwd=tmp_path)
+                       env=env, timeout=900, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(out.read_text())
+    print("vLLM", res["vllm"], "torch", res["torch"], "seconds:", res["times_s"], "drafts / draft tokens / accepted:",
+          {a: [res[a + "_metrics"]["counters"][k] for k in ("drafts", "draft_tokens", "accepted")]
+           for a in res["configs"]})
     p = res["profile"]                                     # `rakv calibrate --engine vllm` measured it
     assert p["engine"] == "vllm" and p["t_ms"] > 0 and sorted(p["V_ms"]) == ["1", "2", "4", "8"]
     assert p["batch_sizes"] == [1, 2, 4] and sorted(p["by_batch"]) == ["2", "4"]       # --batch-sizes 1,2,4
     assert all(r["t_ms"] > 0 and sorted(r["V_ms"]) == ["1", "2", "4", "8"] for r in p["by_batch"].values())
-    assert res["rakv"] == res["plain"]                     # batched: exact by vLLM's own verification
-    assert res["rakv_one"] == res["plain_one"]             # batch 1
-    assert res["ngram"] == res["plain"]                    # advise's fixed n-gram config: accepted, exact
+    a = res["advise"]               # advise's proposer config is the one run; its n-gram config has NGRAM's shape
+    assert res["configs"]["rakv"] == a["rakv"]["speculative_config"] == VP.speculative_config(8)
+    fixed = a["fixed"]["speculative_config"]
+    assert fixed is None or {k: v for k, v in fixed.items() if k != "num_speculative_tokens"} == \
+        {k: v for k, v in NGRAM.items() if k != "num_speculative_tokens"}
     assert all(len(x) == 48 for x in res["plain"])
-    m = res["rakv_metrics"]
-    assert m.get("vllm:spec_decode_num_draft_tokens", 0) > 0      # it did speculate ...
-    assert m.get("vllm:spec_decode_num_accepted_tokens", 0) > 0   # ... and vLLM accepted some
+    for arm in ("ngram", "rakv"):                          # exact by vLLM's own verification
+        assert res[arm] == res["plain"], arm               # batched
+        assert res[arm + "_one"] == res["plain_one"], arm  # batch 1
+    assert res["plain_metrics"]["counters"]["drafts"] == 0            # no speculation, no drafts
+    for arm, k in (("ngram", NGRAM["num_speculative_tokens"]), ("rakv", 8)):
+        m = res[arm + "_metrics"]
+        c, acc = m["counters"], m["acceptance"]
+        assert "vllm:spec_decode_num_drafts_total" in m["names"], (arm, m["names"])
+        assert c["drafts"] > 0 and c["draft_tokens"] > 0, (arm, c)    # it did speculate ...
+        assert c["accepted"] > 0, (arm, c)                             # ... and vLLM accepted some
+        assert c["accepted"] <= c["draft_tokens"] <= k * c["drafts"], (arm, c)
+        assert 0 < acc["alpha"] <= 1 and 0 < len(acc["per_position"]) <= k, (arm, acc)
     # advise's per-batch-size schedule, as printed: vLLM (CPU build) accepted it; ids equal plain
-    pb = res["advise"]["per_batch"]
+    pb = a["per_batch"]
     assert sorted(pb["batch_sizes"]) == ["1", "2", "4"] and pb["num_speculative_tokens_per_batch_size"][0][0] == 1
     assert pb["speculative_config"] is not None, pb        # at alpha 0.5 some k pays on this engine
     assert res["ngram_batch"] == res["plain"] and res["ngram_batch_one"] == res["plain_one"]
+    c = res["ngram_batch_metrics"]["counters"]
+    assert 0 < c["accepted"] <= c["draft_tokens"] <= pb["speculative_config"]["num_speculative_tokens"] * c["drafts"]
     # `rakv bench --peer vllm`: ran, both modes, every arm's ids equal plain, vLLM's counters read
     assert res["bench_rc"] == 0
     assert "## One at a time" in res["bench_stdout"] and "## Batched" in res["bench_stdout"]
