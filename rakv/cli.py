@@ -40,12 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--check", action="store_true",
                    help="measure a few terms now and print how far the saved profile is from them")
     c.add_argument("--engine", choices=["rakv", "vllm"], default="rakv",
-                   help="vllm: time a vLLM engine's steps (batch 1, eager; --target a model folder vLLM "
-                        "loads) and write a profile for its RAKV proposer (docs/vllm.md)")
+                   help="vllm: time a vLLM engine's steps (eager; --target a model folder vLLM loads; "
+                        "--batch-sizes) and write a profile for its RAKV proposer (docs/vllm.md)")
     c.add_argument("--out", default=None, help="--engine vllm: the profile's path (default vllm-profile.json)")
     c.add_argument("--vllm-k", default="0,1,2,4,8", help="--engine vllm: the k timed")
     c.add_argument("--tokens", type=A.int_range(2, 4096), default=32, help="--engine vllm: steps a repeat")
     c.add_argument("--repeats", type=A.int_range(1, 100), default=3, help="--engine vllm: repeats per k")
+    c.add_argument("--batch-sizes", default="1",
+                   help="--engine vllm: the batch sizes timed, e.g. 1,2,4 (B same-length prompts generated "
+                        "together; batch 1 is always timed)")
 
     r = sub.add_parser("replay", help="derive a timing CSV from a recording")
     r.add_argument("file")
@@ -507,29 +510,24 @@ def cmd_calibrate(args) -> int:
 
 def cmd_calibrate_vllm(args) -> int:
     """`rakv calibrate --engine vllm`: in this Python if it has vLLM, else in RAKV_VLLM_PYTHON's."""
-    import importlib.util
-    import os
-    import subprocess
+    from .integrations.vllm_run import _int_list, check_target, run_in_vllm_python, vllm_python
 
     if args.target == "demo":
         raise CliError("--engine vllm needs --target: a model folder vLLM loads (docs/vllm.md: the demo "
                        "model as a vLLM folder)")
     try:
-        ks = sorted({int(x) for x in args.vllm_k.split(",")} | {0})
-    except ValueError:
-        raise CliError(f"--vllm-k must be integers, e.g. 0,1,2,4,8, not {args.vllm_k!r}") from None
+        ks = sorted(set(_int_list(args.vllm_k, "--vllm-k", 0)) | {0})
+        sizes = _int_list(args.batch_sizes, "--batch-sizes", 1)
+    except ValueError as e:
+        raise CliError(f"{e} (e.g. --vllm-k 0,1,2,4,8 --batch-sizes 1,2,4)") from None
+    if max(sizes) > 1024:
+        raise CliError(f"--batch-sizes {args.batch_sizes}: at most 1024")
+    exe = vllm_python()
+    check_target(args.target)
     out = args.out or "vllm-profile.json"
     argv = ["calibrate", "--target", args.target, "--out", out, "--k", ",".join(map(str, ks)),
-            "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
-    if importlib.util.find_spec("vllm") is not None:
-        from .integrations.vllm_run import main as vllm_main
-
-        return vllm_main(argv)
-    exe = os.environ.get("RAKV_VLLM_PYTHON")
-    if not exe:
-        raise CliError("vLLM is not importable here: install its CPU build in its own venv (docs/vllm.md) "
-                       "and run this with that venv's rakv, or set RAKV_VLLM_PYTHON to its python")
-    return subprocess.run([exe, "-m", "rakv.integrations.vllm_run", *argv]).returncode
+            "--tokens", str(args.tokens), "--repeats", str(args.repeats), "--batch-sizes", ",".join(map(str, sizes))]
+    return run_in_vllm_python(argv, exe)
 
 
 def calibrate_check(target, draft, as_json: bool) -> int:

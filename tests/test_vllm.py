@@ -6,6 +6,8 @@ plain, vLLM's own n-gram method and the RAKV proposer give identical greedy ids,
 spec-decode metrics are read. It needs a Python with vLLM: this one, or the one named by
 RAKV_VLLM_PYTHON (vLLM's CPU build lives in its own venv: `bash scripts/setup_vllm.sh`, which CI's
 .ci/run runs; docs/vllm.md#install); otherwise it is skipped, with that reason.
+The end-to-end test also calibrates at batch sizes 1, 2, 4, runs the per-batch-size schedule
+`rakv advise --json` prints as an engine's speculative_config, and runs `rakv bench --peer vllm`.
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def _vllm_python() -> str | None:
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 E2E = textwrap.dedent('''
-    import json, os, sys, time
+    import contextlib, io, json, os, sys, time
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
     NGRAM = %r
     def main():
@@ -158,21 +160,26 @@ E2E = textwrap.dedent('''
         import vllm
         from vllm import LLM, SamplingParams
         from rakv.cli import main as rakv_main
-        from rakv.integrations.vllm_advise import acceptance, advise, spec_counters
+        from rakv.integrations.vllm_advise import acceptance, spec_counters
         from rakv.integrations.vllm_proposer import speculative_config
         times["model+imports"] = time.perf_counter() - t0
         prof = os.path.join(os.path.dirname(out), "profile.json")
         os.environ["RAKV_VLLM_MEM"] = "0.05"
         t = time.perf_counter()
         assert rakv_main(["calibrate", "--engine", "vllm", "--target", d, "--out", prof, "--tokens", "8",
-                          "--repeats", "1"]) == 0     # this engine's own costs
+                          "--repeats", "1", "--batch-sizes", "1,2,4"]) == 0     # this engine's own costs
         times["calibrate"] = time.perf_counter() - t
-        a = advise(prof, alpha=0.5)              # `rakv advise --engine vllm`: the proposer's env and config
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):     # `rakv advise --engine vllm --json`: what it prints, as it is
+            assert rakv_main(["advise", "--engine", "vllm", "--profile", prof, "--alpha", "0.5", "--json"]) == 0
+        a = json.loads(buf.getvalue())           # the proposer's env and config, the per-batch-size schedule
         os.environ.update(a["rakv"]["env"])       # RAKV_VLLM_PROFILE (vLLM's engine processes inherit it)
         prompts = [CORPUS[1] + CORPUS[1][:20], CORPUS[0], "alpha beta gamma alpha beta", CORPUS[3]]
         sp = SamplingParams(temperature=0, max_tokens=48)
         res = {"vllm": vllm.__version__, "torch": torch.__version__, "advise": a,
                "configs": {"plain": None, "ngram": NGRAM, "rakv": speculative_config(8)}}
+        if a["per_batch"]["speculative_config"]:      # vLLM's n-gram with advise's per-batch-size schedule
+            res["configs"]["ngram_batch"] = a["per_batch"]["speculative_config"]
         for arm, spec in res["configs"].items():
             t = time.perf_counter()
             kw = dict(model=d, enforce_eager=True, max_model_len=512, dtype="float32", seed=0,
@@ -198,6 +205,16 @@ E2E = textwrap.dedent('''
             del llm
             times[arm] = time.perf_counter() - t
         res["profile"] = json.load(open(prof))
+        # `rakv bench --peer vllm`: its arms one at a time and batched (prompts cut to the tiny context)
+        t = time.perf_counter()
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            res["bench_rc"] = rakv_main(["bench", "--peer", "vllm", "--vllm-target", d, "--vllm-profile", prof,
+                                         "--n-prompts", "2", "--max-new-tokens", "12", "--repeats", "1",
+                                         "--vllm-arms", "plain,ngram:2,rakv",
+                                         "--out", os.path.join(os.path.dirname(out), "bench")])
+        res["bench_stdout"] = buf.getvalue()
+        times["bench"] = time.perf_counter() - t
         times["total"] = time.perf_counter() - t0
         res["times_s"] = {k: round(v, 1) for k, v in times.items()}
         json.dump(res, open(out, "w"))
@@ -210,7 +227,10 @@ def test_vllm_greedy_ids_equal_plain(tmp_path):
     """The eager vLLM smoke test (issue 45, item 5): a tiny random Llama on three engines, plain,
     vLLM's own n-gram method and the RAKV proposer; identical greedy ids (batched and one at a
     time), and vLLM's spec-decode metrics read for each (the speculative ones drafted and had some
-    drafts accepted). CI (.ci/run) installs vLLM with scripts/setup_vllm.sh and sets RAKV_VLLM_PYTHON."""
+    drafts accepted). CI (.ci/run) installs vLLM with scripts/setup_vllm.sh and sets RAKV_VLLM_PYTHON.
+    Also (issue 45, items 2 and 3): the calibration at batch sizes 1, 2, 4; a fourth engine with the
+    per-batch-size schedule advise printed (vLLM's CPU build accepts it; ids equal plain); and
+    `rakv bench --peer vllm` (both modes, every arm's ids equal plain's, vLLM's counters read)."""
     exe = _vllm_python()
     if exe is None:
         pytest.skip("vLLM is not importable here (bash scripts/setup_vllm.sh installs its CPU build in its own "
@@ -230,6 +250,8 @@ def test_vllm_greedy_ids_equal_plain(tmp_path):
            for a in res["configs"]})
     p = res["profile"]                                     # `rakv calibrate --engine vllm` measured it
     assert p["engine"] == "vllm" and p["t_ms"] > 0 and sorted(p["V_ms"]) == ["1", "2", "4", "8"]
+    assert p["batch_sizes"] == [1, 2, 4] and sorted(p["by_batch"]) == ["2", "4"]       # --batch-sizes 1,2,4
+    assert all(r["t_ms"] > 0 and sorted(r["V_ms"]) == ["1", "2", "4", "8"] for r in p["by_batch"].values())
     a = res["advise"]               # advise's proposer config is the one run; its n-gram config has NGRAM's shape
     assert res["configs"]["rakv"] == a["rakv"]["speculative_config"] == VP.speculative_config(8)
     fixed = a["fixed"]["speculative_config"]
@@ -248,6 +270,25 @@ def test_vllm_greedy_ids_equal_plain(tmp_path):
         assert c["accepted"] > 0, (arm, c)                             # ... and vLLM accepted some
         assert c["accepted"] <= c["draft_tokens"] <= k * c["drafts"], (arm, c)
         assert 0 < acc["alpha"] <= 1 and 0 < len(acc["per_position"]) <= k, (arm, acc)
+    # advise's per-batch-size schedule, as printed: vLLM (CPU build) accepted it; ids equal plain
+    pb = a["per_batch"]
+    assert sorted(pb["batch_sizes"]) == ["1", "2", "4"] and pb["num_speculative_tokens_per_batch_size"][0][0] == 1
+    assert pb["speculative_config"] is not None, pb        # at alpha 0.5 some k pays on this engine
+    assert res["ngram_batch"] == res["plain"] and res["ngram_batch_one"] == res["plain_one"]
+    c = res["ngram_batch_metrics"]["counters"]
+    assert 0 < c["accepted"] <= c["draft_tokens"] <= pb["speculative_config"]["num_speculative_tokens"] * c["drafts"]
+    # `rakv bench --peer vllm`: ran, both modes, every arm's ids equal plain, vLLM's counters read
+    assert res["bench_rc"] == 0
+    assert "## One at a time" in res["bench_stdout"] and "## Batched" in res["bench_stdout"]
+    b = json.loads((tmp_path / "bench" / "vllm.json").read_text())
+    assert set(b["summary"]) == set(b["summary_batched"]) == {"plain", "ngram:2", "rakv"}
+    for arm in ("plain", "ngram:2", "rakv"):
+        assert b["summary"][arm]["ids_equal_base"] == "4/4", b["summary"]
+        assert b["summary_batched"][arm]["ids_equal_base"] == "4/4", b["summary_batched"]
+        assert b["summary"][arm]["all"]["tokens_per_s"] > 0 and b["summary_batched"][arm]["all"]["tokens_per_s"] > 0
+    assert b["summary"]["plain"]["vllm"]["drafted"] == 0 and b["summary"]["ngram:2"]["vllm"]["drafted"] > 0
+    assert all(x["batch"] == 2 for x in b["batched"]) and len(b["rows"]) == 4 * 3
+    assert (tmp_path / "bench" / "vllm-summary.md").is_file()
 
 
 def test_calibrate_engine_vllm_without_vllm(tmp_path, capsys, monkeypatch):
@@ -316,3 +357,239 @@ def test_advise_cli(tmp_path, capsys):
         assert main(["advise", "--profile", str(prof)]) == 2         # one line, no traceback
         err = capsys.readouterr().err
         assert err.startswith("rakv: error:") and len(err.splitlines()) == 1, err
+
+
+# ---------------------------------------------------------------------------------- batch sizes (no vLLM)
+BATCHED = {"t_ms": 60.0, "V_ms": {"1": 62.0, "2": 64.0, "4": 68.0, "8": 76.0}, "batch": 1,
+           "by_batch": {"2": {"t_ms": 70.0, "V_ms": {"1": 80.0, "2": 90.0, "4": 110.0, "8": 150.0}},
+                        "4": {"t_ms": 80.0, "V_ms": {"1": 120.0, "2": 160.0, "4": 240.0, "8": 400.0}}}}
+
+
+def test_profile_batches_and_nearest_batch():
+    rows = VP.profile_batches(BATCHED)
+    assert sorted(rows) == [1, 2, 4] and rows[1]["t_ms"] == 60.0 and rows[4]["t_ms"] == 80.0
+    assert VP.profile_batches(PROFILE) == {1: PROFILE} and VP.profile_batches(None) == {}
+    near = {n: VP.nearest_batch(rows, n) for n in range(1, 10)}
+    assert near == {1: 1, 2: 2, 3: 4, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4, 9: 4}      # log scale: 3 is nearer 4 than 2
+    assert VP.nearest_batch([1, 4], 2) == 1                                    # a tie (2 * 2 = 1 * 4): the smaller
+    assert VP.nearest_batch([1, 8], 3) == 8 and VP.nearest_batch([2, 8], 4) == 2
+    for bad in ({"t_ms": 1, "by_batch": [1]}, {"t_ms": 1, "by_batch": {"x": {"t_ms": 1}}},
+                {"t_ms": 1, "by_batch": {"0": {"t_ms": 1}}}, {"t_ms": 1, "by_batch": {"2": {"V_ms": {}}}}, {"V_ms": {}}):
+        with pytest.raises(ValueError):
+            VP.profile_batches(bad)
+
+
+def test_verify_costs_for_batch():
+    assert VP.verify_costs_for_batch(BATCHED, 8, 1) == VP.verify_costs(BATCHED, 8)       # batch 1: today's costs
+    V4 = VP.verify_costs_for_batch(BATCHED, 8, 3)                                          # 3: nearest is 4
+    assert V4[0] == 80.0 and V4[4] == 240.0 and V4[3] == pytest.approx(200.0)
+    assert VP.verify_costs_for_batch(BATCHED, 8, 64) == V4                                # past the largest: it
+    assert VP.verify_costs_for_batch(PROFILE, 8, 16) == VP.verify_costs(PROFILE, 8)        # no by_batch: batch 1's
+    assert VP.verify_costs_for_batch(None, 4, 8) == VP.verify_costs(None, 4)
+
+
+def _check_vllm_schedule(ranges):
+    """vLLM 0.32's rules for num_speculative_tokens_per_batch_size (vllm/v1/spec_decode/dynamic/utils.py)."""
+    assert isinstance(ranges, list) and ranges
+    prev = 0
+    for s, e, k in ranges:
+        assert all(isinstance(x, int) for x in (s, e, k))
+        assert 0 < s <= e and k >= 0 and s > prev
+        prev = e
+    assert ranges[0][0] == 1
+
+
+def test_schedule_ranges_follow_the_nearest_batch():
+    from rakv.integrations.vllm_advise import schedule_ranges
+
+    assert schedule_ranges({1: 4}) == [[1, 1, 4]]
+    assert schedule_ranges({1: 4, 2: 4, 4: 2}) == [[1, 2, 4], [3, 4, 2]]      # equal neighbours merged
+    assert schedule_ranges({1: 8, 4: 4, 16: 0}) == [[1, 2, 8], [3, 8, 4], [9, 16, 0]]
+    for best in ({1: 8, 2: 4, 4: 2, 8: 1, 32: 0}, {1: 1, 3: 2, 5: 3, 64: 4}, {2: 3, 8: 1}):
+        ranges = schedule_ranges(best)
+        _check_vllm_schedule(ranges)
+        for n in range(1, 80):                      # every batch size gets its nearest measured size's k
+            k = next((k for s, e, k in ranges if s <= n <= e), ranges[-1][2])     # vLLM carries the last k on
+            assert k == best[VP.nearest_batch(best, n)], (best, n)
+
+
+def test_advise_per_batch_schedule(tmp_path, capsys):
+    from rakv.cli import main
+    from rakv.integrations.vllm_advise import batch_advice
+
+    a = batch_advice(BATCHED, 0.6)
+    ks = {B: d["k"] for B, d in a["batch_sizes"].items()}
+    assert ks["1"] >= ks["2"] >= ks["4"] and ks["1"] > 0       # verifying costs more per draft at larger batches
+    for B, d in a["batch_sizes"].items():             # the best fixed k at each B: the most tokens per ms of a step
+        V = VP.verify_costs_for_batch(BATCHED, 8, int(B))
+        assert all(V[d["k"]] / VP.E(d["k"], 0.6) <= V[k] / VP.E(k, 0.6) + 1e-9 for k in (0, 1, 2, 4, 8))
+    _check_vllm_schedule(a["num_speculative_tokens_per_batch_size"])
+    cfg = a["speculative_config"]
+    assert cfg["method"] == "ngram" and cfg["num_speculative_tokens"] == max(ks.values())
+    assert cfg["num_speculative_tokens_per_batch_size"] == a["num_speculative_tokens_per_batch_size"]
+    assert batch_advice(BATCHED, 0.0)["speculative_config"] is None          # no k pays anywhere: no speculation
+    assert "k" not in batch_advice(BATCHED, None)["batch_sizes"]["2"]       # no acceptance: alpha* only
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(BATCHED))
+    assert main(["advise", "--engine", "vllm", "--profile", str(prof), "--alpha", "0.6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["per_batch"]["speculative_config"] == json.loads(json.dumps(cfg))
+    assert out["fixed"]["num_speculative_tokens"] == ks["1"]           # batch 1: today's answer, unchanged
+    assert main(["advise", "--profile", str(prof), "--alpha", "0.6"]) == 0
+    text = capsys.readouterr().out
+    assert "num_speculative_tokens_per_batch_size = " + json.dumps(cfg["num_speculative_tokens_per_batch_size"]) in text
+    assert "B = 4: t = 80.0 ms" in text
+    prof.write_text(json.dumps({**BATCHED, "by_batch": {"2": {"V_ms": {}}}}))
+    assert main(["advise", "--profile", str(prof)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rakv: error:") and len(err.splitlines()) == 1, err
+
+
+def test_calibration_prompts_same_length_distinct():
+    from rakv.integrations.vllm_run import calibration_prompts
+
+    ids = list(range(100, 140))
+    ps = calibration_prompts(ids, 4)
+    assert ps[0]["prompt_token_ids"] == ids
+    assert all(len(p["prompt_token_ids"]) == len(ids) and p["prompt_token_ids"][0] == ids[0] for p in ps)
+    assert len({tuple(p["prompt_token_ids"][:3]) for p in ps}) == 4
+
+
+class _M:
+    def __init__(self, name, value=None, values=None):
+        self.name, self.value, self.values = name, value, values
+
+
+class _FakeLLM:
+    def __init__(self, metrics):
+        self.metrics = metrics
+
+    def get_metrics(self):
+        return self.metrics
+
+
+def test_counters_and_summaries():
+    from rakv.integrations import vllm_run as R
+
+    c0 = R.counters(_FakeLLM([_M("vllm:spec_decode_num_drafts", 2), _M("vllm:prefix_cache_hits", 10),
+                              _M("vllm:spec_decode_num_accepted_tokens_per_pos", values=[1, 0])]))
+    c1 = R.counters(_FakeLLM([_M("vllm:spec_decode_num_drafts", 5), _M("vllm:spec_decode_num_draft_tokens", 12),
+                              _M("vllm:spec_decode_num_accepted_tokens", 6), _M("vllm:prefix_cache_hits", 10),
+                              _M("vllm:prefix_cache_hits", 4), _M("vllm:prefix_cache_queries", 40),
+                              _M("vllm:spec_decode_num_accepted_tokens_per_pos", values=[3, 2, 1]),
+                              _M("vllm:num_requests_running", 1)]))
+    d = R.counters_delta(c0, c1)
+    assert d == {"drafts": 3, "draft_tokens": 12, "accepted": 6, "prefix_queries": 40, "prefix_hits": 4,
+                 "per_pos": [2, 2, 1]}
+
+    def cnt(dt, acc, hits=0):
+        return {"drafts": dt // 2, "draft_tokens": dt, "accepted": acc, "prefix_queries": 10, "prefix_hits": hits,
+                "per_pos": []}
+
+    rows = []
+    for arm, w, ids, c in (("plain", 2.0, [1, 2, 3, 4], cnt(0, 0, 5)), ("ngram:2", 1.0, [1, 2, 3, 4], cnt(8, 4)),
+                           ("rakv", 0.8, [1, 2, 3, 9], cnt(4, 3))):
+        for i, kind in ((0, "copy"), (1, "chat")):
+            rows.append({"repeat": 0, "prompt": i, "kind": kind, "arm": arm, "wall_s": w, "cpu_s": 2 * w, "n": 4,
+                         "ids": ids if i == 0 else [5, 5, 5, 5], "counters": c})
+    batched = []
+    for arm, w, ids in (("plain", 3.0, [[1, 2, 3, 4]]), ("ngram:2", 2.0, [[1, 2, 3, 4]]), ("rakv", 1.5, [[1, 2, 3, 4]])):
+        batched.append({"repeat": 0, "kind": "copy", "arm": arm, "batch": 1, "prompts": [0], "wall_s": w,
+                        "cpu_s": w, "n": 4, "ids": ids, "counters": cnt(2, 1)})
+    res = {"rows": rows, "batched": batched, "machine": {"cpu": "x", "cores": 2, "load": [0.1, 0.2, 0.3]},
+           "target": "m", "max_tokens": 4, "measured": "now", "start_s": 1.0}
+    s = R.summarize(res)
+    assert list(s) == ["plain", "ngram:2", "rakv"]
+    assert s["plain"]["all"]["tokens_per_s"] == 2.0 and s["ngram:2"]["all"]["wall_vs_base"] == 2.0
+    assert s["rakv"]["ids_equal_base"] == "1/2" and s["ngram:2"]["ids_equal_base"] == "2/2"
+    assert s["ngram:2"]["vllm"]["acceptance"] == 0.5 and s["ngram:2"]["vllm"]["drafted"] == 16
+    assert s["plain"]["vllm"]["prefix_hits"] == 10 and s["plain"]["vllm"]["acceptance"] is None
+    b = R.summarize_batched(res)
+    assert b["rakv"]["copy"]["tokens_per_s"] == pytest.approx(4 / 1.5, abs=0.01) and b["rakv"]["copy"]["wall_vs_base"] == 2.0
+    assert b["rakv"]["ids_equal_base"] == "1/1" and b["rakv"]["ids_equal_base_one_at_a_time"] == "1/1"
+    res["summary"], res["summary_batched"] = s, b
+    text = R.format_summary(res)
+    assert "## One at a time" in text and "## Batched" in text and "| rakv | 5.00 | 1.60 | 3.20 | 2.500 | 2.500 |" in text
+
+
+def test_fit_context_cuts_long_prompts():
+    from rakv.integrations.vllm_run import fit_context
+
+    class Tok:
+        def encode(self, text):
+            return list(range(len(text)))
+
+    ps = [{"kind": "copy", "prompt": "x" * 100}, {"kind": "chat", "prompt": "y" * 10}]
+    assert fit_context(ps, Tok(), 64, 16) == 1
+    assert ps[0]["prompt"] == {"prompt_token_ids": list(range(52, 100))} and ps[0]["cut_from"] == 100
+    assert ps[1]["prompt"] == "y" * 10
+    ps = [{"kind": "copy", "prompt": "x" * 100}]
+    assert fit_context(ps, Tok(), 64, 16, reserve=9) == 1 and len(ps[0]["prompt"]["prompt_token_ids"]) == 64 - 16 - 9
+
+
+# ---------------------------------------------------------------------------------- the CLI's bad input (no vLLM)
+def _one_line_error(capsys, argv, needle):
+    from rakv.cli import main
+
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert err.startswith("rakv: error:") and len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_bench_peer_vllm_bad_input(tmp_path, capsys, monkeypatch):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    B = ["bench", "--peer", "vllm"]
+    _one_line_error(capsys, B, "needs --vllm-target")
+    _one_line_error(capsys, B + ["--vllm-target", str(tmp_path / "none")], "no such folder")
+    _one_line_error(capsys, B + ["--vllm-target", str(tmp_path)], "no config.json")
+    _one_line_error(capsys, ["bench", "--vllm-target", str(model)], "goes with --peer vllm")
+    _one_line_error(capsys, B + ["--vllm-target", str(model), "--policies", "ar"], "does not apply")
+    _one_line_error(capsys, B + ["--vllm-target", str(model), "--temperature", "0.7"], "greedy")
+    _one_line_error(capsys, B + ["--vllm-target", str(model), "--vllm-arms", "rakv,ngram:4"], "must include plain")
+    _one_line_error(capsys, B + ["--vllm-target", str(model), "--vllm-arms", "plain,eagle"], "unknown arm")
+    _one_line_error(capsys, B + ["--vllm-target", str(model), "--vllm-arms", "plain,ngram:16"], "--vllm-k-max")
+    _one_line_error(capsys, B + ["--vllm-target", str(model), "--vllm-arms", "plain,plain"], "named twice")
+    monkeypatch.delenv("RAKV_VLLM_DRAFT", raising=False)
+    _one_line_error(capsys, B + ["--vllm-target", str(model), "--vllm-arms", "plain,draft:4"], "RAKV_VLLM_DRAFT")
+    _one_line_error(capsys, B + ["--vllm-target", str(model), "--vllm-mode", "all"], "invalid choice")
+    _one_line_error(capsys, B + ["--peer", "sglang"], "invalid choice")
+    (tmp_path / "bad.json").write_text('{"t_ms": 1, "by_batch": {"two": {}}}')
+    _one_line_error(capsys, B + ["--vllm-target", str(model), "--vllm-profile", str(tmp_path / "bad.json")],
+                    "not a vLLM cost profile")
+    _one_line_error(capsys, B + ["--vllm-target", str(model), "--vllm-profile", str(tmp_path / "missing.json")],
+                    "not a vLLM cost profile")
+    (tmp_path / "f").write_text("")
+    _one_line_error(capsys, B + ["--vllm-target", str(model), "--out", str(tmp_path / "f")], "is a file")
+    from rakv.cli import main
+
+    assert main(B + ["--vllm-target", str(model), "--dry-run", "--n-prompts", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "arms (6): plain, ngram:1, ngram:2, ngram:4, ngram:8, rakv" in out
+    assert "generate calls: 72 one at a time + 24 batched (batch 3) = 96" in out
+    assert main(B + ["--vllm-target", str(model), "--dry-run", "--vllm-arms", "plain,rakvcopy,rakv",
+                     "--vllm-mode", "batched", "--repeats", "1"]) == 0
+    assert "generate calls: 0 one at a time + 6 batched (batch 5) = 6" in capsys.readouterr().out
+    if importlib.util.find_spec("vllm") is None:       # no vLLM here: one line, nothing written
+        monkeypatch.delenv("RAKV_VLLM_PYTHON", raising=False)
+        _one_line_error(capsys, B + ["--vllm-target", str(model), "--out", str(tmp_path / "o")],
+                        "vLLM is not importable here")
+        monkeypatch.setenv("RAKV_VLLM_PYTHON", str(tmp_path / "nopython"))
+        _one_line_error(capsys, B + ["--vllm-target", str(model), "--out", str(tmp_path / "o")], "does not run")
+        monkeypatch.setenv("RAKV_VLLM_PYTHON", sys.executable)
+        _one_line_error(capsys, B + ["--vllm-target", str(model), "--out", str(tmp_path / "o")],
+                        "cannot import vllm")
+        assert not (tmp_path / "o").exists()
+
+
+def test_calibrate_vllm_batch_sizes_bad_input(tmp_path, capsys):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    C = ["calibrate", "--engine", "vllm", "--target", str(model)]
+    _one_line_error(capsys, C + ["--batch-sizes", "0,2"], "--batch-sizes")
+    _one_line_error(capsys, C + ["--batch-sizes", "two"], "--batch-sizes")
+    _one_line_error(capsys, C + ["--batch-sizes", ""], "--batch-sizes")
+    _one_line_error(capsys, C + ["--batch-sizes", "1,4096"], "at most 1024")
+    _one_line_error(capsys, C + ["--vllm-k", "0,x"], "--vllm-k")

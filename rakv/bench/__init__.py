@@ -3,10 +3,12 @@
     rakv bench [--target M] [--draft M]
                [--workload chat|chat-heldout|code|code-heldout|conversation|conversation-heldout|wikitext|humaneval|repetitive|mixed|FILE]
                [--policies ...] [--repeats R] [--out DIR] [--quick] [--raw] [--prompts WIKITEXT_FILE]
+    rakv bench --peer vllm --vllm-target DIR [--vllm-profile FILE] [--vllm-mode one|batched|both] [--out DIR]
 
 Writes DIR/executions.csv (one row per timed execution), DIR/candidates.csv (the adaptive
 policies' predicted cost of every action), DIR/summary.md, PNG plots, meta.json and the cost
-profile used. Progress goes to stderr. See docs/results.md.
+profile used. Progress goes to stderr. See docs/results.md. ``--peer vllm``: the RAKV proposer
+against vLLM's own arms on a vLLM engine instead (``rakv/bench/vllm_peer.py``, docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: the build script's, in the cache dir)")
     ap.add_argument("--llama-cpp-draft-lengths", default=None, metavar="LIST",
                     help="llama.cpp:spec:N arms, N = --spec-draft-n-max (default 2,4,8,16)")
+    from .vllm_peer import add_args as add_vllm_args
+
+    add_vllm_args(ap)
     ap.add_argument("--lookup-k", type=A.int_range(1, 64), default=None, help="prompt_lookup_num_tokens (default: max K)")
     ap.add_argument("--budget-mib", type=A.finite_float(0), default=512.0)
     ap.add_argument("--recalibrate", action="store_true", help="measure the cost profile again before running")
@@ -272,6 +277,11 @@ def run(args, argv: list[str]) -> int:
     from .report import write_summary
     from .runner import BenchContext, default_arm_names, parse_arms, run_streams
 
+    from . import vllm_peer
+
+    vllm_peer.check_args(args)
+    if args.peer == "vllm":
+        return vllm_peer.run(args)
     out = Path(args.out)
     if args.report_only:
         if not (out / "executions.csv").exists():

@@ -1,15 +1,17 @@
 """``rakv advise --engine vllm``: the speculative_config a vLLM cost profile supports.
 
-From a profile measured on the vLLM engine (``python -m rakv.integrations.vllm_run calibrate``:
-t and V(k) at batch 1) and, optionally, the acceptance of a workload (a number, or a vLLM
-server's Prometheus ``/metrics``, a URL or a saved file), it prints
+From a profile measured on the vLLM engine (``rakv calibrate --engine vllm``: t and V(k) at
+batch 1, and at other batch sizes with ``--batch-sizes``) and, optionally, the acceptance of a
+workload (a number, or a vLLM server's Prometheus ``/metrics``, a URL or a saved file), it prints
 
   * the ``speculative_config`` that installs the RAKV proposer (it picks k per request and step,
     0 included) and the environment variable that names the profile;
   * for vLLM's own fixed n-gram speculation, the k with the most expected tokens per ms at that
     acceptance, E_k(alpha) / V(k) against 1 / t (``num_speculative_tokens``; none where no k pays);
   * the crossover alpha*(k) per k: the acceptance below which k drafts a step cost more than
-    plain steps.
+    plain steps;
+  * per measured batch size, t, alpha*(k) and the best fixed n-gram k, and the schedule of those
+    k as vLLM's ``num_speculative_tokens_per_batch_size`` in an n-gram ``speculative_config``.
 
 No vLLM import: it reads files and prints JSON-able dicts.
 """
@@ -23,7 +25,8 @@ import re
 import urllib.request
 
 from ..controller import E
-from .vllm_proposer import PROFILE_ENV, alpha_star, load_profile, speculative_config, verify_costs
+from .vllm_proposer import (PROFILE_ENV, alpha_star, load_profile, nearest_batch, profile_batches, speculative_config,
+                            verify_costs)
 
 _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -96,10 +99,65 @@ def best_fixed_k(V: list[float], alpha: float, ks=None) -> tuple[int, dict]:
     return min(per, key=per.get), {str(k): round(v, 3) for k, v in per.items()}
 
 
+def schedule_ranges(best: dict[int, int]) -> list[list[int]]:
+    """vLLM's ``num_speculative_tokens_per_batch_size`` from the best k at each measured batch
+    size: inclusive ranges [start, end, k], sorted, not overlapping, the first starting at 1
+    (vLLM 0.32's rules, ``vllm/v1/spec_decode/dynamic/utils.py``). Every batch size goes to its
+    nearest measured one (``nearest_batch``: between measured a < b, up to isqrt(a b) is a's);
+    neighbours with the same k are merged; the last range ends at the largest measured size and
+    vLLM carries its k to every larger batch."""
+    import math
+
+    sizes = sorted(int(b) for b in best)
+    if not sizes:
+        raise ValueError("no measured batch size")
+    out: list[list[int]] = []
+    for i, b in enumerate(sizes):
+        start = 1 if i == 0 else math.isqrt(sizes[i - 1] * b) + 1
+        end = math.isqrt(b * sizes[i + 1]) if i + 1 < len(sizes) else b
+        k = int(best[b])
+        if out and out[-1][2] == k:
+            out[-1][1] = end
+        else:
+            out.append([start, end, k])
+    return out
+
+
+def batch_advice(prof: dict, alpha: float | None, k_max: int = 8) -> dict:
+    """Per measured batch size (``rakv calibrate --engine vllm --batch-sizes``): t, alpha*(k) at
+    the measured k and, at acceptance ``alpha``, vLLM's best fixed n-gram k there (the most
+    expected tokens per ms of a step, E_k(alpha) / V_B(k), against 1 / t_B); then the schedule
+    of those k for ``num_speculative_tokens_per_batch_size`` and a speculative_config with it."""
+    rows = profile_batches(prof)
+    per = {}
+    for B, row in rows.items():
+        V = verify_costs(row, k_max)
+        measured = sorted(int(k) for k in (row.get("V_ms") or {}) if 0 < int(k) <= k_max)
+        stars = alpha_star(V)
+        d = {"t_ms": round(V[0], 3), "alpha_star": {str(k): stars[str(k)] for k in measured}}
+        if alpha is not None:
+            k, _ = best_fixed_k(V, alpha, [0] + measured if measured else list(range(k_max + 1)))
+            d["k"] = k
+            d["ms_per_token"] = round(V[k] / (B * E(k, alpha)), 3)     # the batch's ms per generated token
+        per[str(B)] = d
+    out = {"batch_sizes": per}
+    if alpha is not None:
+        best = {int(B): d["k"] for B, d in per.items()}
+        ranges = schedule_ranges(best)
+        k_top = max(best.values())
+        out["alpha"] = round(alpha, 4)
+        out["num_speculative_tokens_per_batch_size"] = ranges
+        out["speculative_config"] = ({"method": "ngram", "num_speculative_tokens": k_top, "prompt_lookup_min": 2,
+                                      "prompt_lookup_max": 4, "num_speculative_tokens_per_batch_size": ranges}
+                                     if k_top > 0 else None)
+    return out
+
+
 def advise(profile_path: str, alpha: float | None = None, metrics: str | None = None, k_max: int = 8) -> dict:
     prof = load_profile(profile_path)
     if not isinstance(prof, dict) or "t_ms" not in prof:
         raise ValueError("it has no t_ms")
+    profile_batches(prof)                       # a malformed by_batch: ValueError here
     V = verify_costs(prof, k_max)
     out = {"engine": "vllm", "profile": os.path.abspath(profile_path), "t_ms": round(V[0], 3),
            "V_ms": {str(k): round(v, 3) for k, v in enumerate(V) if k},
@@ -118,6 +176,7 @@ def advise(profile_path: str, alpha: float | None = None, metrics: str | None = 
         out["fixed"] = {"num_speculative_tokens": k, "ms_per_token": per,
                         "speculative_config": ({"method": "ngram", "num_speculative_tokens": k,
                                                 "prompt_lookup_min": 2, "prompt_lookup_max": 4} if k else None)}
+    out["per_batch"] = batch_advice(prof, alpha if alpha is not None and not math.isnan(alpha) else None, k_max)
     return out
 
 
@@ -138,6 +197,24 @@ def format_text(a: dict) -> str:
                      + f"  (ms per token {f['ms_per_token']})")
         if f["speculative_config"]:
             lines.append("  speculative_config = " + json.dumps(f["speculative_config"]))
+    pb = a.get("per_batch")
+    if pb:
+        lines.append("per batch size (a step's ms with B requests; k drafts each):")
+        for B, d in pb["batch_sizes"].items():
+            lines.append(f"  B = {B}: t = {d['t_ms']} ms, alpha*(k) "
+                         + ", ".join(f"{k}: {'never' if s is None else s}" for k, s in d["alpha_star"].items())
+                         + (f"; best fixed n-gram k at alpha = {pb['alpha']}: {d['k']} ({d['ms_per_token']} ms a "
+                            "token of the batch)" if "k" in d else ""))
+        if len(pb["batch_sizes"]) == 1:
+            lines.append("  (one batch size measured: rakv calibrate --engine vllm --batch-sizes 1,2,4 times more)")
+        if "num_speculative_tokens_per_batch_size" in pb:
+            lines.append("  num_speculative_tokens_per_batch_size = "
+                         + json.dumps(pb["num_speculative_tokens_per_batch_size"])
+                         + "  (inclusive batch-size ranges; vLLM carries the last k to larger batches)")
+            lines.append("  speculative_config = " + (json.dumps(pb["speculative_config"]) if pb["speculative_config"]
+                                                      else "none (no k beats plain steps at any batch size)"))
+            lines.append("  (vLLM 0.32 applies the schedule to its own proposers, n-gram here; a custom_class "
+                         "proposer such as the RAKV one below picks its own k)")
     r = a["rakv"]
     lines.append("the RAKV proposer (k per request and step, 0 included):")
     lines.append("  " + " ".join(f"{k}={v}" for k, v in r["env"].items()))

@@ -89,6 +89,52 @@ def verify_costs(profile: dict | None, k_max: int) -> list[float]:
     return out
 
 
+def profile_batches(profile: dict | None) -> dict[int, dict]:
+    """The measured batch sizes of a profile: {B: {"t_ms", "V_ms", ...}}, batch 1 (the profile's
+    ``batch``) from its top-level fields, every other B from ``by_batch`` (``rakv calibrate
+    --engine vllm --batch-sizes``). A row's costs are per engine step: the ms of one step in
+    which each of the B requests verifies k drafts (k = 0: a plain step), not per request."""
+    if not profile:
+        return {}
+    if not isinstance(profile, dict) or "t_ms" not in profile:
+        raise ValueError("a vLLM cost profile needs t_ms")
+    out = {int(profile.get("batch", 1)): profile}
+    by = profile.get("by_batch") or {}
+    if not isinstance(by, dict):
+        raise ValueError("by_batch must map batch sizes to {t_ms, V_ms}")
+    for b, row in by.items():
+        try:
+            B = int(b)
+        except (TypeError, ValueError):
+            raise ValueError(f"by_batch: {b!r} is not a batch size") from None
+        if B < 1 or not isinstance(row, dict) or "t_ms" not in row:
+            raise ValueError(f"by_batch[{b!r}] must be a batch size >= 1 with t_ms and V_ms")
+        out.setdefault(B, row)          # the top-level fields win for their own batch size
+    return dict(sorted(out.items()))
+
+
+def nearest_batch(sizes, batch: int) -> int:
+    """The measured batch size nearest to ``batch`` on a log scale (a tie: the smaller one), so
+    that B falls to the smaller of two measured sizes a < b exactly while B * B <= a * b."""
+    from fractions import Fraction
+
+    sizes = sorted(int(b) for b in sizes)
+    if not sizes:
+        raise ValueError("no measured batch size")
+    n = max(1, int(batch))
+    return min(sizes, key=lambda b: (Fraction(max(n, b), min(n, b)), b))     # exact: no float ties
+
+
+def verify_costs_for_batch(profile: dict | None, k_max: int, batch: int) -> list[float]:
+    """``verify_costs`` at the measured batch size nearest to ``batch`` (``nearest_batch``): per
+    engine step, [V(0) = t, V(1), ..., V(k_max)] in ms. A profile without ``by_batch`` gives its
+    batch-1 costs for every batch size (as ``verify_costs``); no profile, the neutral default."""
+    if not profile:
+        return verify_costs(None, k_max)
+    rows = profile_batches(profile)
+    return verify_costs(rows[nearest_batch(rows, batch)], k_max)
+
+
 def alpha_star(V: list[float]) -> dict[str, float | None]:
     """Per k >= 1: the smallest per-token acceptance alpha at which a round of k free drafts costs
     no more per token than plain steps, V(k) / E_k(alpha) <= t (None: never, even at alpha = 1)."""

@@ -10,6 +10,11 @@ at fixed k, the RAKV proposer, and calibration's k rejected drafts) are switched
 requests through a control file, so they run interleaved on one engine and one machine state.
 ``bench --separate ARM`` instead starts an engine configured as a user would (no speculation, or
 vLLM's own ``method: ngram``), for checking that the switched arms cost what those do.
+
+``calibrate --batch-sizes 1,2,4`` also times steps with B requests generated together (the
+profile's ``by_batch``: ms of one engine step, B rows each verifying k drafts). ``bench --mode
+batched|both`` also sends all prompts of a class in one ``generate`` call, one arm a call. The
+CLI runs these: ``rakv calibrate --engine vllm`` and ``rakv bench --peer vllm`` (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -39,9 +44,11 @@ def _cpu_s() -> float:
     return tot
 
 
-def make_llm(target: str, spec: dict | None, max_model_len: int = 2048, mem: float | None = None, block_size=None):
+def make_llm(target: str, spec: dict | None, max_model_len: int = 2048, mem: float | None = None, block_size=None,
+             max_num_seqs: int | None = None):
     """An eager fp32 engine; max_model_len at most the model's own (config.json), ``mem`` the share
-    of host memory vLLM's CPU backend reserves (default RAKV_VLLM_MEM, else 0.2)."""
+    of host memory vLLM's CPU backend reserves (default RAKV_VLLM_MEM, else 0.2); ``max_num_seqs``
+    only when given (vLLM's CPU default for ``LLM`` is 256)."""
     from vllm import LLM
 
     try:
@@ -56,6 +63,8 @@ def make_llm(target: str, spec: dict | None, max_model_len: int = 2048, mem: flo
               gpu_memory_utilization=mem, disable_log_stats=False)
     if block_size:
         kw["block_size"] = block_size
+    if max_num_seqs:
+        kw["max_num_seqs"] = int(max_num_seqs)
     if spec:
         kw["speculative_config"] = spec
     return LLM(**kw)
@@ -99,6 +108,50 @@ def _gen(llm, prompt, max_tokens: int, ignore_eos: bool = False):
     return list(out.outputs[0].token_ids), time.perf_counter() - w0, _cpu_s() - c0
 
 
+def _gen_many(llm, prompts: list, max_tokens: int, ignore_eos: bool = False):
+    """All ``prompts`` (texts or {"prompt_token_ids": [...]}) in one ``llm.generate`` call (vLLM
+    batches them): their output ids, the call's wall and CPU seconds."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    w0, c0 = time.perf_counter(), _cpu_s()
+    outs = llm.generate(list(prompts), sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - w0, _cpu_s() - c0
+
+
+COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens": "accepted", "vllm:prefix_cache_queries": "prefix_queries",
+            "vllm:prefix_cache_hits": "prefix_hits"}
+
+
+def counters(llm) -> dict:
+    """vLLM's own speculative-decoding and prefix-cache counters now (summed over its labels):
+    drafts, draft tokens, accepted tokens, accepted per position, prefix-cache queries and hits."""
+    c = {v: 0 for v in COUNTERS.values()}
+    c["per_pos"] = []
+    try:
+        metrics = llm.get_metrics()
+    except Exception:          # noqa: BLE001 - counters are extra; a run does not fail on them
+        return c
+    for m in metrics:
+        if m.name in COUNTERS:
+            c[COUNTERS[m.name]] += int(getattr(m, "value", 0) or 0)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals, have = [int(v) for v in (getattr(m, "values", None) or [])], c["per_pos"]
+            n = max(len(vals), len(have))
+            c["per_pos"] = [(have[i] if i < len(have) else 0) + (vals[i] if i < len(vals) else 0) for i in range(n)]
+    return c
+
+
+def counters_delta(before: dict, after: dict) -> dict:
+    d = {k: after[k] - before[k] for k in COUNTERS.values()}
+    n = max(len(before["per_pos"]), len(after["per_pos"]))
+    a = after["per_pos"] + [0] * (n - len(after["per_pos"]))
+    b = before["per_pos"] + [0] * (n - len(before["per_pos"]))
+    d["per_pos"] = [x - y for x, y in zip(a, b)]
+    return d
+
+
 def machine() -> dict:
     model = ""
     try:
@@ -111,34 +164,64 @@ def machine() -> dict:
 
 
 # ---------------------------------------------------------------------------------- calibrate
-def calibrate(target: str, ks=(0, 1, 2, 4, 8), tokens: int = 32, repeats: int = 3, prompt: str | None = None) -> dict:
-    """Time vLLM steps that verify k rejected drafts (k = 0: a plain step), batch 1, interleaved
-    over k; per k the median over repeats of (ms for 1 + tokens outputs - ms for 1) / tokens."""
+def calibration_prompts(ids: list[int], batch: int) -> list[dict]:
+    """``batch`` prompts of the same length as ``ids``: ``ids`` itself, then its tail rotated by
+    1, 2, ... tokens behind its first token (so no two share a prefix-cache block)."""
+    head, tail = ids[:1], ids[1:]
+    out = []
+    for b in range(batch):
+        r = b % max(1, len(tail))
+        out.append({"prompt_token_ids": head + tail[r:] + tail[:r]})
+    return out
+
+
+def calibrate(target: str, ks=(0, 1, 2, 4, 8), tokens: int = 32, repeats: int = 3, prompt: str | None = None,
+              batch_sizes=(1,), log=None) -> dict:
+    """Time vLLM steps that verify k rejected drafts (k = 0: a plain step), interleaved over k and
+    batch sizes; per (B, k) the median over repeats of (ms for 1 + tokens outputs - ms for 1) /
+    tokens, with B same-length prompts generated together (one ``llm.generate`` call): the ms of
+    one engine step in which each of the B requests verifies k drafts. Batch 1 gives the
+    top-level ``t_ms`` / ``V_ms`` (as before); other sizes go to ``by_batch``."""
     import vllm
 
+    sizes = sorted({int(b) for b in batch_sizes} | {1})
     ctl = Switch(_control_path())
     ctl.set("plain")
-    llm = make_llm(target, switch_spec(max(ks)))
+    llm = make_llm(target, switch_spec(max(ks)), max_num_seqs=max(sizes) if max(sizes) > 256 else None)
     prompt = prompt or ("The following is a short story about a lighthouse keeper who finds a message "
                         "in a bottle. It begins on a stormy night in late autumn, when")
-    per = {k: [] for k in ks}
-    cpu = {k: [] for k in ks}
+    ids = list(llm.get_tokenizer().encode(prompt))
+    batches = {B: calibration_prompts(ids, B) for B in sizes}
+    per = {(B, k): [] for B in sizes for k in ks}
+    cpu = {(B, k): [] for B in sizes for k in ks}
     _gen(llm, prompt, 4)        # warm
     for r in range(repeats):
-        order = list(ks) if r % 2 == 0 else list(reversed(ks))
-        for k in order:
+        order = [(B, k) for B in sizes for k in ks]
+        if r % 2:
+            order.reverse()
+        for B, k in order:
             ctl.set(f"junk:{k}" if k else "plain")
-            _, w1, c1 = _gen(llm, prompt, 1, True)
-            ids, wn, cn = _gen(llm, prompt, tokens + 1, True)
-            per[k].append((wn - w1) / tokens * 1e3)
-            cpu[k].append((cn - c1) / tokens * 1e3)
-    med = {k: statistics.median(v) for k, v in per.items()}
-    return {"engine": "vllm", "vllm": vllm.__version__, "target": target, "batch": 1, "eager": True,
-            "t_ms": round(med[0], 3), "V_ms": {str(k): round(med[k], 3) for k in ks if k > 0},
-            "cpu_ms": {str(k): round(statistics.median(v), 3) for k, v in cpu.items()},
-            "samples_ms": {str(k): [round(x, 3) for x in v] for k, v in per.items()},
-            "tokens": tokens, "repeats": repeats, "prompt_chars": len(prompt),
-            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine()}
+            _, w1, c1 = _gen_many(llm, batches[B], 1, True)
+            _, wn, cn = _gen_many(llm, batches[B], tokens + 1, True)
+            per[(B, k)].append((wn - w1) / tokens * 1e3)
+            cpu[(B, k)].append((cn - c1) / tokens * 1e3)
+            if log:
+                log(f"calibrate r{r} batch {B} k {k}: {per[(B, k)][-1]:.2f} ms a step")
+
+    def row(B):
+        med = {k: statistics.median(per[(B, k)]) for k in ks}
+        return {"t_ms": round(med[0], 3), "V_ms": {str(k): round(med[k], 3) for k in ks if k > 0},
+                "cpu_ms": {str(k): round(statistics.median(cpu[(B, k)]), 3) for k in ks},
+                "samples_ms": {str(k): [round(x, 3) for x in per[(B, k)]] for k in ks}}
+
+    out = {"engine": "vllm", "vllm": vllm.__version__, "target": target, "batch": 1, "eager": True, **row(1)}
+    if len(sizes) > 1:
+        out["batch_sizes"] = sizes
+        out["by_batch"] = {str(B): row(B) for B in sizes if B > 1}
+        out["by_batch_unit"] = "ms of one engine step in which each of the B requests verifies k drafts"
+    out.update({"tokens": tokens, "repeats": repeats, "prompt_chars": len(prompt), "prompt_tokens": len(ids),
+                "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine()})
+    return out
 
 
 # ---------------------------------------------------------------------------------- workload
@@ -163,12 +246,74 @@ def workload(n_copy: int = 5, n_chat: int = 5, tokenizer=None) -> list[dict]:
 
 
 ARMS = ("plain", "ngram:1", "ngram:2", "ngram:4", "ngram:8", "rakv")
+MODES = ("one", "batched", "both")
+
+
+def check_target(target: str) -> None:
+    """A model folder vLLM loads has a config.json: refuse anything else before an engine starts."""
+    if not os.path.isdir(target):
+        raise ValueError(f"{target}: no such folder (a model folder vLLM loads: config.json, weights, tokenizer)")
+    if not os.path.isfile(os.path.join(target, "config.json")):
+        raise ValueError(f"{target} has no config.json: not a model folder vLLM loads (docs/vllm.md)")
+
+
+ARMS_HELP = ("plain, ngram:K (vLLM's n-gram lookup at a fixed K), rakv (the RAKV proposer: copies, and the "
+             "model draft RAKV_VLLM_DRAFT names if set), rakvcopy (copies only), draft:K (the model draft at a "
+             "fixed K; needs RAKV_VLLM_DRAFT)")
+
+
+def check_arms(arms) -> tuple:
+    """The switch's arms (``SwitchProposer``), checked: one line for a name it does not know, a
+    repeated one, or ``draft:K`` without a model draft in ``RAKV_VLLM_DRAFT``."""
+    arms = tuple(a.strip() for a in arms if a.strip())
+    for a in arms:
+        if a in ("plain", "rakv", "rakvcopy"):
+            continue
+        kind, _, k = a.partition(":")
+        if kind not in ("ngram", "draft") or not k.isdigit() or int(k) < 1:
+            raise ValueError(f"unknown arm {a!r} ({ARMS_HELP})")
+        if kind == "draft" and not os.environ.get("RAKV_VLLM_DRAFT"):
+            raise ValueError(f"arm {a} needs a model draft: set RAKV_VLLM_DRAFT (docs/vllm.md)")
+    if not arms:
+        raise ValueError("no arms")
+    if len(set(arms)) != len(arms):
+        raise ValueError(f"an arm is named twice: {','.join(arms)}")
+    return arms
+
+
+def fit_context(prompts: list[dict], tokenizer, max_model_len: int, max_tokens: int, reserve: int = 0) -> int:
+    """A prompt whose tokens, ``max_tokens`` new ones and ``reserve`` more exceed the engine's
+    context keeps its last tokens (as {"prompt_token_ids": ...}; ``cut_from`` records its length):
+    how many were cut. (``bench`` reserves k_max + 1: within k_max tokens of max_model_len vLLM
+    0.32 counted drafts on the plain arm, which proposes none: 5 drafts, 15 tokens on the tiny
+    test model at 500 + 12 of 512 tokens.)"""
+    keep = max(1, max_model_len - max_tokens - reserve)
+    cut = 0
+    for p in prompts:
+        ids = tokenizer.encode(p["prompt"])
+        if len(ids) > keep:
+            p["prompt"], p["cut_from"] = {"prompt_token_ids": list(ids[-keep:])}, len(ids)
+            cut += 1
+    return cut
+
+
+def _rotated(arms, i: int) -> list:
+    j = i % len(arms)
+    return list(arms[j:]) + list(arms[:j])
 
 
 def bench(target: str, arms=ARMS, repeats: int = 2, max_tokens: int = 96, n_copy: int = 5, n_chat: int = 5,
-          k_max: int = 8, separate: str | None = None, log=print) -> dict:
-    """Every prompt through every arm, arms interleaved per prompt (order rotated), ``repeats``
-    times; per (arm, prompt) the median wall and CPU seconds and the output ids."""
+          k_max: int = 8, separate: str | None = None, log=print, mode: str = "one") -> dict:
+    """Every prompt through every arm, ``repeats`` times; vLLM's own counters (drafts, accepted,
+    prefix-cache hits) read before and after every ``generate`` call. Before timing, every arm is
+    warmed and every prompt sent once (so all arms find it in the prefix cache alike).
+
+    ``mode`` one: each prompt alone (batch 1), arms interleaved per prompt (order rotated);
+    batched: all prompts of a class (copy, chat) in one ``generate`` call (batch = their number),
+    one arm per call (the switch is per engine), arms rotated per class and repeat; both: one,
+    then batched, on the same engine."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}")
     ctl = Switch(_control_path())
     ctl.set("plain")
     if separate:       # one arm, on an engine configured as a user would
@@ -187,37 +332,82 @@ def bench(target: str, arms=ARMS, repeats: int = 2, max_tokens: int = 96, n_copy
             raise ValueError(f"unknown arm {separate!r}")
     else:
         spec = switch_spec(k_max)
+    log(f"vllm: starting an engine on {target} (arms {', '.join(arms)}; this takes a while)")
     t0 = time.perf_counter()
     llm = make_llm(target, spec)
     start_s = time.perf_counter() - t0
     prompts = workload(n_copy, n_chat, llm.get_tokenizer())
-    _gen(llm, "Hello", 4)       # warm
-    rows = []
-    for r in range(repeats):
-        for i, p in enumerate(prompts):
-            order = list(arms[(i + r) % len(arms):]) + list(arms[:(i + r) % len(arms)])
-            for arm in order:
-                if not separate:
-                    ctl.set(arm)
-                ids, w, c = _gen(llm, p["prompt"], max_tokens)
-                rows.append({"repeat": r, "prompt": i, "kind": p["kind"], "arm": arm, "wall_s": round(w, 4),
-                             "cpu_s": round(c, 4), "n": len(ids), "ids": ids})
-                log(f"r{r} p{i} {p['kind']:4} {arm:8} n={len(ids):3} wall={w:.3f} cpu={c:.3f}")
-    metrics = {}
-    try:
-        for m in llm.get_metrics():
-            if m.name.startswith(("vllm:spec_decode", "vllm:prefix_cache")):
-                metrics[m.name] = getattr(m, "values", None) or getattr(m, "value", None)
-    except Exception as e:        # noqa: BLE001 - metrics are extra
-        metrics["error"] = str(e)
-    return {"start_s": round(start_s, 1), "rows": rows, "metrics": metrics, "machine": machine(),
-            "separate": separate, "max_tokens": max_tokens, "k_max": k_max,
+    cut = fit_context(prompts, llm.get_tokenizer(), llm.model_config.max_model_len, max_tokens, k_max + 1)
+    if cut:
+        log(f"vllm: {cut} prompts cut to their last tokens to fit the context of {llm.model_config.max_model_len}")
+    for arm in arms:           # warm every arm (vLLM's n-gram lookup is compiled by numba on its first call)
+        if not separate:
+            ctl.set(arm)
+        _gen(llm, "Hello Hello Hello Hello", 4)
+    # every prompt once (one token, plain), so that every arm finds it in vLLM's prefix cache: else
+    # the first arm on a prompt pays the prefill the later ones skip (full 128-token blocks only)
+    ctl.set("plain")
+    _gen_many(llm, [p["prompt"] for p in prompts], 1)
+    log(f"vllm: engine ready in {start_s:.1f} s; {len(prompts)} prompts (in its prefix cache now), {repeats} "
+        f"repeats, mode {mode}")
+
+    def timed(arm, batch):
+        if not separate:
+            ctl.set(arm)
+        c0 = counters(llm)
+        ids, w, c = _gen_many(llm, [p["prompt"] for p in batch], max_tokens)
+        return ids, w, c, counters_delta(c0, counters(llm))
+
+    rows, batched = [], []
+    if mode in ("one", "both"):
+        for r in range(repeats):
+            for i, p in enumerate(prompts):
+                for arm in _rotated(arms, i + r):
+                    (ids,), w, c, d = timed(arm, [p])
+                    rows.append({"repeat": r, "prompt": i, "kind": p["kind"], "arm": arm, "wall_s": round(w, 4),
+                                 "cpu_s": round(c, 4), "n": len(ids), "ids": ids, "counters": d})
+                    log(f"r{r} p{i} {p['kind']:4} {arm:8} n={len(ids):3} wall={w:.3f} cpu={c:.3f} "
+                        f"drafted={d['draft_tokens']} accepted={d['accepted']} prefix_hits={d['prefix_hits']}")
+    if mode in ("batched", "both"):
+        kinds = [k for k in ("copy", "chat") if any(p["kind"] == k for p in prompts)]
+        for r in range(repeats):
+            for ci, kind in enumerate(kinds):
+                idx = [i for i, p in enumerate(prompts) if p["kind"] == kind]
+                for arm in _rotated(arms, ci + r):
+                    ids, w, c, d = timed(arm, [prompts[i] for i in idx])
+                    n = sum(len(x) for x in ids)
+                    batched.append({"repeat": r, "kind": kind, "arm": arm, "batch": len(idx), "prompts": idx,
+                                    "wall_s": round(w, 4), "cpu_s": round(c, 4), "n": n, "ids": ids, "counters": d})
+                    log(f"batched r{r} {kind:4} {arm:8} batch={len(idx)} n={n:4} wall={w:.3f} cpu={c:.3f} "
+                        f"tok/s={n / w if w else 0:.1f} drafted={d['draft_tokens']} accepted={d['accepted']}")
+    return {"start_s": round(start_s, 1), "rows": rows, "batched": batched, "metrics": counters(llm),
+            "machine": machine(), "separate": separate, "max_tokens": max_tokens, "k_max": k_max, "mode": mode,
+            "arms": list(arms), "target": target, "profile": os.environ.get("RAKV_VLLM_PROFILE"), "prompts_cut": cut,
             "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def _sum_counters(rows) -> dict:
+    tot = {v: 0 for v in COUNTERS.values()}
+    for x in rows:
+        for k in tot:
+            tot[k] += (x.get("counters") or {}).get(k, 0)
+    return tot
+
+
+def _acceptance(c: dict) -> dict:
+    """Per arm from vLLM's counters: accepted / drafted tokens, mean accepted tokens a draft, the
+    prefix cache's hit rate (tokens)."""
+    return {"drafted": c["draft_tokens"], "accepted": c["accepted"], "drafts": c["drafts"],
+            "acceptance": round(c["accepted"] / c["draft_tokens"], 4) if c["draft_tokens"] else None,
+            "mean_accepted": round(c["accepted"] / c["drafts"], 3) if c["drafts"] else None,
+            "prefix_hits": c["prefix_hits"], "prefix_queries": c["prefix_queries"],
+            "prefix_hit_rate": round(c["prefix_hits"] / c["prefix_queries"], 4) if c["prefix_queries"] else None}
+
+
 def summarize(res: dict, base: str = "plain") -> dict:
-    """Per arm and prompt kind: summed per-prompt medians of wall and CPU seconds, tokens, and the
-    ratio to ``base``; greedy ids compared with ``base`` per prompt."""
+    """One at a time, per arm and prompt kind: summed per-prompt medians of wall and CPU seconds,
+    tokens, tokens/s, and the ratio to ``base``; vLLM's counters summed over the arm's calls;
+    greedy ids compared with ``base`` per prompt."""
     from collections import defaultdict
 
     by = defaultdict(list)
@@ -233,9 +423,11 @@ def summarize(res: dict, base: str = "plain") -> dict:
             w = sum(statistics.median(x["wall_s"] for x in by[k]) for k in keys)
             c = sum(statistics.median(x["cpu_s"] for x in by[k]) for k in keys)
             n = sum(by[k][0]["n"] for k in keys)
-            out.setdefault(arm, {})[kind] = {"wall_s": round(w, 3), "cpu_s": round(c, 3), "tokens": n}
+            out.setdefault(arm, {})[kind] = {"wall_s": round(w, 3), "cpu_s": round(c, 3), "tokens": n,
+                                             "tokens_per_s": round(n / w, 2) if w else None}
         same = [ids[(arm, p)] == ids.get((base, p)) for (a, p) in ids if a == arm and (base, p) in ids]
         out[arm]["ids_equal_base"] = f"{sum(same)}/{len(same)}"
+        out[arm]["vllm"] = _acceptance(_sum_counters(x for x in res["rows"] if x["arm"] == arm))
     for arm in arms:
         for kind in ("copy", "chat", "all"):
             b = out.get(base, {}).get(kind)
@@ -246,44 +438,230 @@ def summarize(res: dict, base: str = "plain") -> dict:
     return out
 
 
+def summarize_batched(res: dict, base: str = "plain") -> dict:
+    """Batched, per arm and class: the median over repeats of a call's wall and CPU seconds, its
+    tokens, tokens/s, the ratio to ``base``; vLLM's counters summed over the arm's calls; greedy
+    ids against ``base``'s batched ids and against the one-at-a-time ``base`` (when it ran)."""
+    from collections import defaultdict
+
+    by = defaultdict(list)
+    for x in res.get("batched", []):
+        by[(x["arm"], x["kind"])].append(x)
+    one = {}
+    for x in res.get("rows", []):
+        if x["arm"] == base:
+            one.setdefault(x["prompt"], x["ids"])
+    arms = sorted({a for a, _ in by}, key=lambda a: (a != base, a))
+    out = {}
+    for arm in arms:
+        per, same_b, same_1 = {}, [], []
+        for kind in ("copy", "chat"):
+            xs = by.get((arm, kind))
+            if not xs:
+                continue
+            w = statistics.median(x["wall_s"] for x in xs)
+            c = statistics.median(x["cpu_s"] for x in xs)
+            n = xs[0]["n"]
+            per[kind] = {"batch": xs[0]["batch"], "wall_s": round(w, 3), "cpu_s": round(c, 3), "tokens": n,
+                         "tokens_per_s": round(n / w, 2) if w else None}
+            b = by.get((base, kind))
+            if b:
+                same_b += [a == z for a, z in zip(xs[0]["ids"], b[0]["ids"])]
+            if one:
+                same_1 += [a == one.get(i) for a, i in zip(xs[0]["ids"], xs[0]["prompts"]) if i in one]
+        w = sum(v["wall_s"] for v in per.values())
+        c = sum(v["cpu_s"] for v in per.values())
+        n = sum(v["tokens"] for v in per.values())
+        per["all"] = {"wall_s": round(w, 3), "cpu_s": round(c, 3), "tokens": n,
+                      "tokens_per_s": round(n / w, 2) if w else None}
+        per["ids_equal_base"] = f"{sum(same_b)}/{len(same_b)}"
+        if same_1:
+            per["ids_equal_base_one_at_a_time"] = f"{sum(same_1)}/{len(same_1)}"
+        per["vllm"] = _acceptance(_sum_counters(x for x in res.get("batched", []) if x["arm"] == arm))
+        out[arm] = per
+    for arm in arms:
+        for kind in ("copy", "chat", "all"):
+            b, o = out.get(base, {}).get(kind), out[arm].get(kind)
+            if b and o:
+                o["wall_vs_base"] = round(b["wall_s"] / o["wall_s"], 3) if o["wall_s"] else None
+                o["cpu_vs_base"] = round(b["cpu_s"] / o["cpu_s"], 3) if o["cpu_s"] else None
+    return out
+
+
+def _f(x, fmt="{:.2f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def format_summary(res: dict) -> str:
+    """The arms side by side (markdown): tokens/s, wall and CPU seconds, their ratio to plain,
+    vLLM's acceptance counters, prefix-cache hits, ids equal plain."""
+    m = res.get("machine", {})
+    lines = [f"# vLLM arms on {res.get('target')} ({res.get('measured')}; {m.get('cpu')}, {m.get('cores')} cores, "
+             f"load {', '.join(f'{x:.1f}' for x in m.get('load', []))} at the end)", "",
+             f"max {res.get('max_tokens')} new tokens, greedy; profile {res.get('profile') or 'none (default costs)'}; "
+             f"engine start {res.get('start_s')} s", ""]
+    base = res.get("separate") or "plain"
+    if res.get("summary"):
+        lines += ["## One at a time (batch 1): per arm, the sum over prompts of each prompt's median", "",
+                  "| arm | tok/s | wall s | CPU s | plain/arm wall | plain/arm CPU | copy: wall / CPU s | "
+                  "chat: wall / CPU s | drafted | accepted | acceptance | accepted a draft | prefix-cache hits | "
+                  "ids = plain |", "|" + "---|" * 14]
+        for arm, v in res["summary"].items():
+            a, acc = v["all"], v["vllm"]
+            lines.append(f"| {arm} | {_f(a['tokens_per_s'])} | {a['wall_s']:.2f} | {a['cpu_s']:.2f} | "
+                         f"{_f(a.get('wall_vs_base'), '{:.3f}')} | {_f(a.get('cpu_vs_base'), '{:.3f}')} | "
+                         f"{v['copy']['wall_s']:.2f} / {v['copy']['cpu_s']:.2f} | "
+                         f"{v['chat']['wall_s']:.2f} / {v['chat']['cpu_s']:.2f} | {acc['drafted']} | {acc['accepted']} | "
+                         f"{_f(acc['acceptance'], '{:.3f}')} | {_f(acc['mean_accepted'])} | "
+                         f"{acc['prefix_hits']}/{acc['prefix_queries']} | {v['ids_equal_base']} |")
+        lines.append("")
+    if res.get("summary_batched"):
+        lines += ["## Batched: all prompts of a class in one generate call, one arm a call (median over repeats)",
+                  "", "| arm | class | batch | tok/s | wall s | CPU s | plain/arm wall | plain/arm CPU | drafted | "
+                  "accepted | acceptance | prefix-cache hits | ids = batched plain | ids = plain one at a time |",
+                  "|" + "---|" * 14]
+        for arm, v in res["summary_batched"].items():
+            acc = v["vllm"]
+            for kind in ("copy", "chat", "all"):
+                o = v.get(kind)
+                if not o:
+                    continue
+                tail = (f"{acc['drafted']} | {acc['accepted']} | {_f(acc['acceptance'], '{:.3f}')} | "
+                        f"{acc['prefix_hits']}/{acc['prefix_queries']} | "
+                        f"{v['ids_equal_base']} | {v.get('ids_equal_base_one_at_a_time', '-')} |") if kind == "all" \
+                    else "| | | | | |"
+                lines.append(f"| {arm} | {kind} | {o.get('batch', '')} | {_f(o['tokens_per_s'])} | {o['wall_s']:.2f} | "
+                             f"{o['cpu_s']:.2f} | {_f(o.get('wall_vs_base'), '{:.3f}')} | "
+                             f"{_f(o.get('cpu_vs_base'), '{:.3f}')} | " + tail)
+        lines.append("")
+    lines.append(f"(base: {base}; CPU s: the driver, vLLM's engine core and its worker; ids compared per prompt)")
+    return "\n".join(lines)
+
+
+def vllm_python() -> str | None:
+    """Where vLLM runs: None for this Python (it imports vllm), else the python that
+    ``RAKV_VLLM_PYTHON`` names, checked to import vllm and rakv (vLLM's CPU build lives in its own
+    venv). A missing vLLM raises ValueError with one line, before anything starts."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    exe = os.environ.get("RAKV_VLLM_PYTHON")
+    if not exe:
+        raise ValueError("vLLM is not importable here: install its CPU build in its own venv (docs/vllm.md) "
+                         "and run this with that venv's rakv, or set RAKV_VLLM_PYTHON to its python")
+    try:
+        ok = subprocess.run([exe, "-c", "import importlib.util as u, sys; "
+                                        "sys.exit(0 if u.find_spec('vllm') and u.find_spec('rakv') else 3)"],
+                            capture_output=True, timeout=60).returncode
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ValueError(f"RAKV_VLLM_PYTHON={exe} does not run ({type(e).__name__}: {e})") from None
+    if ok != 0:
+        raise ValueError(f"RAKV_VLLM_PYTHON={exe} cannot import vllm and rakv (install vLLM's CPU build and rakv "
+                         "there, or put this rakv on its PYTHONPATH: docs/vllm.md)")
+    return exe
+
+
+def run_in_vllm_python(argv: list[str], exe: str | None) -> int:
+    """``python -m rakv.integrations.vllm_run ARGV`` here (``exe`` None) or in ``exe``; vLLM's
+    logs go to stderr, its output streams through."""
+    import subprocess
+
+    if exe is None:
+        return main(argv)
+    env = {**os.environ, "VLLM_LOGGING_STREAM": os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.stderr")}
+    return subprocess.run([exe, "-m", "rakv.integrations.vllm_run", *argv], env=env).returncode
+
+
+def _int_list(text: str, what: str, lo: int) -> list[int]:
+    try:
+        xs = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, not {text!r}") from None
+    if not xs or xs[0] < lo:
+        raise ValueError(f"{what} must be integers >= {lo}, not {text!r}")
+    return xs
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):          # one line through main's guard, not usage + exit
+        raise ValueError(message)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rakv.integrations.vllm_run")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = _Parser(prog="python -m rakv.integrations.vllm_run")
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     c = sub.add_parser("calibrate")
     c.add_argument("--target", required=True)
     c.add_argument("--out", required=True)
     c.add_argument("--k", default="0,1,2,4,8")
+    c.add_argument("--batch-sizes", default="1", help="batch sizes timed (1 is always timed: the top-level fields)")
     c.add_argument("--tokens", type=int, default=32)
     c.add_argument("--repeats", type=int, default=3)
     b = sub.add_parser("bench")
     b.add_argument("--target", required=True)
     b.add_argument("--profile", help="the RAKV proposer's cost profile (sets RAKV_VLLM_PROFILE)")
     b.add_argument("--out", required=True, help="a JSON file")
+    b.add_argument("--md", help="also write the side-by-side summary (markdown) here")
     b.add_argument("--arms", default=",".join(ARMS))
     b.add_argument("--separate", help="one arm on an engine configured as a user would: plain, ngram:K, rakv")
+    b.add_argument("--mode", choices=MODES, default="one",
+                   help="one: each prompt alone (batch 1); batched: each class's prompts in one generate call; both")
     b.add_argument("--repeats", type=int, default=2)
     b.add_argument("--max-tokens", type=int, default=96)
     b.add_argument("--copy", type=int, default=5)
     b.add_argument("--chat", type=int, default=5)
     b.add_argument("--k-max", type=int, default=8)
-    a = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")      # stdout: the results only
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    if a.cmd == "calibrate":
-        prof = calibrate(a.target, tuple(int(x) for x in a.k.split(",")), a.tokens, a.repeats)
+    err = lambda s: print(s, file=sys.stderr, flush=True)       # noqa: E731
+    try:
+        a = ap.parse_args(argv)
+        check_target(a.target)
+        if a.cmd == "calibrate":
+            ks = tuple(sorted(set(_int_list(a.k, "--k", 0)) | {0}))
+            sizes = _int_list(a.batch_sizes, "--batch-sizes", 1)
+            prof = calibrate(a.target, ks, a.tokens, a.repeats, batch_sizes=sizes, log=err)
+            with open(a.out, "w") as f:
+                json.dump(prof, f, indent=1)
+            print(json.dumps({k: prof[k] for k in ("t_ms", "V_ms", "cpu_ms") + (("by_batch",) if "by_batch" in prof
+                                                                               else ())}))
+            return 0
+        arms = check_arms(a.arms.split(","))
+        if a.separate:
+            check_arms([a.separate])
+        big = [x for x in arms + ((a.separate,) if a.separate else ()) if x.startswith(("ngram:", "draft:"))
+               and int(x.split(":")[1]) > a.k_max]
+        if big:
+            raise ValueError(f"arm {big[0]} drafts more than --k-max {a.k_max}")
+        if a.profile:
+            from .vllm_proposer import load_profile, profile_batches
+
+            profile_batches(load_profile(a.profile))         # a bad profile: one line, before the engine
+            os.environ["RAKV_VLLM_PROFILE"] = os.path.abspath(a.profile)
+        os.environ.setdefault("RAKV_VLLM_STATS", a.out + ".proposer.json")
+        res = bench(a.target, arms, a.repeats, a.max_tokens, a.copy, a.chat, a.k_max, a.separate, log=err, mode=a.mode)
+        base = "plain" if not a.separate else a.separate
+        res["summary"] = summarize(res, base) if res["rows"] else {}
+        res["summary_batched"] = summarize_batched(res, base) if res["batched"] else {}
         with open(a.out, "w") as f:
-            json.dump(prof, f, indent=1)
-        print(json.dumps({k: prof[k] for k in ("t_ms", "V_ms", "cpu_ms")}))
+            json.dump(res, f)
+        text = format_summary(res)
+        if a.md:
+            with open(a.md, "w") as f:
+                f.write(text + "\n")
+        print(text)
         return 0
-    if a.profile:
-        os.environ["RAKV_VLLM_PROFILE"] = os.path.abspath(a.profile)
-    os.environ.setdefault("RAKV_VLLM_STATS", a.out + ".proposer.json")
-    res = bench(a.target, tuple(a.arms.split(",")), a.repeats, a.max_tokens, a.copy, a.chat, a.k_max, a.separate,
-                log=lambda s: print(s, file=sys.stderr, flush=True))
-    res["summary"] = summarize(res, "plain" if not a.separate else a.separate)
-    with open(a.out, "w") as f:
-        json.dump(res, f)
-    print(json.dumps(res["summary"], indent=1))
-    return 0
+    except KeyboardInterrupt:
+        err("rakv: interrupted")
+        return 130
+    except Exception as e:          # noqa: BLE001 - one line (RAKV_VLLM_DEBUG=1: the traceback)
+        if os.environ.get("RAKV_VLLM_DEBUG"):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        err(f"rakv: error: {type(e).__name__ + ': ' if not isinstance(e, (ValueError, OSError)) else ''}{msg}")
+        return 2
 
 
 if __name__ == "__main__":
