@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch-sizes", default="1",
                    help="--engine vllm: the batch sizes timed, e.g. 1,2,4 (B same-length prompts generated "
                         "together; batch 1 is always timed)")
+    c.add_argument("--vllm-draft", default=None, metavar="M",
+                   help="--engine vllm: a model draft for the RAKV proposer, run by rakv in vLLM's worker "
+                        "(demo, a preset, a .gguf, a folder; same tokenizer as the target; --numerics, "
+                        "default q8): its acceptance on the engine goes into the profile")
 
     r = sub.add_parser("replay", help="derive a timing CSV from a recording")
     r.add_argument("file")
@@ -527,6 +531,8 @@ def cmd_calibrate_vllm(args) -> int:
     out = args.out or "vllm-profile.json"
     argv = ["calibrate", "--target", args.target, "--out", out, "--k", ",".join(map(str, ks)),
             "--tokens", str(args.tokens), "--repeats", str(args.repeats), "--batch-sizes", ",".join(map(str, sizes))]
+    if args.vllm_draft:
+        argv += ["--draft", args.vllm_draft, "--draft-numerics", "fp32" if args.numerics == "fp32" else "q8"]
     return run_in_vllm_python(argv, exe)
 
 

@@ -167,7 +167,9 @@ E2E = textwrap.dedent('''
         os.environ["RAKV_VLLM_MEM"] = "0.05"
         t = time.perf_counter()
         assert rakv_main(["calibrate", "--engine", "vllm", "--target", d, "--out", prof, "--tokens", "8",
-                          "--repeats", "1", "--batch-sizes", "1,2,4"]) == 0     # this engine's own costs
+                          "--repeats", "1", "--batch-sizes", "1,2,4", "--vllm-draft", d,
+                          "--numerics", "fp32"]) == 0     # this engine's own costs, its model draft's acceptance
+        os.environ.pop("RAKV_VLLM_DRAFT", None)   # (calibrate set it for its engine; the profile names it now)
         times["calibrate"] = time.perf_counter() - t
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):     # `rakv advise --engine vllm --json`: what it prints, as it is
@@ -186,6 +188,7 @@ E2E = textwrap.dedent('''
                       gpu_memory_utilization=0.05, disable_log_stats=False)
             if spec:
                 kw["speculative_config"] = spec
+            os.environ["RAKV_VLLM_STATS"] = os.path.join(os.path.dirname(out), "stats-%%s.json" %% arm)
             llm = LLM(**kw)
             res[arm] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
             res[arm + "_one"] = [list(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
@@ -205,6 +208,8 @@ E2E = textwrap.dedent('''
             del llm
             times[arm] = time.perf_counter() - t
         res["profile"] = json.load(open(prof))
+        sp_ = os.path.join(os.path.dirname(out), "stats-rakv.json")
+        res["rakv_stats"] = json.load(open(sp_)) if os.path.exists(sp_) else None
         # `rakv bench --peer vllm`: its arms one at a time and batched (prompts cut to the tiny context)
         t = time.perf_counter()
         buf = io.StringIO()
@@ -262,6 +267,12 @@ def test_vllm_greedy_ids_equal_plain(tmp_path):
         assert res[arm] == res["plain"], arm               # batched
         assert res[arm + "_one"] == res["plain_one"], arm  # batch 1
     assert res["plain_metrics"]["counters"]["drafts"] == 0            # no speculation, no drafts
+    # the proposer's model draft (the profile names it: calibrate --vllm-draft, the target's own folder
+    # in fp32 here): vLLM accepted its drafts, exact all the same
+    dr = p["draft"]
+    assert dr["spec"] and dr["numerics"] == "fp32" and dr["drafts"] > 0 and 0.5 < dr["alpha"] <= 1, dr
+    st = res["rakv_stats"]
+    assert st is not None and st["draft"] and st["model_rows"] > 0 and st["model_acceptance"] > 0.5, st
     for arm, k in (("ngram", NGRAM["num_speculative_tokens"]), ("rakv", 8)):
         m = res[arm + "_metrics"]
         c, acc = m["counters"], m["acceptance"]

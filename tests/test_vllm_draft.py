@@ -222,3 +222,25 @@ def test_switch_arms_share_one_draft(target, tmp_path, monkeypatch):
     sw.propose([[ref[0]]], np.array([len(seq)]), row(seq))
     assert sw.arms["rakvcopy"].dlm is None and sw.arms["rakvcopy"].counts["rows"] == 1
     assert set(sw.stats()) == {"rakv", "rakvcopy", "draft:3"}
+
+
+def test_a_rows_costs_follow_the_batch_size():
+    """At batch B a row's share of a step is V_B(k) / B (the nearest measured B); batch 1 as measured."""
+    prof = dict(PROFILE, by_batch={"4": {"t_ms": 100.0, "V_ms": {"1": 110.0, "2": 120.0, "4": 140.0, "8": 200.0}}})
+    p = VP.RakvProposer(k_max=8, max_model_len=WIDTH, profile=prof, draft=None)
+    assert p.row_costs(1) == VP.verify_costs(prof, 8)
+    v4 = p.row_costs(4)
+    assert v4[0] == pytest.approx(25.0) and v4[8] == pytest.approx(50.0) and p.row_costs(5) == v4
+    assert VP.RakvProposer(k_max=8, max_model_len=WIDTH, profile=PROFILE, draft=None).row_costs(4) == \
+        VP.verify_costs(PROFILE, 8)                   # only batch 1 measured: its costs
+
+
+def test_a_draft_that_cannot_load_leaves_copies(caplog):
+    """A bad draft name must not take vLLM's engine down: one error line, copies only."""
+    p = VP.RakvProposer(k_max=8, max_model_len=WIDTH, profile=PROFILE, draft=("/no/such/model", "q8"))
+    with caplog.at_level("ERROR", logger="rakv.vllm"):
+        p.load_model()
+    assert p.dlm is None and "could not be loaded" in caplog.text and p.counts["draft_error"]
+    block = list(range(10, 40))
+    ids = block + [5] + block[:6]
+    assert p.propose([[ids[-1]]], np.array([len(ids)]), row(ids))[0]          # copies still proposed

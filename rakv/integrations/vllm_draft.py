@@ -54,7 +54,8 @@ class DraftCosts:
         from .. import decoding as dec
         from ..drafts import ModelDraft
 
-        ids = [(i * 37) % 1000 + 10 for i in range(n_prompt + 1)]
+        vocab = int(getattr(lm.model.config, "vocab_size", 0) or 1000)
+        ids = [(i * 37) % max(1, min(1000, vocab - 10)) + 5 for i in range(n_prompt + 1)]
         best = None
         for _ in range(2):                       # the first pass warms the kernels and caches up
             md = ModelDraft(lm)

@@ -206,7 +206,8 @@ class RakvProposer:
                 log.warning("RakvProposer: no cost profile (%s unset): V(k) = t (1 + %.2f k) assumed",
                             PROFILE_ENV, DEFAULT_V_SLOPE)
         self.profile = profile
-        self.V = verify_costs(profile, self.k_max)
+        self.V = verify_costs(profile, self.k_max)       # a row's costs at batch 1 (row_costs: others)
+        self._V_by_batch: dict[int, list[float]] = {1: self.V}
         self.alpha_star = alpha_star(self.V)
         self.lookup_map = AcceptMap(LOOKUP_ALPHA)
         drafted = (profile or {}).get("draft") or {}
@@ -229,14 +230,31 @@ class RakvProposer:
                        "model_accepted": 0, "model_judged": 0, "model_starts": 0, "draft_ms": 0.0}
         self._stats_path = os.environ.get(STATS_ENV)
 
+    def row_costs(self, batch: int) -> list[float]:
+        """A row's share of a step at this batch size: V(k) of the nearest measured batch size B
+        over B (the B rows share the step; a model draft's d is the row's own, everyone waits)."""
+        batch = max(1, batch)
+        if batch not in self._V_by_batch:
+            sizes = sorted(profile_batches(self.profile)) or [1]
+            B = nearest_batch(sizes, batch)
+            self._V_by_batch[batch] = [v / B for v in verify_costs_for_batch(self.profile, self.k_max, B)]
+        return self._V_by_batch[batch]
+
     # vLLM calls this after building the drafter: load the model draft, if any, and time it here
     def load_model(self, *args, **kwargs) -> None:
         if self.draft_spec is None or self.dlm is not None:
             return
         from .vllm_draft import DraftCosts, load_draft
 
-        self.dlm = load_draft(*self.draft_spec)
-        self.dcost = DraftCosts.measure(self.dlm)
+        try:
+            self.dlm = load_draft(*self.draft_spec)
+            self.dcost = DraftCosts.measure(self.dlm)
+        except Exception as e:         # noqa: BLE001 - the engine serves on, with copies only
+            log.error("RakvProposer: the draft %s could not be loaded (%s: %s); proposing n-gram copies only",
+                      self.draft_spec[0], type(e).__name__, e)
+            self.dlm = self.dcost = None
+            self.counts["draft_error"] = f"{type(e).__name__}: {e}"
+            return
         log.info("RakvProposer: draft %s, d = %.2f ms, prefill %.3f ms a token (t = %.2f ms), %d threads",
                  self.draft_spec[0], self.dcost.d_ms, self.dcost.prefill_ms_tok, self.V[0], _threads())
 
@@ -244,6 +262,7 @@ class RakvProposer:
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
                 **kwargs) -> list[list[int]]:
         t0 = time.perf_counter()
+        self.V = self.row_costs(sum(1 for s in sampled_token_ids if s))
         out: list[list[int]] = []
         seen: dict[tuple, list[_Req]] = {}
         for i, sampled in enumerate(sampled_token_ids):
@@ -260,12 +279,13 @@ class RakvProposer:
             rq.n = n
             seen.setdefault((row[: min(n, FP_TOKENS)].tobytes(), n), []).append(rq)
             out.append(drafts)
-        self._reqs = seen                    # requests not in this step have finished (or wait)
+        ended = sum(map(len, self._reqs.values()))      # requests not in this step have finished (or wait)
+        self._reqs = seen
         self.steps += 1
         c = self.counts
         c["rows"] += len(out)
         c["propose_ms"] += (time.perf_counter() - t0) * 1e3
-        if self._stats_path and self.steps % STATS_EVERY == 0:
+        if self._stats_path and (self.steps % STATS_EVERY == 0 or ended):
             self.write_stats()
         return out
 

@@ -176,14 +176,21 @@ def calibration_prompts(ids: list[int], batch: int) -> list[dict]:
 
 
 def calibrate(target: str, ks=(0, 1, 2, 4, 8), tokens: int = 32, repeats: int = 3, prompt: str | None = None,
-              batch_sizes=(1,), log=None) -> dict:
+              batch_sizes=(1,), log=None, draft: str | None = None, draft_numerics: str = "q8") -> dict:
     """Time vLLM steps that verify k rejected drafts (k = 0: a plain step), interleaved over k and
     batch sizes; per (B, k) the median over repeats of (ms for 1 + tokens outputs - ms for 1) /
     tokens, with B same-length prompts generated together (one ``llm.generate`` call): the ms of
     one engine step in which each of the B requests verifies k drafts. Batch 1 gives the
-    top-level ``t_ms`` / ``V_ms`` (as before); other sizes go to ``by_batch``."""
+    top-level ``t_ms`` / ``V_ms`` (as before); other sizes go to ``by_batch``. With ``draft`` (a
+    rakv model spec) the model draft's acceptance on this engine is measured too (``draft``)."""
     import vllm
 
+    if draft:           # before the engine starts: its worker builds the proposer and loads the draft
+        os.environ["RAKV_VLLM_DRAFT"], os.environ["RAKV_VLLM_DRAFT_NUMERICS"] = draft, draft_numerics
+        if not os.environ.get("RAKV_VLLM_STATS"):
+            fd, stats_path = tempfile.mkstemp(prefix="rakv-vllm-stats-", suffix=".json")
+            os.close(fd)
+            os.environ["RAKV_VLLM_STATS"] = stats_path
     sizes = sorted({int(b) for b in batch_sizes} | {1})
     ctl = Switch(_control_path())
     ctl.set("plain")
@@ -221,7 +228,46 @@ def calibrate(target: str, ks=(0, 1, 2, 4, 8), tokens: int = 32, repeats: int = 
         out["by_batch_unit"] = "ms of one engine step in which each of the B requests verifies k drafts"
     out.update({"tokens": tokens, "repeats": repeats, "prompt_chars": len(prompt), "prompt_tokens": len(ids),
                 "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine()})
+    if draft:
+        out["draft"] = calibrate_draft(llm, ctl, draft, draft_numerics, log=log)
     return out
+
+
+DRAFT_K = 4                 # the fixed k at which a model draft's acceptance is measured
+DRAFT_PROMPTS = 4           # shipped chat prompts it is measured on (never the held-out ones)
+DRAFT_TOKENS = 48
+
+
+def calibrate_draft(llm, ctl, spec: str, numerics: str, log=None) -> dict:
+    """The model draft's per-token acceptance on this engine: the ``draft:K`` arm on shipped chat
+    prompts; from vLLM's own counters, accepted / judged (the accepted drafts and each round's
+    first rejected one). Its d and prefill cost as the worker measured them (the proposer's stats)."""
+    from rakv.bench import workloads as W
+
+    tok = llm.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+               if getattr(tok, "chat_template", None) else c for c in W.chat_prompts("chat")[:DRAFT_PROMPTS]]
+    ctl.set(f"draft:{DRAFT_K}")
+    before = counters(llm)
+    for p in prompts:
+        _gen(llm, p, DRAFT_TOKENS)
+    c = counters_delta(before, counters(llm))
+    per = list(c.get("per_pos") or [])
+    judged = c["drafts"] + sum(per[: DRAFT_K - 1])
+    alpha = round(c["accepted"] / judged, 4) if judged else None
+    ctl.set("plain")
+    _gen(llm, "Hello", 2)     # one more step: the switch writes its counters every few steps
+    costs = {}
+    try:
+        with open(os.environ["RAKV_VLLM_STATS"]) as f:
+            costs = (json.load(f).get(f"draft:{DRAFT_K}") or {}).get("draft_costs") or {}
+    except (OSError, ValueError, KeyError):
+        pass
+    if log:
+        log(f"calibrate draft {spec} ({numerics}): alpha {alpha} at k {DRAFT_K} over {c['drafts']} drafts; {costs}")
+    return {"spec": spec, "numerics": numerics, "alpha": alpha, "k": DRAFT_K, "drafts": c["drafts"],
+            "draft_tokens": c["draft_tokens"], "accepted": c["accepted"], "prompts": f"chat[:{DRAFT_PROMPTS}]",
+            "tokens": DRAFT_TOKENS, **costs}
 
 
 # ---------------------------------------------------------------------------------- workload
@@ -599,6 +645,8 @@ def main(argv=None) -> int:
     c.add_argument("--batch-sizes", default="1", help="batch sizes timed (1 is always timed: the top-level fields)")
     c.add_argument("--tokens", type=int, default=32)
     c.add_argument("--repeats", type=int, default=3)
+    c.add_argument("--draft", help="a model draft for the proposer (a rakv model spec): its acceptance is measured too")
+    c.add_argument("--draft-numerics", default="q8", choices=("q8", "fp32"))
     b = sub.add_parser("bench")
     b.add_argument("--target", required=True)
     b.add_argument("--profile", help="the RAKV proposer's cost profile (sets RAKV_VLLM_PROFILE)")
@@ -622,7 +670,8 @@ def main(argv=None) -> int:
         if a.cmd == "calibrate":
             ks = tuple(sorted(set(_int_list(a.k, "--k", 0)) | {0}))
             sizes = _int_list(a.batch_sizes, "--batch-sizes", 1)
-            prof = calibrate(a.target, ks, a.tokens, a.repeats, batch_sizes=sizes, log=err)
+            prof = calibrate(a.target, ks, a.tokens, a.repeats, batch_sizes=sizes, log=err, draft=a.draft,
+                             draft_numerics=a.draft_numerics)
             with open(a.out, "w") as f:
                 json.dump(prof, f, indent=1)
             print(json.dumps({k: prof[k] for k in ("t_ms", "V_ms", "cpu_ms") + (("by_batch",) if "by_batch" in prof
