@@ -74,7 +74,7 @@ def check_args(args) -> None:
 def plan(args) -> dict:
     from rakv.integrations.vllm_run import ARMS, check_arms
 
-    arms = check_arms((args.vllm_arms or ",".join(ARMS)).split(","))
+    arms = check_arms((args.vllm_arms or ",".join(ARMS)).split(","), args.vllm_profile)
     if "plain" not in arms:
         raise ValueError("--vllm-arms must include plain (the base of every ratio and of the ids check)")
     big = [a for a in arms if a.startswith(("ngram:", "draft:")) and int(a.split(":")[1]) > args.vllm_k_max]

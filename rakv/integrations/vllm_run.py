@@ -308,9 +308,10 @@ ARMS_HELP = ("plain, ngram:K (vLLM's n-gram lookup at a fixed K), rakv (the RAKV
              "fixed K; needs RAKV_VLLM_DRAFT)")
 
 
-def check_arms(arms) -> tuple:
+def check_arms(arms, profile_path: str | None = None) -> tuple:
     """The switch's arms (``SwitchProposer``), checked: one line for a name it does not know, a
-    repeated one, or ``draft:K`` without a model draft in ``RAKV_VLLM_DRAFT``."""
+    repeated one, or ``draft:K`` without a model draft (``RAKV_VLLM_DRAFT``, or the one the
+    profile at ``profile_path`` was calibrated with)."""
     arms = tuple(a.strip() for a in arms if a.strip())
     for a in arms:
         if a in ("plain", "rakv", "rakvcopy"):
@@ -318,13 +319,22 @@ def check_arms(arms) -> tuple:
         kind, _, k = a.partition(":")
         if kind not in ("ngram", "draft") or not k.isdigit() or int(k) < 1:
             raise ValueError(f"unknown arm {a!r} ({ARMS_HELP})")
-        if kind == "draft" and not os.environ.get("RAKV_VLLM_DRAFT"):
-            raise ValueError(f"arm {a} needs a model draft: set RAKV_VLLM_DRAFT (docs/vllm.md)")
+        if kind == "draft" and not (os.environ.get("RAKV_VLLM_DRAFT") or _profile_draft(profile_path)):
+            raise ValueError(f"arm {a} needs a model draft: a profile calibrated with one (rakv calibrate "
+                             "--engine vllm --vllm-draft M) or RAKV_VLLM_DRAFT (docs/vllm.md)")
     if not arms:
         raise ValueError("no arms")
     if len(set(arms)) != len(arms):
         raise ValueError(f"an arm is named twice: {','.join(arms)}")
     return arms
+
+
+def _profile_draft(path: str | None) -> str | None:
+    try:
+        with open(path) as f:
+            return ((json.load(f) or {}).get("draft") or {}).get("spec")
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
 
 
 def fit_context(prompts: list[dict], tokenizer, max_model_len: int, max_tokens: int, reserve: int = 0) -> int:
@@ -600,13 +610,21 @@ def vllm_python() -> str | None:
     try:
         ok = subprocess.run([exe, "-c", "import importlib.util as u, sys; "
                                         "sys.exit(0 if u.find_spec('vllm') and u.find_spec('rakv') else 3)"],
-                            capture_output=True, timeout=60).returncode
+                            capture_output=True, timeout=60, env=_with_this_rakv()).returncode
     except (OSError, subprocess.SubprocessError) as e:
         raise ValueError(f"RAKV_VLLM_PYTHON={exe} does not run ({type(e).__name__}: {e})") from None
     if ok != 0:
         raise ValueError(f"RAKV_VLLM_PYTHON={exe} cannot import vllm and rakv (install vLLM's CPU build and rakv "
                          "there, or put this rakv on its PYTHONPATH: docs/vllm.md)")
     return exe
+
+
+def _with_this_rakv() -> dict:
+    """The environment for vLLM's python: this rakv first on its PYTHONPATH (vLLM's venv need not
+    have rakv installed; the one running this command is the one that runs there)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
 def run_in_vllm_python(argv: list[str], exe: str | None) -> int:
@@ -616,7 +634,7 @@ def run_in_vllm_python(argv: list[str], exe: str | None) -> int:
 
     if exe is None:
         return main(argv)
-    env = {**os.environ, "VLLM_LOGGING_STREAM": os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.stderr")}
+    env = {**_with_this_rakv(), "VLLM_LOGGING_STREAM": os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.stderr")}
     return subprocess.run([exe, "-m", "rakv.integrations.vllm_run", *argv], env=env).returncode
 
 
@@ -677,9 +695,9 @@ def main(argv=None) -> int:
             print(json.dumps({k: prof[k] for k in ("t_ms", "V_ms", "cpu_ms") + (("by_batch",) if "by_batch" in prof
                                                                                else ())}))
             return 0
-        arms = check_arms(a.arms.split(","))
+        arms = check_arms(a.arms.split(","), a.profile)
         if a.separate:
-            check_arms([a.separate])
+            check_arms([a.separate], a.profile)
         big = [x for x in arms + ((a.separate,) if a.separate else ()) if x.startswith(("ngram:", "draft:"))
                and int(x.split(":")[1]) > a.k_max]
         if big:
