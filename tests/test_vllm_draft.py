@@ -244,3 +244,19 @@ def test_a_draft_that_cannot_load_leaves_copies(caplog):
     block = list(range(10, 40))
     ids = block + [5] + block[:6]
     assert p.propose([[ids[-1]]], np.array([len(ids)]), row(ids))[0]          # copies still proposed
+
+
+def test_a_draft_with_another_tokenizer_is_refused(target, caplog):
+    """The draft's ids must mean the target's text: a tokenizer that splits text otherwise (the
+    tiny test tokenizer here) is refused at load with one error line; copies go on."""
+    from tests.tiny import tiny_tokenizer
+
+    p = VP.RakvProposer(k_max=8, max_model_len=WIDTH, profile=PROFILE, draft=("demo", "q8"),
+                        tokenizer=tiny_tokenizer())
+    with caplog.at_level("ERROR", logger="rakv.vllm"):
+        p.load_model()
+    assert p.dlm is None and "tokenizer is not the target's" in caplog.text
+    q = VP.RakvProposer(k_max=8, max_model_len=WIDTH, profile=PROFILE, draft=("demo", "q8"),
+                        tokenizer=target.tokenizer)
+    q.load_model()
+    assert q.dlm is not None

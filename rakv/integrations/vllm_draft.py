@@ -84,6 +84,26 @@ class DraftCosts:
         return {"d_ms": round(self.d_ms, 3), "prefill_ms_tok": round(self.prefill_ms_tok, 4)}
 
 
+PROBE = "def area(r):\n    return 3.14159 * r ** 2  # Hello, world! Grüße, 東京 42"
+
+
+def same_tokenizer(draft_tok, target_tok) -> bool:
+    """A draft proposes ids: they stand for the target's text only where both tokenizers split
+    the same text into the same ids."""
+    enc = lambda t: list(t(PROBE, add_special_tokens=False)["input_ids"])     # noqa: E731
+    return enc(draft_tok) == enc(target_tok)
+
+
+def target_tokenizer(spec):
+    """The target's tokenizer: an object, or a folder / name transformers loads (vLLM's
+    ``model_config.tokenizer``); None where there is none to compare."""
+    if spec is None or not isinstance(spec, (str, os.PathLike)):
+        return spec
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(spec))
+
+
 def model_alpha(hits: float, trials: float, pooled: float) -> float:
     """A request's model-draft acceptance: its own judged drafts, shrunk toward the pooled rate."""
     return (hits + PRIOR_TRIALS * pooled) / (trials + PRIOR_TRIALS)

@@ -185,7 +185,7 @@ class RakvProposer:
 
     def __init__(self, vllm_config=None, *, k_max: int | None = None, max_model_len: int | None = None,
                  profile: dict | None = None, draft: tuple | None | bool = True, copies: bool = True,
-                 fixed_k: int | None = None, vocab: int | None = None):
+                 fixed_k: int | None = None, vocab: int | None = None, tokenizer=None):
         """``draft``: (model spec, numerics) of a model draft, True = the environment's
         (``RAKV_VLLM_DRAFT``), None / False = copies only; ``copies``: propose n-gram copies;
         ``fixed_k``: measurement only, the model draft at a fixed k with no gate."""
@@ -196,9 +196,11 @@ class RakvProposer:
                 vocab = vllm_config.model_config.get_vocab_size()
             except Exception:           # noqa: BLE001 - an older config: no cut by vocabulary
                 vocab = None
+            tokenizer = getattr(vllm_config.model_config, "tokenizer", None)
         self.k_max = int(k_max or 8)
         self.max_model_len = int(max_model_len or 1 << 30)
         self.vocab = int(vocab) if vocab else None
+        self.tokenizer = tokenizer                   # the target's (checked against the draft's at load)
         if profile is None:
             path = os.environ.get(PROFILE_ENV)
             profile = load_profile(path)
@@ -244,10 +246,13 @@ class RakvProposer:
     def load_model(self, *args, **kwargs) -> None:
         if self.draft_spec is None or self.dlm is not None:
             return
-        from .vllm_draft import DraftCosts, load_draft
+        from .vllm_draft import DraftCosts, load_draft, same_tokenizer, target_tokenizer
 
         try:
             self.dlm = load_draft(*self.draft_spec)
+            tok = target_tokenizer(self.tokenizer)
+            if tok is not None and not same_tokenizer(self.dlm.tokenizer, tok):
+                raise ValueError(f"its tokenizer is not the target's ({self.tokenizer}): its ids would mean other text")
             self.dcost = DraftCosts.measure(self.dlm)
         except Exception as e:         # noqa: BLE001 - the engine serves on, with copies only
             log.error("RakvProposer: the draft %s could not be loaded (%s: %s); proposing n-gram copies only",
