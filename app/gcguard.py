@@ -18,6 +18,7 @@ from PySide6.QtCore import QObject, QTimer
 INTERVAL_MS = 500          # how often the GUI thread looks at the collector's counts
 
 _holders = 0               # guards started and not stopped (automatic collection is off while > 0)
+_was_enabled = True        # the collector's state when the first guard started (the last one restores it)
 
 
 class GuiThreadGC(QObject):
@@ -25,9 +26,11 @@ class GuiThreadGC(QObject):
 
     def __init__(self, parent: QObject | None = None, interval_ms: int = INTERVAL_MS):
         super().__init__(parent)
-        global _holders
+        global _holders, _was_enabled
         self.threshold = gc.get_threshold()
         self.running = True
+        if _holders == 0:
+            _was_enabled = gc.isenabled()
         _holders += 1
         gc.disable()
         self.timer = QTimer(self)
@@ -46,12 +49,13 @@ class GuiThreadGC(QObject):
                     gc.collect(2)
 
     def stop(self) -> None:
-        """Stop the timer; the last guard stopped turns automatic collection back on."""
+        """Stop the timer; the last guard stopped turns automatic collection back on, if it was on
+        before the first (a caller that had it off, the GUI tests, keeps it off)."""
         global _holders
         if not self.running:
             return
         self.running = False
         self.timer.stop()
         _holders = max(0, _holders - 1)
-        if _holders == 0:
+        if _holders == 0 and _was_enabled:
             gc.enable()

@@ -28,6 +28,29 @@ def _rakv_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("RAKV_CONTENTION_CHECK", "0")
 
 
+@pytest.fixture(autouse=True)
+def _collect_outside_qt(request):
+    """GUI tests run with automatic garbage collection off and collect after their teardown: a
+    collection that starts inside a Qt call (a signal's disconnect asking PySide for a Python
+    override allocates) can finalize a Qt object while Qt holds its signal-slot lock, and the
+    suite hung there once (tests/test_gui_vllm_watch.py, in a whole-suite run). app/gcguard.py
+    does the same for the explorer's windows; this covers what a test does outside a window's
+    life (its setup, a shutdown in ``finally``, qtbot's closing of widgets)."""
+    if "qtbot" not in request.fixturenames:
+        yield
+        return
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect()
+        if was:
+            gc.enable()
+
+
 # PySide6 (6.12, Python 3.11) can abort at interpreter finalization ("deallocating None") after
 # every test has passed, when objects that crossed a QThread are garbage-collected during
 # shutdown; reproduced with a bare QThread signal script, so not this project's objects. Once

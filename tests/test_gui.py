@@ -501,6 +501,7 @@ def test_garbage_cycles_are_collected_on_the_gui_thread_only(qtbot):
             seen.append(threading.current_thread() is threading.main_thread())
 
     kept = []
+    gc.enable()                 # (the GUI tests run with it off: tests/conftest.py; this one starts on)
     g = GuiThreadGC(interval_ms=20)
     try:
         assert not gc.isenabled()
@@ -517,4 +518,8 @@ def test_garbage_cycles_are_collected_on_the_gui_thread_only(qtbot):
         assert all(seen)
     finally:
         g.stop()
-    assert gc.isenabled()
+    assert gc.isenabled()                         # the last guard restores what was there before it
+    gc.disable()
+    g2 = GuiThreadGC(interval_ms=20)
+    g2.stop()
+    assert not gc.isenabled()                     # off before: off after
