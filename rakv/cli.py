@@ -514,7 +514,7 @@ def cmd_calibrate(args) -> int:
 
 def cmd_calibrate_vllm(args) -> int:
     """`rakv calibrate --engine vllm`: in this Python if it has vLLM, else in RAKV_VLLM_PYTHON's."""
-    from .integrations.vllm_run import _int_list, check_target, run_in_vllm_python, vllm_python
+    from .integrations.vllm_env import _int_list, check_target, run_in_vllm_python, vllm_python
 
     if args.target == "demo":
         raise CliError("--engine vllm needs --target: a model folder vLLM loads (docs/vllm.md: the demo "

@@ -72,7 +72,7 @@ def check_args(args) -> None:
 
 
 def plan(args) -> dict:
-    from rakv.integrations.vllm_run import ARMS, check_arms
+    from rakv.integrations.vllm_env import ARMS, check_arms
 
     arms = check_arms((args.vllm_arms or ",".join(ARMS)).split(","), args.vllm_profile)
     if "plain" not in arms:
@@ -87,7 +87,7 @@ def plan(args) -> dict:
 
 def run(args) -> int:
     from rakv.integrations.vllm_proposer import load_profile, profile_batches
-    from rakv.integrations.vllm_run import check_target, run_in_vllm_python, vllm_python
+    from rakv.integrations.vllm_env import check_target, run_in_vllm_python, vllm_python
 
     check_args(args)
     p = plan(args)

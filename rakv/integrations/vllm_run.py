@@ -28,6 +28,9 @@ import sys
 import tempfile
 import time
 
+from .vllm_env import (ARMS, ARMS_HELP, MODES, _int_list, _profile_draft, _with_this_rakv,  # noqa: F401
+                       check_arms, check_target, run_in_vllm_python, vllm_python)
+
 
 def _cpu_s() -> float:
     """CPU seconds of this process and its children (vLLM's engine core and workers), user + system."""
@@ -242,7 +245,7 @@ def calibrate_draft(llm, ctl, spec: str, numerics: str, log=None) -> dict:
     """The model draft's per-token acceptance on this engine: the ``draft:K`` arm on shipped chat
     prompts; from vLLM's own counters, accepted / judged (the accepted drafts and each round's
     first rejected one). Its d and prefill cost as the worker measured them (the proposer's stats)."""
-    from rakv.bench import workloads as W
+    import rakv.bench.workloads as W
 
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
@@ -274,7 +277,7 @@ def calibrate_draft(llm, ctl, spec: str, numerics: str, log=None) -> dict:
 def workload(n_copy: int = 5, n_chat: int = 5, tokenizer=None) -> list[dict]:
     """Copy-heavy prompts (rakv's ``repetitive`` workload: lists, code, tables to copy or continue,
     raw text) and open prompts (``chat-heldout``, through the model's chat template), alternating."""
-    from rakv.bench import workloads as W
+    import rakv.bench.workloads as W
 
     src = W.repetitive_source(0)
     copies = [src.contexts[i] + src.suffixes[i % len(src.suffixes)] for i in range(n_copy)]
@@ -289,52 +292,6 @@ def workload(n_copy: int = 5, n_chat: int = 5, tokenizer=None) -> list[dict]:
         if i < n_chat:
             out.append({"kind": "chat", "prompt": chats[i]})
     return out
-
-
-ARMS = ("plain", "ngram:1", "ngram:2", "ngram:4", "ngram:8", "rakv")
-MODES = ("one", "batched", "both")
-
-
-def check_target(target: str) -> None:
-    """A model folder vLLM loads has a config.json: refuse anything else before an engine starts."""
-    if not os.path.isdir(target):
-        raise ValueError(f"{target}: no such folder (a model folder vLLM loads: config.json, weights, tokenizer)")
-    if not os.path.isfile(os.path.join(target, "config.json")):
-        raise ValueError(f"{target} has no config.json: not a model folder vLLM loads (docs/vllm.md)")
-
-
-ARMS_HELP = ("plain, ngram:K (vLLM's n-gram lookup at a fixed K), rakv (the RAKV proposer: copies, and the "
-             "model draft RAKV_VLLM_DRAFT names if set), rakvcopy (copies only), draft:K (the model draft at a "
-             "fixed K; needs RAKV_VLLM_DRAFT)")
-
-
-def check_arms(arms, profile_path: str | None = None) -> tuple:
-    """The switch's arms (``SwitchProposer``), checked: one line for a name it does not know, a
-    repeated one, or ``draft:K`` without a model draft (``RAKV_VLLM_DRAFT``, or the one the
-    profile at ``profile_path`` was calibrated with)."""
-    arms = tuple(a.strip() for a in arms if a.strip())
-    for a in arms:
-        if a in ("plain", "rakv", "rakvcopy"):
-            continue
-        kind, _, k = a.partition(":")
-        if kind not in ("ngram", "draft") or not k.isdigit() or int(k) < 1:
-            raise ValueError(f"unknown arm {a!r} ({ARMS_HELP})")
-        if kind == "draft" and not (os.environ.get("RAKV_VLLM_DRAFT") or _profile_draft(profile_path)):
-            raise ValueError(f"arm {a} needs a model draft: a profile calibrated with one (rakv calibrate "
-                             "--engine vllm --vllm-draft M) or RAKV_VLLM_DRAFT (docs/vllm.md)")
-    if not arms:
-        raise ValueError("no arms")
-    if len(set(arms)) != len(arms):
-        raise ValueError(f"an arm is named twice: {','.join(arms)}")
-    return arms
-
-
-def _profile_draft(path: str | None) -> str | None:
-    try:
-        with open(path) as f:
-            return ((json.load(f) or {}).get("draft") or {}).get("spec")
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
 
 
 def fit_context(prompts: list[dict], tokenizer, max_model_len: int, max_tokens: int, reserve: int = 0) -> int:
@@ -592,60 +549,6 @@ def format_summary(res: dict) -> str:
         lines.append("")
     lines.append(f"(base: {base}; CPU s: the driver, vLLM's engine core and its worker; ids compared per prompt)")
     return "\n".join(lines)
-
-
-def vllm_python() -> str | None:
-    """Where vLLM runs: None for this Python (it imports vllm), else the python that
-    ``RAKV_VLLM_PYTHON`` names, checked to import vllm and rakv (vLLM's CPU build lives in its own
-    venv). A missing vLLM raises ValueError with one line, before anything starts."""
-    import importlib.util
-    import subprocess
-
-    if importlib.util.find_spec("vllm") is not None:
-        return None
-    exe = os.environ.get("RAKV_VLLM_PYTHON")
-    if not exe:
-        raise ValueError("vLLM is not importable here: install its CPU build in its own venv (docs/vllm.md) "
-                         "and run this with that venv's rakv, or set RAKV_VLLM_PYTHON to its python")
-    try:
-        ok = subprocess.run([exe, "-c", "import importlib.util as u, sys; "
-                                        "sys.exit(0 if u.find_spec('vllm') and u.find_spec('rakv') else 3)"],
-                            capture_output=True, timeout=60, env=_with_this_rakv()).returncode
-    except (OSError, subprocess.SubprocessError) as e:
-        raise ValueError(f"RAKV_VLLM_PYTHON={exe} does not run ({type(e).__name__}: {e})") from None
-    if ok != 0:
-        raise ValueError(f"RAKV_VLLM_PYTHON={exe} cannot import vllm and rakv (install vLLM's CPU build and rakv "
-                         "there, or put this rakv on its PYTHONPATH: docs/vllm.md)")
-    return exe
-
-
-def _with_this_rakv() -> dict:
-    """The environment for vLLM's python: this rakv first on its PYTHONPATH (vLLM's venv need not
-    have rakv installed; the one running this command is the one that runs there)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
-
-
-def run_in_vllm_python(argv: list[str], exe: str | None) -> int:
-    """``python -m rakv.integrations.vllm_run ARGV`` here (``exe`` None) or in ``exe``; vLLM's
-    logs go to stderr, its output streams through."""
-    import subprocess
-
-    if exe is None:
-        return main(argv)
-    env = {**_with_this_rakv(), "VLLM_LOGGING_STREAM": os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.stderr")}
-    return subprocess.run([exe, "-m", "rakv.integrations.vllm_run", *argv], env=env).returncode
-
-
-def _int_list(text: str, what: str, lo: int) -> list[int]:
-    try:
-        xs = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise ValueError(f"{what} must be comma-separated integers, not {text!r}") from None
-    if not xs or xs[0] < lo:
-        raise ValueError(f"{what} must be integers >= {lo}, not {text!r}")
-    return xs
 
 
 class _Parser(argparse.ArgumentParser):
