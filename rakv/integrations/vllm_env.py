@@ -96,7 +96,12 @@ def run_in_vllm_python(argv: list[str], exe: str | None) -> int:
 
     exe = exe or sys.executable
     env = {**_with_this_rakv(), "VLLM_LOGGING_STREAM": os.environ.get("VLLM_LOGGING_STREAM", "ext://sys.stderr")}
-    return subprocess.run([exe, "-m", "rakv.integrations.vllm_run", *argv], env=env).returncode
+    with subprocess.Popen([exe, "-m", "rakv.integrations.vllm_run", *argv], env=env, stdout=subprocess.PIPE,
+                          text=True, bufsize=1) as p:
+        for line in p.stdout:            # through this process's sys.stdout, line by line (a caller may redirect it)
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    return p.returncode
 
 
 def _int_list(text: str, what: str, lo: int) -> list[int]:
