@@ -42,8 +42,9 @@ def add_args(ap) -> None:
                         "call; both (default)")
     g.add_argument("--vllm-arms", default=None, metavar="LIST",
                    help="comma-separated, default plain,ngram:1,ngram:2,ngram:4,ngram:8,rakv; also rakvcopy (the "
-                        "RAKV proposer with copies only) and draft:K (its model draft at a fixed K); rakv, "
-                        "rakvcopy and draft:K use the model draft RAKV_VLLM_DRAFT names (docs/vllm.md)")
+                        "RAKV proposer with copies only) and draft:K (its model draft at a fixed K); rakv and "
+                        "draft:K use the model draft the profile names (rakv calibrate --engine vllm --vllm-draft M) "
+                        "or RAKV_VLLM_DRAFT (docs/vllm.md)")
     g.add_argument("--vllm-k-max", type=int, default=8, metavar="K",
                    help="the engine's num_speculative_tokens: the most drafts an arm may verify (default 8)")
 
