@@ -52,24 +52,19 @@ class DraftCosts:
     def measure(cls, lm, n_prompt: int = 64, steps: int = 8) -> "DraftCosts":
         """Warm up, then time a prefill of ``n_prompt`` tokens and ``steps`` single-token forwards."""
         from .. import decoding as dec
-        from ..drafts import ModelDraft
 
         vocab = int(getattr(lm.model.config, "vocab_size", 0) or 1000)
         ids = [(i * 37) % max(1, min(1000, vocab - 10)) + 5 for i in range(n_prompt + 1)]
-        best = None
-        for _ in range(2):                       # the first pass warms the kernels and caches up
-            md = ModelDraft(lm)
-            md.begin(ids[:n_prompt], None, False)
+        for _ in range(2):                       # the first pass warms the kernels and caches up; the second counts
+            cache = dec.DynamicCache()
             t0 = time.perf_counter()
-            md._prefill_prompt()
+            dec.prefill(lm.model, ids[:n_prompt], cache)
             t1 = time.perf_counter()
             tok = ids[n_prompt]
             for _ in range(steps):
-                logits = dec.decode_one(lm.model, tok, md.cache)
-                tok = int(logits.argmax())
+                tok = int(dec.decode_one(lm.model, tok, cache).argmax())
             t2 = time.perf_counter()
-            best = ((t2 - t1) * 1e3 / steps, (t1 - t0) * 1e3 / n_prompt)
-        return cls(*best)
+        return cls((t2 - t1) * 1e3 / steps, (t1 - t0) * 1e3 / n_prompt)
 
     def observe_round(self, forward_ms: float, forwards: int, fed: int) -> None:
         """One drafting round: ``forwards`` forwards, the first reading ``fed`` tokens."""

@@ -378,6 +378,10 @@ class RakvProposer:
         return RoundGate(Trusted(self.draft_map, request_trust(rq.m_hits, rq.m_pred)), k_cap,
                          self.dcost.d_ms, self.V[: k_cap + 1], sunk=sunk)
 
+    def _catchup_ms(self, behind: int) -> float:
+        """What a started draft pays before drafting: the tokens it missed (a normal round feeds 1-2)."""
+        return self.dcost.prefill_ms_tok * max(0, behind - 2)
+
     def _model_pays(self, rq: _Req, n: int, k_cap: int, rate_other: float) -> bool:
         """The model draft's expected tokens per ms (its catch-up included) against the best other
         choice; a request's first model round must also pay for the prompt's prefill."""
@@ -385,8 +389,7 @@ class RakvProposer:
 
         a = model_alpha(rq.mS, rq.mT, self.m_pool[0] / self.m_pool[1])
         started = rq.md is not None and rq.md.cache is not None
-        behind = n - rq.off - len(rq.md.cached) if started else 0
-        sunk = self.dcost.prefill_ms_tok * max(0, behind - 2)     # tokens it missed (a normal round feeds 1-2)
+        sunk = self._catchup_ms(n - rq.off - len(rq.md.cached)) if started else 0.0
         rate = self._model_gate(rq, k_cap, sunk).expected_rate(a)
         if rate <= rate_other:
             return False
@@ -411,9 +414,8 @@ class RakvProposer:
         ids = ids[rq.off:]                         # the draft's view
         if md.cache is not None:
             md.commit(ids)
-        fed_before = len(md.cached)
         k = min(self.fixed_k, k_cap) if self.fixed_k is not None else k_cap
-        sunk = self.dcost.prefill_ms_tok * max(0, len(ids) - fed_before - 2) if md.cache is not None else 0.0
+        sunk = self._catchup_ms(len(ids) - len(md.cached)) if md.cache is not None else 0.0
         gate = self._model_gate(rq, k, sunk) if self.fixed_k is None else None
         prop = md.propose(ids, k, gate)
         toks = list(prop.tokens)
