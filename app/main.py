@@ -231,9 +231,8 @@ def run_main(argv: list[str], splash) -> int:
     if args.numerics:
         rp.numerics.setCurrentText(args.numerics)
         win.worker.numerics = args.numerics
-    if args.target or args.draft:
-        t0, d0 = rp.pair()
-        rp.set_pair(args.target or t0, args.draft or d0)
+    if args.target or args.draft:       # a restored draft that does not fit --target gives way (one notice)
+        win.set_command_line_pair(args.target, args.draft)
     prompts = list(args.prompt or [])
     if prompts:
         rp.prompt.setPlainText(prompts[0])

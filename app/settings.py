@@ -177,6 +177,36 @@ class Settings:
         self.q.sync()
 
 
+GENERIC_DRAFTS = ("int8", "ngram", "none")     # drafts made for any target (its int8 copy, prompt lookup, none)
+
+
+def default_draft(target: str) -> str:
+    """The draft a target gets when none is named: a preset's own draft (qwen-coder-1.5b:
+    qwen-coder-0.5b), else the explorer's default (``Settings.DEFAULTS``)."""
+    from rakv.presets import PRESETS
+
+    p = PRESETS.get(target.strip())
+    return p.draft if p is not None and p.draft else Settings.DEFAULTS["models/draft"]
+
+
+def command_line_pair(target: str | None, draft: str | None, shown_target: str,
+                      shown_draft: str) -> tuple[str, str, str]:
+    """The pair to show after ``--target`` / ``--draft``, given the pair the panels hold (restored
+    from the last session): (target, draft, notice). A named target keeps the shown draft only where
+    it fits: a draft made for any target (int8, ngram, none), the draft of the same target as before,
+    or the target's own draft; any other (another pair's model draft) gives way to the target's
+    default draft, and the notice says so ("" when nothing was replaced). A named draft is used as named."""
+    t = (target or "").strip() or shown_target
+    if (draft or "").strip():
+        return t, draft.strip(), ""
+    d = shown_draft.strip()
+    if not (target or "").strip() or d in GENERIC_DRAFTS or t == shown_target.strip() or d == default_draft(t):
+        return t, d, ""
+    new = default_draft(t)
+    return t, new, (f"draft {new} for --target {t}: the last session's draft {d} went with "
+                    f"{shown_target} (--draft names another)")
+
+
 LABELS = {"models/target": "target", "models/draft": "draft", "run/prompt": "prompt", "run/policy": "policy",
           "run/max_new_tokens": "max new tokens", "run/raw": "raw prompt", "run/conversation": "conversation",
           "controls/budget_mib": "budget", "controls/k_set": "K", "controls/granularity": "granularity",

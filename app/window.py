@@ -10,10 +10,10 @@ from pathlib import Path
 
 from PySide6.QtCore import QThread, QTimer, Qt, Signal
 from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, QLabel, QMainWindow, QMessageBox,
-                               QProgressBar, QProgressDialog, QScrollArea, QTabWidget, QToolBar)
+from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox,
+                               QProgressBar, QProgressDialog, QSizePolicy, QTabWidget, QToolBar)
 
-from app import icons
+from app import exports, icons, layout
 from app.gcguard import GuiThreadGC
 from app.lagprobe import LagProbe
 from app.panels.acceptance import AcceptancePanel
@@ -123,12 +123,8 @@ class MainWindow(QMainWindow):
                                      ("timeline", "Round timeline", self._rounds_tabs(), B)):
             d = QDockWidget(title, self)
             d.setObjectName(f"dock_{name}")
-            if name in ("run", "controls"):       # forms: they scroll rather than push the window past the screen
-                sa = QScrollArea()
-                sa.setWidget(w)
-                sa.setWidgetResizable(True)
-                sa.setFrameShape(QFrame.Shape.NoFrame)
-                w = sa
+            if name in ("run", "controls", "cache"):   # forms: they scroll down rather than push the window past
+                w = layout.FormScroll(w)               # the screen or overlap, never sideways (app/layout.py)
             d.setWidget(w)
             d.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetMovable
                           | QDockWidget.DockWidgetFeature.DockWidgetClosable
@@ -245,6 +241,9 @@ class MainWindow(QMainWindow):
     def _build_status(self) -> None:
         sb = self.statusBar()
         self.msg = QLabel("ready")
+        # a long message is cut at the right rather than widening the window past the screen
+        self.msg.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.msg.setMinimumWidth(160)
         self.progress = QProgressBar()
         self.progress.setMaximumWidth(160)
         self.progress.setMaximumHeight(14)
@@ -252,6 +251,8 @@ class MainWindow(QMainWindow):
         self.progress.hide()
         self.stats = QLabel("")
         self.lag_label = QLabel("")
+        for lab in (self.stats, self.lag_label):      # these too are cut rather than widen the window
+            lab.setMinimumWidth(60)
         self.lag_label.setToolTip("event-loop lag during runs (10 ms probe timer): max / p99")
         self.settings_note = QLabel("")       # settings restored with values other than the defaults
         self.settings_note.setTextFormat(Qt.TextFormat.RichText)
@@ -292,6 +293,7 @@ class MainWindow(QMainWindow):
         rp.add_recent(rp.target, s.recent_models("target"))
         rp.add_recent(rp.draft, s.recent_models("draft"))
         self._restored = s.non_defaults()       # shown in the status bar once the window shows
+        self.pair_note: tuple[str, str] | None = None    # a restored draft replaced (set_command_line_pair)
         self._note_shown = False
         self._apply_settings()
         geo, st = s.geometry()
@@ -361,16 +363,37 @@ class MainWindow(QMainWindow):
         return [describe(k, v) for k, v in self._restored.items() if k in now and same_value(k, now[k], v)]
 
     def show_settings_note(self) -> None:
+        import html
+
         items = self.restored_settings()
-        if not items:
+        if not items and not self.pair_note:
             self.settings_note.hide()
             return
-        self.settings_note.setText("restored: " + ", ".join(items)
-                                   + " · <a href='reset'>Reset settings</a> · <a href='hide'>×</a>")
-        self.settings_note.setMinimumWidth(min(self.settings_note.sizeHint().width(), max(300, self.width() // 2)))
-        self.settings_note.setToolTip("these settings differ from the defaults and were restored from the last "
-                                      "session; File → Reset settings puts every one back to its default")
+        parts = [html.escape(self.pair_note[0])] if self.pair_note else []
+        if items:
+            parts += ["restored: " + ", ".join(items), "<a href='reset'>Reset settings</a>"]
+        self.settings_note.setText(" · ".join(parts + ["<a href='hide'>×</a>"]))
+        self.settings_note.setMinimumWidth(min(self.settings_note.sizeHint().width(), max(240, self.width() // 3)))
+        tips = [self.pair_note[1]] if self.pair_note else []
+        if items:
+            tips.append("these settings differ from the defaults and were restored from the last session; "
+                        "File → Reset settings puts every one back to its default")
+        self.settings_note.setToolTip("\n".join(tips))
         self.settings_note.show()
+
+    def set_command_line_pair(self, target: str | None, draft: str | None) -> None:
+        """``--target`` / ``--draft`` over the restored pair: a restored draft that does not fit the
+        named target gives way to the target's default draft, said once (stderr and the status bar)."""
+        from app.settings import command_line_pair
+
+        t0, d0 = self.run_panel.pair()
+        t, d, note = command_line_pair(target, draft, t0, d0)
+        self.run_panel.set_pair(t, d)
+        if note:       # (the status bar's short form, the whole line)
+            self.pair_note = (f"draft {d} for {t} (not {d0 if len(d0) <= 24 else '…' + d0[-23:]})", note)
+            print(f"rakv-explorer: {note}", file=sys.stderr)
+            if self._note_shown:
+                self.show_settings_note()
 
     def _settings_link(self, link: str) -> None:
         if link == "reset":
@@ -383,47 +406,22 @@ class MainWindow(QMainWindow):
         budget, K, granularity, sampling, replay speed); the window layout and recent lists stay."""
         self.settings.reset()
         self._restored = {}
+        self.pair_note = None
         self._apply_settings()
         self._budget.emit(float(self.controls.budget_mib()))
         self.settings_note.hide()
         self.msg.setText("settings reset to their defaults")
 
-    # ------------------------------------------------------------------ window size
-    def _screen_rect(self) -> tuple[int, int, int, int] | None:
-        scr = self.screen() or QApplication.primaryScreen()
-        if scr is None:
-            return None
-        r = scr.availableGeometry()
-        return r.x(), r.y(), r.width(), r.height()
-
+    # ------------------------------------------------------------------ window size (app/layout.py)
     def _fits_screen(self) -> bool:
-        from app.desktop import on_screen
-
-        scr = self._screen_rect()
-        g = self.geometry()
-        return scr is None or on_screen((g.x(), g.y(), g.width(), g.height()), scr)
+        return layout.fits_screen(self)
 
     def fit_to_screen(self) -> None:
-        """The first window (or a saved one that no longer fits): as large as the default where
-        the screen has room, else the screen less room for a frame, centred."""
-        from app.desktop import DEFAULT_SIZE, fit
-
-        scr = self._screen_rect()
-        if scr is None:
-            self.resize(*DEFAULT_SIZE)
-            return
-        x, y, w, h = fit(scr)
-        self.setGeometry(x, y, w, h)
+        layout.fit_to_screen(self)
 
     def default_docks(self) -> None:
         """The docks' first layout, in proportion to the window (left, right, bottom)."""
-        W, H = max(800, self.width()), max(500, self.height())
-        Hz, V = Qt.Orientation.Horizontal, Qt.Orientation.Vertical
-        self.resizeDocks([self.docks["run"], self.docks["cache"]], [int(W * 0.26), int(W * 0.28)], Hz)
-        self.resizeDocks([self.docks["acceptance"], self.docks["timeline"]], [1, 1], Hz)
-        self.resizeDocks([self.docks["acceptance"]], [int(H * 0.36)], V)
-        self.resizeDocks([self.docks["run"], self.docks["controls"]], [int(H * 0.7), int(H * 0.3)], V)
-        self.resizeDocks([self.docks["cache"], self.docks["costs"]], [int(H * 0.45), int(H * 0.55)], V)
+        layout.default_docks(self)
 
     def save_settings(self) -> None:
         s = self.settings
@@ -793,95 +791,20 @@ class MainWindow(QMainWindow):
 
         unwatch(self)
 
-    # ------------------------------------------------------------------ export
+    # ------------------------------------------------------------------ export (app/exports.py)
     def export_csv(self, path: str | None = None) -> int | None:
-        from rakv.records import write_csv
-
-        if path is None:
-            path, _ = QFileDialog.getSaveFileName(self, "Export session timings", "session.csv", "CSV (*.csv)")
-            if not path:
-                return None
-        from rakv.records import OracleResult, oracle_csv_path, write_oracle_csv
-
-        extra = ""
-        try:
-            n = write_csv(self.state.records, path)
-            if any(isinstance(r, OracleResult) for r in self.state.records):
-                op = oracle_csv_path(path)
-                m = write_oracle_csv(self.state.records, op)
-                extra = f", {m} measured-action rows to {op}"
-        except OSError as e:
-            self.show_error("Cannot write CSV", str(e))
-            return None
-        self.msg.setText(f"wrote {n} request rows to {path}{extra}")
-        return n
+        return exports.export_csv(self, path)
 
     def copy_answer(self) -> str | None:
         """The latest answer of the shown session to the clipboard (plain text)."""
-        from app.transcript import last_answer
-
-        text = last_answer(self.state.exchanges, self.tokens.pieces)
-        if text is None:
-            self.msg.setText("no answer to copy yet")
-            return None
-        QApplication.clipboard().setText(text)
-        self.msg.setText(f"copied the answer of request {self.state.exchanges[-1].request_id} ({len(text)} characters)")
-        return text
+        return exports.copy_answer(self)
 
     def export_conversation(self, path: str | None = None) -> str | None:
-        """The transcript of the shown session as Markdown (.md) or JSON (.json; other names: by the
-        filter picked), written atomically; with *Show template* ticked, the prompts as fed."""
-        from app.transcript import to_json, to_markdown
-        from rakv.paths import write_atomic
-
-        if not self.state.exchanges:
-            self.show_error("Nothing to export", "the session has no request yet")
-            return None
-        if path is None:
-            path, flt = QFileDialog.getSaveFileName(self, "Export conversation", "conversation.md",
-                                                    "Markdown (*.md);;JSON (*.json)")
-            if not path:
-                return None
-            if not Path(path).suffix:
-                path += ".json" if flt.startswith("JSON") else ".md"
-        h = self.state.header
-        meta = {"models": {"target": (h.target or {}).get("name", ""), "draft": (h.draft or {}).get("name", "")}
-                if h is not None else {}}
-        tpl = self.chat.show_template.isChecked()
-        fmt = to_json if Path(path).suffix.lower() == ".json" else to_markdown
-        try:
-            write_atomic(Path(path), fmt(self.state.exchanges, self.tokens.pieces, meta, tpl))
-        except OSError as e:
-            self.show_error("Cannot export the conversation", f"{path}: {e.strerror or e}")
-            return None
-        self.msg.setText(f"exported {len(self.state.exchanges)} requests to {path}")
-        return str(path)
+        """The transcript of the shown session as Markdown (.md) or JSON (.json)."""
+        return exports.export_conversation(self, path)
 
     def export_plots(self, folder: str | None = None) -> list[str]:
-        import pyqtgraph.exporters as pex
-
-        if folder is None:
-            folder = QFileDialog.getExistingDirectory(self, "Export plots to folder")
-            if not folder:
-                return []
-        out = []
-        self.redraw()
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        for name, panel in (("cache", self.cache), ("costs", self.costs), ("acceptance", self.acceptance),
-                            ("timeline", self.timeline)):
-            p = str(Path(folder) / f"rakv-{name}.png")
-            try:
-                ex = pex.ImageExporter(panel.plot.getPlotItem())
-                ex.parameters()["width"] = max(800, int(panel.plot.width() * 2))
-                ex.export(p)
-                if not Path(p).is_file():
-                    raise OSError("nothing was written")
-                out.append(p)
-            except Exception as e:  # noqa: BLE001
-                self.show_error("Cannot export plot", f"{p}: {e}")
-                break
-        self.msg.setText(f"exported {len(out)} plots to {folder}")
-        return out
+        return exports.export_plots(self, folder)
 
     def _show_sessions(self) -> None:
         from PySide6.QtCore import QUrl

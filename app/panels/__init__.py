@@ -37,8 +37,18 @@ def k_color(k: int) -> str:
     return pg.intColor(k, hues=12).name()
 
 
-def make_plot(left: str, bottom: str) -> pg.PlotWidget:
-    w = pg.PlotWidget()
+class ShortPlot(pg.PlotWidget):
+    """A plot that asks for no more height than its minimum (it still takes what room is left): in
+    a scrolling panel (app/layout.py's FormScroll) the panel then scrolls only when its text needs it."""
+
+    def sizeHint(self):
+        s = super().sizeHint()
+        s.setHeight(self.minimumHeight())
+        return s
+
+
+def make_plot(left: str, bottom: str, cls=pg.PlotWidget) -> pg.PlotWidget:
+    w = cls()
     w.setMinimumHeight(150)
     p = w.getPlotItem()
     p.setLabel("left", left)

@@ -11,7 +11,7 @@ from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QProgressBar, QV
 
 from app.state import SessionState
 
-from . import NoData, make_plot
+from . import NoData, ShortPlot, make_plot
 
 MiB = 1024 * 1024
 
@@ -25,6 +25,7 @@ class CachePanel(QWidget):
         super().__init__()
         self.hit = QLabel("no lookup yet")
         self.hit.setStyleSheet("font-size: 15px; font-weight: 600;")
+        self.hit.setWordWrap(True)        # two lines in a narrow window rather than a wider dock
         self.detail = QLabel("")
         self.detail.setWordWrap(True)
         self.bytes = QProgressBar()
@@ -52,15 +53,16 @@ class CachePanel(QWidget):
         counts.addStretch(1)
         form.addRow("Bytes used", self.bytes)
         form.addRow(counts)
-        form.addRow("Draft cache", self.draft)
         # the long lines below the form, each wrapped in a box layout (a form row would overlap them)
+        self.draft_line = QLabel("<b>Draft cache:</b> —")
         self.template_line = QLabel("<b>Chat template:</b> —")
         self.conversation_line = QLabel("<b>Conversation:</b> —")
-        for lab, tip in ((self.template_line, self.template), (self.conversation_line, self.conversation)):
+        for lab, tip in ((self.draft_line, self.draft), (self.template_line, self.template),
+                         (self.conversation_line, self.conversation)):
             lab.setWordWrap(True)
             lab.setTextFormat(Qt.TextFormat.RichText)
             lab.setToolTip(tip.toolTip())
-        self.plot = make_plot("tokens", "request: hit q (blue) of prompt P (grey)")
+        self.plot = make_plot("tokens", "request: hit q (blue) of prompt P (grey)", ShortPlot)     # (it scrolls)
         self.plot.setMinimumHeight(90)
         self.plot.setToolTip("per request: the prefix-cache hit q (blue) over the prompt's P tokens (grey); in "
                              "conversation mode labelled conversation.turn")
@@ -74,6 +76,7 @@ class CachePanel(QWidget):
         lay.addWidget(self.hit)
         lay.addWidget(self.detail)
         lay.addLayout(form)
+        lay.addWidget(self.draft_line)
         lay.addWidget(self.template_line)
         lay.addWidget(self.conversation_line)
         lay.addWidget(self.plot, 1)
@@ -116,6 +119,7 @@ class CachePanel(QWidget):
         self.draft.setText("—" if dc is None else
                            f"hit q = {dc.hit_tokens} of {dc.prompt_tokens}"
                            + (" (exact)" if dc.exact_repeat else "") + f", prefill {dc.prefill_ms:.1f} ms")
+        self.draft_line.setText(f"<b>Draft cache:</b> {html.escape(self.draft.text())}")
         if len(state.hits) != self._hits_n or id(state) != self._state_id:
             self._hits_n, self._state_id = len(state.hits), id(state)
             h = state.hits[-40:]

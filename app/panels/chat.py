@@ -7,7 +7,8 @@ from __future__ import annotations
 import html
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QPushButton, QTextBrowser, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (QCheckBox, QHBoxLayout, QLabel, QPushButton, QSizePolicy, QTextBrowser,
+                               QVBoxLayout, QWidget)
 
 from app import transcript as T
 from app.state import SessionState
@@ -39,11 +40,14 @@ class ChatPanel(QWidget):
         self.copy = QPushButton("Copy answer")
         self.copy.setToolTip("copy the latest answer to the clipboard (as plain text)")
         self.copy.clicked.connect(self.copyRequested)
-        self.export = QPushButton("Export conversation ...")
-        self.export.setToolTip("save the transcript as Markdown (.md) or JSON (.json)")
+        self.export = QPushButton("Export ...")       # File → Export conversation ... says it in full
+        self.export.setToolTip("Export conversation (Ctrl+Shift+E): save the transcript as Markdown (.md) or "
+                               "JSON (.json)")
         self.export.clicked.connect(self.exportRequested)
         self.info = QLabel("")
         self.info.setStyleSheet("color: #555;")
+        # the counts take the room that is left (in a narrow window the side docks' forms come first)
+        self.info.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         top = QHBoxLayout()
         top.addWidget(self.show_template)
         top.addStretch(1)
@@ -83,6 +87,7 @@ class ChatPanel(QWidget):
         n_conv = len({e.conversation for e in ex if e.conversation is not None})
         self.info.setText(f"{len(ex)} request{'s' if len(ex) != 1 else ''}"
                           + (f" · {n_conv} conversation{'s' if n_conv != 1 else ''}" if n_conv else ""))
+        self.info.setToolTip(self.info.text())
         sb = self.view.verticalScrollBar()
         at_end = sb.value() >= sb.maximum() - 4
         self._html = self.render(state)

@@ -208,9 +208,9 @@ class ControlsPanel(QWidget):
         t_row = QHBoxLayout()
         t_row.addWidget(self.temperature, 1)
         t_row.addWidget(self.t_label)
-        f_row = QHBoxLayout()
-        for w in (self.top_k, self.top_p, self.min_p):
-            f_row.addWidget(w)
+        f_row = QGridLayout()              # two a row: the left dock stays readable in an 837 px window
+        for i, w in enumerate((self.top_k, self.top_p, self.min_p)):
+            f_row.addWidget(w, i // 2, i % 2)
         self.verify.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.verify.setMinimumContentsLength(14)
         v_row = QVBoxLayout()              # one under the other: the left dock stays narrow

@@ -95,10 +95,13 @@ class CostsPanel(QWidget):
         self.regret.setWordWrap(True)
         self.regret.setTextFormat(Qt.TextFormat.RichText)
         self.regret.hide()
+        # as narrow as a short entry needs (a narrow window gives way here, not in the left dock), wider
+        # where there is room
+        self.which.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.which.setMinimumContentsLength(12)
         top = QHBoxLayout()
         top.addWidget(QLabel("Show"))
-        top.addWidget(self.which)
-        top.addStretch(1)
+        top.addWidget(self.which, 1)
         self.plot = make_plot("predicted ms", "k (draft length), grouped by r")
         self.bars = pg.BarGraphItem(x=[], height=[], width=0.7)
         self.measured = pg.BarGraphItem(x=[], height=[], width=0.3, brush=MEASURED, pen=None)
