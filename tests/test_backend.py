@@ -179,6 +179,34 @@ def test_decoding_delegates_to_the_models_backend():
     assert dec.cache_len(c) == 5
 
 
+def test_decoding_takes_a_backend_or_a_module():
+    """The primitives take a backend, or a module whose backend ``backend_of`` finds: the same logits."""
+    m = make_model("llama")
+    be = TorchBackend(m)
+    assert backend_of(be) is be
+    c1, c2 = dec.DynamicCache(), dec.DynamicCache()
+    assert torch.equal(dec.prefill(be, [5, 6, 7, 8], c1), dec.prefill(m, [5, 6, 7, 8], c2))
+    assert torch.equal(dec.decode_one(be, 9, c1), dec.decode_one(m, 9, c2))
+    assert torch.equal(dec.verify(be, [1, 2, 3], c1), dec.verify(m, [1, 2, 3], c2))
+
+
+@kernel
+@needs_onednn
+def test_nothing_is_pinned_on_the_caches_or_layers():
+    """The lean backend's state (its KV buffers and views) lives beside the cache, not on it."""
+    t, _ = make_pair("llama", "mostly")
+    c = dec.DynamicCache()
+    dec.prefill(t.model, list(range(5, 30)), c)
+    for tok in (7, 8, 9):
+        dec.decode_one(t.model, tok, c)
+    dec.verify(t.model, [1, 2, 3, 4], c)
+    dec.rollback(c, 2)
+    assert lean.views_of(c) is not None or all(L in lean.kv._BUFS for L in c.layers)   # its buffers, beside it
+    for obj in (c, *c.layers):
+        assert not [k for k in getattr(obj, "__dict__", {}) if k.startswith("_rakv")]
+    assert lean_of(t.model) is t.backend.lean
+
+
 # ----------------------------------------------------------------------------- exact through each backend
 @pytest.mark.parametrize("backend", ["torch", "torch-plain", "lean-fp32", "lean-q8"])
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

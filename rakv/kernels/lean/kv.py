@@ -55,9 +55,9 @@ class _Views:
         """Drop the last ``n_remove`` positions of ``cache`` when every layer still holds the views
         these buffers' last C forward left: new views of the same buffers for all layers in two
         slices. That is what ``DynamicCache.crop`` makes (each layer's K and V sliced to the shorter
-        length), without its 60 slices (~0.2 ms cold after a forward) and without the next step
-        looking at every layer again (``buffers_hold`` fails after a crop: ~0.1 ms). False, and
-        nothing done, in any other state (``decoding.rollback`` then crops)."""
+        length), without its slice a layer and without the next step looking at every layer again
+        (``buffers_hold`` fails after a crop; the costs: docs/fastpath.md). False, and nothing done,
+        in any other state (``crop`` then crops)."""
         from transformers.cache_utils import DynamicLayer
 
         layers, ks, vs = cache.layers, self.ks, self.vs
@@ -76,8 +76,8 @@ class _Views:
 def buffers_hold(views: "_Views | None", layers, length: int) -> bool:
     """Can the C forward write up to ``length`` positions into the buffers it used last time,
     without looking at each layer again: every layer still holds the very views it left (nothing
-    cropped or replaced them) and the buffers have room (each look costs ~2 us a layer, cold after
-    a forward)."""
+    cropped or replaced them) and the buffers have room (a look at each layer is what this saves,
+    cold after a forward)."""
     if views is None or length > views.cap or len(views.ks) != len(layers):
         return False
     ks, vs = views.ks, views.vs
@@ -94,8 +94,8 @@ def _storage_refs(t: torch.Tensor) -> int | None:
 
 class KvPool:
     """The C forward's KV buffers of caches that are gone, kept for the next caches: a buffer's
-    first touch costs page faults (on a VM, 1-140 ms for a request's 12-24 MB, against ~1 ms to
-    fill warm pages: docs/fastpath.md, "The KV pool"), so a request reuses the last one's pages.
+    first touch costs page faults (far more than filling warm pages: docs/fastpath.md, "The KV
+    pool"), so a request reuses the last one's pages.
 
     A buffer is free when the cache it served is gone and no other tensor shares its storage (a
     view of it kept by anyone keeps it from reuse); at most ``keep`` free ones are kept."""

@@ -31,8 +31,8 @@ class _Layer:
 def weights_may_change(past: int) -> bool:
     """Look for weights changed in place at a forward from an empty cache only: a forward after
     cached positions extends a cache those weights made (a change since cannot be served by it),
-    and reading ~270 change counters there, cold after the previous forward, cost ~0.1 ms of a
-    4 ms step (docs/fastpath.md)."""
+    and reading every parameter's change counter there, cold after the previous forward, is a
+    measurable part of a step (docs/fastpath.md)."""
     return past == 0
 
 
