@@ -7,6 +7,10 @@ last one, which is *pending* (emitted, not yet fed). So
     the longest prefix of drafts that matches the target's argmax, plus one target token, and
     crops the k - a rejected positions.
 
+``model`` in every primitive is what runs the forward: a backend (``rakv.backends.Backend``), or
+a transformers module, whose backend ``rakv.backends.backend_of`` finds (the one chosen at load;
+a bare module gets the torch path, or its lean forward where one is attached).
+
 Shapes: ids [1, n]; logits [n, V] (batch 1 squeezed); KV per layer [1, heads, n, head_dim].
 """
 
@@ -15,7 +19,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from .backend import _cache_arg, _ids, backend_of, crop, crop_views  # noqa: F401 - (_cache_arg, _ids: re-exported)
+from .backends import backend_of
+from .kernels.lean import crop
 from .device import clock
 from .prefix_cache import KV
 from .sampling import accept_rejection, accept_seeded, sample_rows
@@ -26,8 +31,8 @@ now = clock          # perf_counter, after synchronizing an asynchronous device 
 def forward(model, tokens, cache: DynamicCache, keep: int = 0, tree=None) -> torch.Tensor:
     """Feed ``tokens`` ([n]) after what ``cache`` holds; returns logits [keep or n, V] (float32).
 
-    Runs the model's backend (``rakv.backend``: chosen once at load; a bare module gets the torch
-    path, or its lean forward where one is attached). ``tree`` (a ``TreeLayout``, lean backends
+    Runs ``model``'s backend (``backend_of``: ``model`` itself when it is one, else the module's,
+    chosen once at load). ``tree`` (a ``TreeLayout``, lean backends
     only): the tokens form a token tree. ``prefill``, ``decode_one`` and ``verify`` come through
     here (the backend's own ``prefill`` / ``step`` / ``verify`` are these same calls of its
     ``forward``), so this is the one place every chain forward of the engine passes."""
@@ -93,14 +98,11 @@ def cache_len(cache: DynamicCache) -> int:
 
 
 def rollback(cache: DynamicCache, n_remove: int) -> None:
-    """Remove the last ``n_remove`` positions, as the backend that wrote ``cache`` does
-    (``Backend.rollback``): a cache the lean backend's C layers wrote last keeps the same views,
-    made for all layers at once by its buffers (``lean._Views``); any other is cropped (transformers
-    5.x: a negative crop). The cache, not a model, names it: a prefix-cache clone has no model."""
-    if getattr(cache, "_rakv_views", None) is not None:
-        crop_views(cache, n_remove)
-    else:
-        crop(cache, n_remove)
+    """Remove the last ``n_remove`` positions, as every backend does (``Backend.rollback``): a cache
+    the lean backend's C layers wrote last keeps the same views, made for all layers at once by its
+    buffers (``rakv.kernels.lean.crop``); any other is cropped (transformers 5.x: a negative crop).
+    The cache, not a model, names it: a prefix-cache clone has no model."""
+    crop(cache, n_remove)
 
 
 def crop_to(cache: DynamicCache, length: int) -> None:

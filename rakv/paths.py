@@ -38,6 +38,12 @@ def env_on(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+def env_text(name: str, default: str = "") -> str:
+    """The environment's value of ``name`` (``default`` when unset), for the one place that reads a
+    setting (``rakv.backends.switches``) and the kernel build's compiler (``CC``)."""
+    return os.environ.get(name, default)
+
+
 def log(msg: str) -> None:
     print(f"[rakv] {msg}", file=sys.stderr, flush=True)
 

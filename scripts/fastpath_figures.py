@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rakv import decoding as dec  # noqa: E402
+from rakv.backends import lean_of  # noqa: E402
 from rakv.kernels import fastpath  # noqa: E402
 from rakv.kernels import lean as leanmod  # noqa: E402
 from rakv.config import RakvConfig  # noqa: E402
@@ -65,9 +66,9 @@ def arms() -> dict[str, LoadedModel]:
     plain = LoadedModel(**{**lean.__dict__, "model": copy.deepcopy(lean.model), "fast": False, "lean": ""})
     fastpath.disable(plain.model)
     leanmod.attach(lean32.model)
-    assert lean.lean and lean.model._rakv_lean is not None and fast.model._rakv_lean is None
+    assert lean.lean and lean_of(lean.model) is not None and lean_of(fast.model) is None
     assert fastpath.is_enabled(fast.model) and not fastpath.is_enabled(plain.model)
-    assert lean32.model._rakv_lean is not None and all(op.block is None for op in lean32.model._rakv_lean.ops)
+    assert lean_of(lean32.model) is not None and all(op.block is None for op in lean_of(lean32.model).ops)
     return {"plain": plain, "fast": fast, "lean-fp32": lean32, "lean": lean}
 
 

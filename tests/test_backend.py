@@ -1,4 +1,4 @@
-"""The backend (``rakv.backend``): chosen once at load behind one interface (prefill, step, verify,
+"""The backend (``rakv.backends``): chosen once at load behind one interface (prefill, step, verify,
 tree, rollback, fingerprint); the environment's switches read then, not per forward; every policy
 still equals ``ar`` through each backend; the cost fingerprint and ``--json`` name it."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rakv import decoding as dec
-from rakv.backend import (BACKENDS, LeanFp32Backend, LeanQ8Backend, TorchBackend, backend_of, read_switches,
-                          select_backend)
+from rakv.backends import (BACKENDS, LeanFp32Backend, LeanQ8Backend, TorchBackend, backend_of, lean_of,
+                           read_switches, select_backend, set_backend)
 from rakv.config import RakvConfig
 from rakv.costs import fingerprint_id, pair_fingerprint
 from rakv.drafts import ModelDraft, NgramDraft
@@ -48,11 +48,11 @@ def _pair(arch: str, backend: str, agreement: str = "mostly"):
 def test_the_backend_is_chosen_at_load(arch):
     t, d = _pair(arch, "lean-fp32")
     assert isinstance(t.backend, LeanFp32Backend) and t.backend.name == "lean-fp32"
-    assert t.model._rakv_backend is t.backend and d.backend.name == "lean-fp32"
-    assert t.backend.lean is t.model._rakv_lean and t.backend.tree_ok and dec.tree_forward_ok(t.model)
+    assert backend_of(t.model) is t.backend and d.backend.name == "lean-fp32"
+    assert t.backend.lean is lean_of(t.model) and t.backend.tree_ok and dec.tree_forward_ok(t.model)
     for backend in ("torch", "torch-plain"):                  # RAKV_LEAN=0 at load, or no fast path
         h, _ = _pair(arch, backend)
-        assert isinstance(h.backend, TorchBackend) and h.backend.name == "torch" and h.model._rakv_backend is h.backend
+        assert isinstance(h.backend, TorchBackend) and h.backend.name == "torch" and backend_of(h.model) is h.backend
         assert not dec.tree_forward_ok(h.model)
         assert dec.verify_tree(h.model, [1, 2, 3], [-1, 0, 0], dec.DynamicCache()) is None
     assert model_info(t)["backend"] == "lean-fp32" and model_info(h)["backend"] == "torch"
@@ -66,7 +66,7 @@ def test_a_numerics_switch_chooses_again(arch):
     t, _ = make_pair(arch, "mostly")
     assert t.backend.name == "lean-fp32"
     set_numerics(t, "q8")
-    assert isinstance(t.backend, LeanQ8Backend) and t.model._rakv_backend is t.backend
+    assert isinstance(t.backend, LeanQ8Backend) and backend_of(t.model) is t.backend
     assert t.backend.fingerprint()["numerics"] == "q8"
     set_numerics(t, "fp32")
     assert t.backend.name == "lean-fp32"
@@ -77,7 +77,7 @@ def test_a_bare_module_given_a_lean_forward_by_hand_runs_it():
     assert isinstance(backend_of(m), TorchBackend)
     assert lean.attach(m) == ""                              # drops the choice: made again at the next forward
     be = backend_of(m)
-    assert isinstance(be, LeanFp32Backend) and be.lean is m._rakv_lean
+    assert isinstance(be, LeanFp32Backend) and be.lean is lean_of(m)
 
 
 @kernel
@@ -168,7 +168,7 @@ def test_decoding_delegates_to_the_models_backend():
             seen.append(("tree", len(tokens)))
             return None
 
-    m._rakv_backend = Spy(m)
+    set_backend(m, Spy(m))
     c = dec.DynamicCache()
     assert dec.prefill(m, [5, 6, 7, 8], c).dim() == 1
     assert dec.decode_one(m, 9, c).dim() == 1
@@ -177,6 +177,34 @@ def test_decoding_delegates_to_the_models_backend():
     assert seen == [("forward", 4, 1), ("forward", 1, 1), ("forward", 3, 0), ("tree", 2)]
     dec.rollback(c, 3)
     assert dec.cache_len(c) == 5
+
+
+def test_decoding_takes_a_backend_or_a_module():
+    """The primitives take a backend, or a module whose backend ``backend_of`` finds: the same logits."""
+    m = make_model("llama")
+    be = TorchBackend(m)
+    assert backend_of(be) is be
+    c1, c2 = dec.DynamicCache(), dec.DynamicCache()
+    assert torch.equal(dec.prefill(be, [5, 6, 7, 8], c1), dec.prefill(m, [5, 6, 7, 8], c2))
+    assert torch.equal(dec.decode_one(be, 9, c1), dec.decode_one(m, 9, c2))
+    assert torch.equal(dec.verify(be, [1, 2, 3], c1), dec.verify(m, [1, 2, 3], c2))
+
+
+@kernel
+@needs_onednn
+def test_nothing_is_pinned_on_the_caches_or_layers():
+    """The lean backend's state (its KV buffers and views) lives beside the cache, not on it."""
+    t, _ = make_pair("llama", "mostly")
+    c = dec.DynamicCache()
+    dec.prefill(t.model, list(range(5, 30)), c)
+    for tok in (7, 8, 9):
+        dec.decode_one(t.model, tok, c)
+    dec.verify(t.model, [1, 2, 3, 4], c)
+    dec.rollback(c, 2)
+    assert lean.views_of(c) is not None or all(L in lean.kv._BUFS for L in c.layers)   # its buffers, beside it
+    for obj in (c, *c.layers):
+        assert not [k for k in getattr(obj, "__dict__", {}) if k.startswith("_rakv")]
+    assert lean_of(t.model) is t.backend.lean
 
 
 # ----------------------------------------------------------------------------- exact through each backend

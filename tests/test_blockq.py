@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from rakv.backends import lean_of
 from rakv.kernels import blockq, fastpath
 from rakv.config import RakvConfig
 from rakv.costs import CostProfile
@@ -172,7 +173,7 @@ def test_every_policy_is_exact_on_block_coded_weights(kernel, arch):
     target, draft, plain = _block_pair(arch)
     n_linears = len([m for m in target.model.modules() if isinstance(m, fastpath.FastLinear)])
     assert target.blockq["layers"] == n_linears and target.blockq["kinds"].get("q8") == 1
-    lean_ops = target.model._rakv_lean.ops
+    lean_ops = lean_of(target.model).ops
     assert all(op.block is not None for op in lean_ops)  # the fused q|k|v and gate|up included
     prompts = [list(range(5, 45)), list(range(5, 35)) + [7, 8, 9, 10], list(range(5, 17)),
                [3, 4, 5] * 6]
@@ -197,7 +198,7 @@ def test_codes_are_saved_once_and_checked_against_the_weights(kernel, monkeypatc
     assert info["layers"] > 0 and blockq._cache_path("tiny-cache-test").exists()
     calls = []
     real = blockq.encode
-    monkeypatch.setattr(blockq, "encode", lambda w: calls.append(w.shape) or real(w))
+    monkeypatch.setattr(blockq.store, "encode", lambda w: calls.append(w.shape) or real(w))
     again = copy.deepcopy(t)
     assert fastpath.attach_codes(again, "tiny-cache-test")["layers"] == info["layers"]
     assert calls == []                                   # all from the saved codes
@@ -217,7 +218,7 @@ def test_without_a_compiler_or_switched_off_the_fp32_kernels_run(monkeypatch):
     monkeypatch.setattr(blockq._Lib, "tried", False)
     monkeypatch.setattr(blockq._Lib, "handle", None)
     monkeypatch.setattr(blockq._Lib, "reason", "")
-    monkeypatch.setattr(blockq, "_compiler", lambda: None)
+    monkeypatch.setattr(blockq.lib, "_compiler", lambda: None)
     m = snap_to_blocks(make_model("llama"))
     plain = copy.deepcopy(m)
     lm = wrap(m, tok, name="tiny-nocc")
@@ -384,7 +385,7 @@ def test_the_codes_run_every_row_count_up_to_the_limit(kernel, monkeypatch):
     for rows in (1, 2, blockq.MAX_ROWS, blockq.MAX_ROWS + 1):
         lin(x[:, :rows])
     assert seen == [1, 2, blockq.MAX_ROWS]
-    ops = m._rakv_lean.ops
+    ops = lean_of(m).ops
     for op in ops:
         op.block = Spy(op.block)
     ids = [(7 * i + 3) % 300 for i in range(blockq.MAX_ROWS + 1)]
@@ -483,7 +484,7 @@ def test_a_step_runs_every_layer_in_c_and_keeps_its_tokens(kernel, arch, monkeyp
     still gives transformers' greedy ids (Mistral: a sliding window; Qwen2: q, k, v biases).
     ``RAKV_C_LAYERS`` is read when the backend is chosen (at load): each setting chooses again."""
     from rakv import decoding as dec
-    from rakv.backend import select_backend
+    from rakv.backends import select_backend
 
     target, draft, _ = _block_pair(arch)
     m = target.model
@@ -563,7 +564,7 @@ def test_a_gone_caches_kv_buffer_serves_the_next_cache_and_a_live_or_viewed_one_
     from rakv.kernels import lean
 
     monkeypatch.setenv("RAKV_C_LAYERS", "1")
-    monkeypatch.setattr(lean, "KV_POOL", lean.KvPool(keep=2))
+    monkeypatch.setattr(lean.kv, "KV_POOL", lean.KvPool(keep=2))
     m = _block_pair("llama")[0].model
     pa, pb = [(5 * i + 3) % 300 for i in range(24)], [(7 * i + 1) % 300 for i in range(20)]
 
@@ -574,21 +575,21 @@ def test_a_gone_caches_kv_buffer_serves_the_next_cache_and_a_live_or_viewed_one_
 
     toks = [(11 * j + 2) % 300 for j in range(6)]
     ca, want_a = steps(pa, toks)
-    buf_a = ca._rakv_views.K.data_ptr()
+    buf_a = lean.views_of(ca).K.data_ptr()
     cb, want_b = steps(pb, toks)                      # a is alive: b gets a buffer of its own
-    assert cb._rakv_views.K.data_ptr() != buf_a
-    buf_b = cb._rakv_views.K.data_ptr()
+    assert lean.views_of(cb).K.data_ptr() != buf_a
+    buf_b = lean.views_of(cb).K.data_ptr()
     kept = cb.layers[-1].keys                         # someone keeps a view of b's KV
     del ca, cb
     cc, got = steps(pb, toks)                         # a's buffer is free, b's is viewed
-    assert cc._rakv_views.K.data_ptr() == buf_a
+    assert lean.views_of(cc).K.data_ptr() == buf_a
     assert all(torch.equal(x, y) for x, y in zip(got, want_b))
-    assert kept.data_ptr() != cc._rakv_views.K.data_ptr() and kept.shape[-2] == len(pb) + len(toks)
+    assert kept.data_ptr() != lean.views_of(cc).K.data_ptr() and kept.shape[-2] == len(pb) + len(toks)
     del kept, cc
     cd, got = steps(pa, toks)
-    assert cd._rakv_views.K.data_ptr() in (buf_a, buf_b)
+    assert lean.views_of(cd).K.data_ptr() in (buf_a, buf_b)
     assert all(torch.equal(x, y) for x, y in zip(got, want_a))
-    assert len(lean.KV_POOL.entries) <= 3
+    assert len(lean.kv.KV_POOL.entries) <= 3
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
@@ -602,7 +603,7 @@ def test_a_rollback_after_c_steps_makes_the_same_views_as_a_crop(kernel, monkeyp
     from rakv.kernels import lean
 
     monkeypatch.setenv("RAKV_C_LAYERS", "1")
-    monkeypatch.setattr(lean, "KV_POOL", lean.KvPool())    # (a pooled buffer of another capacity: other strides)
+    monkeypatch.setattr(lean.kv, "KV_POOL", lean.KvPool())    # (a pooled buffer of another capacity: other strides)
     m = _block_pair(arch)[0].model
     prompt = [(5 * i + 3) % 300 for i in range(24)]
 
@@ -614,7 +615,7 @@ def test_a_rollback_after_c_steps_makes_the_same_views_as_a_crop(kernel, monkeyp
         for drafts, reject in (([8, 9, 10, 11], 3), ([12, 13], 2), ([14, 15, 16], 1)):
             dec.forward(m, drafts, c)                              # a verify
             if fast:
-                used.append(c._rakv_views.crop(c, reject))
+                used.append(lean.views_of(c).crop(c, reject))
                 if not used[-1]:
                     c.crop(-reject)
             else:
@@ -631,7 +632,7 @@ def test_a_rollback_after_c_steps_makes_the_same_views_as_a_crop(kernel, monkeyp
         assert fast[2] == [True, True, True]
         c = fast[0]
         c.layers[0].keys = c.layers[0].keys.clone()                # no longer the C forward's view
-        assert not c._rakv_views.crop(c, 1)
+        assert not lean.views_of(c).crop(c, 1)
 
 
 def test_a_model_the_c_layers_cannot_run_keeps_the_python_ones(kernel, monkeypatch):

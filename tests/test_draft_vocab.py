@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rakv import decoding as dec
+from rakv.backends import lean_of
 from rakv.config import RakvConfig
 from rakv.drafts import ModelDraft, vocab_ids
 from rakv.engine import Engine, draft_vocab
@@ -41,11 +42,11 @@ def test_the_limited_head_is_the_whole_heads_rows(numerics):
     full = dec.prefill(d.model, ids, dec.DynamicCache())
     keep = vocab_ids(d, N)
     assert keep is not None and keep[:N].tolist() == list(range(N))
-    d.model._rakv_lean.limit_head(keep)
+    lean_of(d.model).limit_head(keep)
     try:
         part = dec.prefill(d.model, ids, dec.DynamicCache())
     finally:
-        d.model._rakv_lean.limit_head(None)
+        lean_of(d.model).limit_head(None)
     assert torch.equal(part[..., keep], full[..., keep])
     rest = torch.ones(full.shape[-1], dtype=torch.bool)
     rest[keep] = False
@@ -64,7 +65,7 @@ def test_every_policy_is_exact_with_a_limited_draft(numerics):
         eng = Engine(target, draft, RakvConfig(policy=policy), profile=prof)
         for p in prompts() + prompts():
             assert eng.generate(p, 20).output_ids == want[tuple(p)], (policy, p[:4])
-    d.model._rakv_lean.limit_head(None)
+    lean_of(d.model).limit_head(None)
 
 
 def test_seeded_sampling_is_exact_with_a_limited_draft():
@@ -77,7 +78,7 @@ def test_seeded_sampling_is_exact_with_a_limited_draft():
         eng = Engine(target, draft, RakvConfig(policy=policy, sampling=s))
         for p in prompts():
             assert eng.generate(p, 20).output_ids == want[tuple(p)], policy
-    d.model._rakv_lean.limit_head(None)
+    lean_of(d.model).limit_head(None)
 
 
 def test_only_a_large_vocabulary_is_limited():

@@ -19,6 +19,7 @@ from rakv.config import RakvConfig
 from rakv.costs import CostProfile
 from rakv.drafts import ModelDraft, NgramDraft
 from rakv.engine import Engine
+from rakv.backends import lean_of
 from rakv.kernels import fastpath, lean
 from rakv.models import int8_copy, layers_copy, wrap
 
@@ -112,7 +113,7 @@ def test_every_policy_and_draft_gives_transformers_ids(name):
         if policy in ("kv", "joint:2"):
             assert eng.generate(PROMPTS[1] + [11], 24).hit_tokens > WINDOW      # reuse past the window
     q, lay = int8_copy(target), layers_copy(target, 1)
-    assert q.lean and lay.lean and lay.model._rakv_lean.layers == target.model._rakv_lean.layers[:1]
+    assert q.lean and lay.lean and lean_of(lay.model).layers == lean_of(target.model).layers[:1]
     for d in (q, lay):
         for policy in ("spec:4", "joint:2"):
             eng = Engine(target, ModelDraft(d), RakvConfig(policy=policy))
@@ -150,7 +151,7 @@ def test_what_the_lean_forward_does_not_reproduce_runs_hf():
                     original_max_position_embeddings=64)
     assert "longrope" in lean.supported(p)
     lm = wrap(p, name="phi3-longrope", fast=True)
-    assert not lm.lean and lm.model._rakv_lean is None            # HF's forward runs
+    assert not lm.lean and lean_of(lm.model) is None            # HF's forward runs
     d = make_family("qwen3")
     d.config.hidden_act = "relu"
     d.model.layers[0].mlp.act_fn = torch.nn.ReLU()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rakv import decoding as dec
+from rakv.backends import lean_of
 from rakv.kernels import blockq, fastpath, lean
 from rakv.models import wrap
 
@@ -48,7 +49,7 @@ def test_a_fully_coded_model_loads_without_copies_and_long_prefills_equal_hf(arc
     assert lm.blockq["layers"] == lm.blockq["of"] and "codes" in lm.one_row["how"]
     assert lm.lean
     if arch == "llama":
-        qkv = lm.model._rakv_lean.layers[0].qkv
+        qkv = lean_of(lm.model).layers[0].qkv
         assert qkv.packed is None and qkv.block is not None          # stacked codes, no fp32 copy
     packed = [f for f in lm.model.modules() if isinstance(f, fastpath.FastLinear) and f._packed is not None]
     assert len(packed) <= 1                      # packed on first use (one at enabling: the probe)

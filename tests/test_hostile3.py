@@ -320,7 +320,7 @@ def test_kernels_json_list_through_the_kernel_choice(tmp_path, capsys, monkeypat
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     monkeypatch.setattr(fastpath, "ONE_ROW_MIN_PARAMS", 0)
-    monkeypatch.setattr(fastpath, "_decode_steps", lambda m: Timing([1.0, 1.0], [1.0, 1.0]))
+    monkeypatch.setattr(fastpath, "_decode_steps", lambda m, forward=None: Timing([1.0, 1.0], [1.0, 1.0]))
     monkeypatch.setattr(fastpath, "is_enabled", lambda m: True)
     monkeypatch.setattr(fastpath, "set_one_row", lambda m, k: None)
     monkeypatch.setattr(fastpath, "linear_layers", lambda m: [model[0]])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rakv import decoding as dec
+from rakv.backends import lean_of
 from rakv.kernels import fastpath, lean
 from rakv.config import RakvConfig
 from rakv.drafts import ModelDraft
@@ -56,15 +57,15 @@ def test_lean_logits_equal_hf_prefill_verify_and_step(fast, arch):
 @needs_onednn
 def test_lean_is_attached_with_the_fast_path_and_switched_off(monkeypatch):
     lm = wrap(make_model("llama"), name="t", fast=True)
-    assert lm.lean == "llama" and lm.model._rakv_lean is not None
+    assert lm.lean == "llama" and lean_of(lm.model) is not None
     set_fast(lm, False)
-    assert not lm.lean and lm.model._rakv_lean is None
+    assert not lm.lean and lean_of(lm.model) is None
     monkeypatch.setenv("RAKV_LEAN", "0")
     lm = wrap(make_model("llama"), name="t", fast=True)
     assert lm.fast and not lm.lean
     monkeypatch.delenv("RAKV_LEAN")
     g = wrap(make_model("gpt2"), name="g", fast=True)      # GPT-2 has its own
-    assert g.fast and g.lean == "gpt2" and isinstance(g.model._rakv_lean, lean.LeanGPT2)
+    assert g.fast and g.lean == "gpt2" and isinstance(lean_of(g.model), lean.LeanGPT2)
     g.model.config.reorder_and_upcast_attn = True          # maths it does not reproduce: HF's forward
     assert "reorder_and_upcast_attn" in (lean.supported(g.model) or "")
 
@@ -74,9 +75,9 @@ def test_lean_is_attached_with_the_fast_path_and_switched_off(monkeypatch):
 def test_lean_drafts_int8_and_layers_share_and_stay_exact(arch):
     target = wrap_tiny(make_model(arch, layers=4), name="t", fast=True)
     q = int8_copy(target)
-    assert q.lean and q.model._rakv_lean is not None and target.model._rakv_lean is not q.model._rakv_lean
+    assert q.lean and lean_of(q.model) is not None and lean_of(target.model) is not lean_of(q.model)
     lay = layers_copy(target, 2)
-    assert lay.lean and lay.model._rakv_lean.layers == target.model._rakv_lean.layers[:2]
+    assert lay.lean and lean_of(lay.model).layers == lean_of(target.model).layers[:2]
     p = [(11 * i + 5) % 300 for i in range(30)]
     want = oracle(target, p, 24)
     for d in (q, lay):
@@ -109,7 +110,7 @@ def test_lean_follows_the_one_row_kernel_switch(arch):
     for kernel in ("packed", "plain", "packed"):
         fastpath.set_one_row(m, kernel)
         got = dec.decode_one(m, 7, c)
-        assert all(op.plain1 == (kernel == "plain") for op in m._rakv_lean.ops if op.fn is None)
+        assert all(op.plain1 == (kernel == "plain") for op in lean_of(m).ops if op.fn is None)
         dec.rollback(c, 1)
         torch.testing.assert_close(got, _hf(m, [7], c, keep=1)[-1], rtol=1e-4, atol=1e-4)
         dec.rollback(c, 1)

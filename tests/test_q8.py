@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rakv.backends import lean_of
 from rakv.config import RakvConfig
 from rakv.drafts import ModelDraft, NgramDraft
 from rakv.engine import Engine
@@ -159,18 +160,16 @@ def test_the_lane_form_keeps_a_rows_own_bits(form, monkeypatch):
     the same bits whatever rows ride with it, and close to the tiled form's."""
     from tests.test_gguf_codes import _raw
 
-    monkeypatch.setenv("RAKV_TILES", "0")
     if form.startswith("Q"):
         raw, _ = _raw(form, 37, 768, seed=6)
         base = blockq.from_gguf(raw, form, 37, 768)
     else:
         base = _codes(form, 37, 768, seed=6)
-    lanes = base.with_numerics("q8")
+    lanes = base.with_numerics("q8", lanes=True)             # (RAKV_TILES=0 as a load reads it)
     x = torch.randn(9, 768, generator=torch.Generator().manual_seed(7))
     y = lanes(x)
     assert lanes._tiled is None
     assert all(torch.equal(lanes(x[i:i + 1])[0], y[i]) for i in range(9))
-    monkeypatch.setenv("RAKV_TILES", "1")
     torch.testing.assert_close(base.with_numerics("q8")(x), y, rtol=1e-4, atol=1e-3)
 
 
@@ -351,7 +350,7 @@ def test_c_layers_run_q_k_v_on_codes_of_different_kinds(numerics):
             w.copy_(blockq.quantize_q8_0(w).dequantize())                   # v as Q8 codes: another kind
     target = wrap_tiny(m, tiny_tokenizer(), name="tiny-mixed")
     set_numerics(target, numerics)
-    lean = target.model._rakv_lean
+    lean = lean_of(target.model)
     descs = lean.c_layers_on()
     assert descs and descs[0].qkv is None and descs[0].v_part, "the C layers should run q, k, v apart"
     want = _ar(target)
@@ -370,7 +369,7 @@ def test_a_prefill_computes_each_row_as_its_decode_step_in_q8(split):
     from rakv import decoding as dec
 
     target, _ = _q8_pair("llama", "identical")
-    assert target.lean and target.model._rakv_lean.rows_alone()
+    assert target.lean and lean_of(target.model).rows_alone()
     ids = [(7 * i + 3) % 200 for i in range(41)]
     whole = dec.DynamicCache()
     want = dec.forward(target.model, ids, whole)                  # [41, V]

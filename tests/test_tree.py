@@ -126,7 +126,7 @@ def test_without_own_attention_the_tree_mask_gives_the_decode_steps_logits(monke
     ids = [(5 * i + 2) % 300 for i in range(36)]
     c = dec.DynamicCache()
     dec.prefill(m, ids[:30], c)
-    assert not blockq.attend_ok(c.layers[0].keys, c.layers[0].values, 9, 4, 2, 16)
+    assert not blockq.attend_ok(c.layers[0].keys, c.layers[0].values, 9, 4, 2, 16, enabled=lm.backend.switches.blockq)
     rows = [-1] + [p + 1 for p in BRANCHY_PARENTS]
     tree_logits = dec.verify_tree(m, [ids[30]] + BRANCHY_TOKENS, rows, c)
     for node in range(len(BRANCHY_TOKENS)):

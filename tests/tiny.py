@@ -110,9 +110,10 @@ _REFERENCES: "weakref.WeakKeyDictionary[torch.nn.Module, _Reference]" = weakref.
 
 def is_patched(model: torch.nn.Module) -> bool:
     """Does ``model`` run any of the project's kernels (packed linears, lean forward, block codes)?"""
+    from rakv.backends import lean_of
     from rakv.kernels import fastpath
 
-    return fastpath.is_enabled(model) or getattr(model, "_rakv_lean", None) is not None
+    return fastpath.is_enabled(model) or lean_of(model) is not None
 
 
 def wrap_tiny(model: torch.nn.Module, tokenizer=None, name: str = "model", **kw) -> LoadedModel:
@@ -202,9 +203,9 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
 
 
 def hf_forward(model, ids, cache, keep=0):
-    """HF's own forward (the torch backend, ``rakv.backend.TorchBackend``), whatever backend the
+    """HF's own forward (the torch backend, ``rakv.backends.TorchBackend``), whatever backend the
     model has chosen."""
-    from rakv.backend import TorchBackend
+    from rakv.backends import TorchBackend
 
     return TorchBackend(model).forward(ids, cache, keep)
 

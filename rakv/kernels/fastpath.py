@@ -5,10 +5,10 @@ but falls to a fraction of that for 2-9 rows (a different kernel), so a verify o
 about two steps. oneDNN's packed inner product (what inductor's weight freezing uses:
 ``mkldnn._reorder_linear_weight`` + ``mkldnn._linear_pointwise``) is nearly flat in rows, as a
 memory-bound layer should be. For exactly one row (a decode or draft step) which kernel is faster
-depends on the machine (MKL's gemv won on one busy session, the packed kernel by ~17% on a quiet
-one), so ``choose_one_row`` times both on the model's own layers once per machine, model and thread
-count, keeps the faster, and remembers it (``RAKV_ONE_ROW=plain|packed`` forces one). The model itself is unchanged (HF stays the source of truth for the
-architecture and the weights: each ``FastLinear`` keeps its ``weight`` / ``bias`` parameters, so
+depends on the machine (docs/fastpath.md), so ``choose_one_row`` times both on the model's own
+decode steps once per machine, model and thread count, keeps the faster, and remembers it
+(``RAKV_ONE_ROW=plain|packed``, read at load and passed in as ``forced``, forces one). The model
+itself is unchanged (HF stays the source of truth for the architecture and the weights: each ``FastLinear`` keeps its ``weight`` / ``bias`` parameters, so
 ``state_dict``, tied embeddings and hashing behave as before); only the matmul kernel differs.
 
 Every policy (AR, speculative, the draft, calibration) runs through the same modules, so all share
@@ -16,14 +16,15 @@ numerics: the exactness contract (spec == ar == target-only greedy) is unaffecte
 
 Automatic fallback (the model is left plain) where oneDNN is unavailable, on a non-CPU device, or
 for a dtype other than float32 / bfloat16. ``RAKV_FAST=0`` (or ``RakvConfig.fast=False``, CLI
-``--no-fast``) keeps the plain path for comparison.
+``--no-fast``) keeps the plain path for comparison: the caller decides (nothing here reads the
+environment, but ``default_enabled``, kept for one caller until it moves).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import json
-import os
 import statistics
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,16 +34,18 @@ from torch import nn
 
 from . import blockq
 from .blockq import MAX_ROWS
+from .registry import lean_of, set_lean
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 _BLOCK_ROWS = MAX_ROWS            # rows up to which a linear with block codes runs from them
 
 
 def default_enabled() -> bool:
-    """The process default: on unless ``RAKV_FAST`` is 0 / false / off / no."""
-    from ..config import env_fast
+    """The process default: on unless ``RAKV_FAST`` is 0 / false / off / no. Temporary until merge:
+    only ``rakv/models.py`` calls it (it takes ``rakv.config.env_fast()`` instead); the kernels never do."""
+    from ..paths import env_on
 
-    return env_fast()
+    return env_on("RAKV_FAST")
 
 
 def _ops_available() -> bool:
@@ -210,7 +213,6 @@ def enable(model: nn.Module) -> dict:
     why = unavailable_reason(model)
     if why is not None:
         disable(model)
-        model._rakv_fast = False
         return {"fast": False, "linears": 0, "reason": why}
     Conv1D = _conv1d_cls()
     n = 0
@@ -232,9 +234,7 @@ def enable(model: nn.Module) -> dict:
                 n += 1
     except RuntimeError as e:          # a kernel the CPU lacks: stay plain, say why
         disable(model)
-        model._rakv_fast = False
         return {"fast": False, "linears": 0, "reason": f"oneDNN packing failed: {str(e).splitlines()[0]}"}
-    model._rakv_fast = n > 0
     return {"fast": n > 0, "linears": n, "reason": "" if n else "no nn.Linear layers"}
 
 
@@ -245,8 +245,7 @@ def disable(model: nn.Module) -> int:
         if isinstance(child, FastLinear):
             setattr(parent, name, child.plain())
             n += 1
-    model._rakv_fast = False
-    model._rakv_lean = None          # the lean forward (rakv.kernels.lean) belongs to the fast path
+    set_lean(model, None)            # the lean forward (rakv.kernels.lean) belongs to the fast path
     return n
 
 
@@ -319,8 +318,7 @@ def _coded_ops(model: nn.Module) -> list:
     module calls (whose Python overhead made it exceed a step that runs its layers in C)."""
     from .blockq import BlockWeight
 
-    lean = getattr(model, "_rakv_lean", None)
-    ops = getattr(lean, "ops", None) or []
+    ops = getattr(lean_of(model), "ops", None) or []
     out = []
     for op in ops:
         b = getattr(op, "block", None)
@@ -335,20 +333,35 @@ ONE_ROW_MARGIN = 0.97             # the packed kernel must be 3% faster to repla
 ONE_ROW_SHARE_MIN = 0.8           # main-thread CPU share below this while timing: busy, not remembered
 
 
+def _own_forward(model: nn.Module):
+    """``forward(tokens, cache)`` -> the last row's logits, as the kernels can run ``model`` without a
+    backend: its lean forward where one is attached, else HF's own (a backend passes its own)."""
+    lean = lean_of(model)
+    if lean is not None:
+        return lambda tokens, cache: lean.forward(torch.tensor([list(tokens)], dtype=torch.long), cache, 1)
+    arg = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    dev = next(model.parameters()).device
+    return lambda tokens, cache: model(input_ids=torch.tensor([list(tokens)], dtype=torch.long, device=dev),
+                                       use_cache=True, logits_to_keep=1, **{arg: cache}).logits
+
+
 @torch.inference_mode()
-def _decode_steps(model: nn.Module, ctx: int = 64, steps: int = 4):
+def _decode_steps(model: nn.Module, forward=None, ctx: int = 64, steps: int = 4):
     """Timing (rakv.meter) of real decode steps, one token after a ``ctx``-token prefill: what the
-    one-row kernel is chosen for. (A bare pass over the linear layers ranked the kernels the other
-    way on a 2-core AVX2 VM, where whole steps and `ar` tokens/s favoured the packed one.)"""
-    from .. import decoding as dec
+    one-row kernel is chosen for (whole steps, not a bare pass over the linear layers, which can rank
+    the kernels the other way: docs/fastpath.md). ``forward(tokens, cache)``: the model's backend's
+    forward (``rakv.backends``); None: ``_own_forward``."""
+    from transformers import DynamicCache
+
     from ..meter import time_reps
 
+    forward = forward or _own_forward(model)
     vocab = int(getattr(model.config, "vocab_size", 1000))
     ids = iter([(i * 7919) % vocab for i in range(1, ctx + steps + 2)])
-    cache = dec.DynamicCache()
-    dec.prefill(model, [next(ids) for _ in range(ctx)], cache)
-    dec.decode_one(model, next(ids), cache)                 # cold: excluded
-    return time_reps(lambda: dec.decode_one(model, next(ids), cache), steps)
+    cache = DynamicCache()
+    forward([next(ids) for _ in range(ctx)], cache)
+    forward([next(ids)], cache)                             # cold: excluded
+    return time_reps(lambda: forward([next(ids)], cache), steps)
 
 
 def one_row_kernel(model: nn.Module) -> str:
@@ -366,20 +379,18 @@ def set_one_row(model: nn.Module, kernel: str) -> None:
 
 
 def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, rounds: int = 3,
-                   forced: str | None = None) -> dict:
+                   forced: str = "auto", forward=None) -> dict:
     """Set the one-row kernel of a fast-path model to the faster one on this machine.
 
-    Forced by ``RAKV_ONE_ROW`` (plain | packed; ``forced``: its value as the load read it, None:
-    read it now); else remembered in ``cache/kernels.json`` per model,
-    thread count, torch build and CPU; else measured: real decode steps with each kernel,
-    interleaved ``rounds`` times (~3 s on the demo model), medians compared."""
+    Forced by ``RAKV_ONE_ROW`` (plain | packed; ``forced``: its value as the load read it); else
+    remembered in ``cache/kernels.json`` per model, thread count, torch build and CPU; else
+    measured: real decode steps with each kernel (``forward``: the backend's, see ``_decode_steps``),
+    interleaved ``rounds`` times (seconds), medians compared."""
     from ..meter import Timing
     from ..device import hardware_info
 
     if not is_enabled(model):
         return {"kernel": "", "how": "not on the fast path"}
-    if forced is None:
-        forced = os.environ.get("RAKV_ONE_ROW", "auto").strip().lower()
     if forced in ("plain", "packed"):
         set_one_row(model, forced)
         return {"kernel": forced, "how": "RAKV_ONE_ROW"}
@@ -399,7 +410,7 @@ def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, roun
     for r in range(rounds):
         for kernel in (("plain", "packed") if r % 2 == 0 else ("packed", "plain")):
             set_one_row(model, kernel)
-            runs[kernel].append(_decode_steps(model))
+            runs[kernel].append(_decode_steps(model, forward))
     plain, packed = (statistics.median(t.value for t in runs[k]) for k in ("plain", "packed"))
     out = {"kernel": "packed" if packed < ONE_ROW_MARGIN * plain else "plain",
            "plain_step_ms": round(plain, 2), "packed_step_ms": round(packed, 2)}
