@@ -24,7 +24,7 @@ the model is loaded or switched again. The choice is stored as ``lm.backend`` an
 HF model in tests, or one given a lean forward by hand) gets one at its first forward: the lean
 backend when a lean forward is attached, else the torch path.
 
-Layering: this module sits above ``rakv.kernels.blockq`` and below ``rakv.load`` /
+Layering: this module sits above ``rakv.kernels.blockq`` and below ``rakv.models`` /
 ``rakv.decoding``: it imports neither (a ``LoadedModel`` is read by duck typing), nor
 ``kernels.fastpath`` (which times decode steps through ``rakv.decoding``; a fast-path linear is
 known by its ``one_row_plain``) nor ``kernels.lean`` (the lean forward is an object it is given).

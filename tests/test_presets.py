@@ -246,7 +246,7 @@ def test_presets_are_gguf_backed_for_numerics():
 
 
 def test_a_preset_draft_is_loaded_as_a_model(monkeypatch):
-    import rakv.drafts.registry as DR
+    import rakv.load.hub as LH
     import rakv.load.loaded as LL
     from rakv.config import RakvConfig
     from rakv.drafts.registry import make_draft
@@ -257,7 +257,7 @@ def test_a_preset_draft_is_loaded_as_a_model(monkeypatch):
         seen.append(spec)
         raise LL.ModelError("loaded no further")
 
-    monkeypatch.setattr(DR, "load_model", fake_load)
+    monkeypatch.setattr(LH, "load_model", fake_load)
     target = type("T", (), {"numerics": "q8"})()
     with pytest.raises(LL.ModelError):
         make_draft("qwen-coder-0.5b", target, RakvConfig())

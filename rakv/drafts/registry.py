@@ -8,7 +8,7 @@ module in this package and one line in ``DRAFTS``.
 
 from __future__ import annotations
 
-from ..load.hub import load_model
+from ..load import hub
 from ..load.loaded import LoadedModel, ModelError
 from ..load.numerics import set_fast
 from ..load.tokenizer import check_same_tokenizer
@@ -26,11 +26,6 @@ DRAFTS = {
 DRAFT_CODES = ("file", "q4")
 
 
-def draft_names() -> list[str]:
-    """The --draft names besides a model (``layers:`` shown as ``layers:L``)."""
-    return [n + "L" if n.endswith(":") else n for n in DRAFTS]
-
-
 def make_draft(spec: str, target: LoadedModel, config) -> DraftSource:
     """--draft: a model (hub id / dir / .gguf / preset) or one of ``DRAFTS`` ('int8', 'layers:L',
     'ngram', 'none'). ``config``: the run's ``rakv.config.RakvConfig``."""
@@ -40,8 +35,8 @@ def make_draft(spec: str, target: LoadedModel, config) -> DraftSource:
     name, colon, arg = s.partition(":")
     if colon and name + ":" in DRAFTS:
         return DRAFTS[name + ":"](target, config, arg)
-    lm = load_model(s, config.dtype, None, config.device, fast=config.fast,
-                    numerics="q8" if target.numerics == "q8" and config.numerics != "fp32" else config.numerics)
+    lm = hub.load_model(s, config.dtype, None, config.device, fast=config.fast,
+                        numerics="q8" if target.numerics == "q8" and config.numerics != "fp32" else config.numerics)
     check_same_tokenizer(target, lm)
     codes = draft_codes(lm, config.draft_codes)
     if codes != "file":

@@ -14,7 +14,7 @@ beside it holding the file's stamp (size, mtime, inode) and sha256. A later call
 and compares the stamp; a file whose stamp changed is hashed again. All of it under a lock in the cache
 dir, so two processes do not assemble at once: the second waits and finds the file.
 
-The assembled file is then an ordinary ``.gguf`` for ``rakv.models.load_model`` (converted once, by
+The assembled file is then an ordinary ``.gguf`` for ``rakv.load.hub.load_model`` (converted once, by
 content hash, like any other).
 """
 
@@ -106,8 +106,8 @@ def _error(msg: str) -> PresetError:
 
 
 def _progress(label: str, done: int, total: int, state: dict) -> None:
-    """One progress line on stderr (``rakv.models._progress``'s manner, which this module cannot import:
-    models imports it): in place on a terminal (~5 a second), a new line every ~10 s elsewhere, and at 100%."""
+    """One progress line on stderr (``rakv.load.slim._progress``'s manner, which this module does not import:
+    it sits below): in place on a terminal (~5 a second), a new line every ~10 s elsewhere, and at 100%."""
     now = time.perf_counter()
     tty = sys.stderr.isatty()
     final = done >= total
