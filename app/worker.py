@@ -55,7 +55,7 @@ class Worker(QObject):
     def __init__(self, sessions: Path | None = None):
         super().__init__()
         self.sessions = sessions
-        self.device = "auto"              # --device (resolved by rakv.models.load_model)
+        self.device = "auto"              # --device (resolved by rakv.load.load_model)
         self.fast: bool | None = None     # --fast / --no-fast; None: RAKV_FAST, default on
         self.numerics = "auto"            # --numerics / the run panel's choice: auto | q8 | fp32
         self.target = None
@@ -78,8 +78,8 @@ class Worker(QObject):
     def load_models(self, target: str, draft: str, k_max: int = 8) -> None:
         from rakv.common import settle_heap
         from rakv.costs import load_or_calibrate
-        from rakv.engine import make_draft
-        from rakv.models import load_model
+        from rakv.drafts.registry import make_draft
+        from rakv.load.hub import load_model
         from rakv.paths import cache_dir
 
         try:

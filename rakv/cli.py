@@ -245,7 +245,7 @@ class Session:
 
     def request_json(self, end) -> dict:
         """generate's --json object of one request."""
-        from .models import backend_name
+        from .load.loaded import backend_name
 
         dec = self.last_decision.get(end.request_id)
         start = self.starts.get(end.request_id)
@@ -650,7 +650,7 @@ def cmd_serve(args) -> int:
 
 def _guard(fn) -> int:
     from .engine import EngineError
-    from .models import ModelError
+    from .load.loaded import ModelError
     from .records import RecordingError
 
     try:

@@ -77,7 +77,7 @@ def read_prompts(path: str) -> list[str]:
 
 
 def add_model_args(ap) -> None:
-    from .presets import help_line
+    from .load.presets import help_line
 
     ap.add_argument("--target", default="demo",
                     help=f"hub id, local dir, .gguf file, 'demo' (default), or a preset: {help_line()} "
@@ -134,8 +134,8 @@ def device_kw(args) -> dict:
 def load_pair(args, config: RakvConfig):
     import torch
 
-    from .engine import make_draft
-    from .models import load_model
+    from .drafts.registry import make_draft
+    from .load.hub import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)      # range checked by argparse
@@ -144,8 +144,8 @@ def load_pair(args, config: RakvConfig):
     if (args.draft or "").strip() == "int8" and not getattr(args, "recalibrate", False) and not _drafts_at_once(config):
         # a policy that never drafts (ar, kv), or one that drafts only where its measured costs say it
         # pays (adaptive; a first calibration measures it): the int8 copy is made when first used
-        from .drafts import ModelDraft
-        from .models import int8_copy
+        from .drafts.int8 import int8_copy
+        from .drafts.model import ModelDraft
 
         draft = ModelDraft(int8_copy(target, lazy=True))
     else:

@@ -21,8 +21,11 @@ from .device import clock, hardware_info, versions_info
 from .config import TREE_MAX_NODES, Policy, RakvConfig
 from .controller import AlphaEWMA, Choice, Controller, Situation
 from .costs import CostProfile, quality_summary
-from .drafts import MAX_MATCH, DraftSource, ModelDraft, NgramDraft, NoDraft, history_match, prefill_with_reuse
-from .models import LoadedModel, model_info
+from .drafts.base import DraftSource
+from .drafts.ngram import MAX_MATCH, history_match
+from .drafts.none import NoDraft
+from .load.loaded import LoadedModel, model_info
+from .prefill import prefill_with_reuse
 from .planner import RoundPlanner
 from .prefix_cache import PrefixCache
 from .prompts import EncodedPrompt, encode_prompt
@@ -330,7 +333,7 @@ class Engine:
             policy, k_set, force, budget = self.policy, self.k_set, self.force, self.store.budget
             sampling = self.sampling.for_request(self._next_id)
         rq = _Request(rid=self._next_id, ids=ids, N=N, policy=policy, k_set=k_set, force=force, budget=budget,
-                      has_draft=not isinstance(self.draft, NoDraft), draft_model=isinstance(self.draft, ModelDraft),
+                      has_draft=self.draft.proposes, draft_model=self.draft.has_model,
                       sampling=sampling)
         self._next_id += 1
         self._open_request = rq.rid
@@ -581,7 +584,7 @@ class Engine:
                 qd, exact_d = hd.q, hd.q == P
         V = int(self.target.model.config.vocab_size)
         # (only greedy decoding repeats an earlier output: a sampled request has its own seed)
-        copy = (peek and exact and self.sampling.greedy and isinstance(self.draft, NgramDraft)
+        copy = (peek and exact and self.sampling.greedy and self.draft.copies
                 and self._copies_whole(ids, N))
         entry = P * self.target.kv_bytes_per_token() + 4 * V
         dentry = P * self.draft.lm.kv_bytes_per_token() if draft_model else 0
@@ -598,44 +601,3 @@ class Engine:
         return m >= min(len(ids), MAX_MATCH) and bool(follow) and (
             len(follow) >= N or follow[-1] in self.target.eos_ids)
 
-
-def make_draft(spec: str, target: LoadedModel, config: RakvConfig) -> DraftSource:
-    """--draft: a model (hub id / dir / .gguf), 'int8', 'layers:L', 'ngram' or 'none'."""
-    from .models import check_same_tokenizer, int8_copy, layers_copy, load_model, narrow_draft
-
-    s = (spec or "none").strip()
-    if s == "none":
-        return NoDraft()
-    if s == "ngram":
-        return NgramDraft(config.ngram_sizes)
-    if s == "int8":
-        return ModelDraft(int8_copy(target))
-    if s.startswith("layers:"):
-        try:
-            L = int(s.split(":", 1)[1])
-        except ValueError:
-            raise EngineError(f"bad --draft {s!r}: expected layers:L with an integer L") from None
-        return ModelDraft(layers_copy(target, L))
-    lm = load_model(s, config.dtype, None, config.device, fast=config.fast,
-                    numerics="q8" if target.numerics == "q8" and config.numerics != "fp32" else config.numerics)
-    check_same_tokenizer(target, lm)
-    codes = draft_codes(lm, config.draft_codes)
-    if codes != "file":
-        narrow_draft(lm, codes)
-    return ModelDraft(lm, vocab=draft_vocab(lm, config.draft_vocab))
-
-
-def draft_codes(lm: LoadedModel, codes: str) -> str:
-    """--draft-codes: ``auto`` narrows a q8 draft to 4-bit codes, as its file's Q8_0 / Q5_0 / Q6_K
-    layers cost it 1.5x the bytes a step for about one drafted token in 200 changed (docs/results.md,
-    the draft's codes); fp32 numerics keep the file's codes."""
-    if codes == "auto":
-        return "q4" if lm.numerics == "q8" else "file"
-    return codes
-
-
-def draft_vocab(lm: LoadedModel, n: int) -> int:
-    """A separate draft model of at least 2n ids drafts from its first ``n``: its full head is a
-    quarter of a 0.5B draft's bytes a step (docs/results.md, the draft's vocabulary); a vocabulary
-    under 2n keeps every id (the head would not even halve)."""
-    return n if n > 0 and lm.vocab_size >= 2 * n else 0

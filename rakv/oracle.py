@@ -29,7 +29,6 @@ import threading
 import time
 from dataclasses import asdict
 
-from .drafts import NoDraft
 from .records import ActionMeasure, CacheLookup, Decision, OracleResult, RequestEnd, RequestStart
 
 now = time.perf_counter
@@ -77,7 +76,7 @@ class Oracle:
         eng = self.engine
         t_start = now()
         ks = self.k_set if self.k_set is not None else tuple(eng.k_set)
-        if isinstance(eng.draft, NoDraft):
+        if not eng.draft.proposes:
             ks = tuple(k for k in ks if k == 0) or (0,)
         actions = [(r, k) for r in (0, 1) for k in ks]
         jobs: list = list(actions) + ([ADAPTIVE] if eng.controller is not None else [])

@@ -18,7 +18,8 @@ from .acceptance import judged
 from .controller import AlphaEWMA, Controller
 from .costs.model import CostProfile
 from .device import clock
-from .drafts import DraftSource, NgramDraft
+from .drafts.base import DraftSource
+from .drafts.ngram import NgramDraft
 from .gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, request_trust
 from .prefix_cache import PrefixCache
 from .records import Candidate, Decision
@@ -165,7 +166,7 @@ class RoundPlanner:
         # draft confidence -> chance of acceptance, for the gate (prior: the calibration's counts)
         self.accept_map = AcceptMap(alpha.value, profile.accept_map if profile is not None else None)
         # the n-gram side draft of k = 0 rounds under the gate (its own map unless it is the draft)
-        self.lookup = draft if isinstance(draft, NgramDraft) else NgramDraft()
+        self.lookup = draft if draft.copies else NgramDraft()
         self.lookup_map = self.accept_map if self.lookup is draft else AcceptMap(LOOKUP_ALPHA)
         self.last_k = 0
         self.lookup_scale = 1.0                 # a lookup verify's measured ms over the profile's V(j)
@@ -365,7 +366,7 @@ class RoundPlanner:
     def _k_top(self, rq, source) -> int:
         """The longest draft a gated round may verify: max(K), or lookup_top for n-gram lookup."""
         top = max(rq.k_set)
-        return max(top, self.lookup_top) if isinstance(source, NgramDraft) else top
+        return max(top, self.lookup_top) if source.copies else top
 
     def _lookup(self, rq, seq: list[int], remaining: int) -> tuple[list[int], float, RoundGate | None]:
         """A k = 0 round under the gate: the n-gram continuation costs ~nothing to look up, so verify

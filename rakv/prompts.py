@@ -15,6 +15,7 @@ partial hit on every templated request; the explorer's cache panel says how much
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 from .ids import lcp
@@ -76,16 +77,23 @@ def template_prefix(tokenizer) -> list[int]:
     if not has_chat_template(tokenizer):
         return []
     key = getattr(tokenizer, "chat_template", None)
-    cached = getattr(tokenizer, "_rakv_template_prefix", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    i = id(tokenizer)
+    hit = _PREFIXES.get(i)
+    if hit is not None and hit[0]() is tokenizer and hit[1] == key:
+        return hit[2]
     a, b = (chat_ids(tokenizer, p) for p in _PROBES)
     prefix = a[:lcp(a, b)]
     try:
-        tokenizer._rakv_template_prefix = (key, prefix)
-    except Exception:  # noqa: BLE001 - a tokenizer that refuses attributes just recomputes
-        pass
+        ref = weakref.ref(tokenizer, lambda _r, i=i: _PREFIXES.pop(i, None))
+    except TypeError:               # a tokenizer that cannot be referred to weakly just recomputes
+        return prefix
+    _PREFIXES[i] = (ref, key, prefix)
     return prefix
+
+
+# each tokenizer's template prefix, by id: (a weak reference to it, its chat template, the prefix);
+# an entry leaves when its tokenizer does, and nothing is set on the tokenizer
+_PREFIXES: dict[int, tuple] = {}
 
 
 def encode_prompt(tokenizer, text: str, raw: bool = False) -> EncodedPrompt:

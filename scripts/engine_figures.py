@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from rakv.config import RakvConfig
-from rakv.engine import Engine, make_draft
-from rakv.models import load_model
+from rakv.drafts.registry import make_draft
+from rakv.engine import Engine
+from rakv.load.hub import load_model
 from rakv.prefix_cache import PrefixCache
 
 WIKI = Path(__file__).resolve().parents[1].parent / "shared/data/wikitext-2-raw/wiki.test.raw"

@@ -41,7 +41,8 @@ from rakv.kernels import lean as leanmod  # noqa: E402
 from rakv.config import RakvConfig  # noqa: E402
 from rakv.device import isa_flags, threads_info  # noqa: E402
 from rakv.engine import Engine  # noqa: E402
-from rakv.models import LoadedModel, load_model  # noqa: E402
+from rakv.load.hub import load_model
+from rakv.load.loaded import LoadedModel  # noqa: E402
 
 PROMPTS = [
     "Explain in a few sentences why the sky is blue.",

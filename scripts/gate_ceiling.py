@@ -26,7 +26,7 @@ from types import SimpleNamespace
 def proposal_at(seq0: list[int], out: list[int], i: int, N: int, cap: int, sizes, history) -> tuple[list[int], int, int]:
     """The n-gram proposal after out[:i+1] (at most cap tokens, within the budget N), its match
     length, and how many of its tokens the target accepts (the greedy output continues with them)."""
-    from rakv.drafts import ngram_match
+    from rakv.drafts.ngram import ngram_match
 
     n = len(out)
     prop, m = ngram_match(seq0 + out[: i + 1], min(cap, N - (i + 1) - 1), sizes, history)

@@ -92,7 +92,7 @@ def replay(reqs, arm: str, prof, prior, lookup_k: int) -> float:
     """Rounds' ms of one stream under ``arm`` (see the module docstring)."""
     from gate_ceiling import proposal_at
 
-    from rakv.drafts import ngram_confidence
+    from rakv.drafts.ngram import ngram_confidence
     from rakv.gate import AcceptMap, best_verify_length, judged, request_trust
     from rakv.prefix_cache import TokenHistory
 
@@ -154,7 +154,7 @@ def main() -> int:
     a = ap.parse_args()
     from rakv.cli import get_profile
     from rakv.config import LOOKUP_K
-    from rakv.drafts import NgramDraft
+    from rakv.drafts.ngram import NgramDraft
 
     from rakv.sampling import Sampling
 

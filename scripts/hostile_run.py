@@ -397,7 +397,7 @@ def trust_cases(r: Runner, M: Path) -> None:
 import os, sys, pickle, subprocess
 from pathlib import Path
 from rakv.kernels import blockq, trust
-from rakv import models
+from rakv.load import tokenizer as models
 case = sys.argv[1]
 mark = Path(os.environ["MARK"])
 if case.startswith("kernel"):

@@ -109,7 +109,7 @@ def demo_model(target: str = "demo", numerics: str = "fp32"):
     under them)."""
     import gc
 
-    from rakv.models import load_model
+    from rakv.load.hub import load_model
 
     lm = load_model(target, "float32", None, "cpu", fast=True, numerics=numerics)
     return lm, [o for o in gc.get_objects() if isinstance(o, blockq.BlockWeight)]

@@ -9,7 +9,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]
 from rakv.kernels import fastpath
 from rakv.config import RakvConfig
 from rakv.engine import Engine
-from rakv.models import load_model
+from rakv.load.hub import load_model
 torch.set_num_threads(2)
 lm = load_model("demo", "float32", None, "cpu", fast=True)
 prompts = ["Write a Python function that checks whether a number is prime.",

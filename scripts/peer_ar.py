@@ -92,7 +92,7 @@ def main() -> int:
     from rakv.config import RakvConfig
     from rakv.device import isa_flags
     from rakv.engine import Engine
-    from rakv.models import load_model
+    from rakv.load.hub import load_model
 
     torch.set_num_threads(a.threads)
     target = load_model(a.gguf, numerics=a.numerics)

@@ -43,8 +43,9 @@ sys.path.insert(0, str(ROOT))
 from rakv import sampling as S  # noqa: E402
 from rakv.common import quiet_libs  # noqa: E402
 from rakv.config import RakvConfig  # noqa: E402
-from rakv.engine import Engine, make_draft  # noqa: E402
-from rakv.models import load_model  # noqa: E402
+from rakv.drafts.registry import make_draft  # noqa: E402
+from rakv.engine import Engine  # noqa: E402
+from rakv.load.hub import load_model  # noqa: E402
 from rakv.sampling import Sampling  # noqa: E402
 
 ALPHA = 1e-3

@@ -30,7 +30,7 @@ def child(a) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from rakv import decoding as dec
-    from rakv.models import load_model
+    from rakv.load.hub import load_model
 
     torch.set_num_threads(a.threads)
     lm = load_model(a.target, numerics="q8")

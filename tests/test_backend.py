@@ -14,10 +14,13 @@ from rakv.backends import (BACKENDS, LeanFp32Backend, LeanQ8Backend, TorchBacken
                            read_switches, select_backend, set_backend)
 from rakv.config import RakvConfig
 from rakv.costs import fingerprint_id, pair_fingerprint
-from rakv.drafts import ModelDraft, NgramDraft
+from rakv.drafts.model import ModelDraft
+from rakv.drafts.ngram import NgramDraft
 from rakv.engine import Engine
 from rakv.kernels import blockq, lean
-from rakv.models import int8_copy, model_info, set_fast, set_numerics
+from rakv.drafts.int8 import int8_copy
+from rakv.load.loaded import model_info
+from rakv.load.numerics import set_fast, set_numerics
 from tests.tiny import assert_exact, make_model, make_pair
 
 from .test_fastpath import _NO_ONEDNN, needs_onednn

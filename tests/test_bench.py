@@ -222,7 +222,7 @@ def test_adaptive_arms_keep_their_profile_across_streams():
     from tests.tiny import make_pair
 
     target, draft_lm = make_pair("llama")
-    from rakv.drafts import ModelDraft
+    from rakv.drafts.model import ModelDraft
     draft = ModelDraft(draft_lm)
     arms = parse_arms(["ar", "joint:2", "adaptive:request", "adaptive:round"], draft)
     prof = CostProfile(t=[[1, 1.0]], d=[[1, 0.3]], V={str(k): 1.2 for k in range(1, 9)}, alpha0=0.5)

@@ -13,9 +13,10 @@ from rakv.backends import lean_of
 from rakv.kernels import blockq, fastpath
 from rakv.config import RakvConfig
 from rakv.costs import CostProfile
-from rakv.drafts import ModelDraft, NgramDraft
+from rakv.drafts.model import ModelDraft
+from rakv.drafts.ngram import NgramDraft
 from rakv.engine import Engine
-from rakv.models import wrap
+from rakv.load.numerics import wrap
 
 from .test_fastpath import needs_onednn
 from .tiny import assert_exact, make_model, oracle, perturbed, snap_to_blocks, tiny_tokenizer, wrap_tiny

@@ -10,9 +10,10 @@ import pytest
 
 from rakv.cli import main
 from rakv.config import RakvConfig
-from rakv.drafts import ModelDraft, NgramDraft
+from rakv.drafts.model import ModelDraft
+from rakv.drafts.ngram import NgramDraft
 from rakv.engine import Engine
-from rakv.models import wrap
+from rakv.load.numerics import wrap
 from rakv.prompts import encode_prompt, template_prefix
 from rakv.records import RequestStart, read_recording, request_rows
 from tests.tiny import make_model, oracle, perturbed, save_tiny, tiny_tokenizer, wrap_tiny

@@ -10,7 +10,7 @@ from rakv.costs import model as costs_mod
 from rakv.costs import calibration as calibrate_mod
 from rakv.costs import profile as profile_mod
 from rakv.controller import E, AlphaEWMA, Controller, Situation
-from rakv.drafts import NoDraft
+from rakv.drafts.none import NoDraft
 from rakv.costs import CostProfile, interp, load_or_calibrate
 
 
@@ -312,7 +312,7 @@ def test_a_burst_of_load_moves_every_term_together():
 
 
 def test_recalibrates_when_fingerprint_changes(tmp_path, monkeypatch):
-    from rakv.drafts import ModelDraft
+    from rakv.drafts.model import ModelDraft
     from tests.tiny import make_pair
 
     target, draft = make_pair("gpt2", "mostly")
@@ -519,7 +519,7 @@ def test_engine_refines_whole_rounds_with_their_two_token_step_and_never_the_pro
     together; a round whose first forward read 2 tokens is predicted with the 2-token step; the
     draft's prompt prefill (paid in the first round) is never charged to the round."""
     from rakv.config import RakvConfig
-    from rakv.drafts import ModelDraft
+    from rakv.drafts.model import ModelDraft
     from rakv.engine import Engine
     from tests.tiny import make_pair
 
@@ -531,7 +531,7 @@ def test_engine_refines_whole_rounds_with_their_two_token_step_and_never_the_pro
     prof.observe = lambda term, p, m: (seen.append((term, p, m)), real(term, p, m))
     import time
 
-    import rakv.drafts as drafts_mod
+    import rakv.drafts.model as drafts_mod
 
     slow = drafts_mod.prefill_with_reuse
 

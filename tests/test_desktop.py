@@ -139,7 +139,7 @@ def test_conversation_mode(window, qtbot, chat_models):
     """Turns continue one conversation (the prompt is the whole conversation, the turns before
     reused from the cache), the cache panel says how much came from the conversation before, and
     New conversation starts over."""
-    from rakv.drafts import ModelDraft
+    from rakv.drafts.model import ModelDraft
     from rakv.prompts import encode_prompt
 
     target, draft = chat_models
@@ -191,7 +191,7 @@ def test_conversation_mode(window, qtbot, chat_models):
 
 def test_conversation_replays_like_live(window, qtbot, chat_models, tmp_path):
     from app.state import SessionState
-    from rakv.drafts import NgramDraft
+    from rakv.drafts.ngram import NgramDraft
     from rakv.records import read_recording
 
     target, _ = chat_models
@@ -213,7 +213,7 @@ def test_conversation_replays_like_live(window, qtbot, chat_models, tmp_path):
 
 @pytest.fixture(scope="module")
 def chat_models():
-    from rakv.models import wrap
+    from rakv.load.numerics import wrap
     from tests.tiny import make_model, perturbed, tiny_tokenizer
 
     tok = tiny_tokenizer(chat=True)

@@ -1,4 +1,4 @@
-"""A draft model's codes made narrower (``--draft-codes q4``, ``models.narrow_draft``): every layer
+"""A draft model's codes made narrower (``--draft-codes q4``, ``rakv.drafts.registry.narrow_draft``): every layer
 wider than 4 bits requantized to Q4_1 once (and read back from the cache dir after); the draft
 changes, and every policy still gives target-only decoding's ids, greedy and seeded (the target
 verifies every drafted token); fp32 numerics refuse it in one line."""
@@ -9,11 +9,14 @@ import pytest
 import torch
 
 from rakv.config import RakvConfig
-from rakv.drafts import ModelDraft
-from rakv.engine import Engine, draft_codes
+from rakv.drafts.model import ModelDraft
+from rakv.drafts.registry import draft_codes
+from rakv.engine import Engine
 from rakv.kernels import blockq
 from rakv.kernels.fastpath import FastLinear
-from rakv.models import ModelError, narrow_draft, set_numerics
+from rakv.drafts.registry import narrow_draft
+from rakv.load.loaded import ModelError
+from rakv.load.numerics import set_numerics
 from rakv.sampling import Sampling
 from tests.tiny import make_pair, synthetic_profile
 

@@ -11,10 +11,11 @@ import torch
 from rakv import decoding as dec
 from rakv.backends import lean_of
 from rakv.config import RakvConfig
-from rakv.drafts import ModelDraft, vocab_ids
-from rakv.engine import Engine, draft_vocab
+from rakv.drafts.model import ModelDraft, vocab_ids
+from rakv.drafts.registry import draft_vocab
+from rakv.engine import Engine
 from rakv.kernels import blockq
-from rakv.models import set_numerics
+from rakv.load.numerics import set_numerics
 from rakv.sampling import Sampling
 from tests.tiny import make_pair, synthetic_profile
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from rakv.config import RakvConfig
-from rakv.drafts import ModelDraft, NgramDraft
+from rakv.drafts.model import ModelDraft
+from rakv.drafts.ngram import NgramDraft
 from rakv.engine import Engine
-from rakv.models import int8_copy
+from rakv.drafts.int8 import int8_copy
 from rakv.records import Round
 from tests.tiny import EOS_N, EOS_PROMPTS, assert_exact, make_pair, oracle, reference, synthetic_profile
 
@@ -138,7 +139,7 @@ def test_per_request_k0_probes_are_recorded_and_exact():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_int8_self_draft_is_exact_and_quantized(arch):
-    from rakv.models import int8_copy
+    from rakv.drafts.int8 import int8_copy
 
     target, _ = make_pair(arch, "identical")
     q = int8_copy(target)
@@ -202,8 +203,9 @@ def test_budget_change_applies_between_requests():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_layers_draft_shares_weights_and_is_exact(arch):
     """--draft layers:L: the target's first L layers + final norm + LM head, weights shared."""
-    from rakv.engine import EngineError, make_draft
-    from rakv.models import ModelError
+    from rakv.drafts.registry import make_draft
+    from rakv.engine import EngineError
+    from rakv.load.loaded import ModelError
     from tests.tiny import make_model, tiny_tokenizer, wrap_tiny
 
     target = wrap_tiny(make_model(arch, layers=4), tiny_tokenizer(), name=f"tiny-{arch}-4")

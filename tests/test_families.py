@@ -17,11 +17,14 @@ import transformers as T
 from rakv import decoding as dec
 from rakv.config import RakvConfig
 from rakv.costs import CostProfile
-from rakv.drafts import ModelDraft, NgramDraft
+from rakv.drafts.model import ModelDraft
+from rakv.drafts.ngram import NgramDraft
 from rakv.engine import Engine
 from rakv.backends import lean_of
 from rakv.kernels import fastpath, lean
-from rakv.models import int8_copy, layers_copy, wrap
+from rakv.drafts.int8 import int8_copy
+from rakv.drafts.layers import layers_copy
+from rakv.load.numerics import wrap
 
 from .test_fastpath import needs_onednn
 from .tiny import VOCAB, oracle, perturbed

@@ -13,9 +13,10 @@ from rakv.cli import main
 from rakv.config import RakvConfig
 from rakv.costs import lookup_vs
 from rakv.device import DeviceError, resolve
-from rakv.drafts import ModelDraft
+from rakv.drafts.model import ModelDraft
 from rakv.engine import Engine
-from rakv.models import int8_copy, set_fast, wrap
+from rakv.drafts.int8 import int8_copy
+from rakv.load.numerics import set_fast, wrap
 from tests.tiny import hf_greedy, make_model, oracle, save_tiny, tiny_tokenizer
 
 _NO_ONEDNN = fastpath.unavailable_reason(torch.nn.Linear(2, 2))    # a float32 CPU linear: only oneDNN can lack

@@ -10,7 +10,7 @@ import pytest
 
 from rakv import costs as C
 from rakv import meter as M
-from rakv.drafts import ModelDraft
+from rakv.drafts.model import ModelDraft
 from tests.tiny import make_pair
 
 
@@ -91,32 +91,32 @@ def test_int8_draft_is_cached_and_loads_identical(arch, tmp_path, monkeypatch, c
     import torch
 
     from rakv import decoding as dec
-    from rakv import models
+    import rakv.drafts.int8 as DI
 
     monkeypatch.setenv("RAKV_CACHE", str(tmp_path))
     target, _ = make_pair(arch, "identical")
-    path = models.int8_cache_path(target)
+    path = DI.int8_cache_path(target)
     assert path is not None and path.parent == tmp_path / "models" / "int8" and not path.exists()
-    q1 = models.int8_copy(target)
+    q1 = DI.int8_copy(target)
     assert path.exists() and not list(path.parent.glob(".*.tmp"))          # written atomically
 
     def no_quantizing(_t):
         raise AssertionError("quantized again although the cache holds it")
 
-    real = models._quantize
-    monkeypatch.setattr(models, "_quantize", no_quantizing)
-    q2 = models.int8_copy(target)
-    assert getattr(q2.model, "_rakv_int8_cached", "") == path.name
-    lazy = models.int8_copy(target, lazy=True)
+    real = DI._quantize
+    monkeypatch.setattr(DI, "_quantize", no_quantizing)
+    q2 = DI.int8_copy(target)
+    assert DI._FROM_CACHE.get(q2.model, "") == path.name
+    lazy = DI.int8_copy(target, lazy=True)
     assert lazy.model is not None and "int8 draft loaded from the cache" in capsys.readouterr().err
     ids = list(range(30, 50))
     l1 = dec.prefill(q1.model, ids, dec.DynamicCache())
     l2 = dec.prefill(q2.model, ids, dec.DynamicCache())
     assert torch.equal(l1, l2)
     # a damaged cache file is made again, not a failed run
-    monkeypatch.setattr(models, "_quantize", real)
+    monkeypatch.setattr(DI, "_quantize", real)
     path.write_bytes(b"not a state dict")
-    q3 = models.int8_copy(target)
+    q3 = DI.int8_copy(target)
     assert "unusable" in capsys.readouterr().err
     assert torch.equal(dec.prefill(q3.model, ids, dec.DynamicCache()), l1)
 

@@ -6,7 +6,8 @@ import pytest
 
 from rakv.config import Policy, RakvConfig
 from rakv.costs import CostProfile
-from rakv.drafts import ModelDraft, NgramDraft
+from rakv.drafts.model import ModelDraft
+from rakv.drafts.ngram import NgramDraft
 from rakv.engine import Engine
 from rakv.gate import BINS, AcceptMap, RoundGate, best_verify_length, conf_bin, worth_more
 from rakv.records import Round
@@ -273,7 +274,7 @@ def test_a_dry_stretch_does_not_stop_lookups_where_copies_pay():
 
 
 def test_ngram_copy_runs_past_the_present_as_a_period():
-    from rakv.drafts import ngram_match
+    from rakv.drafts.ngram import ngram_match
 
     toks, m = ngram_match([7, 1, 2, 3, 1, 2, 3, 1, 2], 7)      # last seen "1 2" 3 tokens back: period 3
     assert toks == [3, 1, 2, 3, 1, 2, 3] and m >= 2

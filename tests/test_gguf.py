@@ -17,7 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from rakv import models as M
+import rakv.load.gguf as LG
+import rakv.load.hub as LH
+import rakv.load.loaded as LL
+import rakv.load.slim as LS
 
 from .tiny import make_model, oracle, tiny_tokenizer
 
@@ -151,13 +154,13 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 def _count_conversions(monkeypatch) -> list:
     calls = []
-    real = M.convert_gguf
+    real = LG.convert_gguf
 
     def counted(*a, **k):
         calls.append(a[0])
         return real(*a, **k)
 
-    monkeypatch.setattr(M, "convert_gguf", counted)
+    monkeypatch.setattr(LG, "convert_gguf", counted)
     return calls
 
 
@@ -173,14 +176,14 @@ def test_the_tiny_gguf_is_the_model_for_transformers(tmp_path):
 def test_gguf_is_converted_once_and_loads_the_same(tmp_path, monkeypatch, qtype, capsys):
     f, m = _tiny_gguf(tmp_path / "src", qtype)
     calls = _count_conversions(monkeypatch)
-    first = M.load_model(str(f), fast=False)
+    first = LH.load_model(str(f), fast=False)
     assert len(calls) == 1
     err = capsys.readouterr().err
     assert "converting" in err and "converted" in err
-    folder = M.cache_dir() / "models" / f"gguf-{M.file_hash(f)}"
-    assert (folder / M.CONVERTED_MARK).is_file() and list(folder.glob("*.safetensors"))
+    folder = LS.cache_dir() / "models" / f"gguf-{LS.file_hash(f)}"
+    assert (folder / LS.CONVERTED_MARK).is_file() and list(folder.glob("*.safetensors"))
 
-    second = M.load_model(str(f), fast=False)
+    second = LH.load_model(str(f), fast=False)
     assert len(calls) == 1                                  # not converted again
     assert "converting" not in capsys.readouterr().err
     assert first.key == second.key and "gguf-" in first.key
@@ -198,21 +201,21 @@ def test_gguf_is_converted_once_and_loads_the_same(tmp_path, monkeypatch, qtype,
 def test_a_moved_copy_finds_the_conversion_and_a_changed_file_does_not(tmp_path, monkeypatch):
     f, _ = _tiny_gguf(tmp_path / "a")
     calls = _count_conversions(monkeypatch)
-    a = M.load_model(str(f), fast=False)
+    a = LH.load_model(str(f), fast=False)
     (tmp_path / "b").mkdir()
     g = tmp_path / "b" / "renamed.gguf"
     shutil.copy(f, g)
-    b = M.load_model(str(g), fast=False)
+    b = LH.load_model(str(g), fast=False)
     assert len(calls) == 1 and a.key.split("@")[1] == b.key.split("@")[1]     # same content, same copy
     f2, _ = _tiny_gguf(tmp_path / "c", seed=3)
     os.replace(f2, f)                                       # other bytes at the same path
-    c = M.load_model(str(f), fast=False)
+    c = LH.load_model(str(f), fast=False)
     assert len(calls) == 2 and c.key != a.key
 
 
 def test_the_hash_is_remembered_by_path_size_and_mtime(tmp_path, monkeypatch):
     f, _ = _tiny_gguf(tmp_path)
-    h = M.file_hash(f)
+    h = LS.file_hash(f)
     opened = []
     real_open = open
 
@@ -222,13 +225,13 @@ def test_the_hash_is_remembered_by_path_size_and_mtime(tmp_path, monkeypatch):
 
     with monkeypatch.context() as mp:       # (undo() would also drop the test's own cache dir)
         mp.setattr("builtins.open", spy)
-        assert M.file_hash(f) == h and str(f.resolve()) not in opened      # a second call reads nothing
+        assert LS.file_hash(f) == h and str(f.resolve()) not in opened      # a second call reads nothing
     data = bytearray(f.read_bytes())
     data[-1] ^= 1                                           # same size, new content (and mtime)
     st = f.stat()
     f.write_bytes(bytes(data))
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
-    assert M.file_hash(f) != h
+    assert LS.file_hash(f) != h
 
 
 def test_two_first_uses_at_once_convert_once(tmp_path, monkeypatch):
@@ -238,7 +241,7 @@ def test_two_first_uses_at_once_convert_once(tmp_path, monkeypatch):
 
     def use():
         try:
-            got.append(M.ensure_gguf(f)[0])
+            got.append(LG.ensure_gguf(f)[0])
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -257,19 +260,19 @@ def test_without_working_locks_racing_conversions_still_leave_one_whole_copy(tmp
     f, m = _tiny_gguf(tmp_path)
     monkeypatch.setattr(filelock, "file_lock", lambda *a, **k: contextlib.nullcontext())
     barrier = threading.Barrier(2)
-    real = M._load_gguf
+    real = LG._load_gguf
 
     def slow(path):
         out = real(path)
         barrier.wait(timeout=60)            # both have converted before either installs
         return out
 
-    monkeypatch.setattr(M, "_load_gguf", slow)
+    monkeypatch.setattr(LG, "_load_gguf", slow)
     errors = []
 
     def use():
         try:
-            M.ensure_gguf(f)
+            LG.ensure_gguf(f)
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -277,40 +280,40 @@ def test_without_working_locks_racing_conversions_still_leave_one_whole_copy(tmp
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert not errors
-    folder = M.ensure_gguf(f)[0]
+    folder = LG.ensure_gguf(f)[0]
     assert [p.name for p in folder.parent.iterdir() if p.name.startswith(f".{folder.name}")] in ([], [f".{folder.name}.lock"])
-    monkeypatch.setattr(M, "_load_gguf", real)
-    _same_weights(M.load_model(str(f), fast=False).model, m)
+    monkeypatch.setattr(LG, "_load_gguf", real)
+    _same_weights(LH.load_model(str(f), fast=False).model, m)
 
 
 def test_a_conversion_that_cannot_be_loaded_even_when_made_again_names_the_folder_to_delete(tmp_path, monkeypatch):
     """A damaged conversion is made again once (tests/test_gguf_load.py); when even the new one
     cannot be loaded, the error names the folder."""
     f, _ = _tiny_gguf(tmp_path)
-    folder, _ = M.ensure_gguf(f)
+    folder, _ = LG.ensure_gguf(f)
     (folder / "config.json").write_text("{broken")
     with monkeypatch.context() as mp:       # (undo() would also drop the test's own cache dir)
         calls = _count_conversions(mp)
-        real = M.convert_gguf
+        real = LG.convert_gguf
 
         def still_broken(*a, **k):
             real(*a, **k)
             (a[1] / "config.json").write_text("{broken")
 
-        mp.setattr(M, "convert_gguf", still_broken)
-        with pytest.raises(M.ModelError) as e:
-            M.load_model(str(f), fast=False)
+        mp.setattr(LG, "convert_gguf", still_broken)
+        with pytest.raises(LL.ModelError) as e:
+            LH.load_model(str(f), fast=False)
         assert str(folder) in str(e.value) and "delete" in str(e.value) and len(calls) == 1
     shutil.rmtree(folder)
-    M.load_model(str(f), fast=False)          # converted afresh
+    LH.load_model(str(f), fast=False)          # converted afresh
 
 
 def test_a_gguf_the_loader_cannot_read_is_one_clear_error(tmp_path):
     f = tmp_path / "junk.gguf"
     f.write_bytes(b"GGUF" + b"\0" * 64)
-    with pytest.raises(M.ModelError, match="cannot load GGUF"):
-        M.load_model(str(f), fast=False)
-    models = M.cache_dir() / "models"
+    with pytest.raises(LL.ModelError, match="cannot load GGUF"):
+        LH.load_model(str(f), fast=False)
+    models = LS.cache_dir() / "models"
     assert not list(models.glob("gguf-*")) and not list(models.glob(".*.part"))     # nothing half-made left
 
 
@@ -325,7 +328,7 @@ def test_the_converted_tokenizer_encodes_a_raw_prompt_as_the_gguf_does(tmp_path,
     f = tmp_path / "bos.gguf"
     write_llama_gguf(f, make_model("llama"), add_bos=add_bos)
     ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=f.name)
-    lm = M.load_model(str(f), fast=False)
+    lm = LH.load_model(str(f), fast=False)
     text = "The quick brown fox"
     assert raw_ids(lm.tokenizer, text) == raw_ids(ref, text) == ref(text)["input_ids"]
     assert (raw_ids(lm.tokenizer, text)[0] == 0) == add_bos

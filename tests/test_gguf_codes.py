@@ -12,7 +12,7 @@ import torch
 from rakv import decoding as dec
 from rakv.backends import lean_of
 from rakv.kernels import blockq, fastpath, lean
-from rakv.models import wrap
+from rakv.load.numerics import wrap
 
 from .test_blockq import can_build
 from .test_fastpath import needs_onednn
@@ -145,9 +145,12 @@ def test_a_k_quant_gguf_runs_from_its_codes_and_gives_transformers_ids(types, tm
     from transformers import AutoModelForCausalLM
 
     from rakv.config import RakvConfig
-    from rakv.drafts import ModelDraft, NgramDraft
+    from rakv.drafts.model import ModelDraft
+    from rakv.drafts.ngram import NgramDraft
     from rakv.engine import Engine
-    from rakv.models import CODES_FILE, int8_copy, load_model
+    from rakv.drafts.int8 import int8_copy
+    from rakv.load.hub import load_model
+    from rakv.load.slim import CODES_FILE
 
     from .test_gguf import write_llama_gguf
     from .tiny import oracle

@@ -1,4 +1,4 @@
-"""A GGUF converted straight from the file (``models._convert_direct``): its codes as they are and
+"""A GGUF converted straight from the file (``rakv.load.gguf._convert_direct``): its codes as they are and
 every other tensor dequantized as transformers' loader would, tensor by tensor, with no float32 copy
 of the coded weights. The folder it writes holds the same codes and tensors as a conversion through
 transformers' loader (every tensor dequantized at once, then matched back), so a model loads and
@@ -12,7 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from rakv import decoding as dec
-from rakv import models as M
+import rakv.load.gguf as LG
+import rakv.load.hub as LH
+import rakv.load.slim as LS
 from rakv.kernels import blockq
 
 from .test_gguf import write_llama_gguf
@@ -26,9 +28,9 @@ IDS = [(7 * i + 3) % 300 for i in range(24)]
 def _convert(f, out, direct: bool, monkeypatch):
     if not direct:
         def refuse(_):
-            raise M._Direct("the transformers path, for comparison")
-        monkeypatch.setattr(M, "_convert_direct", refuse)
-    M.convert_gguf(f, out)
+            raise LG._Direct("the transformers path, for comparison")
+        monkeypatch.setattr(LG, "_convert_direct", refuse)
+    LG.convert_gguf(f, out)
     monkeypatch.undo()
 
 
@@ -55,11 +57,11 @@ def test_the_direct_conversion_writes_what_transformers_path_writes(types, tmp_p
     _convert(f, a, True, monkeypatch)
     assert "through transformers" not in capsys.readouterr().err
     _convert(f, b, False, monkeypatch)
-    _same_codes(blockq.load_codes(a / M.CODES_FILE), blockq.load_codes(b / M.CODES_FILE))
-    ra, rb = load_file(str(a / M.SLIM_FILE)), load_file(str(b / M.SLIM_FILE))
+    _same_codes(blockq.load_codes(a / LS.CODES_FILE), blockq.load_codes(b / LS.CODES_FILE))
+    ra, rb = load_file(str(a / LS.SLIM_FILE)), load_file(str(b / LS.SLIM_FILE))
     assert ra.keys() == rb.keys() and all(torch.equal(ra[k], rb[k]) for k in ra)
     for weights in (False, True):                     # q8 leaves the coded weights unmade; fp32 makes them
-        ma, mb = M._from_slim(a, "a", weights), M._from_slim(b, "b", weights)
+        ma, mb = LS._from_slim(a, "a", weights), LS._from_slim(b, "b", weights)
         if weights:
             assert all(torch.equal(p, q) for p, q in zip(ma.state_dict().values(), mb.state_dict().values()))
             la = dec.forward(ma, IDS, dec.DynamicCache())
@@ -74,9 +76,9 @@ def test_a_converted_model_loads_and_runs_the_same_both_ways(tmp_path, monkeypat
     for direct in (True, False):
         monkeypatch.setenv("RAKV_CACHE", str(tmp_path / f"cache-{direct}"))
         if not direct:
-            monkeypatch.setattr(M, "_convert_direct", lambda g: (_ for _ in ()).throw(M._Direct("compare")))
+            monkeypatch.setattr(LG, "_convert_direct", lambda g: (_ for _ in ()).throw(LG._Direct("compare")))
         for numerics in ("q8", "fp32"):
-            lm = M.load_model(str(f), numerics=numerics)
+            lm = LH.load_model(str(f), numerics=numerics)
             out[direct, numerics] = dec.forward(lm.model, IDS, dec.DynamicCache())
     for numerics in ("q8", "fp32"):
         assert torch.equal(out[True, numerics], out[False, numerics]), numerics
@@ -85,8 +87,8 @@ def test_a_converted_model_loads_and_runs_the_same_both_ways(tmp_path, monkeypat
 def test_a_file_the_direct_path_does_not_cover_falls_back_with_one_line(tmp_path, monkeypatch, capsys):
     f = tmp_path / "tiny-f32.gguf"
     write_llama_gguf(f, make_model("llama", hidden=64), "F32")
-    monkeypatch.setattr(M, "_convert_direct", lambda g: (_ for _ in ()).throw(M._Direct("a reshaped tensor")))
-    M.convert_gguf(f, tmp_path / "out")
+    monkeypatch.setattr(LG, "_convert_direct", lambda g: (_ for _ in ()).throw(LG._Direct("a reshaped tensor")))
+    LG.convert_gguf(f, tmp_path / "out")
     err = [l for l in capsys.readouterr().err.splitlines() if "through transformers" in l]
     assert len(err) == 1 and "a reshaped tensor" in err[0]
-    assert (tmp_path / "out" / M.CONVERTED_MARK).is_file()
+    assert (tmp_path / "out" / LS.CONVERTED_MARK).is_file()

@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rakv import models as M
+import rakv.drafts.int8 as DI
+import rakv.load.gguf as LG
+import rakv.load.hub as LH
+import rakv.load.numerics as LN
+import rakv.load.slim as LS
+import rakv.load.tokenizer as LT
 
 from .test_gguf import PROMPT, _count_conversions, _same_weights, _tiny_gguf, settle, write_llama_gguf
 from .tiny import CHAT_TEMPLATE, make_model, oracle
@@ -77,10 +82,10 @@ def test_the_second_load_converts_nothing_builds_no_tokenizer_and_reads_no_file(
     f = _chat_gguf(tmp_path / "src")
     conversions = _count_conversions(monkeypatch)
     builds = _count_tokenizer_builds(monkeypatch)
-    first = M.load_model(str(f), fast=False)
+    first = LH.load_model(str(f), fast=False)
     assert len(conversions) == 1 and len(builds) >= 1
-    folder = M.ensure_gguf(f)[0]
-    assert (folder / M.TOKENIZER_CACHE).is_file()           # the built tokenizer, kept
+    folder = LG.ensure_gguf(f)[0]
+    assert (folder / LT.TOKENIZER_CACHE).is_file()           # the built tokenizer, kept
     builds.clear()
     opened = []
     real_open = open
@@ -91,7 +96,7 @@ def test_the_second_load_converts_nothing_builds_no_tokenizer_and_reads_no_file(
 
     with monkeypatch.context() as mp:       # (undo() would also drop the test's own cache dir)
         mp.setattr("builtins.open", spy)
-        second = M.load_model(str(f), fast=False)
+        second = LH.load_model(str(f), fast=False)
     assert len(conversions) == 1 and builds == []          # nothing converted, no tokenizer built
     assert str(f.resolve()) not in opened                  # the GGUF is not even read (its hash is remembered)
     assert first.key == second.key
@@ -106,11 +111,11 @@ def test_the_kept_tokenizer_is_the_one_transformers_builds_from_the_folder_and_t
     from rakv.prompts import raw_ids
 
     f = _chat_gguf(tmp_path / "src")
-    M.load_model(str(f), fast=False)                        # converts and keeps the tokenizer
-    folder = M.ensure_gguf(f)[0]
-    kept = M.load_model(str(f), fast=False).tokenizer       # from the pickle
+    LH.load_model(str(f), fast=False)                        # converts and keeps the tokenizer
+    folder = LG.ensure_gguf(f)[0]
+    kept = LH.load_model(str(f), fast=False).tokenizer       # from the pickle
     built = AutoTokenizer.from_pretrained(str(folder))
-    M._note_bos(built)
+    LT._note_bos(built)
     from_gguf = AutoTokenizer.from_pretrained(str(f.parent), gguf_file=f.name)
     _assert_same_tokenizer(kept, built)
     for text in TEXTS:
@@ -151,9 +156,9 @@ def test_a_tokenizer_with_its_own_constructor_is_kept_and_restored_the_same(tmp_
     d = _gemma_like_folder(tmp_path / "gemma-like")
     with monkeypatch.context() as mp:
         builds = _count_tokenizer_builds(mp)
-        first = M.load_tokenizer(d)
-        assert len(builds) == 1 and (d / M.TOKENIZER_CACHE).is_file()
-        second = M.load_tokenizer(d)
+        first = LT.load_tokenizer(d)
+        assert len(builds) == 1 and (d / LT.TOKENIZER_CACHE).is_file()
+        second = LT.load_tokenizer(d)
         assert len(builds) == 1
     ref = AutoTokenizer.from_pretrained(str(d))
     assert type(second).__name__ == "GemmaTokenizer" and second.padding_side == ref.padding_side
@@ -166,8 +171,8 @@ def test_a_damaged_or_stale_tokenizer_pickle_is_built_again(tmp_path, monkeypatc
     from transformers import AutoTokenizer
 
     d = _gemma_like_folder(tmp_path / "t")
-    M.load_tokenizer(d)
-    kept = d / M.TOKENIZER_CACHE
+    LT.load_tokenizer(d)
+    kept = d / LT.TOKENIZER_CACHE
     data = kept.read_bytes()
     if damage == "garbage":
         kept.write_bytes(b"not a pickle at all" * 10)
@@ -188,30 +193,30 @@ def test_a_damaged_or_stale_tokenizer_pickle_is_built_again(tmp_path, monkeypatc
             pickle.dump(tok, fh)
     with monkeypatch.context() as mp:
         builds = _count_tokenizer_builds(mp)
-        tok = M.load_tokenizer(d)
+        tok = LT.load_tokenizer(d)
         assert len(builds) == 1                             # built again ...
-        M.load_tokenizer(d)
+        LT.load_tokenizer(d)
         assert len(builds) == 1                             # ... and kept again
     _assert_same_tokenizer(tok, AutoTokenizer.from_pretrained(str(d)))
 
 
 def test_a_cache_dir_that_cannot_be_written_still_loads(tmp_path, monkeypatch):
     d = _gemma_like_folder(tmp_path / "t")
-    monkeypatch.setattr(M.tempfile, "mkstemp", lambda *a, **k: (_ for _ in ()).throw(PermissionError("read-only")))
-    tok = M.load_tokenizer(d)
-    assert tok("Hello")["input_ids"] and not (d / M.TOKENIZER_CACHE).exists()
+    monkeypatch.setattr(LT.tempfile, "mkstemp", lambda *a, **k: (_ for _ in ()).throw(PermissionError("read-only")))
+    tok = LT.load_tokenizer(d)
+    assert tok("Hello")["input_ids"] and not (d / LT.TOKENIZER_CACHE).exists()
 
 
 def test_a_damaged_conversion_is_converted_again(tmp_path, monkeypatch, capsys):
     f, m = _tiny_gguf(tmp_path / "src")
     calls = _count_conversions(monkeypatch)
-    folder, _ = M.ensure_gguf(f)
+    folder, _ = LG.ensure_gguf(f)
     (folder / "config.json").write_text("{broken")
-    lm = M.load_model(str(f), fast=False)
+    lm = LH.load_model(str(f), fast=False)
     assert len(calls) == 2 and "converting it again" in capsys.readouterr().err
     _same_weights(lm.model, m)
     assert json_ok(folder / "config.json")
-    M.load_model(str(f), fast=False)
+    LH.load_model(str(f), fast=False)
     assert len(calls) == 2                                  # and kept
 
 
@@ -225,44 +230,44 @@ def json_ok(p: Path) -> bool:
 def test_a_missing_weights_file_is_converted_again(tmp_path, monkeypatch):
     f, m = _tiny_gguf(tmp_path / "src")
     calls = _count_conversions(monkeypatch)
-    folder, _ = M.ensure_gguf(f)
+    folder, _ = LG.ensure_gguf(f)
     for w in folder.glob("model*.safetensors"):
         w.unlink()
-    _same_weights(M.load_model(str(f), fast=False).model, m)
+    _same_weights(LH.load_model(str(f), fast=False).model, m)
     assert len(calls) == 2
 
 
 def test_a_changed_file_is_converted_again_a_touched_one_is_hashed_again_only(tmp_path, monkeypatch):
     f, m = _tiny_gguf(tmp_path / "src")
     calls = _count_conversions(monkeypatch)
-    a = M.load_model(str(f), fast=False)
+    a = LH.load_model(str(f), fast=False)
     st = f.stat()
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10_000))      # same bytes, new mtime
     hashed = []
-    real = M.hashlib.blake2b
+    real = LS.hashlib.blake2b
 
     def counted(*x, **k):
         if k.get("digest_size") == 16:
             hashed.append(1)
         return real(*x, **k)
 
-    monkeypatch.setattr(M.hashlib, "blake2b", counted)
-    b = M.load_model(str(f), fast=False)
+    monkeypatch.setattr(LS.hashlib, "blake2b", counted)
+    b = LH.load_model(str(f), fast=False)
     assert hashed and len(calls) == 1 and a.key == b.key      # read again, same content: the same copy
     hashed.clear()
-    M.load_model(str(f), fast=False)
+    LH.load_model(str(f), fast=False)
     assert not hashed                                         # remembered again
     big = make_model("llama", seed=5, hidden=96)               # another size at the same path
     write_llama_gguf(f, big, settled=False)                   # written just now: its stamp is racy
     written = f.stat()
-    c = M.load_model(str(f), fast=False)
+    c = LH.load_model(str(f), fast=False)
     assert len(calls) == 2 and c.key != a.key
     _same_weights(c.model, big)
     data = bytearray(f.read_bytes())                          # same size, other bytes, written at once:
     data[-1] ^= 1                                             # maybe the same stamp (a coarse clock's tick)
     f.write_bytes(bytes(data))
     os.utime(f, ns=(written.st_atime_ns, written.st_mtime_ns))
-    d = M.load_model(str(f), fast=False)
+    d = LH.load_model(str(f), fast=False)
     assert len(calls) == 3 and d.key not in (a.key, c.key)
 
 
@@ -272,33 +277,33 @@ def test_a_file_written_just_now_is_hashed_on_every_load(tmp_path):
     f, _ = _tiny_gguf(tmp_path / "src")
     t = time.time_ns()
     os.utime(f, ns=(t, t))
-    h = M.file_hash(f)
+    h = LS.file_hash(f)
     data = bytearray(f.read_bytes())
     data[-1] ^= 1
     f.write_bytes(bytes(data))
     os.utime(f, ns=(t, t))                                    # the very same stamp, as a coarse clock gives
-    assert M.file_hash(f) != h
+    assert LS.file_hash(f) != h
 
 
 def test_a_damaged_hash_index_is_rebuilt(tmp_path):
     f, _ = _tiny_gguf(tmp_path / "src")
-    h = M.file_hash(f)
-    index = M._hash_index()
+    h = LS.file_hash(f)
+    index = LS._hash_index()
     index.write_text("{not json")
-    assert M.file_hash(f) == h
+    assert LS.file_hash(f) == h
     import json
 
     assert json.loads(index.read_text())[str(f.resolve())]["blake2b"] == h
     gone = tmp_path / "gone.gguf"                              # entries of files that no longer exist are dropped
     gone.write_bytes(f.read_bytes())
     settle(gone)
-    M.file_hash(gone)
+    LS.file_hash(gone)
     assert str(gone.resolve()) in json.loads(index.read_text())
     gone.unlink()
     g = tmp_path / "other.gguf"
     g.write_bytes(f.read_bytes() + b"\0")
     settle(g)
-    M.file_hash(g)
+    LS.file_hash(g)
     assert str(gone.resolve()) not in json.loads(index.read_text())
 
 
@@ -316,11 +321,11 @@ def test_a_policy_that_never_drafts_does_not_make_the_int8_draft(monkeypatch):
 
     from .tiny import tiny_tokenizer
 
-    target = M.wrap(make_model("llama"), tiny_tokenizer(), name="tiny", fast=False)
-    monkeypatch.setattr(M, "load_model", lambda *a, **k: target)
+    target = LN.wrap(make_model("llama"), tiny_tokenizer(), name="tiny", fast=False)
+    monkeypatch.setattr(LH, "load_model", lambda *a, **k: target)
     made = []
-    real = M._quantized
-    monkeypatch.setattr(M, "_quantized", lambda t: made.append(1) or real(t))
+    real = DI._quantized
+    monkeypatch.setattr(DI, "_quantized", lambda t: made.append(1) or real(t))
     for policy, eager in (("ar", False), ("kv", False), ("spec:2", True), ("joint:4", True), ("adaptive", False),
                           ("adaptive:gate", False)):
         made.clear()
@@ -342,9 +347,9 @@ def test_the_lazy_int8_draft_is_the_eager_one():
     from .tiny import tiny_tokenizer
 
     for fast in (False, True):
-        target = M.wrap(make_model("llama"), tiny_tokenizer(), name="tiny", fast=fast)
-        eager = M.int8_copy(target)
-        lazy = M.int8_copy(target, lazy=True)
+        target = LN.wrap(make_model("llama"), tiny_tokenizer(), name="tiny", fast=fast)
+        eager = DI.int8_copy(target)
+        lazy = DI.int8_copy(target, lazy=True)
         assert lazy.lean == eager.lean and lazy.key == eager.key
         sa, sb = eager.model.state_dict(), lazy.model.state_dict()
         assert sa.keys() == sb.keys()
@@ -365,12 +370,12 @@ def test_the_lazy_int8_draft_is_the_eager_one():
 
 def test_the_first_use_shows_progress_and_the_second_shows_none(tmp_path, monkeypatch, capsys):
     f, _ = _tiny_gguf(tmp_path / "src")
-    monkeypatch.setattr(M, "HASH_CHUNK", 4096)              # the tiny file counts as a big one
-    M.load_model(str(f), fast=False)
+    monkeypatch.setattr(LS, "HASH_CHUNK", 4096)              # the tiny file counts as a big one
+    LH.load_model(str(f), fast=False)
     err = capsys.readouterr().err
     assert "hashing" in err and "100.0%" in err             # reading the file
     assert "converting" in err and "saving the converted model" in err and "converted in" in err
-    M.load_model(str(f), fast=False)
+    LH.load_model(str(f), fast=False)
     err = capsys.readouterr().err
     assert "hashing" not in err and "convert" not in err and "loaded" in err
 
@@ -387,14 +392,14 @@ def test_two_conversions_at_once_leave_the_gguf_module_as_it_was():
     inside, release, first_done = threading.Event(), threading.Event(), threading.Event()
 
     def first():
-        with M._gguf_read_once():
+        with LG._gguf_read_once():
             inside.set()
             release.wait(10)
         first_done.set()
 
     def second():                       # enters while the first is inside, leaves after it
         inside.wait(10)
-        with M._gguf_read_once():
+        with LG._gguf_read_once():
             first_done.wait(10)
 
     a, b = threading.Thread(target=first), threading.Thread(target=second)
@@ -413,21 +418,21 @@ def test_the_adaptive_policy_makes_the_int8_draft_only_when_it_drafts_and_times_
     pays: the first drafting round makes it, and the round's draft and round times leave the making
     out (a cost model that learned a 0.4 s draft step would never draft again)."""
     from rakv.config import RakvConfig
-    from rakv.drafts import ModelDraft
+    from rakv.drafts.model import ModelDraft
     from rakv.engine import Engine
     from rakv.records import Round
 
     from .tiny import synthetic_profile, tiny_tokenizer
 
-    target = M.wrap(make_model("llama"), tiny_tokenizer(), name="tiny", fast=False)
+    target = LN.wrap(make_model("llama"), tiny_tokenizer(), name="tiny", fast=False)
     made = []
-    real = M._quantized
-    monkeypatch.setattr(M, "_quantized", lambda t: made.append(1) or time.sleep(0.4) or real(t))
+    real = DI._quantized
+    monkeypatch.setattr(DI, "_quantized", lambda t: made.append(1) or time.sleep(0.4) or real(t))
     prompt = [(5 * i + 3) % 300 for i in range(20)]
     for d, drafts in ((5.0, False), (0.01, True)):               # d/t: a draft step 5x a target step, or free
         made.clear()
         rounds = []
-        lazy = ModelDraft(M.int8_copy(target, lazy=True))
+        lazy = ModelDraft(DI.int8_copy(target, lazy=True))
         eng = Engine(target, lazy, RakvConfig(policy="adaptive", k_set=(0, 2, 4)),
                      profile=synthetic_profile(d=d, alpha0=0.9), callback=rounds.append)
         for _ in range(2):

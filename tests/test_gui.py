@@ -15,7 +15,7 @@ from PySide6.QtWidgets import QMessageBox  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from app.window import MainWindow, about_text  # noqa: E402
 from rakv.costs import calibrate  # noqa: E402
-from rakv.drafts import ModelDraft  # noqa: E402
+from rakv.drafts.model import ModelDraft  # noqa: E402
 from rakv.records import CSV_COLUMNS, Decision, RequestEnd, Round, read_recording  # noqa: E402
 from tests.tiny import make_pair  # noqa: E402
 

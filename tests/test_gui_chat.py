@@ -21,7 +21,7 @@ from app.settings import Settings  # noqa: E402
 from app.state import Exchange, SessionState  # noqa: E402
 from app.window import MainWindow  # noqa: E402
 from rakv.costs import calibrate  # noqa: E402
-from rakv.drafts import ModelDraft  # noqa: E402
+from rakv.drafts.model import ModelDraft  # noqa: E402
 from rakv.records import RequestEnd, RunHeader  # noqa: E402
 from tests.tiny import make_pair  # noqa: E402
 

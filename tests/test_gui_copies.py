@@ -18,7 +18,7 @@ from PySide6.QtWidgets import QMessageBox  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from app.state import COPY, DRAFT  # noqa: E402
 from app.window import MainWindow  # noqa: E402
-from rakv.drafts import ModelDraft  # noqa: E402
+from rakv.drafts.model import ModelDraft  # noqa: E402
 from rakv.records import RequestEnd, Round, request_rows  # noqa: E402
 from tests.tiny import make_pair, synthetic_profile  # noqa: E402
 

@@ -14,7 +14,7 @@ from app.panels.tree import TreePanel, label, layout  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from app.state import SessionState  # noqa: E402
 from app.window import MainWindow  # noqa: E402
-from rakv.drafts import NgramDraft  # noqa: E402
+from rakv.drafts.ngram import NgramDraft  # noqa: E402
 from rakv.records import RequestStart, Round  # noqa: E402
 from tests.tiny import make_pair  # noqa: E402
 

@@ -17,8 +17,9 @@ import pytest
 
 from rakv import costs as C
 from rakv.cli import main
-from rakv.drafts import ModelDraft
-from rakv.models import ModelError, load_model
+from rakv.drafts.model import ModelDraft
+from rakv.load.hub import load_model
+from rakv.load.loaded import ModelError
 from rakv.records import read_recording
 from tests.tiny import make_pair, save_tiny, tiny_tokenizer
 
@@ -222,7 +223,7 @@ def test_missing_local_path_says_so(tmp_path, monkeypatch, spec):
 
 
 def test_corrupt_demo_model_names_the_folder_to_delete(tmp_path, monkeypatch):
-    from rakv.models import DEMO_DIRNAME
+    from rakv.load.demo import DEMO_DIRNAME
 
     monkeypatch.setenv("RAKV_CACHE", str(tmp_path))
     d = tmp_path / "models" / DEMO_DIRNAME
@@ -260,7 +261,7 @@ def test_demo_fetch_and_convert_run_once_for_two_first_uses(tmp_path, monkeypatc
     """Two first uses of `demo` at once: one converts, the other waits and finds the result."""
     import time
 
-    from rakv import models as Mo
+    import rakv.load.demo as Mo
 
     monkeypatch.setenv("RAKV_CACHE", str(tmp_path))
     calls = []

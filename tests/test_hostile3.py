@@ -255,25 +255,25 @@ def test_play_clock_skips_damaged_times():
 # ----------------------------------------------------------------------------- a full cache dir
 def test_a_full_disk_during_conversion_keeps_nothing_and_the_next_run_says_why(tmp_path, capsys, monkeypatch):
     pytest.importorskip("gguf")
-    from rakv import models as M
+    import rakv.load.gguf as LG
     from tests.test_gguf import _tiny_gguf
 
     monkeypatch.setenv("RAKV_CACHE", str(tmp_path / "cache"))
     f, _ = _tiny_gguf(tmp_path / "src")
-    real = M._save_converted
+    real = LG._save_converted
 
     def full_disk(tmp, *a, **k):
         (tmp / "model.safetensors").write_bytes(b"\0" * 1000)          # half-written, then the disk is full
         raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(M, "_save_converted", full_disk)
+    monkeypatch.setattr(LG, "_save_converted", full_disk)
     args = ["generate", "--target", f, "--draft", "ngram", "--policy", "ar", "--prompt", "alpha", "--max-new-tokens", "2"]
     code, _, err = run(capsys, *args)
     line = one_error(err)
     assert code == 2 and "No space left on device" in line and "converts it again" in line
     models_dir = tmp_path / "cache" / "models"
     assert not [p for p in models_dir.iterdir() if p.is_dir()]            # no folder, complete or not
-    monkeypatch.setattr(M, "_save_converted", real)
+    monkeypatch.setattr(LG, "_save_converted", real)
     code, _, err = run(capsys, *args)
     assert code == 0 and "did not finish (Error while serializing" in err and "converting it again" in err
     code, _, err = run(capsys, *args)
@@ -282,18 +282,18 @@ def test_a_full_disk_during_conversion_keeps_nothing_and_the_next_run_says_why(t
 
 def test_a_killed_conversion_leaves_a_part_folder_that_the_next_run_names(tmp_path, capsys, monkeypatch):
     pytest.importorskip("gguf")
-    from rakv import models as M
+    import rakv.load.slim as LS
     from tests.test_gguf import _tiny_gguf
 
     monkeypatch.setenv("RAKV_CACHE", str(tmp_path / "cache"))
     f, _ = _tiny_gguf(tmp_path / "src")
-    out = M.cache_dir() / "models" / f"gguf-{M.file_hash(f)}"
+    out = LS.cache_dir() / "models" / f"gguf-{LS.file_hash(f)}"
     part = out.parent / f".{out.name}.abc123.part"
     part.mkdir(parents=True)
     (part / "model.safetensors").write_bytes(b"\0" * 10)
     code, _, err = run(capsys, "generate", "--target", f, "--draft", "ngram", "--policy", "ar", "--prompt", "alpha",
                        "--max-new-tokens", "2")
-    assert code == 0 and "was cut off" in err and not part.exists() and (out / M.CONVERTED_MARK).is_file()
+    assert code == 0 and "was cut off" in err and not part.exists() and (out / LS.CONVERTED_MARK).is_file()
 
 
 # ----------------------------------------------------------------------------- kernels.json
@@ -406,7 +406,7 @@ def test_a_planted_kernel_is_never_loaded(tmp_path, monkeypatch, capsys):
 
 
 def test_a_planted_tokenizer_pickle_is_never_read(tmp_path, capsys):
-    from rakv import models as M
+    import rakv.load.tokenizer as LT
 
     mark = tmp_path / "pickle-ran"
     folder = trust.private_dir(tmp_path / "converted")
@@ -418,13 +418,13 @@ def test_a_planted_tokenizer_pickle_is_never_read(tmp_path, capsys):
 
     import pickle
 
-    with open(folder / M.TOKENIZER_CACHE, "wb") as f:
+    with open(folder / LT.TOKENIZER_CACHE, "wb") as f:
         pickle.dump(Plant(), f)
-    tok = M.load_tokenizer(folder)
+    tok = LT.load_tokenizer(folder)
     assert not mark.exists() and tok("alpha")["input_ids"]
     assert "not reading the kept tokenizer" in capsys.readouterr().err
-    assert trust.untrusted(folder / M.TOKENIZER_CACHE) is None       # rebuilt, pickled and recorded
-    reading = M._TokenizerRead(folder)
+    assert trust.untrusted(folder / LT.TOKENIZER_CACHE) is None       # rebuilt, pickled and recorded
+    reading = LT._TokenizerRead(folder)
     assert reading.result() is not None                              # ours is read again
 
 

@@ -10,9 +10,11 @@ from rakv import decoding as dec
 from rakv.backends import lean_of
 from rakv.kernels import fastpath, lean
 from rakv.config import RakvConfig
-from rakv.drafts import ModelDraft
+from rakv.drafts.model import ModelDraft
 from rakv.engine import Engine
-from rakv.models import int8_copy, layers_copy, set_fast, wrap
+from rakv.drafts.int8 import int8_copy
+from rakv.drafts.layers import layers_copy
+from rakv.load.numerics import set_fast, wrap
 
 from .test_fastpath import needs_onednn
 from .tiny import make_model, oracle, wrap_tiny

@@ -282,7 +282,7 @@ def test_bench_rows_count_k0_copies_like_the_timing_csv():
     from tests.tiny import make_pair, synthetic_profile
 
     target, draft = make_pair("llama", "mostly")
-    from rakv.drafts import ModelDraft
+    from rakv.drafts.model import ModelDraft
 
     (slot,) = make_slots([Arm("adaptive:gate", policy="adaptive:gate")], target, ModelDraft(draft),
                          RakvConfig(k_set=(0, 2, 4)), synthetic_profile(d=5.0, alpha0=0.2), learned={})

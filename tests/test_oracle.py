@@ -13,7 +13,7 @@ import torch
 from rakv.cli import main as cli_main
 from rakv.config import RakvConfig
 from rakv.costs import calibrate
-from rakv.drafts import ModelDraft
+from rakv.drafts.model import ModelDraft
 from rakv.engine import Engine
 from rakv.oracle import Oracle, check_exact, policy_of
 from rakv.prefix_cache import PrefixCache

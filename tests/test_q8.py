@@ -13,10 +13,14 @@ import torch
 
 from rakv.backends import lean_of
 from rakv.config import RakvConfig
-from rakv.drafts import ModelDraft, NgramDraft
+from rakv.drafts.model import ModelDraft
+from rakv.drafts.ngram import NgramDraft
 from rakv.engine import Engine
 from rakv.kernels import blockq
-from rakv.models import ModelError, int8_copy, layers_copy, resolve_numerics, set_numerics
+from rakv.drafts.int8 import int8_copy
+from rakv.drafts.layers import layers_copy
+from rakv.load.loaded import ModelError
+from rakv.load.numerics import resolve_numerics, set_numerics
 from rakv.sampling import Sampling
 from tests import q8_reference as ref
 from tests.tiny import make_pair, synthetic_profile

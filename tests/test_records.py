@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from rakv.config import RakvConfig
-from rakv.drafts import ModelDraft
+from rakv.drafts.model import ModelDraft
 from rakv.engine import Engine
 from rakv.records import (CSV_COLUMNS, Decision, Recorder, RequestEnd, Round, read_recording,
                           request_rows, to_dict)

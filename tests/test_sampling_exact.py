@@ -16,9 +16,11 @@ import torch
 from rakv import sampling as S
 from rakv.config import RakvConfig
 from rakv.costs import CostProfile
-from rakv.drafts import ModelDraft, NgramDraft
-from rakv.engine import Engine, make_draft
-from rakv.models import wrap
+from rakv.drafts.model import ModelDraft
+from rakv.drafts.ngram import NgramDraft
+from rakv.drafts.registry import make_draft
+from rakv.engine import Engine
+from rakv.load.numerics import wrap
 from rakv.sampling import Sampling
 from tests.tiny import make_model, perturbed, tiny_tokenizer
 

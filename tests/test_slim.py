@@ -11,10 +11,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from rakv import models as M
+import rakv.drafts.int8 as DI
+import rakv.load.gguf as LG
+import rakv.load.hub as LH
+import rakv.load.numerics as LN
+import rakv.load.slim as LS
 from rakv.config import RakvConfig
 from rakv.costs import CostProfile
-from rakv.drafts import ModelDraft, NgramDraft
+from rakv.drafts.model import ModelDraft
+from rakv.drafts.ngram import NgramDraft
 from rakv.engine import Engine
 from rakv.kernels.fastpath import FastLinear
 
@@ -49,9 +54,9 @@ def _linears(lm):
 @kernel
 @needs_onednn
 def test_the_converted_folder_holds_no_fp32_copy_of_a_coded_weight(kquant):
-    folder, _ = M.ensure_gguf(kquant)
+    folder, _ = LG.ensure_gguf(kquant)
     assert not list(folder.glob("model*.safetensors"))
-    with safe_open(str(folder / M.SLIM_FILE), "pt") as f:
+    with safe_open(str(folder / LS.SLIM_FILE), "pt") as f:
         names = set(f.keys())
     assert names and not any(n.endswith(("proj.weight", "lm_head.weight")) for n in names)
     assert "model.embed_tokens.weight" not in names and "model.norm.weight" in names     # the table too
@@ -62,13 +67,13 @@ def test_the_converted_folder_holds_no_fp32_copy_of_a_coded_weight(kquant):
 @kernel
 @needs_onednn
 def test_a_q8_load_leaves_the_weights_unmade_and_equals_q8_on_made_weights(kquant):
-    slim = M.load_model(str(kquant), fast=True, numerics="q8")
+    slim = LH.load_model(str(kquant), fast=True, numerics="q8")
     assert slim.slim and slim.numerics == "q8" and slim.lean == "llama"
-    assert all(M.placeholder(m.weight) for _, m in _linears(slim))
-    assert M.placeholder(slim.model.model.embed_tokens.weight)           # its rows come from the codes
+    assert all(LS.placeholder(m.weight) for _, m in _linears(slim))
+    assert LS.placeholder(slim.model.model.embed_tokens.weight)           # its rows come from the codes
     assert slim.blockq["layers"] == slim.blockq["of"] == 15
-    full = M.set_numerics(M.load_model(str(kquant), fast=True, numerics="fp32"), "q8")
-    assert not full.slim and not any(M.placeholder(m.weight) for _, m in _linears(full))
+    full = LN.set_numerics(LH.load_model(str(kquant), fast=True, numerics="fp32"), "q8")
+    assert not full.slim and not any(LS.placeholder(m.weight) for _, m in _linears(full))
     assert slim.key == full.key
     want = _ids(full)
     assert _ids(slim) == want
@@ -79,16 +84,16 @@ def test_a_q8_load_leaves_the_weights_unmade_and_equals_q8_on_made_weights(kquan
 @kernel
 @needs_onednn
 def test_fp32_numerics_and_an_int8_copy_make_the_weights_from_the_codes(kquant):
-    fp32 = M.load_model(str(kquant), fast=True, numerics="fp32")
-    slim = M.load_model(str(kquant), fast=True, numerics="q8")
-    q = M.int8_copy(slim)                                     # made in the copy; the target stays slim
-    assert slim.slim and all(M.placeholder(m.weight) for _, m in _linears(slim))
-    ref = M.int8_copy(fp32)
+    fp32 = LH.load_model(str(kquant), fast=True, numerics="fp32")
+    slim = LH.load_model(str(kquant), fast=True, numerics="q8")
+    q = DI.int8_copy(slim)                                     # made in the copy; the target stays slim
+    assert slim.slim and all(LS.placeholder(m.weight) for _, m in _linears(slim))
+    ref = DI.int8_copy(fp32)
     for (n, a), (_, b) in zip(sorted(q.model.state_dict().items()), sorted(ref.model.state_dict().items())):
-        if isinstance(a, torch.Tensor) and a.dtype == torch.float32 and not M.placeholder(a):
+        if isinstance(a, torch.Tensor) and a.dtype == torch.float32 and not LS.placeholder(a):
             assert torch.equal(a, b), n                  # (the token table: rows from the codes)
     assert _ids(slim, "spec:4", ModelDraft(q)) == _ids(slim)
-    M.set_numerics(slim, "fp32")                              # switched: the weights made, bit for bit
+    LN.set_numerics(slim, "fp32")                              # switched: the weights made, bit for bit
     assert not slim.slim
     w = dict(fp32.model.named_parameters())
     for n, p in slim.model.named_parameters():
@@ -99,9 +104,9 @@ def test_fp32_numerics_and_an_int8_copy_make_the_weights_from_the_codes(kquant):
 @kernel
 @needs_onednn
 def test_a_slim_folder_without_its_codes_is_converted_again(kquant, capsys):
-    folder, _ = M.ensure_gguf(kquant)
-    (folder / M.CODES_FILE).write_bytes(b"\0" * 64)
-    lm = M.load_model(str(kquant), fast=True, numerics="q8")
+    folder, _ = LG.ensure_gguf(kquant)
+    (folder / LS.CODES_FILE).write_bytes(b"\0" * 64)
+    lm = LH.load_model(str(kquant), fast=True, numerics="q8")
     assert "converting it again" in capsys.readouterr().err
     assert lm.slim and lm.blockq["layers"] == 15
 
@@ -133,13 +138,13 @@ def test_k_quant_codes_are_saved_without_fp32_scales_and_make_the_same_ones(qtyp
 @kernel
 @needs_onednn
 def test_the_int8_draft_of_a_slim_target_looks_its_rows_up_from_the_codes_and_is_cached(kquant, tmp_path):
-    slim = M.load_model(str(kquant), fast=True, numerics="q8")
-    fp32 = M.load_model(str(kquant), fast=True, numerics="fp32")
-    made = M.int8_copy(slim)                                   # quantized (then cached)
-    loaded = M.int8_copy(slim)                                 # from the cache
-    ref = M.int8_copy(fp32)
+    slim = LH.load_model(str(kquant), fast=True, numerics="q8")
+    fp32 = LH.load_model(str(kquant), fast=True, numerics="fp32")
+    made = DI.int8_copy(slim)                                   # quantized (then cached)
+    loaded = DI.int8_copy(slim)                                 # from the cache
+    ref = DI.int8_copy(fp32)
     ids = torch.tensor([PROMPTS[0]])
     want = ref.model(ids).logits
     for q in (made, loaded):
-        assert M.placeholder(q.model.model.embed_tokens.weight)              # no table of zeros
+        assert LS.placeholder(q.model.model.embed_tokens.weight)              # no table of zeros
         assert torch.equal(q.model(ids).logits, want)

@@ -10,7 +10,7 @@ import torch
 
 from rakv import decoding as dec
 from rakv.kernels import blockq
-from rakv.models import set_numerics
+from rakv.load.numerics import set_numerics
 from tests.tiny import make_pair
 
 pytestmark = pytest.mark.skipif(blockq.library() is None, reason=f"no block kernel: {blockq.reason()}")

@@ -17,7 +17,7 @@ import torch
 from rakv import decoding as dec
 from rakv import sampling as S
 from rakv.config import Policy, RakvConfig
-from rakv.drafts import NgramDraft, ngram_tree
+from rakv.drafts.ngram import ngram_tree, NgramDraft
 from rakv.engine import Engine
 from rakv.kernels import blockq
 from rakv.kernels.lean import TreeLayout
@@ -500,7 +500,7 @@ def test_context_match_is_the_latest_earlier_occurrence():
     (many repeats, overlaps, a match running into the present)."""
     import random
 
-    from rakv.drafts import MAX_MATCH, context_match, periodic
+    from rakv.drafts.ngram import MAX_MATCH, context_match, periodic
 
     def brute(ids, k, sizes):
         L = len(ids)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from rakv import decoding as dec
-from rakv import models as M
-from rakv.drafts import ModelDraft
+import rakv.load.hub as LH
+from rakv.drafts.model import ModelDraft
 from rakv.integrations import vllm_draft as VD
 from rakv.integrations import vllm_proposer as VP
 
@@ -25,7 +25,7 @@ WIDTH = 1024
 
 @pytest.fixture(scope="module")
 def target():
-    return M.load_model("demo", numerics="fp32")
+    return LH.load_model("demo", numerics="fp32")
 
 
 def greedy(lm, prompt: list[int], n: int) -> list[int]:

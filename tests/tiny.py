@@ -13,7 +13,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 from rakv.bench.tiny import perturbed  # noqa: F401  (one copy of the noise recipe)
-from rakv.models import LoadedModel, wrap
+from rakv.load.loaded import LoadedModel
+from rakv.load.numerics import wrap
 
 VOCAB = 320
 CORPUS = [
@@ -117,7 +118,7 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 
 def wrap_tiny(model: torch.nn.Module, tokenizer=None, name: str = "model", **kw) -> LoadedModel:
-    """``rakv.models.wrap``, keeping an untouched deep copy of ``model`` for ``oracle`` first."""
+    """``rakv.load.numerics.wrap``, keeping an untouched deep copy of ``model`` for ``oracle`` first."""
     if is_patched(model):
         raise AssertionError("wrap_tiny needs the model before any patching (its copy is the reference)")
     pristine = copy.deepcopy(model)

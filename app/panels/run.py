@@ -8,7 +8,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QFileDialog, QFormLayout, Q
                                QWidget)
 
 from rakv.config import POLICIES_HELP, Policy
-from rakv.presets import PRESETS
+from rakv.load.presets import PRESETS
 
 TARGETS = ["demo", *PRESETS]
 DRAFTS = ["int8", "ngram", "none", *PRESETS]

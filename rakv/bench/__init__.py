@@ -204,14 +204,13 @@ def load_models(args, draft_spec: str):
 
     kw = device_kw(args)
     if args.tiny:
-        from rakv.drafts import ModelDraft
-        from rakv.models import set_fast
+        from rakv.load.numerics import set_fast
 
         from .tiny import make_pair
 
         target, draft = make_pair(draft_spec)
         set_fast(target, kw["fast"])
-        if isinstance(draft, ModelDraft) and draft.lm.fast:
+        if draft.has_model and draft.lm.fast:
             set_fast(draft.lm, kw["fast"])
         return target, draft
     return load_pair(args, RakvConfig(target=args.target, draft=draft_spec, dtype=args.dtype,

@@ -292,7 +292,7 @@ def is_arm(name: str) -> bool:
 def gguf_of(spec: str | None) -> str | None:
     """The GGUF file a --target / --draft value stands for: a preset's assembled file (assembled now
     if need be) or a .gguf path; None for anything else (a hub id, a folder, demo, int8, ngram ...)."""
-    from rakv.presets import PRESETS, ensure_preset
+    from rakv.load.presets import PRESETS, ensure_preset
 
     s = (spec or "").strip()
     if s in PRESETS:

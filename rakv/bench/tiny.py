@@ -55,9 +55,9 @@ def perturbed(m, scale: float = 0.01, seed: int = 1):
 def make_pair(draft_spec: str):
     """(target LoadedModel, DraftSource): int8 / ngram / none as usual, anything else the perturbed copy."""
     from rakv.config import RakvConfig
-    from rakv.drafts import ModelDraft
-    from rakv.engine import make_draft
-    from rakv.models import wrap
+    from rakv.drafts.model import ModelDraft
+    from rakv.drafts.registry import make_draft
+    from rakv.load.numerics import wrap
 
     tok = tokenizer()
     t = model()

@@ -117,14 +117,12 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     step curves must rise with length, and the profile's ``quality`` says how clean it all was
     (``contended`` when the machine was busy). ``say`` gets one line with the up-front estimate
     ("calibrating: about N s"); ``progress(frac, what)`` follows each term."""
-    from ..drafts import ModelDraft
-
     t_start = now()
     meter = meter or Meter()
     g = calibration_grid(target, k_max, quick)
     reps, pf_ns, ctxs = g["reps"], g["pf_ns"], g["ctxs"]
     ids = calibration_ids(target.tokenizer, max(pf_ns + ctxs) + k_max + 32, target.vocab_size)
-    dmodel = draft.lm.model if isinstance(draft, ModelDraft) else None
+    dmodel = draft.lm.model if draft.has_model else None
     steps = len(pf_ns) * (2 if dmodel is not None else 1) + len(ctxs) * (2 if dmodel is not None else 1) + 1 + 2
     done = 0
     phases: dict[str, float] = {}
@@ -355,12 +353,10 @@ def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8, amap=None, sa
     """Per-token acceptance of the draft over a few rounds (greedy, or at ``sampling``'s setting),
     pooled over the prompts; with ``amap`` (rakv.gate.AcceptMap) each drafted token's confidence
     and outcome go into it too."""
-    from ..drafts import ModelDraft, NoDraft
-
-    if isinstance(draft, NoDraft):
+    if not draft.proposes:
         return 0.0
     tok = target.tokenizer
-    if isinstance(draft, ModelDraft):
+    if draft.has_model:
         # a model draft costs real time per drafted token: measure on text that does not repeat
         prompts = ([tok(t, add_special_tokens=False)["input_ids"][:64] for t in ALPHA_TEXTS]
                    if tok is not None else [ids[:64]])
@@ -544,12 +540,10 @@ def quiet_probe(target, n: int = 8) -> Timing:
 def check_profile(prof: CostProfile, target, draft, reps: int = 5) -> tuple[list[dict], float]:
     """A few quick terms measured now (target step, V(4), prefill of 32, the draft's step) against
     what the profile predicts (with its learned scales); also the CPU share seen now."""
-    from ..drafts import ModelDraft
-
     ctx = prof.V_ctx
     ids = calibration_ids(target.tokenizer, ctx + 48, target.vocab_size)
     model, meter = target.model, Meter(check=False)
-    dmodel = draft.lm.model if isinstance(draft, ModelDraft) else None
+    dmodel = draft.lm.model if draft.has_model else None
     dec.prefill(model, ids[:16], dec.DynamicCache())      # warm-up
     rows = []
 

@@ -34,7 +34,7 @@ def load_draft(spec: str, numerics: str = "q8"):
     """The draft's LoadedModel (loaded once per process)."""
     key = (spec, numerics)
     if key not in _LOADED:
-        from ..models import load_model
+        from ..load.hub import load_model
 
         t0 = time.perf_counter()
         _LOADED[key] = load_model(spec, numerics=numerics)

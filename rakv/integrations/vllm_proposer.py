@@ -366,7 +366,7 @@ class RakvProposer:
 
     def _copies(self, rq: _Req, ids: list[int], k_cap: int):
         """The gate on free n-gram copies: the copied tokens worth verifying (maybe none)."""
-        from ..drafts import NgramDraft
+        from ..drafts.ngram import NgramDraft
 
         gate = RoundGate(Trusted(self.lookup_map, request_trust(rq.lk_hits, rq.lk_pred)), k_cap, 0.0,
                          self.V[: k_cap + 1])
@@ -402,7 +402,7 @@ class RakvProposer:
     def _model(self, rq: _Req, ids: list[int], k_cap: int):
         """Draft with the model: its cache rolled back to what vLLM accepted, then up to k_cap
         tokens under the gate (none with fixed_k: all of them)."""
-        from ..drafts import ModelDraft
+        from ..drafts.model import ModelDraft
 
         t0 = time.perf_counter()
         md = rq.md

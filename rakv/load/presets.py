@@ -14,7 +14,7 @@ beside it holding the file's stamp (size, mtime, inode) and sha256. A later call
 and compares the stamp; a file whose stamp changed is hashed again. All of it under a lock in the cache
 dir, so two processes do not assemble at once: the second waits and finds the file.
 
-The assembled file is then an ordinary ``.gguf`` for ``rakv.models.load_model`` (converted once, by
+The assembled file is then an ordinary ``.gguf`` for ``rakv.load.hub.load_model`` (converted once, by
 content hash, like any other).
 """
 
@@ -31,7 +31,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .paths import cache_dir, log
+from ..paths import cache_dir, log
 
 WHEELS_ENV = "RAKV_WHEELS"
 
@@ -106,8 +106,8 @@ def _error(msg: str) -> PresetError:
 
 
 def _progress(label: str, done: int, total: int, state: dict) -> None:
-    """One progress line on stderr (``rakv.models._progress``'s manner, which this module cannot import:
-    models imports it): in place on a terminal (~5 a second), a new line every ~10 s elsewhere, and at 100%."""
+    """One progress line on stderr (``rakv.load.slim._progress``'s manner, which this module does not import:
+    it sits below): in place on a terminal (~5 a second), a new line every ~10 s elsewhere, and at 100%."""
     now = time.perf_counter()
     tty = sys.stderr.isatty()
     final = done >= total
@@ -160,7 +160,7 @@ def _verified(p: Preset, path: Path) -> bool:
 
 
 def _mark(p: Preset, path: Path) -> None:
-    from .paths import write_atomic
+    from ..paths import write_atomic
 
     try:
         write_atomic(_marker(path), json.dumps({"stat": _stamp(path), "sha256": p.sha256, "preset": p.name}))
@@ -170,7 +170,7 @@ def _mark(p: Preset, path: Path) -> None:
 
 def ensure_preset(name: str) -> Path:
     """The preset's assembled, checked GGUF file (fetched and assembled the first time)."""
-    from .filelock import file_lock
+    from ..filelock import file_lock
 
     p = _get(name)
     path = preset_path(p.name)

@@ -1,81 +1,16 @@
-"""Draft sources: propose k tokens, then update on the verified outcome.
-
-Like transformers' ``CandidateGenerator``: the engine calls ``begin`` once per request,
-``propose(ids, k)`` before each verify, and ``commit(ids)`` after it. A model draft (a separate
-model or the int8 self-draft) keeps its own KV cache (with its own prefix-cache entries) and
-catches up lazily: after k=0 rounds it feeds every token it missed in one forward the next time
-it drafts, and that cost is reported as catch-up. The n-gram draft needs no model at all.
-"""
+"""``--draft ngram``: prompt lookup. Propose what followed the latest earlier occurrence of the last
+n tokens (in the request's own ids, and with reuse in earlier requests' outputs); no model at all,
+and a token tree of every earlier continuation (``ngram_tree``)."""
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from . import decoding as dec
-from . import sampling as S
-from .models import LoadedModel
-from .prefix_cache import Hit, PrefixCache, TokenHistory
-from .sampling import Sampling
-from .tree import TokenTree
-
-now = dec.now
-
-
-@dataclass
-class Proposal:
-    tokens: list[int]
-    ms: float = 0.0                 # total drafting time, catch-up included
-    catchup_tokens: int = 0         # tokens fed beyond the usual 1-2 (lazy catch-up / prompt)
-    catchup_ms: float = 0.0
-    prefill: "PrefillInfo | None" = None   # set on the request's first proposal (draft prompt KV)
-    fed: int = 0                    # tokens the first draft forward read (2 after a fully accepted round)
-    forward_ms: float = 0.0         # this round's draft forwards alone (the prompt's prefill left out)
-    q_logits: object = None         # [k, V] the draft's logits per token (rejection verify); None: a point mass
-
-
-@dataclass
-class PrefillInfo:
-    hit: Hit
-    ms: float
-    stored: bool
-    lookup_ms: float
-
-
-class DraftSource:
-    """Interface. ``name`` shows in records; ``has_model`` tells the cost model whether D_pf, d apply."""
-
-    name = "none"
-    key = ""
-    has_model = False
-    sampling: Sampling | None = None   # set by the engine per request; None or greedy: argmax drafts
-
-    def begin(self, prompt_ids: list[int], store: PrefixCache | None, reuse: bool) -> None:
-        pass
-
-    def prepare(self) -> float:
-        """Make what a first proposal needs (a lazy int8 draft's model); the ms it took, which is
-        not a draft step's cost and stays out of every measured round."""
-        return 0.0
-
-    def propose(self, ids: list[int], k: int, gate=None, match=None) -> Proposal:
-        """Up to k tokens after ``ids``. With a ``gate`` (rakv.gate.RoundGate), each token's
-        confidence goes to ``gate.keep_going(conf)``, which may stop the draft early. ``match``:
-        what ``match(ids, k)`` returned for these ids (an n-gram draft does not look again)."""
-        return Proposal([])
-
-    def commit(self, ids: list[int]) -> None:
-        pass
-
-    def end(self) -> None:
-        pass
-
-
-class NoDraft(DraftSource):
-    pass
+from ..prefix_cache import TokenHistory
+from ..tree import TokenTree
+from .base import DraftSource, Proposal, now
 
 
 class NgramDraft(DraftSource):
@@ -83,6 +18,7 @@ class NgramDraft(DraftSource):
 
     name = "ngram"
     key = "ngram"
+    copies = True
 
     def __init__(self, sizes: tuple[int, ...] = (3, 2)):
         self.sizes = tuple(sizes)
@@ -118,6 +54,11 @@ class NgramDraft(DraftSource):
         t0 = now()
         tree = ngram_tree(ids, budget, depth, self.sizes, self.history)
         return tree, (now() - t0) * 1e3
+
+
+def make(target, config, arg: str = "") -> NgramDraft:
+    """The registry's ``ngram``: the n-gram sizes of ``config`` (``RakvConfig.ngram_sizes``)."""
+    return NgramDraft(config.ngram_sizes)
 
 
 def ngram_confidence(match_len: int) -> float:
@@ -328,172 +269,3 @@ def ngram_tree(ids, budget: int, depth: int, sizes=(3, 2), history: TokenHistory
 
     add(-1, -1)
     return tree
-
-
-def draft_token(logits, s: Sampling | None, position: int) -> int:
-    """The drafted token at output ``position``: the argmax when greedy; under sampling the same
-    noise as the target's sample there (seeded: a coupled draft) or a sample of q (rejection)."""
-    return dec.argmax(logits) if s is None else S.propose(logits, s, position)
-
-
-def confidence(logits, s: Sampling | None, token: int) -> float:
-    """The draft's confidence in ``token`` for the gate: its top probability when greedy, else the
-    token's probability under the draft's filtered, tempered distribution."""
-    if s is None:
-        return dec.top_prob(logits)
-    return float(S.logprobs(logits, s)[token].exp())
-
-
-def vocab_ids(lm: LoadedModel, n: int):
-    """The ids a draft model drafts from when limited to ``n``: its first n (a BPE vocabulary runs
-    in merge order, the most frequent pieces first) and its end-of-sequence ids; None (every id)
-    where n is 0 or covers the vocabulary, or the model has no lean forward to limit."""
-    import torch
-
-    if n <= 0:
-        return None
-    lean = getattr(lm.model, "_rakv_lean", None) if lm.lean else None
-    if lean is None or not hasattr(lean, "limit_head") or n >= lm.vocab_size:
-        return None
-    V = lm.vocab_size
-    extra = sorted(e for e in lm.eos_ids if n <= e < V)
-    return torch.cat([torch.arange(n), torch.tensor(extra, dtype=torch.long)])
-
-
-class ModelDraft(DraftSource):
-    """A draft model with its own DynamicCache and its own prefix-cache entries. ``vocab``: draft
-    from its first ``vocab`` ids (and its end-of-sequence ids) only, its head reading those rows
-    (``vocab_ids``; 0: every id). Any draft keeps every policy exact: the target verifies."""
-
-    has_model = True
-
-    def __init__(self, lm: LoadedModel, vocab: int = 0):
-        self.lm = lm
-        self.name = lm.name
-        self.key = lm.key
-        self.vocab = 0
-        ids = vocab_ids(lm, vocab)
-        if ids is not None:
-            lm.model._rakv_lean.limit_head(ids)
-            self.vocab = vocab
-            self.name = f"{lm.name} ({vocab} ids)"
-            self.key = f"{lm.key}+v{vocab}"          # its own cost profile (its step is cheaper)
-        self._reset()
-
-    def _reset(self):
-        self.cache = None
-        self.cached: list[int] = []       # the token ids whose KV the draft cache holds
-        self.prompt: list[int] = []
-        self.store: PrefixCache | None = None
-        self.reuse = False
-
-    def prepare(self) -> float:
-        t0 = now()
-        self.lm.model            # noqa: B018 - a lazy draft's model is made on first use
-        return (now() - t0) * 1e3
-
-    def begin(self, prompt_ids, store, reuse):
-        self._reset()
-        self.prompt = list(prompt_ids)
-        self.store, self.reuse = store, reuse
-
-    def _prefill_prompt(self) -> PrefillInfo:
-        """First proposal of a request: the draft's prompt KV, from its prefix-cache entry if any."""
-        res = prefill_with_reuse(self.lm, self.prompt, self.store if self.reuse else None,
-                                 need_logits=False)
-        self.cache = res.cache
-        self.cached = list(self.prompt[: dec.cache_len(self.cache)])
-        return PrefillInfo(hit=res.hit, ms=res.forward_ms, stored=res.stored, lookup_ms=res.lookup_ms)
-
-    def propose(self, ids: list[int], k: int, gate=None, match=None) -> Proposal:
-        if k <= 0:
-            return Proposal([])
-        t0 = now()
-        info = self._prefill_prompt() if self.cache is None else None
-        n = len(self.cached)
-        new = ids[n:]                               # >= 1 token: at least the pending one
-        model = self.lm.model
-        ta = now()
-        logits = dec.prefill(model, new, self.cache)
-        first_ms = (now() - ta) * 1e3
-        s = self.sampling if self.sampling is not None and not self.sampling.greedy else None
-        pos = len(ids) - len(self.prompt)              # the output position of the first drafted token
-        rows = [logits] if s is not None and s.verify == "rejection" else None
-        toks = [draft_token(logits, s, pos)]
-        while len(toks) < k and (gate is None or gate.keep_going(confidence(logits, s, toks[-1]))):
-            logits = dec.decode_one(model, toks[-1], self.cache)
-            toks.append(draft_token(logits, s, pos + len(toks)))
-            if rows is not None:
-                rows.append(logits)
-        if gate is not None and len(gate.confs) < len(toks):
-            gate.keep_going(confidence(logits, s, toks[-1]))      # the last token's confidence
-        self.cached = list(ids) + toks[:-1]
-        catch = max(0, len(new) - 2)   # 1 (pending) or 2 (last accepted + pending) is a normal round
-        ms = (now() - t0) * 1e3
-        return Proposal(toks, ms=ms, catchup_tokens=catch, catchup_ms=first_ms if catch else 0.0,
-                        prefill=info, fed=len(new), forward_ms=(now() - ta) * 1e3,
-                        q_logits=None if rows is None else torch.stack(rows))
-
-    def commit(self, ids: list[int]) -> None:
-        """Roll the draft cache back to the longest prefix that is still committed."""
-        if self.cache is None:
-            return
-        n = min(len(self.cached), len(ids))
-        i = len(self.prompt)
-        # the prompt part always agrees; compare only the generated tail
-        while i < n and self.cached[i] == ids[i]:
-            i += 1
-        i = min(i, n, len(ids) - 1)      # the pending token stays unfed: the next proposal feeds it
-        if i < len(self.cached):
-            dec.crop_to(self.cache, i)
-            del self.cached[i:]
-
-    def end(self) -> None:
-        self.cache = None
-
-
-# ----------------------------------------------------------------------------- prefill + reuse
-@dataclass
-class PrefillResult:
-    cache: object
-    logits: object            # [V] next-token logits after the prompt (None for a draft exact hit)
-    hit: Hit
-    forward_ms: float
-    lookup_ms: float
-    stored: bool
-
-
-def prefill_with_reuse(lm: LoadedModel, ids: list[int], store: PrefixCache | None,
-                       need_logits: bool = True) -> PrefillResult:
-    """Prompt KV via the prefix cache: clone q-1 positions (or all P + stored logits on exact repeat),
-    forward only the rest, and store the prompt's KV for later requests."""
-    P = len(ids)
-    hit = Hit()
-    lookup_ms = 0.0
-    if store is not None:
-        t0 = now()
-        hit = store.lookup(lm.key, ids)
-        if hit.entry is not None and hit.q == P == len(hit.entry.ids) and not need_logits:
-            hit.exact = True            # a draft needs no logits: all P positions are usable
-        lookup_ms = (now() - t0) * 1e3
-    use = hit.usable
-    forward_ms = 0.0
-    if use > 0:
-        cache = dec.cache_from(store.clone_kv(hit))
-    else:
-        cache = dec.DynamicCache()
-    if hit.exact and use == P:
-        logits = hit.entry.logits.clone() if hit.entry.logits is not None else None
-    else:
-        t0 = now()
-        logits = dec.prefill(lm.model, ids[use:], cache)
-        forward_ms = (now() - t0) * 1e3
-    stored = False
-    if store is not None and not hit.exact:
-        keep = logits.clone() if need_logits else None
-        nbytes = dec.kv_nbytes(cache, P) + (0 if keep is None else keep.numel() * keep.element_size())
-        if nbytes <= store.budget:
-            stored = store.store(lm.key, ids, dec.kv_of(cache, P), keep)
-        else:
-            store.stats.rejected += 1
-    return PrefillResult(cache, logits, hit, forward_ms, lookup_ms, stored)
