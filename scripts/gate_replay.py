@@ -93,7 +93,9 @@ def replay(reqs, arm: str, prof, prior, lookup_k: int) -> float:
     from gate_ceiling import proposal_at
 
     from rakv.drafts import ngram_confidence
-    from rakv.gate import AcceptMap, best_verify_length, judged, request_trust
+    from rakv.decide.gate import AcceptMap, request_trust
+    from rakv.decide.policy import best_verify_length
+    from rakv.acceptance import judged
     from rakv.prefix_cache import TokenHistory
 
     def V(j, ctx):

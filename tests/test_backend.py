@@ -13,7 +13,7 @@ from rakv import decoding as dec
 from rakv.backend import (BACKENDS, LeanFp32Backend, LeanQ8Backend, TorchBackend, backend_of, read_switches,
                           select_backend)
 from rakv.config import RakvConfig
-from rakv.costs import fingerprint_id, pair_fingerprint
+from rakv.decide.profile import fingerprint_id, pair_fingerprint
 from rakv.drafts import ModelDraft, NgramDraft
 from rakv.engine import Engine
 from rakv.kernels import blockq, lean

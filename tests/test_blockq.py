@@ -11,7 +11,7 @@ import torch
 
 from rakv.kernels import blockq, fastpath
 from rakv.config import RakvConfig
-from rakv.costs import CostProfile
+from rakv.decide.profile import CostProfile
 from rakv.drafts import ModelDraft, NgramDraft
 from rakv.engine import Engine
 from rakv.models import wrap

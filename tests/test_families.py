@@ -16,7 +16,7 @@ import transformers as T
 
 from rakv import decoding as dec
 from rakv.config import RakvConfig
-from rakv.costs import CostProfile
+from rakv.decide.profile import CostProfile
 from rakv.drafts import ModelDraft, NgramDraft
 from rakv.engine import Engine
 from rakv.kernels import fastpath, lean

@@ -15,7 +15,7 @@ import torch
 
 from rakv import sampling as S
 from rakv.config import RakvConfig
-from rakv.costs import CostProfile
+from rakv.decide.profile import CostProfile
 from rakv.drafts import ModelDraft, NgramDraft
 from rakv.engine import Engine, make_draft
 from rakv.models import wrap
@@ -177,7 +177,7 @@ def test_rejection_mode_runs_and_records_it(models):
 
 def test_acceptance_is_learned_per_sampling_setting():
     """Each setting keeps its own acceptance; switching back finds the earlier estimate intact."""
-    from rakv.controller import Controller
+    from rakv.decide.controller import Controller
 
     prof = synthetic_profile(alpha0=0.9)
     ctl = Controller(prof, (0, 2, 4))
@@ -213,7 +213,7 @@ def test_the_prior_is_measured_at_the_setting_in_use(models):
 def test_a_new_settings_prior_is_measured_before_any_request(models, monkeypatch):
     """The CLI and the bench measure a new setting's prior when the profile loads, so no request's
     latency pays for it; the engine then finds it and measures nothing."""
-    import rakv.costs.calibration as C
+    import rakv.decide.calibration as C
     from rakv.common import prior_at_setting
 
     target, draft, _ = models

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from rakv import models as M
 from rakv.config import RakvConfig
-from rakv.costs import CostProfile
+from rakv.decide.profile import CostProfile
 from rakv.drafts import ModelDraft, NgramDraft
 from rakv.engine import Engine
 from rakv.kernels.fastpath import FastLinear

@@ -17,6 +17,7 @@ from rakv import decoding as dec
 from rakv import models as M
 from rakv.drafts import ModelDraft
 from rakv.integrations import vllm_draft as VD
+from rakv.decide import profile as PF
 from rakv.integrations import vllm_proposer as VP
 
 PROFILE = {"t_ms": 60.0, "V_ms": {"1": 62.0, "2": 64.0, "4": 68.0, "8": 76.0}}
@@ -228,11 +229,11 @@ def test_a_rows_costs_follow_the_batch_size():
     """At batch B a row's share of a step is V_B(k) / B (the nearest measured B); batch 1 as measured."""
     prof = dict(PROFILE, by_batch={"4": {"t_ms": 100.0, "V_ms": {"1": 110.0, "2": 120.0, "4": 140.0, "8": 200.0}}})
     p = VP.RakvProposer(k_max=8, max_model_len=WIDTH, profile=prof, draft=None)
-    assert p.row_costs(1) == VP.verify_costs(prof, 8)
+    assert p.row_costs(1) == PF.verify_costs(prof, 8)
     v4 = p.row_costs(4)
     assert v4[0] == pytest.approx(25.0) and v4[8] == pytest.approx(50.0) and p.row_costs(5) == v4
     assert VP.RakvProposer(k_max=8, max_model_len=WIDTH, profile=PROFILE, draft=None).row_costs(4) == \
-        VP.verify_costs(PROFILE, 8)                   # only batch 1 measured: its costs
+        PF.verify_costs(PROFILE, 8)                   # only batch 1 measured: its costs
 
 
 def test_a_draft_that_cannot_load_leaves_copies(caplog):

@@ -29,8 +29,8 @@ import threading
 import time
 from dataclasses import asdict
 
-from .drafts import NoDraft
-from .records import ActionMeasure, CacheLookup, Decision, OracleResult, RequestEnd, RequestStart
+from ..drafts import NoDraft
+from ..records import ActionMeasure, CacheLookup, Decision, OracleResult, RequestEnd, RequestStart
 
 now = time.perf_counter
 ADAPTIVE = "adaptive"

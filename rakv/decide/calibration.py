@@ -19,11 +19,10 @@ import torch
 from .. import decoding as dec
 from ..device import clock
 from ..meter import SHARE_QUIET, Meter, Timing, check_enabled, cpu_clock, is_quiet, time_reps
-from .model import CostProfile, interp, lookup_vs
-from .profile import _usable, pair_fingerprint, profile_path, save_profile
+from .policy import lookup_vs
+from .profile import CostProfile, _usable, interp, pair_fingerprint, profile_path, save_profile
 
 now = clock          # synchronizes CUDA / MPS before reading the time
-
 
 
 CAL_TEXT = (
@@ -209,7 +208,7 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     cache = dec.DynamicCache()
     dec.prefill(model, ids[:128], cache)
     prof.clone_ms_per_token = _median_ms(lambda: dec.kv_of(cache, 128), 5) / 128
-    from ..gate import AcceptMap
+    from .gate import AcceptMap
 
     amap = AcceptMap()
     prof.alpha0 = measure_alpha(target, draft, ids, k=4, rounds=g["alpha_rounds"], amap=amap)
@@ -382,7 +381,7 @@ def _accept_rounds(target, draft, prompt, k: int, rounds: int, amap=None, sampli
     engine does at ``sampling``'s setting (greedy when None)."""
     from .. import sampling as S
     from ..acceptance import trials as round_trials
-    from ..gate import recording_gate
+    from .gate import recording_gate
 
     s = sampling if sampling is not None and not sampling.greedy else None
     draft.sampling = s

@@ -14,14 +14,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .acceptance import judged
-from .controller import AlphaEWMA, Controller
-from .costs.model import CostProfile
-from .device import clock
-from .drafts import DraftSource, NgramDraft
+from ..acceptance import judged
+from ..device import clock
+from ..drafts import DraftSource, NgramDraft
+from ..prefix_cache import PrefixCache
+from ..records import Candidate, Decision
+from .controller import Controller
 from .gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, request_trust
-from .prefix_cache import PrefixCache
-from .records import Candidate, Decision
+from .learned import AlphaEWMA
+from .profile import CostProfile
 
 now = clock
 
