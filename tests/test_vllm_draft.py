@@ -15,9 +15,10 @@ import torch
 
 from rakv import decoding as dec
 from rakv import models as M
+from rakv.decide import profile as PF
+from rakv.decide.policy import worth_starting
 from rakv.drafts import ModelDraft
 from rakv.integrations import vllm_draft as VD
-from rakv.decide import profile as PF
 from rakv.integrations import vllm_proposer as VP
 
 PROFILE = {"t_ms": 60.0, "V_ms": {"1": 62.0, "2": 64.0, "4": 68.0, "8": 76.0}}
@@ -197,9 +198,9 @@ def test_the_profile_names_the_draft_and_its_acceptance(monkeypatch):
 
 def test_worth_starting_and_remaining():
     assert VD.remaining(1) == VD.REMAINING_MIN and VD.remaining(100) == 100
-    assert VD.worth_starting(100.0, 20.0, 60.0, 16)          # 16 x 40 ms saved > 100 ms
-    assert not VD.worth_starting(1000.0, 20.0, 60.0, 16)
-    assert not VD.worth_starting(0.0, 60.0, 20.0, 100)       # slower than the other choice
+    assert worth_starting(100.0, 20.0, 60.0, 16)          # 16 x 40 ms saved > 100 ms
+    assert not worth_starting(1000.0, 20.0, 60.0, 16)
+    assert not worth_starting(0.0, 60.0, 20.0, 100)       # slower than the other choice
 
 
 def test_switch_arms_share_one_draft(target, tmp_path, monkeypatch):

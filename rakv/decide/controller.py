@@ -311,7 +311,7 @@ class Controller(Acceptance):
     def probe_ks(self, ctx: float, ks) -> list[int]:
         """The k that could pay at all and whose crossover alpha's optimistic bound reaches: the
         candidates of a probe. Cached per 16 tokens of context and per acceptance estimate (it is
-        asked every k = 0 round once a probe is due; recomputing it cost ~2% of a step)."""
+        asked every k = 0 round once a probe is due; recomputing it cost a share of a step)."""
         where = (int(ctx) // PROBE_CTX_BUCKET, tuple(ks))
         if where != self._can_key:
             self._can_key, self._can = where, [k for k in ks if k > 0 and self.pays_at_all(k, ctx)]
@@ -354,8 +354,8 @@ class Controller(Acceptance):
 
     def quiet_until_next_bucket(self, ctx: float, k_set) -> None:
         """No k of K pays even at alpha = 1 in this context bucket: until the next one, a k = 0
-        round's probe check is one comparison (any Python after a forward runs cold, ~10x slower:
-        the full check cost ~16 us a round, docs/controller.md#constants)."""
+        round's probe check is one comparison (any Python after a forward runs cold: the full check
+        cost a share of a step, docs/controller.md#constants)."""
         lo = int(ctx) // PROBE_CTX_BUCKET * PROBE_CTX_BUCKET
         self._quiet = (lo, lo + PROBE_CTX_BUCKET, k_set)
 

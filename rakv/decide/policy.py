@@ -7,6 +7,7 @@
                       from V(0..k), d and d2; ``root_falling`` finds the root)
     round_draft_ms    a round's expected draft ms (its 2-token opening step after a full accept)
     worth_more, best_verify_length   the confidence gate's stopping rule (``rakv.decide.gate``)
+    copies_win, worth_starting      the model draft against free copies, and whether to start it
 
 Used by the controller, the planner and gate, the regime and the vLLM proposer alike: each of
 these rules is defined here once. The constants' evidence is in docs/controller.md#constants.
@@ -110,8 +111,8 @@ def E(k: int, alpha: float) -> float:
 def shape_signal(reach: list[float], hold: list[float], a: float) -> float:
     """The share of the positions' spread around the pooled rate ``a`` that is signal, not
     sampling noise: 1 - (m - 1) / chi2 over the m positions drafted (empirical Bayes, by moments).
-    A spread that noise alone explains is dropped: a 6-request stream's int8 shape (0.87 at
-    position 2, 1.11 at 3) flipped k between 1, 2 and 4; n-gram's all-or-nothing copies stay."""
+    A spread that noise alone explains is dropped (a short stream's noisy shape flipped k between
+    lengths, docs/controller.md); n-gram's all-or-nothing copies stay."""
     if not 0.0 < a < 1.0:
         return 1.0
     z = [(h / r - a) ** 2 * r / (a * (1.0 - a)) for r, h in zip(reach, hold) if r >= 1.0]
@@ -203,6 +204,19 @@ def alpha_star(V: list[float], d: float = 0.0, d2x: float = 0.0) -> dict[str, fl
         a = round_crossover(k, V[0], V[k], d, d2x)
         out[str(k)] = None if a is None else round(a, 4)
     return out
+
+
+def copies_win(copy_rate: float, model_rate: float) -> bool:
+    """A round takes free n-gram copies (nothing to draft: C_j = V(j)) over the model draft when
+    their expected tokens per ms are at least what the model draft can expect (a tie: the copies).
+    With no copies, ``copy_rate`` is a plain step's 1 / t: the model draft must beat it."""
+    return copy_rate >= model_rate
+
+
+def worth_starting(prefill_ms: float, ms_tok_model: float, ms_tok_other: float, remaining: int) -> bool:
+    """Start a request's draft (prefill its prompt) only if the ms it saves over the remaining
+    tokens pays for that prefill."""
+    return remaining * (ms_tok_other - ms_tok_model) > prefill_ms
 
 
 def worth_more(S: list[float], c: float, d: float, V: list[float], sunk: float, k_max: int) -> bool:

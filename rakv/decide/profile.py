@@ -223,9 +223,8 @@ class CostProfile:
         """Refine the scales from one measurement of ``term`` (``predicted`` with the current
         scales): a term calibrated in the rounds loop moves the machine factor (all terms
         together); an own term (``own_term``) moves its own scale only. Robust: a clipped
-        ratio, log-space EWMAs. When every term moved both, and a persistent offset
-        of one (D at 1.3x) pushed the machine factor from 1.07 to 1.25 over 36 requests and the
-        others' own scales to their bounds (s13b)."""
+        ratio, log-space EWMAs. (When every term moved both, a persistent offset of one term pushed
+        the machine factor and the others' own scales to their bounds: docs/controller.md.)"""
         if predicted <= 0 or measured <= 0 or not math.isfinite(measured):
             return
         r = min(ONLINE_CLIP, max(1.0 / ONLINE_CLIP, measured / predicted))

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from ..acceptance import judged
 from ..decide.gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, request_trust
-from ..decide.policy import alpha_star
+from ..decide.policy import alpha_star, copies_win, worth_starting
 from ..decide.profile import (DEFAULT_V_SLOPE, load_vllm_profile, nearest_batch, profile_batches, verify_costs,
                               verify_costs_for_batch)
 
@@ -299,13 +299,13 @@ class RakvProposer:
     def _model_pays(self, rq: _Req, n: int, k_cap: int, rate_other: float) -> bool:
         """The model draft's expected tokens per ms (its catch-up included) against the best other
         choice; a request's first model round must also pay for the prompt's prefill."""
-        from .vllm_draft import model_alpha, remaining, worth_starting
+        from .vllm_draft import model_alpha, remaining
 
         a = model_alpha(rq.mS, rq.mT, self.m_pool[0] / self.m_pool[1])
         started = rq.md is not None and rq.md.cache is not None
         sunk = self._catchup_ms(n - rq.off - len(rq.md.cached)) if started else 0.0
         rate = self._model_gate(rq, k_cap, sunk).expected_rate(a)
-        if rate <= rate_other:
+        if copies_win(rate_other, rate):
             return False
         if started:
             return True
