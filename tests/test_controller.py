@@ -7,13 +7,14 @@ import json
 import pytest
 
 from rakv.decide import calibration as calibrate_mod
+from rakv.decide import learned as learned_mod
 from rakv.decide import profile as profile_mod
-from rakv.decide.policy import E
-from rakv.decide.learned import AlphaEWMA
-from rakv.decide.controller import Controller, Situation
-from rakv.drafts import NoDraft
-from rakv.decide.profile import CostProfile, interp
 from rakv.decide.calibration import load_or_calibrate
+from rakv.decide.controller import Controller, Situation
+from rakv.decide.learned import AlphaEWMA
+from rakv.decide.policy import E
+from rakv.decide.profile import CostProfile, interp
+from rakv.drafts import NoDraft
 
 
 def profile(t=10.0, d=2.0, V=None, T=(1.0, 0.5), D=(0.5, 0.1), alpha0=0.5, clone=0.0):
@@ -310,7 +311,7 @@ def test_a_burst_of_load_moves_every_term_together():
     q = profile(t=10.0)
     q.scale = {"t": 1.5, "R1": 0.5, "D": 9.0}
     assert q.step(60) == pytest.approx(10.0) and q.verify(1, 60) == pytest.approx(q.V["1"])
-    assert q.D(20) == pytest.approx(interp(q.D_pf, 20) * profile_mod.OWN_DRIFT)
+    assert q.D(20) == pytest.approx(interp(q.D_pf, 20) * learned_mod.OWN_DRIFT)
 
 
 def test_recalibrates_when_fingerprint_changes(tmp_path, monkeypatch):

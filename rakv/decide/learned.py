@@ -1,12 +1,13 @@
-"""The decision's mutable learned state: what served requests teach about acceptance.
+"""The decision's mutable learned state: what served requests and measured rounds teach.
 
 ``AlphaEWMA`` (per round) and ``Acceptance``, the controller's request-level estimates: the long
 run, the recent requests and the measured persistence of their deviations (``alpha_req``), the
 acceptance by draft position (``shape``), the evidence behind alpha's optimistic bound, the output
 share, and all of it kept per sampling setting and written back into the cost profile
 (``alpha_learned``, ``alpha_trials``, ``alpha_by_setting``, ``out_frac``) for the next session.
-The measured costs and their online scales are the profile's (``rakv.decide.profile``). The
-constants' evidence is in docs/controller.md#constants.
+``OnlineScales``: the cost profile's online refinement (the machine factor and the own scales of
+the terms calibration did not time as the engine pays them); the measured terms themselves are
+``rakv.decide.profile``'s. The constants' evidence is in docs/controller.md#constants.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import copy
 import math
 
 from ..acceptance import trials
-from .policy import shape_signal
+from .policy import drafting_ks, shape_signal
 
 PRIOR_TRIALS = 8.0   # weight of the long-run acceptance in the request-level one, in trials
 LONG_WINDOW = 200.0  # the long-run acceptance averages about the last this many trials
@@ -31,6 +32,18 @@ PERSIST_DECAY = 0.05  # per-request ageing of the persistence evidence (~20 requ
 PERSIST_MIN_TRIALS = 4  # a request counts toward persistence with at least this many trials
 SHAPE_PRIOR = 16.0    # pseudo-trials per draft position at the pooled rate (the i.i.d. model) before any round
 SHAPE_DECAY = 0.005   # per-round ageing of the position counts (about the last 200 rounds)
+ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
+ONLINE_FIRST = 4             # this session's first measurements of a term weigh 1/2, 1/3, 1/4, 1/5 (a stale
+                             # profile is corrected within a few requests), later ones ONLINE_WEIGHT
+ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
+MACHINE = "machine"          # the shared factor's key in ``scale``
+PREFILL_TERMS = ("T", "D")   # with the lookup lengths past k_max: the terms with an own scale (own_term)
+OWN_DRIFT = 2.0              # an own scale's bound
+
+
+def _bounded(own: float, drift: float = OWN_DRIFT) -> float:
+    """An own online scale, kept within ``drift`` of 1."""
+    return min(drift, max(1.0 / drift, own))
 
 
 class AlphaEWMA:
@@ -213,3 +226,57 @@ class Acceptance:
         a = self.alpha_req
         n = self.evidence + PRIOR_TRIALS
         return min(1.0, a + UCB_Z * math.sqrt(max(a * (1 - a), 0.01) / n))
+
+
+class OnlineScales:
+    """A cost profile's online refinement (a base of ``CostProfile``, whose ``scale``, ``samples``
+    and ``V`` it reads and writes): every prediction is base x machine factor (x own, for an own
+    term); each measurement moves the machine factor, or a term's own bounded scale."""
+
+    scale: dict
+    samples: dict
+    V: dict
+
+    def factor(self, term: str) -> float:
+        """The online scale of a term: the shared machine factor, times its own for an own term."""
+        m = self.scale.get(MACHINE, 1.0)
+        return m * _bounded(self.scale.get(term, 1.0)) if self.own_term(term) else m
+
+    def round_own(self, k: int) -> float:
+        """The own online scale of a speculative round of k (its drafts and verify together)."""
+        return _bounded(self.scale.get(f"R{k}", 1.0)) if k > 0 and self.own_term(f"R{k}") else 1.0
+
+    def observe(self, term: str, predicted: float, measured: float) -> None:
+        """Refine the scales from one measurement of ``term`` (``predicted`` with the current
+        scales): a term calibrated in the rounds loop moves the machine factor (all terms
+        together); an own term (``own_term``) moves its own scale only. Robust: a clipped
+        ratio, log-space EWMAs. (When every term moved both, a persistent offset of one term pushed
+        the machine factor and the others' own scales to their bounds: docs/controller.md.)"""
+        if predicted <= 0 or measured <= 0 or not math.isfinite(measured):
+            return
+        r = min(ONLINE_CLIP, max(1.0 / ONLINE_CLIP, measured / predicted))
+        if self.own_term(term):
+            self.scale[term] = _bounded(_bounded(self.scale.get(term, 1.0)) * r ** self._weight(term))
+        else:
+            self.scale[MACHINE] = self.scale.get(MACHINE, 1.0) * r ** self._weight(MACHINE)
+        self.samples[term] = self.samples.get(term, 0) + 1
+
+    def own_term(self, term: str) -> bool:
+        """A term calibration did not time as the engine pays it: a prefill, or a verify length
+        past the drafting k_max (``lookup_vs``: an n-gram lookup's, timed without a draft)."""
+        if term in PREFILL_TERMS:
+            return True
+        if not term.startswith("R") or not term[1:].isdigit():
+            return False
+        if getattr(self, "_own_of", None) is not self.V or self._own_n != len(self.V):   # new or grown V
+            ks = sorted(int(k) for k in self.V)
+            self._own_of, self._own_n = self.V, len(self.V)
+            self._own_ks = {f"R{k}" for k in ks if k not in drafting_ks(ks)}
+        return term in self._own_ks
+
+    def _weight(self, key: str) -> float:
+        """This session's first measurements weigh 1/2, 1/3, ... (a stale profile is corrected within
+        a few requests), later ones ONLINE_WEIGHT."""
+        n = self._seen.get(key, 0)
+        self._seen[key] = n + 1
+        return 1.0 / (n + 2) if n < ONLINE_FIRST else ONLINE_WEIGHT

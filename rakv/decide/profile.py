@@ -45,7 +45,8 @@ import torch
 from ..device import hardware_info
 from ..paths import write_atomic
 from ..text_in import load_json
-from .policy import drafting_ks, round_draft_ms
+from .learned import OnlineScales
+from .policy import round_draft_ms
 
 PROFILE_VERSION = 12         # 12: V(k) floored at the step it contains
                              # 11: rounds R{k} as one term; own scales only for prefills and lookup lengths
@@ -53,20 +54,6 @@ PROFILE_VERSION = 12         # 12: V(k) floored at the step it contains
                              # 9: the lean forward (its steps; the int8 draft's fused layers); D refined online
                              # 8: V measured past k_max (lookup_vs) for n-gram lookups
                              # 7: the quality section (spread per term, CPU share, contended)
-ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
-ONLINE_FIRST = 4             # this session's first measurements of a term weigh 1/2, 1/3, 1/4, 1/5 (a stale
-                             # profile is corrected within a few requests), later ones ONLINE_WEIGHT
-ONLINE_CLIP = 2.0            # a single measurement may move a scale by at most this factor
-MACHINE = "machine"          # the shared factor's key in ``scale``
-PREFILL_TERMS = ("T", "D")   # with the lookup lengths past k_max: the terms with an own scale (own_term)
-OWN_DRIFT = 2.0              # an own scale's bound
-
-
-def _bounded(own: float, drift: float = OWN_DRIFT) -> float:
-    """An own online scale, kept within ``drift`` of 1."""
-    return min(drift, max(1.0 / drift, own))
-
-
 def interp(points: list[list[float]], x: float) -> float:
     """Piecewise-linear through (x, y) points, linear extrapolation, never below 0."""
     if not points:
@@ -88,7 +75,7 @@ def interp(points: list[list[float]], x: float) -> float:
 
 
 @dataclass
-class CostProfile:
+class CostProfile(OnlineScales):
     fingerprint: dict = field(default_factory=dict)
     T_pf: list[list[float]] = field(default_factory=list)   # [[n, ms], ...]
     D_pf: list[list[float]] = field(default_factory=list)
@@ -131,11 +118,6 @@ class CostProfile:
     regime: dict = field(default_factory=dict)
 
     # --------------------------------------------------------------- the model's terms
-    def factor(self, term: str) -> float:
-        """The online scale of a term: the shared machine factor, times its own for an own term."""
-        m = self.scale.get(MACHINE, 1.0)
-        return m * _bounded(self.scale.get(term, 1.0)) if self.own_term(term) else m
-
     def T(self, n: float) -> float:
         return 0.0 if n <= 0 else interp(self.T_pf, n) * self.factor("T")
 
@@ -170,10 +152,6 @@ class CostProfile:
         """(d, d2 - d) at ctx: a draft step and what its 2-token step costs beyond it."""
         d = self.draft_step(ctx)
         return d, max(0.0, self.draft_step2(ctx) - d)
-
-    def round_own(self, k: int) -> float:
-        """The own online scale of a speculative round of k (its drafts and verify together)."""
-        return _bounded(self.scale.get(f"R{k}", 1.0)) if k > 0 and self.own_term(f"R{k}") else 1.0
 
     def round_terms(self, k: int, ctx: float) -> tuple[float, float, float]:
         """(d, d2 - d, V(k)) of a round of k at ctx, each with the round's own scale."""
@@ -217,43 +195,6 @@ class CostProfile:
     def _v_ctx_scale(self, ctx: float) -> float:
         """How a verify scales from V_ctx to ctx: like a step."""
         return self._t_at(ctx) / max(1e-9, self._t_at(self.V_ctx))
-
-    # --------------------------------------------------------------- online refinement
-    def observe(self, term: str, predicted: float, measured: float) -> None:
-        """Refine the scales from one measurement of ``term`` (``predicted`` with the current
-        scales): a term calibrated in the rounds loop moves the machine factor (all terms
-        together); an own term (``own_term``) moves its own scale only. Robust: a clipped
-        ratio, log-space EWMAs. (When every term moved both, a persistent offset of one term pushed
-        the machine factor and the others' own scales to their bounds: docs/controller.md.)"""
-        if predicted <= 0 or measured <= 0 or not math.isfinite(measured):
-            return
-        r = min(ONLINE_CLIP, max(1.0 / ONLINE_CLIP, measured / predicted))
-        if self.own_term(term):
-            self.scale[term] = _bounded(_bounded(self.scale.get(term, 1.0)) * r ** self._weight(term))
-        else:
-            self.scale[MACHINE] = self.scale.get(MACHINE, 1.0) * r ** self._weight(MACHINE)
-        self.samples[term] = self.samples.get(term, 0) + 1
-
-    def own_term(self, term: str) -> bool:
-        """A term calibration did not time as the engine pays it: a prefill, or a verify length
-        past the drafting k_max (``lookup_vs``: an n-gram lookup's, timed without a draft)."""
-        if term in PREFILL_TERMS:
-            return True
-        if not term.startswith("R") or not term[1:].isdigit():
-            return False
-        if getattr(self, "_own_of", None) is not self.V or self._own_n != len(self.V):   # new or grown V
-            ks = sorted(int(k) for k in self.V)
-            self._own_of, self._own_n = self.V, len(self.V)
-            self._own_ks = {f"R{k}" for k in ks if k not in drafting_ks(ks)}
-        return term in self._own_ks
-
-    def _weight(self, key: str) -> float:
-        """This session's first measurements weigh 1/2, 1/3, ... (a stale profile is corrected within
-        a few requests), later ones ONLINE_WEIGHT."""
-        n = self._seen.get(key, 0)
-        self._seen[key] = n + 1
-        return 1.0 / (n + 2) if n < ONLINE_FIRST else ONLINE_WEIGHT
-
 
 class Verifies:
     """The sequence [V(0) = t, V(1), ..., V(k_max)] of one profile at one context, each value made
