@@ -12,8 +12,8 @@ next step (up to K; ``[]`` = no speculation, a plain step). vLLM verifies them w
 rejection sampler, so the output is vLLM's own whatever is proposed (greedy: vLLM's plain ids).
 
 ``RakvProposer`` decides the draft length of every request on every step with the project's
-measured-cost rule for free n-gram copies (``rakv.decide.planner.RoundPlanner._lookup``, the confidence
-gate of ``rakv.decide.gate``): the prompt-lookup continuation of the request's tokens
+measured-cost rule for free n-gram copies (``rakv.decide.planner.RoundPlanner._lookup``, the
+confidence gate of ``rakv.decide.gate``): the prompt-lookup continuation of the request's tokens
 (``rakv.drafts.NgramDraft``: the latest earlier occurrence of the last 3, else 2 tokens), each
 copied token's chance of acceptance from the length of the match it extends (``AcceptMap``,
 learned online from what vLLM accepted), scaled by the request's own running acceptance
@@ -21,8 +21,9 @@ learned online from what vLLM accepted), scaled by the request's own running acc
 step's ``sampled_token_ids``), and the verify length j in 0..K with the most expected tokens per
 measured millisecond, E_j / V(j), against a plain step's 1 / t. With one per-token chance alpha
 this is the controller's crossover: a request drafts k > 0 only where alpha > alpha*(k), the
-smallest alpha with V(k) / E_k(alpha) <= t (``rakv.decide.policy.alpha_star``). k = 0 costs nothing: no draft, no
-verify rows.
+smallest alpha with V(k) / E_k(alpha) <= t (``rakv.decide.policy.alpha_star``). k = 0 costs
+nothing: no draft, no verify rows. The maths (the costs' interpolation, alpha*, the model draft
+against free copies) is ``rakv.decide``'s; this module is vLLM's plumbing around it.
 
 Costs come from a profile measured on the vLLM engine itself (``rakv.integrations.vllm_run
 calibrate``: vLLM steps that verify k = 0..K rejected drafts, batch 1), named by the environment
