@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rakv.gate import Reliability
+from rakv.decide.gate import Reliability
 from rakv.records import CacheLookup, Decision, OracleResult, RequestEnd, RequestStart, Round, RunHeader
 
 # token provenance (the token stream's colours)

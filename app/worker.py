@@ -77,9 +77,12 @@ class Worker(QObject):
     @Slot(str, str, int)
     def load_models(self, target: str, draft: str, k_max: int = 8) -> None:
         from rakv.common import settle_heap
-        from rakv.costs import load_or_calibrate
+        from rakv.decide.calibration import load_or_calibrate
         from rakv.drafts.registry import make_draft
         from rakv.load.hub import load_model
+        from rakv.decide.calibration import load_or_calibrate
+        from rakv.drafts.registry import make_draft
+        from rakv.load import load_model
         from rakv.paths import cache_dir
 
         try:
@@ -110,7 +113,7 @@ class Worker(QObject):
         """Measure the loaded pair's cost profile again (``load_or_calibrate(force=True)``: saved for
         this machine and pair, so the CLI uses it too), then install the models with it: a new
         engine, session and recording (the run header says the new profile's quality)."""
-        from rakv.costs import load_or_calibrate
+        from rakv.decide.calibration import load_or_calibrate
         from rakv.paths import cache_dir
 
         if self.target is None:
@@ -200,7 +203,7 @@ class Worker(QObject):
         """What the engine learned goes back to the user's profile (models loaded here, not preloaded
         ones); best effort: a failure to write it loses only that learning."""
         if self._persist and self.profile is not None:
-            from rakv.costs import save_learned
+            from rakv.decide.profile import save_learned
             from rakv.paths import cache_dir
 
             save_learned(self.profile, cache_dir())
@@ -253,8 +256,8 @@ class Worker(QObject):
     @Slot(str, int, int)
     def measure(self, prompt: str, max_new_tokens: int, repeats: int) -> None:
         """Measure every action (r, k) on ``prompt`` from the engine's current state
-        (``rakv.oracle``); the OracleResult is recorded and emitted like any record."""
-        from rakv.oracle import Oracle
+        (``rakv.decide.oracle``); the OracleResult is recorded and emitted like any record."""
+        from rakv.decide.oracle import Oracle
 
         if not self._ready(self.measured):
             return

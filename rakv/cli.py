@@ -201,7 +201,7 @@ class Session:
         is quiet (announced, Ctrl-C skips; the next run uses it), never before the first token."""
         if self.profile is None or not self.profile.contended:
             return
-        from .costs.calibration import remeasure_if_quiet, text_progress
+        from .decide.calibration import remeasure_if_quiet, text_progress
         from .paths import cache_dir, log
 
         save_learned(self.profile)       # what this run learned stays, whatever comes next
@@ -538,7 +538,8 @@ def cmd_calibrate_vllm(args) -> int:
 
 def calibrate_check(target, draft, as_json: bool) -> int:
     """`rakv calibrate --check`: a few terms measured now against the saved profile (exit 0)."""
-    from .costs import check_profile, saved_profile
+    from .decide.calibration import check_profile
+    from .decide.profile import saved_profile
     from .paths import cache_dir
 
     prof, path = saved_profile(target, draft, cache_dir())

@@ -183,7 +183,7 @@ def get_profile(target, draft, k_max: int, force: bool = False, quick: bool = Fa
                 sampling=None):
     """The cost profile for this machine + pair (calibrates once; progress(frac, what) if given),
     with the acceptance prior at ``sampling``'s setting measured now if it is new."""
-    from .costs import load_or_calibrate, text_progress
+    from .decide.calibration import load_or_calibrate, text_progress
     from .paths import cache_dir, log
 
     prof, fresh = load_or_calibrate(target, draft, cache_dir(), k_max=k_max, force=force, quick=quick,
@@ -197,7 +197,7 @@ def get_profile(target, draft, k_max: int, force: bool = False, quick: bool = Fa
 def prior_at_setting(profile, target, draft, sampling) -> None:
     """Measure a new sampling setting's acceptance prior before any request, and keep it in the
     saved profile: measured inside a request it would be charged to that request's latency."""
-    from .costs.calibration import alpha_prior
+    from .decide.calibration import alpha_prior
     from .paths import log
 
     if sampling is None or sampling.greedy or sampling.key() in profile.alpha_by_setting:
@@ -210,7 +210,7 @@ def prior_at_setting(profile, target, draft, sampling) -> None:
 
 def save_learned(profile) -> None:
     """Keep what this session learned (cost scales, acceptance) for the next one; the output share for display."""
-    from .costs import save_learned as save
+    from .decide.profile import save_learned as save
     from .paths import cache_dir
 
     err = save(profile, cache_dir())

@@ -75,7 +75,7 @@ class Policy:
     reuse: bool = False
     k: int = 0
     adaptive: bool = False
-    gate: bool = False          # the confidence gate (rakv.gate) cuts each drafting round
+    gate: bool = False          # the confidence gate (rakv.decide.gate) cuts each drafting round
     tree: bool = False          # tree:N: reuse, and each round verifies an n-gram token tree of up to k = N nodes;
                                 # adaptive:tree: each round the tree of up to TREE_MAX_NODES with the most
                                 # expected tokens per ms (none: a plain step)

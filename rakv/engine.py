@@ -19,18 +19,21 @@ from . import decoding as dec
 from . import sampling as S
 from .device import clock, hardware_info, versions_info
 from .config import TREE_MAX_NODES, Policy, RakvConfig
-from .controller import AlphaEWMA, Choice, Controller, Situation
-from .costs import CostProfile, quality_summary
+from .decide.learned import AlphaEWMA
+from .decide.controller import Choice, Controller, Situation
+from .decide.profile import CostProfile, quality_summary
 from .drafts.base import DraftSource
 from .drafts.ngram import MAX_MATCH, history_match
 from .drafts.none import NoDraft
 from .load.loaded import LoadedModel, model_info
 from .prefill import prefill_with_reuse
-from .planner import RoundPlanner
+from .decide.planner import RoundPlanner
+from .drafts.ngram import NgramDraft
+from .drafts.model import ModelDraft
 from .prefix_cache import PrefixCache
 from .prompts import EncodedPrompt, encode_prompt
 from .sampling import Sampling, draw_seed
-from .gate import LOOKUP_ALPHA, AcceptMap
+from .decide.gate import LOOKUP_ALPHA, AcceptMap
 from .tree import TokenTree, priced, verify_tree
 from .records import CacheLookup, Candidate, Decision, RequestEnd, RequestStart, Round, RunHeader
 
@@ -350,7 +353,7 @@ class Engine:
         key = rq.sampling.key()
         if self.controller is None or key == self.controller.setting:
             return
-        from .costs.calibration import alpha_prior
+        from .decide.calibration import alpha_prior
 
         prior = alpha_prior(self.profile, self.target, self.draft, rq.sampling)
         self.controller.use_setting(key, prior)
@@ -371,7 +374,7 @@ class Engine:
                 r, k = int(policy.reuse), policy.k
                 c = round(ctl.cost(s, r, k, self.alpha.value), 3)
                 ok, why = ctl.feasible(s, r, k)
-                stars = {str(k): ctl.alpha_star(s, r, k)} if k > 0 else {}
+                stars = {str(k): ctl.request_alpha_star(s, r, k)} if k > 0 else {}
                 choice = Choice(r, k, c, [Candidate(r, k, c, ok, why)], self.alpha.value, stars, "fixed")
             rq.reuse, rq.k = choice.reuse, choice.k
             rq.explore = choice.reason == "probe" and choice.k > 0 and not policy.tree

@@ -34,7 +34,7 @@ class RunHeader:
     settings: dict = field(default_factory=dict)
     started: str = ""
     learned: dict = field(default_factory=dict)    # what earlier sessions left in the profile
-    # the cost profile's calibration quality (rakv.costs.profile.quality_summary): contended and why,
+    # the cost profile's calibration quality (rakv.decide.profile.quality_summary): contended and why,
     # per-term spread, CPU share, when and how long; {} without a profile
     profile: dict = field(default_factory=dict)
 

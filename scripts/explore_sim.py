@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rakv.controller import Controller, Situation  # noqa: E402
-from rakv.costs.model import CostProfile  # noqa: E402
+from rakv.decide.controller import Controller, Situation  # noqa: E402
+from rakv.decide.profile import CostProfile  # noqa: E402
 
 
 def load(path: str) -> CostProfile:
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--horizon", type=float, default=None, help="EXPLORE_HORIZON for this run")
     args = ap.parse_args()
     if args.horizon is not None:
-        import rakv.controller as C
+        import rakv.decide.controller as C
         C.EXPLORE_HORIZON = args.horizon
     prof = load(args.profile)
     ks = (0, 1, 2, 4, 6, 8)

@@ -193,7 +193,7 @@ def main() -> int:
     t_start = time.perf_counter()
     models = arms()
     tok = models["fast"].tokenizer
-    from rakv.costs import calibration_ids
+    from rakv.decide.calibration import calibration_ids
 
     ids = calibration_ids(tok, 128 + 16, models["fast"].vocab_size)
     torch.set_num_threads(threads[0])

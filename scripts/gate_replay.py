@@ -43,7 +43,7 @@ def outputs(seeds, n_prompts, gen, workloads, sampling=None):
     import torch
 
     from rakv.bench import build_streams
-    from rakv.cli import load_pair
+    from rakv.common import load_pair
     from rakv.config import RakvConfig
     from rakv.engine import Engine
 
@@ -93,7 +93,9 @@ def replay(reqs, arm: str, prof, prior, lookup_k: int) -> float:
     from gate_ceiling import proposal_at
 
     from rakv.drafts.ngram import ngram_confidence
-    from rakv.gate import AcceptMap, best_verify_length, judged, request_trust
+    from rakv.decide.gate import AcceptMap, request_trust
+    from rakv.decide.policy import best_verify_length
+    from rakv.acceptance import judged
     from rakv.prefix_cache import TokenHistory
 
     def V(j, ctx):
@@ -152,7 +154,7 @@ def main() -> int:
     ap.add_argument("--arms", default="joint:2;joint:4;joint:8;oracle;gate;gate 8;gate, no trust;gate, rate;gate, rate 8",
                     help="arms, separated by semicolons")
     a = ap.parse_args()
-    from rakv.cli import get_profile
+    from rakv.common import get_profile
     from rakv.config import LOOKUP_K
     from rakv.drafts.ngram import NgramDraft
 

@@ -121,7 +121,7 @@ def steps(libs: dict, reps: int, lm, blocks: list, ks=(1, 2, 4, 8, 16), ctx: int
     interleaved: min and median ms, V(k)/t of the mins and of the medians, and whether the logits
     of every forward agree."""
     from rakv import decoding as dec
-    from rakv.costs.calibration import calibration_ids
+    from rakv.decide.calibration import calibration_ids
 
     model = lm.model
     ids = calibration_ids(lm.tokenizer, ctx + max(ks) + 2, lm.vocab_size)

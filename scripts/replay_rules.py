@@ -16,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from rakv.bench import metrics as M
-from rakv.controller import REUSE_TIE
+from rakv.decide.policy import REUSE_TIE
 
 VARIANTS = {                        # name -> (near-tie share for the smaller k, spec margin)
     "old: k tie 2%, margin 5%": (0.02, 0.05),
@@ -37,7 +37,7 @@ def reuse_tie(best: dict, pool: list[dict]) -> dict:
 
 
 def decide(cands: list[dict], k_tie: float, margin: float) -> tuple[int, int]:
-    """The controller's per-request rule (rakv.controller.Controller.decide) on recorded predictions."""
+    """The controller's per-request rule (rakv.decide.controller.Controller.decide) on recorded predictions."""
     feas = [c for c in cands if c["feasible"]]
     cost = lambda c: c["predicted_ms"]  # noqa: E731
     best = reuse_tie(min(feas, key=cost), feas)

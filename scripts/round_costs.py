@@ -31,7 +31,7 @@ def main() -> int:
     from rakv.bench.workloads import chat_prompts, chat_stream
     from rakv.cli import get_profile, load_pair
     from rakv.config import RakvConfig
-    from rakv.controller import E, overshoot
+    from rakv.decide.policy import E, overshoot
     from rakv.engine import Engine
     from rakv.records import Round
 

@@ -13,7 +13,7 @@ from rakv import decoding as dec
 from rakv.backends import (BACKENDS, LeanFp32Backend, LeanQ8Backend, TorchBackend, backend_of, lean_of,
                            read_switches, select_backend, set_backend)
 from rakv.config import RakvConfig
-from rakv.costs import fingerprint_id, pair_fingerprint
+from rakv.decide.profile import fingerprint_id, pair_fingerprint
 from rakv.drafts.model import ModelDraft
 from rakv.drafts.ngram import NgramDraft
 from rakv.engine import Engine

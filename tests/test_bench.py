@@ -218,7 +218,7 @@ def test_adaptive_arms_keep_their_profile_across_streams():
     arm its own copy; engines (and prefix caches) are fresh per stream; warm-up is throwaway."""
     from rakv.bench.runner import make_slots, parse_arms
     from rakv.config import RakvConfig
-    from rakv.costs import CostProfile
+    from rakv.decide.profile import CostProfile
     from tests.tiny import make_pair
 
     target, draft_lm = make_pair("llama")

@@ -12,14 +12,15 @@ import torch
 from rakv.backends import lean_of
 from rakv.kernels import blockq, fastpath
 from rakv.config import RakvConfig
-from rakv.costs import CostProfile
+from rakv.decide.profile import CostProfile
 from rakv.drafts.model import ModelDraft
 from rakv.drafts.ngram import NgramDraft
 from rakv.engine import Engine
 from rakv.load.numerics import wrap
 
 from .test_fastpath import needs_onednn
-from .tiny import assert_exact, make_model, oracle, perturbed, snap_to_blocks, tiny_tokenizer, wrap_tiny
+from .tiny import assert_exact, make_model, oracle, snap_to_blocks, tiny_tokenizer, wrap_tiny
+from rakv.bench.tiny import perturbed
 
 BUILDS_ON = {"linux": ("x86_64", "amd64", "aarch64", "arm64"), "darwin": ("x86_64", "arm64")}
 

@@ -6,12 +6,16 @@ import json
 
 import pytest
 
-from rakv.costs import model as costs_mod
-from rakv.costs import calibration as calibrate_mod
-from rakv.costs import profile as profile_mod
-from rakv.controller import E, AlphaEWMA, Controller, Situation
+from rakv.drafts import model as costs_mod
+from rakv.decide import calibration as calibrate_mod
+from rakv.decide import profile as profile_mod
+from rakv.decide.policy import E
+from rakv.decide.learned import AlphaEWMA
+from rakv.decide.controller import Controller, Situation
 from rakv.drafts.none import NoDraft
-from rakv.costs import CostProfile, interp, load_or_calibrate
+from rakv.decide.profile import CostProfile, interp
+from rakv.decide.calibration import load_or_calibrate
+from rakv.decide import learned as learned_mod
 
 
 def profile(t=10.0, d=2.0, V=None, T=(1.0, 0.5), D=(0.5, 0.1), alpha0=0.5, clone=0.0):
@@ -70,9 +74,9 @@ def test_leviathan_crossover_alpha_star_1_is_d_over_t():
     t, d = 10.0, 2.5
     c = Controller(profile(t=t, d=d, V={k: t for k in range(1, 9)}, T=None, D=None))
     s = situation(P=0, q=0, N=10**6)      # a long request: its last round's cut is negligible
-    assert c.alpha_star(s, 0, 1) == pytest.approx(d / t, abs=1e-4)
+    assert c.request_alpha_star(s, 0, 1) == pytest.approx(d / t, abs=1e-4)
     # a short one pays the cut once: its crossover is higher
-    assert c.alpha_star(situation(P=0, q=0, N=9), 0, 1) > d / t + 0.01
+    assert c.request_alpha_star(situation(P=0, q=0, N=9), 0, 1) > d / t + 0.01
 
 
 def test_alpha_star_is_the_crossing_of_the_cost_curves():
@@ -88,7 +92,7 @@ def test_alpha_star_is_the_crossing_of_the_cost_curves():
                                                               for k in range(1, 9)}))
         s = situation(P=rng.randrange(0, 400), q=0, N=rng.randrange(4, 300))
         for k in (1, 2, 4, 8):
-            star = c.alpha_star(s, 0, k)
+            star = c.request_alpha_star(s, 0, k)
             ck, c0 = c.cost_of_alpha(s, 0, k), c.cost(s, 0, 0, 0.0)
             if star is None:
                 assert ck(1.0) > c0
@@ -98,7 +102,7 @@ def test_alpha_star_is_the_crossing_of_the_cost_curves():
                 lo, hi = (lo, (lo + hi) / 2) if ck((lo + hi) / 2) <= c0 else ((lo + hi) / 2, hi)
             assert star == pytest.approx(hi, abs=1e-5), (trial, k)
             fns = {(0, 0): c.cost_of_alpha(s, 0, 0), (0, k): ck}
-            assert c.alpha_star(s, 0, k, fns) == star
+            assert c.request_alpha_star(s, 0, k, fns) == star
 
 
 def test_infeasible_actions_never_chosen():
@@ -202,7 +206,7 @@ def test_where_nothing_pays_the_probe_check_stays_quiet_for_the_context_bucket()
     """No k pays even at alpha = 1: the probe check says no, then answers the rest of the context
     bucket without computing anything; a new bucket or another K is looked at again; where some k
     could pay it never goes quiet."""
-    from rakv.controller import PROBE_CTX_BUCKET
+    from rakv.decide.controller import PROBE_CTX_BUCKET
 
     ks = (0, 1, 2, 4)
     c = Controller(profile(t=10.0, d=6.0, V={k: 10.0 * (1 + 0.9 * k) for k in range(1, 9)}), k_set=ks,
@@ -228,7 +232,7 @@ def test_plain_steps_reach_the_profile_in_order_folded():
     the same updates, in the same order, as one observe after each step."""
     import copy
 
-    from rakv.planner import PLAIN_BATCH, RoundPlan, RoundPlanner
+    from rakv.decide.planner import PLAIN_BATCH, RoundPlan, RoundPlanner
 
     prof = profile()
     ref = copy.deepcopy(prof)
@@ -249,7 +253,7 @@ def test_exploration_budget_holds_over_a_long_stream():
     """Probes spend at most their share of the stream's time (plus at most one probe)."""
     import random
 
-    from rakv.controller import EXPLORE_SHARE
+    from rakv.decide.controller import EXPLORE_SHARE
 
     # k can pay only at a high alpha; the true alpha is well below it but the prior is unsure
     prof = profile(t=10.0, d=3.0, V={k: 10.0 * (1 + 0.15 * k) for k in range(1, 9)})
@@ -308,7 +312,7 @@ def test_a_burst_of_load_moves_every_term_together():
     q = profile(t=10.0)
     q.scale = {"t": 1.5, "R1": 0.5, "D": 9.0}
     assert q.step(60) == pytest.approx(10.0) and q.verify(1, 60) == pytest.approx(q.V["1"])
-    assert q.D(20) == pytest.approx(interp(q.D_pf, 20) * costs_mod.OWN_DRIFT)
+    assert q.D(20) == pytest.approx(interp(q.D_pf, 20) * learned_mod.OWN_DRIFT)
 
 
 def test_recalibrates_when_fingerprint_changes(tmp_path, monkeypatch):
@@ -339,7 +343,7 @@ def test_request_level_alpha_drives_request_decisions():
         c.observe_round(m, a)
     assert c.alpha.value > 0.75
     c.end_request(produced=20, max_new=20, stopped="max_new_tokens")
-    from rakv.controller import LONG_PRIOR, LONG_WINDOW, PRIOR_TRIALS
+    from rakv.decide.learned import LONG_PRIOR, LONG_WINDOW, PRIOR_TRIALS
     m = PRIOR_TRIALS
     g = (1 - 1 / LONG_WINDOW) ** 12
     a_long = (0.5 * LONG_PRIOR * g + 8) / (LONG_PRIOR * g + 12)
@@ -415,7 +419,7 @@ def test_calibration_measures_costs_in_the_loop():
 def test_the_cheapest_drafting_k_is_taken_even_by_a_hair():
     """Among drafting actions the argmin is taken as predicted, per request and per round: a
     near-tie rule for the smaller k cost 0.2-2.4 points of regret on every recorded run."""
-    from rakv.controller import overshoot
+    from rakv.decide.policy import overshoot
     s = situation(N=65)
     a, n = 0.95, 64
     p0 = profile(V={1: 12, 2: 13, 4: 10.0, 6: 30, 8: 10.0})
@@ -433,7 +437,8 @@ def test_the_cheapest_drafting_k_is_taken_even_by_a_hair():
 def test_a_drafting_action_must_beat_k0_by_the_spec_margin():
     """A drafting action predicted better than k = 0 by a hair goes to k = 0 (drafting predictions
     ran optimistic where the gain is small); one better by more than SPEC_MARGIN is taken."""
-    from rakv.controller import MAX_EVIDENCE, SPEC_MARGIN
+    from rakv.decide.learned import MAX_EVIDENCE
+    from rakv.decide.policy import SPEC_MARGIN
 
     c = Controller(profile(), k_set=(0, 4), alpha_prior=0.5)
     s = situation()
@@ -503,7 +508,7 @@ def test_two_token_draft_step_is_priced_where_all_drafts_are_accepted():
     assert flat.draft_round(4, 100, 0.9) == pytest.approx(8.0)
     s = situation(P=100, N=65)
     c_flat, c_dear = Controller(flat, alpha_prior=0.9), Controller(dear, alpha_prior=0.9)
-    from rakv.controller import overshoot
+    from rakv.decide.policy import overshoot
     rounds = 64 / E(1, 0.9) + overshoot(1, 0.9)
     assert c_dear.cost(s, 0, 1, 0.9) - c_flat.cost(s, 0, 1, 0.9) == pytest.approx(rounds * 0.9 * 4.0)
     ks = (0, 1, 2)
@@ -572,7 +577,7 @@ def test_overshoot_is_the_last_rounds_cut():
     """Rounds of a request ~ n / E_k + overshoot: simulated i.i.d. acceptance, rounds cut at n."""
     import random
 
-    from rakv.controller import overshoot
+    from rakv.decide.policy import overshoot
     assert overshoot(0, 0.8) == 0.0
     assert overshoot(1, 1.0) == pytest.approx(0.25)        # X = 2 always: n odd wastes half a round
     rng = random.Random(0)
@@ -619,7 +624,8 @@ def test_the_spec_margin_keeps_the_reuse_near_tie():
     """A prompt with no hit: r = 0 and r = 1 cost the same. When drafting is predicted better by
     less than the spec margin, the plain action taken must still be r = 1 (it stores the prompt
     for later requests); it was once found taking r = 0 and a later exact repeat missing."""
-    from rakv.controller import MAX_EVIDENCE, SPEC_MARGIN
+    from rakv.decide.learned import MAX_EVIDENCE
+    from rakv.decide.policy import SPEC_MARGIN
     prof = profile()
     prof.clone_ms_per_token = 0.001
     s = situation(q=0)
@@ -651,7 +657,7 @@ def test_an_exact_repeat_copied_from_the_history_drafts_the_most_and_teaches_not
 def test_acceptance_by_draft_position_is_measured_and_priced():
     """All-or-nothing copies (the n-gram draft): the i.i.d. model at the pooled alpha overrates
     E_4 and underrates what k = 8 gains over k = 4; the measured position shape corrects both."""
-    from rakv.controller import E_shaped
+    from rakv.decide.policy import E_shaped
 
     c = Controller(profile(d=0.0, D=None), alpha_prior=0.5)
     assert c.shape == [1.0] * len(c.shape)                 # no rounds yet: the i.i.d. model
@@ -691,7 +697,7 @@ def test_a_position_never_drafted_takes_the_later_positions_rate():
     """Rounds of k = 2 only, where the second draft holds more often than the first: positions 3+
     have no rounds, and the shape carries the rate of positions 2 and on to them (not the pooled
     one), so k = 4 is priced with the acceptance a draft that got that far showed."""
-    from rakv.controller import E_shaped
+    from rakv.decide.policy import E_shaped
 
     c = Controller(profile(), alpha_prior=0.8)
     for i in range(400):
@@ -751,7 +757,7 @@ def test_an_engine_starts_its_output_share_fresh():
 def test_the_gate_s_verify_list_is_verify_of_each_k():
     """``verifies`` (what the gate reads every round) gives verify(k) for every k, measured or
     interpolated between measured neighbours, with learned scales, at any context."""
-    from rakv.costs import CostProfile
+    from rakv.decide.profile import CostProfile
 
     p = CostProfile(T_pf=[[8, 1.0], [64, 4.0]], D_pf=[], t=[[16, 1.0], [256, 1.6]], d=[],
                     V={"1": 1.1, "2": 1.3, "4": 1.9, "8": 3.0}, alpha0=0.7)
@@ -802,7 +808,8 @@ def test_an_unsure_estimate_explores_a_request_where_drafting_may_pay():
     once, not as a probe's lump) is worth what it teaches: the request explores, reason "probe",
     its predicted excess recorded. With the estimate settled, or where no k pays even at alpha = 1,
     it does not."""
-    from rakv.controller import MAX_EVIDENCE, SPEC_MARGIN
+    from rakv.decide.learned import MAX_EVIDENCE
+    from rakv.decide.policy import SPEC_MARGIN
 
     s = situation(P=66, N=64)
     c = Controller(pair_like_profile(), k_set=(0, 1, 2, 4, 6, 8))

@@ -84,7 +84,7 @@ def test_max_new_tokens_never_exceeded(n):
 
 def test_draft_catches_up_after_ar_rounds():
     """Per-round adaptive switching between k=0 and k>0 exercises the lazy catch-up."""
-    from rakv.costs import CostProfile
+    from rakv.decide.profile import CostProfile
 
     target, draft = make_pair("llama", "identical")
     prof = CostProfile(T_pf=[[8, 1.0], [64, 4.0]], D_pf=[[8, 0.5], [64, 1.0]], t=[[16, 1.0], [256, 1.0]],
@@ -106,7 +106,7 @@ def test_draft_catches_up_after_ar_rounds():
 def test_per_request_k0_probes_are_recorded_and_exact():
     """A per-request k=0 choice still probes (the draft catches up on the whole context) and each
     probe is recorded as a Decision for its round; the output stays the target's greedy one."""
-    from rakv.costs import CostProfile
+    from rakv.decide.profile import CostProfile
     from rakv.records import Decision, Round
 
     target, draft = make_pair("llama", "identical")
@@ -249,7 +249,7 @@ def test_zero_copy_store_never_sees_its_entries_written():
 def test_no_pay_regime_runs_never_probe_and_repeat_their_decisions():
     """Every k costs more than plain steps even at alpha = 1: k = 0 on every request, no probe,
     and what one run saves into the profile does not change the next run's decisions."""
-    from rakv.costs import CostProfile
+    from rakv.decide.profile import CostProfile
     from rakv.records import Decision
 
     target, draft = make_pair("llama", "identical")

@@ -16,7 +16,7 @@ import transformers as T
 
 from rakv import decoding as dec
 from rakv.config import RakvConfig
-from rakv.costs import CostProfile
+from rakv.decide.profile import CostProfile
 from rakv.drafts.model import ModelDraft
 from rakv.drafts.ngram import NgramDraft
 from rakv.engine import Engine
@@ -27,7 +27,8 @@ from rakv.drafts.layers import layers_copy
 from rakv.load.numerics import wrap
 
 from .test_fastpath import needs_onednn
-from .tiny import VOCAB, oracle, perturbed
+from .tiny import VOCAB, oracle
+from rakv.bench.tiny import perturbed
 from .tiny import hf_forward as _hf  # HF's own forward, whatever the model has attached
 
 WINDOW = 6           # smaller than every prompt: the window is exercised from the prefill on

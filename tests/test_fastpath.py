@@ -11,7 +11,7 @@ import torch
 from rakv.kernels import fastpath
 from rakv.cli import main
 from rakv.config import RakvConfig
-from rakv.costs import lookup_vs
+from rakv.decide.policy import lookup_vs
 from rakv.device import DeviceError, resolve
 from rakv.drafts.model import ModelDraft
 from rakv.engine import Engine
@@ -158,7 +158,7 @@ def test_cli_fast_and_plain_same_ids_and_calibrate_regime(tiny_dir, capsys):
 def test_packed_one_row_kernel_keeps_greedy_ids(arch, monkeypatch):
     """RAKV_ONE_ROW=packed: decode steps on the packed kernel too; every policy still gives the plain
     model's greedy ids (and the profile fingerprint tells the two kernels apart)."""
-    from rakv.costs import pair_fingerprint
+    from rakv.decide.profile import pair_fingerprint
 
     plain = make_model(arch)
     ref = {tuple(p): oracle(plain, p, 20) for p in PROMPTS}

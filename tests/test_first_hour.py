@@ -8,7 +8,7 @@ import copy
 
 import pytest
 
-from rakv import costs as C
+from rakv.decide import calibration as C, profile as CP
 from rakv import meter as M
 from rakv.drafts.model import ModelDraft
 from tests.tiny import make_pair
@@ -22,17 +22,17 @@ def pair():
 
 def test_profile_key_names_numerics_and_threads(pair, monkeypatch):
     target, draft = pair
-    fp = C.pair_fingerprint(target, draft)
+    fp = CP.pair_fingerprint(target, draft)
     other = copy.copy(target)
     other.numerics = "q8" if fp["numerics"] == "fp32" else "fp32"
-    fp2 = C.pair_fingerprint(other, draft)
-    assert fp["numerics"] != fp2["numerics"] and C.fingerprint_id(fp) != C.fingerprint_id(fp2)
+    fp2 = CP.pair_fingerprint(other, draft)
+    assert fp["numerics"] != fp2["numerics"] and CP.fingerprint_id(fp) != CP.fingerprint_id(fp2)
     import torch
 
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(n + 1)
-        assert C.pair_fingerprint(target, draft)["threads"] == n + 1
+        assert CP.pair_fingerprint(target, draft)["threads"] == n + 1
     finally:
         torch.set_num_threads(n)
 
@@ -51,7 +51,7 @@ def test_calibration_says_its_estimate_and_times_its_phases(pair, tmp_path, caps
 
 
 def test_estimate_counts_the_grid():
-    from rakv.costs.calibration import GRID, estimate_s
+    from rakv.decide.calibration import GRID, estimate_s
 
     g = dict(GRID["full"], keys=list(range(9)) + [12, 16])
     q = dict(GRID["quick"], keys=list(range(9)) + [12, 16])
@@ -65,10 +65,10 @@ def test_contended_profile_is_used_at_once_without_a_probe(pair, tmp_path, monke
     target, draft = pair
     prof, _ = C.load_or_calibrate(target, draft, tmp_path, k_max=2, quick=True)
     prof.quality = dict(prof.quality, contended=True, reasons=["test"])
-    C.save_profile(prof, C.profile_path(tmp_path, prof.fingerprint))
+    CP.save_profile(prof, CP.profile_path(tmp_path, prof.fingerprint))
     monkeypatch.setenv("RAKV_CONTENTION_CHECK", "1")
     probes = []
-    monkeypatch.setattr("rakv.costs.calibration.quiet_probe", lambda t: probes.append(1) or M.Timing([1], [1]))
+    monkeypatch.setattr("rakv.decide.calibration.quiet_probe", lambda t: probes.append(1) or M.Timing([1], [1]))
     lines = []
     again, fresh = C.load_or_calibrate(target, draft, tmp_path, k_max=2, log=lines.append)
     assert not fresh and again.contended and not probes

@@ -14,7 +14,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from rakv import costs as C  # noqa: E402
+from rakv.decide import profile as CP  # noqa: E402
 from rakv.cli import main  # noqa: E402
 from rakv.common import CliError, read_prompts  # noqa: E402
 from rakv.records import Recording, RecordingError, read_recording, write_csv  # noqa: E402
@@ -119,7 +119,7 @@ FIELDS = ["T_pf", "D_pf", "t", "d", "V", "V_ctx", "d2_ratio", "alpha0", "alpha_l
 def use(prof) -> None:
     """What the engine, the controller and `rakv calibrate` read of a loaded profile."""
     from rakv.cli import regime_lines
-    from rakv.gate import AcceptMap
+    from rakv.decide.gate import AcceptMap
 
     for ctx in (1, 100, 5000):
         prof.step(ctx), prof.draft_step(ctx), prof.T(ctx), prof.D(ctx)
@@ -139,8 +139,8 @@ def test_profile_loader(tmp_path_factory, changes):
     p = tmp_path_factory.mktemp("prof") / "p.json"
     p.write_text(json.dumps({**GOOD, **changes}))
     try:
-        prof = C.load_profile(p)
-    except C.ProfileError as e:
+        prof = CP.load_profile(p)
+    except CP.ProfileError as e:
         assert one_line(str(e)) and "p.json" in str(e)
         return
     use(prof)
@@ -152,8 +152,8 @@ def test_profile_loader_bytes(tmp_path_factory, data):
     p = tmp_path_factory.mktemp("prof") / "p.json"
     p.write_bytes(data)
     try:
-        C.load_profile(p)
-    except C.ProfileError as e:
+        CP.load_profile(p)
+    except CP.ProfileError as e:
         assert one_line(str(e))
 
 

@@ -1,15 +1,16 @@
-"""The confidence gate (rakv.gate): its rules on their own, and the engine with it stays exact."""
+"""The confidence gate (rakv.decide.gate): its rules on their own, and the engine with it stays exact."""
 
 from __future__ import annotations
 
 import pytest
 
 from rakv.config import Policy, RakvConfig
-from rakv.costs import CostProfile
+from rakv.decide.profile import CostProfile
 from rakv.drafts.model import ModelDraft
 from rakv.drafts.ngram import NgramDraft
 from rakv.engine import Engine
-from rakv.gate import BINS, AcceptMap, RoundGate, best_verify_length, conf_bin, worth_more
+from rakv.decide.gate import BINS, AcceptMap, RoundGate, conf_bin
+from rakv.decide.policy import best_verify_length, worth_more
 from rakv.records import Round
 from tests.tiny import assert_exact, make_pair, oracle, synthetic_profile
 
@@ -170,7 +171,7 @@ def test_lookup_is_not_verified_when_a_verify_costs_three_steps():
 
 
 def test_a_confident_lookup_replaces_the_model_draft_in_a_drafting_round():
-    from rakv.planner import use_lookup
+    from rakv.decide.planner import use_lookup
 
     m = AcceptMap(alpha=0.5)
     model = RoundGate(m, 4, 0.5, [1.0, 1.05, 1.1, 1.15, 1.2])       # a model draft at half a step a token
@@ -211,7 +212,7 @@ def test_a_lookup_verifies_no_longer_than_lookup_steps_of_cost(arch):
     """``lookup_top``: lookup_k where every verify up to it costs at most LOOKUP_STEPS steps; where
     long verifies cost more (V(j)/t 1 + 0.5 j: V(6) = 4 t), the longest lookup is cut to the last
     length within them, never below max(K); and a gated n-gram round then drafts no further."""
-    from rakv.planner import LOOKUP_STEPS, lookup_top
+    from rakv.decide.planner import LOOKUP_STEPS, lookup_top
 
     cheap = profile(V={str(k): 1.0 + 0.01 * k for k in range(1, 17)})
     dear = profile(V={str(k): 1.0 + 0.5 * k for k in range(1, 17)})
@@ -234,7 +235,7 @@ def test_copy_rounds_stop_where_copies_do_not_pay():
     """``copies_pay``: look up while a copy round is expected to gain, else only every COPY_RETRY-th
     round; ``CopyLedger``: a verified round's saved steps less its verify's extra cost and its
     planning, how often rounds verify, what a dry round's planning costs."""
-    from rakv.planner import COPY_RETRY, CopyLedger, copies_pay
+    from rakv.decide.planner import COPY_RETRY, CopyLedger, copies_pay
 
     assert copies_pay(0.0, 0) and copies_pay(3.0, 0)
     assert not copies_pay(-0.01, 0) and not copies_pay(-0.01, COPY_RETRY - 2) and copies_pay(-0.01, COPY_RETRY - 1)
@@ -257,7 +258,7 @@ def test_a_dry_stretch_does_not_stop_lookups_where_copies_pay():
     (no verified gain to weigh the planning against) does not stop them before COPY_EVIDENCE
     verified rounds (the start of a stream: a skipped round may be the first copy worth a step),
     and stops them after."""
-    from rakv.planner import COPY_EVIDENCE, CopyLedger, copies_pay
+    from rakv.decide.planner import COPY_EVIDENCE, CopyLedger, copies_pay
 
     led = CopyLedger()
     for _ in range(10):
@@ -293,7 +294,7 @@ def test_calibration_measures_verify_lengths_for_lookups():
     """A gated lookup may verify up to LOOKUP_K tokens, past max(K): calibration measures V there
     (and one length between), so the gate never reads a V extrapolated past the measured ones."""
     from rakv.config import LOOKUP_K
-    from rakv.costs import calibrate
+    from rakv.decide.calibration import calibrate
 
     target, _ = make_pair("llama", "mostly")
     prof = calibrate(target, NgramDraft(), k_max=2, quick=True)
@@ -305,7 +306,7 @@ def test_calibration_measures_verify_lengths_for_lookups():
 def test_a_requests_failed_lookups_lower_its_trust():
     """A request whose copies keep failing verifies fewer of them: its own outcomes scale the pooled
     map (a list copies the layout of the last item, not its words); no evidence leaves it alone."""
-    from rakv.gate import Trusted, request_trust
+    from rakv.decide.gate import Trusted, request_trust
 
     assert request_trust(0, 0) == 1.0
     assert request_trust(0, 6.0) == pytest.approx(0.25)            # 6 predicted, none accepted
@@ -317,7 +318,7 @@ def test_a_requests_failed_lookups_lower_its_trust():
 def test_an_ngram_drafts_failed_copies_lower_its_trust_in_later_rounds():
     """With the n-gram draft itself under the gate, its judged copies scale the pooled map for the
     rest of the request as the side lookup's do (in replay of recorded streams: +4-11% on repetitive)."""
-    from rakv.gate import Trusted
+    from rakv.decide.gate import Trusted
 
     target, draft = make_pair("llama", "mostly")
     p = list(range(5, 25)) * 2
@@ -336,7 +337,7 @@ def test_a_lookup_verify_learns_its_own_cost_and_the_gate_reads_it():
     """A lookup's verify runs a path the plain steps around it do not: its measured / predicted
     ms is learned (a log-space average, each round clipped) and scales V(j >= 1) in the lookup
     gate, so a copy worth verifying at the profile's V(1) is not once verifies cost 1.6x that."""
-    from rakv.planner import LOOKUP_COST_CLIP, lookup_cost_scale
+    from rakv.decide.planner import LOOKUP_COST_CLIP, lookup_cost_scale
 
     s = 1.0
     for _ in range(40):

@@ -169,7 +169,7 @@ def test_a_k_quant_gguf_runs_from_its_codes_and_gives_transformers_ids(types, tm
     lm.eos_ids = frozenset()
     q = int8_copy(lm)
     for policy in ("ar", "kv", "spec:4", "joint:2", "adaptive"):
-        from rakv.costs import CostProfile
+        from rakv.decide.profile import CostProfile
 
         prof = CostProfile(T_pf=[[8, 1.0], [64, 4.0]], D_pf=[[8, 0.5], [64, 1.0]], t=[[16, 1.0], [256, 1.0]],
                            d=[[16, 0.1], [256, 0.1]], V={str(k): 1.0 + 0.05 * k for k in range(1, 9)}, alpha0=0.9)

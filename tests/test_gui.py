@@ -14,7 +14,7 @@ from PySide6.QtWidgets import QMessageBox  # noqa: E402
 
 from app.settings import Settings  # noqa: E402
 from app.window import MainWindow, about_text  # noqa: E402
-from rakv.costs import calibrate  # noqa: E402
+from rakv.decide.calibration import calibrate  # noqa: E402
 from rakv.drafts.model import ModelDraft  # noqa: E402
 from rakv.records import CSV_COLUMNS, Decision, RequestEnd, Round, read_recording  # noqa: E402
 from tests.tiny import make_pair  # noqa: E402
@@ -403,13 +403,13 @@ def test_measure_cancel(qtbot, win, monkeypatch):
 
 
 def test_measure_errors_become_dialogs(qtbot, win, errors, monkeypatch):
-    import rakv.oracle
+    import rakv.decide.oracle
 
     win.run_panel.prompt.setPlainText("   ")
     assert measure(qtbot, win) is None
     assert errors and "empty prompt" in errors[-1]
     win.run_panel.prompt.setPlainText(PROMPT)
-    monkeypatch.setattr(rakv.oracle, "check_exact", lambda runs: (False, "OUTPUT MISMATCH: simulated"))
+    monkeypatch.setattr(rakv.decide.oracle, "check_exact", lambda runs: (False, "OUTPUT MISMATCH: simulated"))
     res = measure(qtbot, win, repeats=1)
     assert res is not None and not res.exact and errors[-1] == "OUTPUT MISMATCH: simulated"
     assert "simulated" in win.panel_snapshot()["costs"]["oracle"]["regret"]

@@ -20,7 +20,7 @@ from app.panels.costs import VIEW_REQUESTS, quality_text  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from app.state import Exchange, SessionState  # noqa: E402
 from app.window import MainWindow  # noqa: E402
-from rakv.costs import calibrate  # noqa: E402
+from rakv.decide.calibration import calibrate  # noqa: E402
 from rakv.drafts.model import ModelDraft  # noqa: E402
 from rakv.records import RequestEnd, RunHeader  # noqa: E402
 from tests.tiny import make_pair  # noqa: E402
@@ -171,7 +171,7 @@ def _header_only():
 
 def test_recalibrate_starts_a_session_with_a_new_profile(qtbot, win, monkeypatch):
     import app.worker  # noqa: F401  (the worker imports load_or_calibrate when it recalibrates)
-    import rakv.costs as costs
+    import rakv.decide.calibration as costs
 
     seen = {}
     real = costs.load_or_calibrate

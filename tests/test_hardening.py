@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rakv import costs as C
+from rakv.decide import calibration as C, profile as CP
 from rakv.cli import main
 from rakv.drafts.model import ModelDraft
 from rakv.load.hub import load_model
@@ -69,17 +69,17 @@ BAD_FIELDS = [
 def test_malformed_profile_is_reported_and_measured_again(pair, tmp_path, capsys, field, value):
     target, draft = pair
     prof, fresh = C.load_or_calibrate(target, draft, tmp_path, k_max=2, quick=True)
-    path = C.profile_path(tmp_path, prof.fingerprint)
+    path = CP.profile_path(tmp_path, prof.fingerprint)
     d = json.loads(path.read_text())
     d[field] = value
     path.write_text(json.dumps(d))
     capsys.readouterr()
-    with pytest.raises(C.ProfileError, match=str(path.name)):
-        C.load_profile(path)
+    with pytest.raises(CP.ProfileError, match=str(path.name)):
+        CP.load_profile(path)
     prof2, fresh2 = C.load_or_calibrate(target, draft, tmp_path, k_max=2, quick=True)
     err = capsys.readouterr().err
     assert fresh2 and err.count("is malformed") == 1 and str(path) in err
-    assert C.load_profile(path) is not None          # the measured one replaced it
+    assert CP.load_profile(path) is not None          # the measured one replaced it
     prof2.step(100), prof2.verify(2, 100)
 
 
@@ -95,7 +95,7 @@ def test_malformed_profile_never_breaks_generate(models, tmp_path, capsys, monke
     path.write_text(json.dumps(d))
     code, _, err = run(capsys, *args)
     assert code == 0 and "malformed" in err and "Traceback" not in err
-    assert C.load_profile(path) is not None
+    assert CP.load_profile(path) is not None
     assert run(capsys, *args)[0] == 0
 
 
@@ -103,14 +103,14 @@ def test_profile_rejects_unknown_and_missing_fields(good_profile, tmp_path):
     p = tmp_path / "p.json"
     for d in ({**good_profile, "bogus": 1}, {k: v for k, v in good_profile.items() if k != "T_pf"}, [], "x"):
         p.write_text(json.dumps(d))
-        with pytest.raises(C.ProfileError):
-            C.load_profile(p)
+        with pytest.raises(CP.ProfileError):
+            CP.load_profile(p)
     p.write_text("{not json")
-    with pytest.raises(C.ProfileError, match="not valid JSON"):
-        C.load_profile(p)
-    assert C.load_profile(tmp_path / "none.json") is None
+    with pytest.raises(CP.ProfileError, match="not valid JSON"):
+        CP.load_profile(p)
+    assert CP.load_profile(tmp_path / "none.json") is None
     p.write_text(json.dumps(good_profile))
-    assert C.load_profile(p) is not None
+    assert CP.load_profile(p) is not None
 
 
 # ------------------------------------------------------------------------------- 2. read-only cache
@@ -120,7 +120,7 @@ def test_unwritable_cache_calibrates_and_runs(pair, tmp_path, capsys):
     prof, fresh = C.load_or_calibrate(target, draft, tmp_path, k_max=2, quick=True)
     err = capsys.readouterr().err
     assert fresh and prof.T_pf and "cannot save the cost profile" in err
-    assert C.save_learned(prof, tmp_path) is None        # warned once already: no second complaint
+    assert CP.save_learned(prof, tmp_path) is None        # warned once already: no second complaint
 
 
 def test_unwritable_cache_generate_runs(models, tmp_path, capsys, monkeypatch):
@@ -238,14 +238,14 @@ def test_corrupt_demo_model_names_the_folder_to_delete(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------- 5. races
 def test_concurrent_profile_saves_never_collide(good_profile, tmp_path):
-    prof = C.CostProfile(**good_profile)
+    prof = CP.CostProfile(**good_profile)
     path = tmp_path / "profiles" / "p.json"
     errors = []
 
     def saver():
         for _ in range(150):
             try:
-                C.save_profile(prof, path)
+                CP.save_profile(prof, path)
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
 
@@ -253,7 +253,7 @@ def test_concurrent_profile_saves_never_collide(good_profile, tmp_path):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert not errors, errors[:3]
-    assert C.load_profile(path) is not None
+    assert CP.load_profile(path) is not None
     assert [p.name for p in path.parent.iterdir()] == ["p.json"]       # no temp files left behind
 
 
@@ -522,14 +522,14 @@ def test_retries_stop_at_the_deadline():
 def test_busy_start_gives_a_quick_calibration_marked_contended(pair, tmp_path, capsys, monkeypatch):
     target, draft = pair
     monkeypatch.setenv("RAKV_CONTENTION_CHECK", "1")
-    monkeypatch.setattr("rakv.costs.calibration.quiet_probe", lambda target: M.Timing([10, 10, 10], [5, 5, 5]))   # 50% share
+    monkeypatch.setattr("rakv.decide.calibration.quiet_probe", lambda target: M.Timing([10, 10, 10], [5, 5, 5]))   # 50% share
     prof, fresh = C.load_or_calibrate(target, draft, tmp_path, k_max=2)
     err = capsys.readouterr().err
     assert fresh and prof.contended and "a quick calibration" in err
     assert any("busy when calibration started" in r for r in prof.quality["reasons"])
     assert [x for x, _ in prof.t] == [16, 128]            # the quick grid, not the full one
     # a quiet machine whose probe only varies (full CPU share, high spread) is not called busy
-    monkeypatch.setattr("rakv.costs.calibration.quiet_probe", lambda target: M.Timing([10, 20, 14], [10, 20, 14]))
+    monkeypatch.setattr("rakv.decide.calibration.quiet_probe", lambda target: M.Timing([10, 20, 14], [10, 20, 14]))
     assert C.busy_now(target) is None
 
 
@@ -540,28 +540,28 @@ def test_busy_machine_flags_the_profile(pair, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RAKV_CONTENTION_CHECK", "1")
     real = M.cpu_clock
     monkeypatch.setattr(M, "cpu_clock", lambda: real() * 0.5)      # we run half the time we measure
-    monkeypatch.setattr("rakv.costs.calibration.cpu_clock", M.cpu_clock)
+    monkeypatch.setattr("rakv.decide.calibration.cpu_clock", M.cpu_clock)
     prof, fresh = C.load_or_calibrate(target, draft, tmp_path, k_max=2, quick=True)
     err = capsys.readouterr().err
     q = prof.quality
     assert fresh and q["contended"] and q["cpu_share"] < 0.8 and q["retries"] > 0 and "busy machine" in err
-    assert C.load_profile(C.profile_path(tmp_path, prof.fingerprint)).contended
+    assert CP.load_profile(CP.profile_path(tmp_path, prof.fingerprint)).contended
     # a later run uses the contended profile at once: no probe, no wait before the first token
     probes = []
-    monkeypatch.setattr("rakv.costs.calibration.quiet_probe", lambda t: probes.append(1) or M.Timing([1, 1], [1, 1]))
+    monkeypatch.setattr("rakv.decide.calibration.quiet_probe", lambda t: probes.append(1) or M.Timing([1, 1], [1, 1]))
     prof2, fresh2 = C.load_or_calibrate(target, draft, tmp_path, k_max=2, quick=True)
     assert fresh2 is False and prof2.contended and not probes and "using it now" in capsys.readouterr().err
     # after its requests: still busy keeps it; quiet measures it again (saved for the next run)
-    monkeypatch.setattr("rakv.costs.calibration.is_quiet", lambda t: False)
+    monkeypatch.setattr("rakv.decide.calibration.is_quiet", lambda t: False)
     assert C.remeasure_if_quiet(prof2, target, draft, tmp_path, k_max=2) is None
     assert "still busy" in capsys.readouterr().err
     monkeypatch.setattr(M, "cpu_clock", real)
-    monkeypatch.setattr("rakv.costs.calibration.cpu_clock", real)
-    monkeypatch.setattr("rakv.costs.calibration.is_quiet", lambda t: True)
+    monkeypatch.setattr("rakv.decide.calibration.cpu_clock", real)
+    monkeypatch.setattr("rakv.decide.calibration.is_quiet", lambda t: True)
     prof3 = C.remeasure_if_quiet(prof2, target, draft, tmp_path, k_max=2)
     err = capsys.readouterr().err
     assert prof3 is not None and "quiet now" in err and "calibrating: about" in err
-    assert C.load_profile(C.profile_path(tmp_path, prof.fingerprint)).calibrated_at == prof3.calibrated_at
+    assert CP.load_profile(CP.profile_path(tmp_path, prof.fingerprint)).calibrated_at == prof3.calibrated_at
 
 
 def test_calibrated_curves_rise_and_quality_is_recorded(pair):
@@ -570,7 +570,7 @@ def test_calibrated_curves_rise_and_quality_is_recorded(pair):
     for curve in (prof.T_pf, prof.D_pf, prof.t, prof.d):
         ys = [y for _, y in curve]
         assert all(b >= a for a, b in zip(ys, ys[1:])), curve
-    t_ref = C.interp(prof.t, prof.V_ctx)
+    t_ref = CP.interp(prof.t, prof.V_ctx)
     assert all(v >= t_ref - 1e-9 for v in prof.V.values())     # a verify is never priced below a step
     q = prof.quality
     assert {"spread", "cpu_share", "retries", "contended", "monotone_forced"} <= set(q)
@@ -597,7 +597,7 @@ def test_falling_prefill_never_cached_as_is(pair, monkeypatch):
 
 
 def test_online_refinement_corrects_a_stale_profile_quickly(good_profile):
-    prof = C.CostProfile(**good_profile)
+    prof = CP.CostProfile(**good_profile)
     true = 2.0 * prof.step(100)                # the profile says half of what the machine does now
     for _ in range(4):
         prof.observe("t", prof.step(100), true)
@@ -626,9 +626,9 @@ def test_calibrate_check(models, tmp_path, capsys, monkeypatch):
 
 def test_old_profile_version_is_not_accepted(good_profile, tmp_path):
     p = tmp_path / "p.json"
-    p.write_text(json.dumps({**good_profile, "fingerprint": {"version": C.PROFILE_VERSION - 1}}))
-    with pytest.raises(C.ProfileError, match="version"):
-        C.load_profile(p)
+    p.write_text(json.dumps({**good_profile, "fingerprint": {"version": CP.PROFILE_VERSION - 1}}))
+    with pytest.raises(CP.ProfileError, match="version"):
+        CP.load_profile(p)
 
 
 # ------------------------------------------------------------------------------- 5. two processes at once
@@ -646,7 +646,7 @@ def test_two_processes_on_a_fresh_cache(models, tmp_path):
         assert json.loads(out)["output_ids"]
     assert json.loads(outs[0][0])["output_ids"] == json.loads(outs[1][0])["output_ids"]
     profiles = list((tmp_path / "cache" / "profiles").glob("*.json"))
-    assert len(profiles) == 1 and C.load_profile(profiles[0]).T_pf
+    assert len(profiles) == 1 and CP.load_profile(profiles[0]).T_pf
     assert sum("calibrating costs" in err for _, err in outs) == 1      # the second waited for the first
     assert not list((tmp_path / "cache" / "profiles").glob("*.tmp"))
 

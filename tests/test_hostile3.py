@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rakv import costs as C
+from rakv.decide import profile as CP
 from rakv.cli import main
 from rakv.common import CliError, read_prompts
 from rakv.kernels import trust
@@ -123,20 +123,20 @@ GOOD = {"T_pf": [[1, 1.0], [64, 8.0]], "t": [[16, 1.0], [256, 1.5]], "V": {"1": 
 def test_profile_sections_of_the_wrong_type_are_damage(tmp_path, field, value):
     p = tmp_path / "p.json"
     p.write_text(json.dumps({**GOOD, field: value}))
-    with pytest.raises(C.ProfileError, match=f"malformed: field '{field}'"):
-        C.load_profile(p)
+    with pytest.raises(CP.ProfileError, match=f"malformed: field '{field}'"):
+        CP.load_profile(p)
     p.write_text(json.dumps(GOOD))
-    assert C.load_profile(p) is not None
+    assert CP.load_profile(p) is not None
 
 
 def test_deeply_nested_profile_is_damage(tmp_path):
     p = tmp_path / "p.json"
     p.write_text(DEEP)
-    with pytest.raises(C.ProfileError, match="nested"):
-        C.load_profile(p)
+    with pytest.raises(CP.ProfileError, match="nested"):
+        CP.load_profile(p)
     p.write_text(json.dumps({**GOOD, "regime": {"x": json.loads("[" * 80 + "]" * 80)}}))
-    with pytest.raises(C.ProfileError, match="nested"):
-        C.load_profile(p)
+    with pytest.raises(CP.ProfileError, match="nested"):
+        CP.load_profile(p)
 
 
 def test_accept_map_of_strings_never_breaks_this_run_or_the_next(models, tmp_path, capsys, monkeypatch):
@@ -150,7 +150,7 @@ def test_accept_map_of_strings_never_breaks_this_run_or_the_next(models, tmp_pat
     path.write_text(json.dumps(d))
     code, _, err = run(capsys, *args)
     assert code == 0 and err.count("is malformed") == 1 and "accept_map" in err and "Traceback" not in err
-    assert C.load_profile(path) is not None                    # measured again and saved
+    assert CP.load_profile(path) is not None                    # measured again and saved
     code, _, err = run(capsys, *args)
     assert code == 0 and "malformed" not in err
 

@@ -11,8 +11,8 @@ import pytest
 
 from rakv.bench import metrics as M
 from rakv.bench import report as R
-from rakv.costs import CostProfile
-from rakv.regime import cpu_flags, decode_crossover, describe, regime
+from rakv.decide.profile import CostProfile
+from rakv.decide.regime import cpu_flags, decode_crossover, describe, regime
 
 POLICY = {(0, 0): "ar", (1, 0): "kv"}
 AD = "adaptive:request"

@@ -1,4 +1,4 @@
-""""Measure every action" (rakv.oracle): same state for every run, nothing learned, exactness."""
+""""Measure every action" (rakv.decide.oracle): same state for every run, nothing learned, exactness."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 
 from rakv.cli import main as cli_main
 from rakv.config import RakvConfig
-from rakv.costs import calibrate
+from rakv.decide.calibration import calibrate
 from rakv.drafts.model import ModelDraft
 from rakv.engine import Engine
-from rakv.oracle import Oracle, check_exact, policy_of
+from rakv.decide.oracle import Oracle, check_exact, policy_of
 from rakv.prefix_cache import PrefixCache
 from rakv.records import (ORACLE_CSV_COLUMNS, OracleResult, Recorder, RequestEnd, oracle_csv_path,
                           read_recording)

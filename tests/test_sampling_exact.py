@@ -15,14 +15,15 @@ import torch
 
 from rakv import sampling as S
 from rakv.config import RakvConfig
-from rakv.costs import CostProfile
+from rakv.decide.profile import CostProfile
 from rakv.drafts.model import ModelDraft
 from rakv.drafts.ngram import NgramDraft
 from rakv.drafts.registry import make_draft
 from rakv.engine import Engine
 from rakv.load.numerics import wrap
 from rakv.sampling import Sampling
-from tests.tiny import make_model, perturbed, tiny_tokenizer
+from tests.tiny import make_model, tiny_tokenizer
+from rakv.bench.tiny import perturbed
 
 N = 20
 SETTINGS = [Sampling(temperature=0.8, seed=7), Sampling(temperature=1.0, top_k=40, top_p=0.9, seed=123),
@@ -179,7 +180,7 @@ def test_rejection_mode_runs_and_records_it(models):
 
 def test_acceptance_is_learned_per_sampling_setting():
     """Each setting keeps its own acceptance; switching back finds the earlier estimate intact."""
-    from rakv.controller import Controller
+    from rakv.decide.controller import Controller
 
     prof = synthetic_profile(alpha0=0.9)
     ctl = Controller(prof, (0, 2, 4))
@@ -215,7 +216,7 @@ def test_the_prior_is_measured_at_the_setting_in_use(models):
 def test_a_new_settings_prior_is_measured_before_any_request(models, monkeypatch):
     """The CLI and the bench measure a new setting's prior when the profile loads, so no request's
     latency pays for it; the engine then finds it and measures nothing."""
-    import rakv.costs.calibration as C
+    import rakv.decide.calibration as C
     from rakv.common import prior_at_setting
 
     target, draft, _ = models

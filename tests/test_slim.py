@@ -17,7 +17,7 @@ import rakv.load.hub as LH
 import rakv.load.numerics as LN
 import rakv.load.slim as LS
 from rakv.config import RakvConfig
-from rakv.costs import CostProfile
+from rakv.decide.profile import CostProfile
 from rakv.drafts.model import ModelDraft
 from rakv.drafts.ngram import NgramDraft
 from rakv.engine import Engine

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rakv.decide import policy as DP
+from rakv.decide import profile as PF
 from rakv.integrations import vllm_proposer as VP
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,21 +43,21 @@ def test_rakv_imports_without_vllm():
 
 
 def test_verify_costs_interpolate_and_floor():
-    V = VP.verify_costs({"t_ms": 10.0, "V_ms": {"1": 11.0, "4": 14.0, "8": 22.0}}, 10)
+    V = PF.verify_costs({"t_ms": 10.0, "V_ms": {"1": 11.0, "4": 14.0, "8": 22.0}}, 10)
     assert V[0] == 10.0 and V[1] == 11.0 and V[4] == 14.0 and V[8] == 22.0
     assert V[2] == pytest.approx(12.0) and V[6] == pytest.approx(18.0)
     assert V[10] == pytest.approx(26.0)                          # the last slope, past k = 8
-    assert VP.verify_costs({"t_ms": 10.0, "V_ms": {"2": 9.0}}, 2) == [10.0, 10.0, 10.0]    # never below t
-    assert len(VP.verify_costs(None, 5)) == 6
+    assert PF.verify_costs({"t_ms": 10.0, "V_ms": {"2": 9.0}}, 2) == [10.0, 10.0, 10.0]    # never below t
+    assert len(PF.verify_costs(None, 5)) == 6
 
 
 def test_alpha_star_is_the_crossover():
     V = [10.0, 12.0, 14.0, 41.0]
-    s = VP.alpha_star(V)
+    s = DP.alpha_star(V)
     for k in (1, 2):
         a = s[str(k)]
         assert 0 < a < 1
-        assert V[k] / VP.E(k, a) == pytest.approx(V[0], rel=1e-3)      # V(k) / E_k(alpha*) = t
+        assert V[k] / DP.E(k, a) == pytest.approx(V[0], rel=1e-3)      # V(k) / E_k(alpha*) = t
     assert s["3"] is None                         # V(3) > 4 t: never pays, even at alpha = 1
 
 
@@ -377,26 +379,26 @@ BATCHED = {"t_ms": 60.0, "V_ms": {"1": 62.0, "2": 64.0, "4": 68.0, "8": 76.0}, "
 
 
 def test_profile_batches_and_nearest_batch():
-    rows = VP.profile_batches(BATCHED)
+    rows = PF.profile_batches(BATCHED)
     assert sorted(rows) == [1, 2, 4] and rows[1]["t_ms"] == 60.0 and rows[4]["t_ms"] == 80.0
-    assert VP.profile_batches(PROFILE) == {1: PROFILE} and VP.profile_batches(None) == {}
-    near = {n: VP.nearest_batch(rows, n) for n in range(1, 10)}
+    assert PF.profile_batches(PROFILE) == {1: PROFILE} and PF.profile_batches(None) == {}
+    near = {n: PF.nearest_batch(rows, n) for n in range(1, 10)}
     assert near == {1: 1, 2: 2, 3: 4, 4: 4, 5: 4, 6: 4, 7: 4, 8: 4, 9: 4}      # log scale: 3 is nearer 4 than 2
-    assert VP.nearest_batch([1, 4], 2) == 1                                    # a tie (2 * 2 = 1 * 4): the smaller
-    assert VP.nearest_batch([1, 8], 3) == 8 and VP.nearest_batch([2, 8], 4) == 2
+    assert PF.nearest_batch([1, 4], 2) == 1                                    # a tie (2 * 2 = 1 * 4): the smaller
+    assert PF.nearest_batch([1, 8], 3) == 8 and PF.nearest_batch([2, 8], 4) == 2
     for bad in ({"t_ms": 1, "by_batch": [1]}, {"t_ms": 1, "by_batch": {"x": {"t_ms": 1}}},
                 {"t_ms": 1, "by_batch": {"0": {"t_ms": 1}}}, {"t_ms": 1, "by_batch": {"2": {"V_ms": {}}}}, {"V_ms": {}}):
         with pytest.raises(ValueError):
-            VP.profile_batches(bad)
+            PF.profile_batches(bad)
 
 
 def test_verify_costs_for_batch():
-    assert VP.verify_costs_for_batch(BATCHED, 8, 1) == VP.verify_costs(BATCHED, 8)       # batch 1: today's costs
-    V4 = VP.verify_costs_for_batch(BATCHED, 8, 3)                                          # 3: nearest is 4
+    assert PF.verify_costs_for_batch(BATCHED, 8, 1) == PF.verify_costs(BATCHED, 8)       # batch 1: today's costs
+    V4 = PF.verify_costs_for_batch(BATCHED, 8, 3)                                          # 3: nearest is 4
     assert V4[0] == 80.0 and V4[4] == 240.0 and V4[3] == pytest.approx(200.0)
-    assert VP.verify_costs_for_batch(BATCHED, 8, 64) == V4                                # past the largest: it
-    assert VP.verify_costs_for_batch(PROFILE, 8, 16) == VP.verify_costs(PROFILE, 8)        # no by_batch: batch 1's
-    assert VP.verify_costs_for_batch(None, 4, 8) == VP.verify_costs(None, 4)
+    assert PF.verify_costs_for_batch(BATCHED, 8, 64) == V4                                # past the largest: it
+    assert PF.verify_costs_for_batch(PROFILE, 8, 16) == PF.verify_costs(PROFILE, 8)        # no by_batch: batch 1's
+    assert PF.verify_costs_for_batch(None, 4, 8) == PF.verify_costs(None, 4)
 
 
 def _check_vllm_schedule(ranges):
@@ -421,7 +423,7 @@ def test_schedule_ranges_follow_the_nearest_batch():
         _check_vllm_schedule(ranges)
         for n in range(1, 80):                      # every batch size gets its nearest measured size's k
             k = next((k for s, e, k in ranges if s <= n <= e), ranges[-1][2])     # vLLM carries the last k on
-            assert k == best[VP.nearest_batch(best, n)], (best, n)
+            assert k == best[PF.nearest_batch(best, n)], (best, n)
 
 
 def test_advise_per_batch_schedule(tmp_path, capsys):
@@ -432,8 +434,8 @@ def test_advise_per_batch_schedule(tmp_path, capsys):
     ks = {B: d["k"] for B, d in a["batch_sizes"].items()}
     assert ks["1"] >= ks["2"] >= ks["4"] and ks["1"] > 0       # verifying costs more per draft at larger batches
     for B, d in a["batch_sizes"].items():             # the best fixed k at each B: the most tokens per ms of a step
-        V = VP.verify_costs_for_batch(BATCHED, 8, int(B))
-        assert all(V[d["k"]] / VP.E(d["k"], 0.6) <= V[k] / VP.E(k, 0.6) + 1e-9 for k in (0, 1, 2, 4, 8))
+        V = PF.verify_costs_for_batch(BATCHED, 8, int(B))
+        assert all(V[d["k"]] / DP.E(d["k"], 0.6) <= V[k] / DP.E(k, 0.6) + 1e-9 for k in (0, 1, 2, 4, 8))
     _check_vllm_schedule(a["num_speculative_tokens_per_batch_size"])
     cfg = a["speculative_config"]
     assert cfg["method"] == "ngram" and cfg["num_speculative_tokens"] == max(ks.values())

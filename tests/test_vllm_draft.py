@@ -16,6 +16,9 @@ import torch
 from rakv import decoding as dec
 import rakv.load.hub as LH
 from rakv.drafts.model import ModelDraft
+from tests.test_cli import models as M
+from rakv.decide import profile as PF
+from rakv.decide.policy import worth_starting
 from rakv.integrations import vllm_draft as VD
 from rakv.integrations import vllm_proposer as VP
 
@@ -196,9 +199,9 @@ def test_the_profile_names_the_draft_and_its_acceptance(monkeypatch):
 
 def test_worth_starting_and_remaining():
     assert VD.remaining(1) == VD.REMAINING_MIN and VD.remaining(100) == 100
-    assert VD.worth_starting(100.0, 20.0, 60.0, 16)          # 16 x 40 ms saved > 100 ms
-    assert not VD.worth_starting(1000.0, 20.0, 60.0, 16)
-    assert not VD.worth_starting(0.0, 60.0, 20.0, 100)       # slower than the other choice
+    assert worth_starting(100.0, 20.0, 60.0, 16)          # 16 x 40 ms saved > 100 ms
+    assert not worth_starting(1000.0, 20.0, 60.0, 16)
+    assert not worth_starting(0.0, 60.0, 20.0, 100)       # slower than the other choice
 
 
 def test_switch_arms_share_one_draft(target, tmp_path, monkeypatch):
@@ -228,11 +231,11 @@ def test_a_rows_costs_follow_the_batch_size():
     """At batch B a row's share of a step is V_B(k) / B (the nearest measured B); batch 1 as measured."""
     prof = dict(PROFILE, by_batch={"4": {"t_ms": 100.0, "V_ms": {"1": 110.0, "2": 120.0, "4": 140.0, "8": 200.0}}})
     p = VP.RakvProposer(k_max=8, max_model_len=WIDTH, profile=prof, draft=None)
-    assert p.row_costs(1) == VP.verify_costs(prof, 8)
+    assert p.row_costs(1) == PF.verify_costs(prof, 8)
     v4 = p.row_costs(4)
     assert v4[0] == pytest.approx(25.0) and v4[8] == pytest.approx(50.0) and p.row_costs(5) == v4
     assert VP.RakvProposer(k_max=8, max_model_len=WIDTH, profile=PROFILE, draft=None).row_costs(4) == \
-        VP.verify_costs(PROFILE, 8)                   # only batch 1 measured: its costs
+        PF.verify_costs(PROFILE, 8)                   # only batch 1 measured: its costs
 
 
 def test_a_draft_that_cannot_load_leaves_copies(caplog):

@@ -11,7 +11,8 @@ import pytest
 
 from rakv.integrations import vllm_watch as VW
 from rakv.integrations.vllm_advise import acceptance, parse_prometheus, spec_counters
-from rakv.integrations.vllm_proposer import alpha_star, verify_costs
+from rakv.decide.policy import alpha_star
+from rakv.decide.profile import verify_costs
 from tests.vllm_metrics import MetricsServer, metrics_text, state
 
 S0 = state(100, [60, 45, 30, 15], 4, queries=1000, hits=250, prompt=1000, generation=400, success=5,

@@ -281,7 +281,7 @@ def pick_eos(model, prompts=EOS_PROMPTS, n: int = EOS_N) -> int:
 def synthetic_profile(V=None, d=0.3, alpha0=0.7):
     """A synthetic cost profile that does not learn this machine's real (tiny-model) costs online, so
     the controller and the gate decide on the costs given here however fast this machine runs."""
-    from rakv.costs import CostProfile
+    from rakv.decide.profile import CostProfile
 
     V = V or {str(k): 1.0 + 0.02 * k for k in range(1, 9)}
     p = CostProfile(T_pf=[[8, 1.0], [64, 4.0]], D_pf=[[8, 0.5], [64, 1.0]], t=[[16, 1.0], [256, 1.0]],

@@ -271,7 +271,7 @@ def run(args, argv: list[str]) -> int:
     from rakv.config import RakvConfig
     from rakv.paths import log
 
-    from rakv.costs import save_profile
+    from rakv.decide.profile import save_profile
 
     from .report import write_summary
     from .runner import BenchContext, default_arm_names, parse_arms, run_streams
@@ -350,7 +350,7 @@ def run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile=None
 
     from rakv.prompts import has_chat_template
     from rakv.device import hardware_info, versions_info
-    from rakv.regime import regime
+    from rakv.decide.regime import regime
 
     return dict(command=shlex.join(["rakv", "bench", *argv]), target=target.name, draft=getattr(draft, "name", "none"),
                 numerics=getattr(target, "numerics", "fp32"),

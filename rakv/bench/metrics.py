@@ -456,11 +456,11 @@ def empirical_crossover(points: list[tuple[float, float]]) -> float | None:
 
 def predicted_crossover(profile, ks, P: float, N: float, draft_model: bool) -> dict[int, float | None]:
     """alpha*(k) from the cost model at a typical request (no reuse)."""
-    from rakv.controller import Controller, Situation
+    from rakv.decide.controller import Controller, Situation
 
     ctl = Controller(profile, tuple(sorted({0, *ks})))
     s = Situation(P=int(P), N=int(N), has_draft=True, draft_model=draft_model)
-    return {k: ctl.alpha_star(s, 0, k) for k in ks}
+    return {k: ctl.request_alpha_star(s, 0, k) for k in ks}
 
 
 # ----------------------------------------------------------------------------- regimes

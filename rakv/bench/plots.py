@@ -108,8 +108,8 @@ def crossover_plot(rows: list[dict], predicted: dict, out: Path) -> Path | None:
 
 
 def gate_reliability(rows: list[dict]) -> dict:
-    """Per gated policy: rakv.gate.Reliability over every judged drafted token of the run."""
-    from rakv.gate import Reliability
+    """Per gated policy: rakv.decide.gate.Reliability over every judged drafted token of the run."""
+    from rakv.decide.gate import Reliability
 
     out: dict = {}
     for r in rows:

@@ -323,7 +323,7 @@ def predicted_alpha_star(rows: list[dict], meta: dict, out: Path) -> dict:
     prof_path = out / "profile.json"
     if not prof_path.exists():
         return {}
-    from rakv.costs.profile import ProfileError, load_profile
+    from rakv.decide.profile import ProfileError, load_profile
 
     try:
         prof = load_profile(prof_path)
@@ -517,8 +517,8 @@ def run_regime(meta: dict, out: Path) -> dict | None:
     prof_path = out / "profile.json"
     if not prof_path.exists():
         return None
-    from rakv.costs.profile import load_profile
-    from rakv.regime import regime
+    from rakv.decide.profile import load_profile
+    from rakv.decide.regime import regime
 
     prof = load_profile(prof_path)
     if prof is None:
@@ -598,7 +598,7 @@ def compare_md(outs: list[Path]) -> str:
 
 
 def describe_regime(reg: dict) -> list[str]:
-    from rakv.regime import describe
+    from rakv.decide.regime import describe
 
     return describe(reg)
 

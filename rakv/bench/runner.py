@@ -31,7 +31,7 @@ from pathlib import Path
 
 from rakv.config import Policy, RakvConfig
 from rakv.engine import Engine
-from rakv.gate import judged
+from rakv.acceptance import judged
 from rakv.records import Decision, Round, accept_len
 
 from .llama_cli import is_arm as is_llama_arm

@@ -87,7 +87,7 @@ def plan(args) -> dict:
 
 
 def run(args) -> int:
-    from rakv.integrations.vllm_proposer import load_profile, profile_batches
+    from rakv.decide.profile import load_vllm_profile, profile_batches
     from rakv.integrations.vllm_env import check_target, run_in_vllm_python, vllm_python
 
     check_args(args)
@@ -95,7 +95,7 @@ def run(args) -> int:
     check_target(args.vllm_target)
     if args.vllm_profile:
         try:
-            profile_batches(load_profile(args.vllm_profile))
+            profile_batches(load_vllm_profile(args.vllm_profile))
         except (OSError, ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"--vllm-profile {args.vllm_profile} is not a vLLM cost profile "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -24,9 +24,9 @@ import os
 import re
 import urllib.request
 
-from ..controller import E
-from .vllm_proposer import (PROFILE_ENV, alpha_star, load_profile, nearest_batch, profile_batches, speculative_config,
-                            verify_costs)
+from ..decide.policy import E, alpha_star
+from ..decide.profile import load_vllm_profile, nearest_batch, profile_batches, verify_costs
+from .vllm_proposer import PROFILE_ENV, speculative_config
 
 _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
@@ -154,7 +154,7 @@ def batch_advice(prof: dict, alpha: float | None, k_max: int = 8) -> dict:
 
 
 def advise(profile_path: str, alpha: float | None = None, metrics: str | None = None, k_max: int = 8) -> dict:
-    prof = load_profile(profile_path)
+    prof = load_vllm_profile(profile_path)
     if not isinstance(prof, dict) or "t_ms" not in prof:
         raise ValueError("it has no t_ms")
     profile_batches(prof)                       # a malformed by_batch: ValueError here

@@ -110,12 +110,6 @@ def remaining(produced: int) -> int:
     return max(REMAINING_MIN, produced)
 
 
-def worth_starting(prefill_ms: float, ms_tok_model: float, ms_tok_other: float, remaining: int) -> bool:
-    """Start a request's draft (prefill its prompt) only if the ms it saves over the remaining
-    tokens pays for that prefill."""
-    return remaining * (ms_tok_other - ms_tok_model) > prefill_ms
-
-
 def default_spec(calibrated: dict | None = None) -> tuple[str, str] | None:
     """The draft named in the environment (the engine's workers inherit it), else the one the
     profile was calibrated with (its ``draft`` entry), else None."""

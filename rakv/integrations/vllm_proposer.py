@@ -12,8 +12,8 @@ next step (up to K; ``[]`` = no speculation, a plain step). vLLM verifies them w
 rejection sampler, so the output is vLLM's own whatever is proposed (greedy: vLLM's plain ids).
 
 ``RakvProposer`` decides the draft length of every request on every step with the project's
-measured-cost rule for free n-gram copies (``rakv.planner.Planner._lookup``, the confidence gate
-of ``rakv.gate``): the prompt-lookup continuation of the request's tokens
+measured-cost rule for free n-gram copies (``rakv.decide.planner.RoundPlanner._lookup``, the
+confidence gate of ``rakv.decide.gate``): the prompt-lookup continuation of the request's tokens
 (``rakv.drafts.NgramDraft``: the latest earlier occurrence of the last 3, else 2 tokens), each
 copied token's chance of acceptance from the length of the match it extends (``AcceptMap``,
 learned online from what vLLM accepted), scaled by the request's own running acceptance
@@ -21,12 +21,14 @@ learned online from what vLLM accepted), scaled by the request's own running acc
 step's ``sampled_token_ids``), and the verify length j in 0..K with the most expected tokens per
 measured millisecond, E_j / V(j), against a plain step's 1 / t. With one per-token chance alpha
 this is the controller's crossover: a request drafts k > 0 only where alpha > alpha*(k), the
-smallest alpha with V(k) / E_k(alpha) <= t (``alpha_star``). k = 0 costs nothing: no draft, no
-verify rows.
+smallest alpha with V(k) / E_k(alpha) <= t (``rakv.decide.policy.alpha_star``). k = 0 costs
+nothing: no draft, no verify rows. The maths (the costs' interpolation, alpha*, the model draft
+against free copies) is ``rakv.decide``'s; this module is vLLM's plumbing around it.
 
 Costs come from a profile measured on the vLLM engine itself (``rakv.integrations.vllm_run
 calibrate``: vLLM steps that verify k = 0..K rejected drafts, batch 1), named by the environment
-variable ``RAKV_VLLM_PROFILE`` (a JSON file; the engine's worker processes inherit it). Without one a neutral CPU-like default is
+variable ``RAKV_VLLM_PROFILE`` (a JSON file, read by ``rakv.decide.profile``: ``verify_costs``;
+the engine's worker processes inherit it). Without one a neutral CPU-like default is
 used (V(k) = t (1 + 0.08 k)) and a warning is logged.
 
 vLLM is imported lazily: ``rakv`` imports without it, and this module imports without it too.
@@ -41,8 +43,10 @@ import time
 from dataclasses import dataclass, field
 
 from ..acceptance import judged
-from ..controller import E, root_falling
-from ..gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, request_trust
+from ..decide.gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, request_trust
+from ..decide.policy import alpha_star, copies_win, worth_starting
+from ..decide.profile import (DEFAULT_V_SLOPE, load_vllm_profile, nearest_batch, profile_batches, verify_costs,
+                              verify_costs_for_batch)
 
 log = logging.getLogger("rakv.vllm")
 
@@ -51,100 +55,11 @@ STATS_ENV = "RAKV_VLLM_STATS"         # where the proposer writes its counters (
 CONTROL_ENV = "RAKV_VLLM_CONTROL"     # measurement: the file naming the SwitchProposer's arm
 FP_TOKENS = 32                        # a request is recognised by its first tokens and its length
 STATS_EVERY = 32                      # steps between two writes of the counters
-DEFAULT_V_SLOPE = 0.08                # no profile: V(k) = t (1 + DEFAULT_V_SLOPE k)
 SIZES = (3, 2)                        # n-gram sizes of the lookup (rakv.drafts.NgramDraft's)
 MODEL_ALPHA = 0.6                     # a model draft's acceptance before any is judged, without a calibrated one
 POOL_PRIOR = 4.0                      # weight of MODEL_ALPHA in the pooled model acceptance
 HISTORY = 8                           # tokens after which a request's own ms per token speaks for it
 DRAFT_WINDOW = 256                    # a model draft reads at most a request's last tokens (its prefill)
-
-
-# ---------------------------------------------------------------------------------- the profile
-def load_profile(path: str | None) -> dict | None:
-    if not path:
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def verify_costs(profile: dict | None, k_max: int) -> list[float]:
-    """[V(0) = t, V(1), ..., V(k_max)] in ms from a profile ({"t_ms", "V_ms": {k: ms}}):
-    linear between measured k, extended past the largest by its last slope; never below t."""
-    if not profile:
-        t = 1.0
-        return [t * (1 + DEFAULT_V_SLOPE * k) for k in range(k_max + 1)]
-    t = float(profile["t_ms"])
-    pts = sorted([(0, t)] + [(int(k), float(v)) for k, v in profile.get("V_ms", {}).items() if int(k) > 0])
-    out = []
-    for k in range(k_max + 1):
-        lo = max((p for p in pts if p[0] <= k), key=lambda p: p[0])
-        hi = [p for p in pts if p[0] >= k]
-        if hi:
-            h = min(hi, key=lambda p: p[0])
-            v = lo[1] if h[0] == lo[0] else lo[1] + (h[1] - lo[1]) * (k - lo[0]) / (h[0] - lo[0])
-        else:      # past the largest measured k: its last slope
-            (k0, v0), (k1, v1) = pts[-2], pts[-1]
-            v = v1 + (v1 - v0) / max(1, k1 - k0) * (k - k1)
-        out.append(max(t, v))
-    return out
-
-
-def profile_batches(profile: dict | None) -> dict[int, dict]:
-    """The measured batch sizes of a profile: {B: {"t_ms", "V_ms", ...}}, batch 1 (the profile's
-    ``batch``) from its top-level fields, every other B from ``by_batch`` (``rakv calibrate
-    --engine vllm --batch-sizes``). A row's costs are per engine step: the ms of one step in
-    which each of the B requests verifies k drafts (k = 0: a plain step), not per request."""
-    if not profile:
-        return {}
-    if not isinstance(profile, dict) or "t_ms" not in profile:
-        raise ValueError("a vLLM cost profile needs t_ms")
-    out = {int(profile.get("batch", 1)): profile}
-    by = profile.get("by_batch") or {}
-    if not isinstance(by, dict):
-        raise ValueError("by_batch must map batch sizes to {t_ms, V_ms}")
-    for b, row in by.items():
-        try:
-            B = int(b)
-        except (TypeError, ValueError):
-            raise ValueError(f"by_batch: {b!r} is not a batch size") from None
-        if B < 1 or not isinstance(row, dict) or "t_ms" not in row:
-            raise ValueError(f"by_batch[{b!r}] must be a batch size >= 1 with t_ms and V_ms")
-        out.setdefault(B, row)          # the top-level fields win for their own batch size
-    return dict(sorted(out.items()))
-
-
-def nearest_batch(sizes, batch: int) -> int:
-    """The measured batch size nearest to ``batch`` on a log scale (a tie: the smaller one), so
-    that B falls to the smaller of two measured sizes a < b exactly while B * B <= a * b."""
-    from fractions import Fraction
-
-    sizes = sorted(int(b) for b in sizes)
-    if not sizes:
-        raise ValueError("no measured batch size")
-    n = max(1, int(batch))
-    return min(sizes, key=lambda b: (Fraction(max(n, b), min(n, b)), b))     # exact: no float ties
-
-
-def verify_costs_for_batch(profile: dict | None, k_max: int, batch: int) -> list[float]:
-    """``verify_costs`` at the measured batch size nearest to ``batch`` (``nearest_batch``): per
-    engine step, [V(0) = t, V(1), ..., V(k_max)] in ms. A profile without ``by_batch`` gives its
-    batch-1 costs for every batch size (as ``verify_costs``); no profile, the neutral default."""
-    if not profile:
-        return verify_costs(None, k_max)
-    rows = profile_batches(profile)
-    return verify_costs(rows[nearest_batch(rows, batch)], k_max)
-
-
-def alpha_star(V: list[float]) -> dict[str, float | None]:
-    """Per k >= 1: the smallest per-token acceptance alpha at which a round of k free drafts costs
-    no more per token than plain steps, V(k) / E_k(alpha) <= t (None: never, even at alpha = 1)."""
-    t = V[0]
-    out: dict[str, float | None] = {}
-    for k in range(1, len(V)):
-        f = lambda a, k=k: V[k] - E(k, a) * t      # noqa: E731 - falls with a
-        f0, f1 = f(0.0), f(1.0)
-        out[str(k)] = None if f1 > 0 else (0.0 if f0 <= 0 else round(root_falling(f, f0, f1), 4))
-    return out
 
 
 def _threads() -> int:
@@ -203,7 +118,7 @@ class RakvProposer:
         self.tokenizer = tokenizer                   # the target's (checked against the draft's at load)
         if profile is None:
             path = os.environ.get(PROFILE_ENV)
-            profile = load_profile(path)
+            profile = load_vllm_profile(path)
             if profile is None:
                 log.warning("RakvProposer: no cost profile (%s unset): V(k) = t (1 + %.2f k) assumed",
                             PROFILE_ENV, DEFAULT_V_SLOPE)
@@ -385,13 +300,13 @@ class RakvProposer:
     def _model_pays(self, rq: _Req, n: int, k_cap: int, rate_other: float) -> bool:
         """The model draft's expected tokens per ms (its catch-up included) against the best other
         choice; a request's first model round must also pay for the prompt's prefill."""
-        from .vllm_draft import model_alpha, remaining, worth_starting
+        from .vllm_draft import model_alpha, remaining
 
         a = model_alpha(rq.mS, rq.mT, self.m_pool[0] / self.m_pool[1])
         started = rq.md is not None and rq.md.cache is not None
         sunk = self._catchup_ms(n - rq.off - len(rq.md.cached)) if started else 0.0
         rate = self._model_gate(rq, k_cap, sunk).expected_rate(a)
-        if rate <= rate_other:
+        if copies_win(rate_other, rate):
             return False
         if started:
             return True

@@ -606,9 +606,9 @@ def main(argv=None) -> int:
         if big:
             raise ValueError(f"arm {big[0]} drafts more than --k-max {a.k_max}")
         if a.profile:
-            from .vllm_proposer import load_profile, profile_batches
+            from ..decide.profile import load_vllm_profile, profile_batches
 
-            profile_batches(load_profile(a.profile))         # a bad profile: one line, before the engine
+            profile_batches(load_vllm_profile(a.profile))         # a bad profile: one line, before the engine
             os.environ["RAKV_VLLM_PROFILE"] = os.path.abspath(a.profile)
         os.environ.setdefault("RAKV_VLLM_STATS", a.out + ".proposer.json")
         res = bench(a.target, arms, a.repeats, a.max_tokens, a.copy, a.chat, a.k_max, a.separate, log=err, mode=a.mode)

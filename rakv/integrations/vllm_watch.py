@@ -28,8 +28,9 @@ import math
 import urllib.request
 from dataclasses import dataclass, field
 
+from ..decide.policy import alpha_star
+from ..decide.profile import load_vllm_profile, verify_costs
 from .vllm_advise import acceptance, parse_prometheus
-from .vllm_proposer import alpha_star, load_profile, verify_costs
 
 # base name (no "vllm:", no "_total") -> field of Counters
 COUNTERS = {
@@ -269,7 +270,7 @@ class Crossover:
 def crossover(path: str, k_max: int = 8) -> Crossover:
     """The crossover of a profile written by ``rakv calibrate --engine vllm`` (ValueError: not one)."""
     try:
-        prof = load_profile(path)
+        prof = load_vllm_profile(path)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read the cost profile {path}: {e}") from None
     if not isinstance(prof, dict) or "t_ms" not in prof:

@@ -18,7 +18,7 @@ import os
 import shutil
 import subprocess
 
-from .costs.model import drafting_ks, round_draft_ms
+from .policy import drafting_ks, round_crossover, round_draft_ms
 
 CTX = 128            # context at which the regime's ratios are stated (the profile's V_ctx default)
 ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
@@ -72,25 +72,10 @@ def threads() -> int | None:
         return os.cpu_count()
 
 
-def e_k(alpha: float, k: int) -> float:
-    """Expected tokens per round with k drafts: (1 - alpha^(k+1)) / (1 - alpha)."""
-    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
 def decode_crossover(t: float, d: float, v: float, k: int, d2_extra: float = 0.0) -> float | None:
     """Smallest alpha in [0, 1] with (k*d + alpha^k d2_extra + v) / E_k(alpha) <= t (d2_extra: the
-    2-token draft step over d); None when even alpha = 1 loses."""
-    def cost(a):
-        return round_draft_ms(k, a, d, d2_extra) + v
-    if t <= 0 or cost(1.0) / (k + 1) > t:
-        return None
-    if cost(0.0) <= t:
-        return 0.0
-    lo, hi = 0.0, 1.0
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if cost(mid) / e_k(mid, k) <= t else (mid, hi)
-    return hi
+    2-token draft step over d); None when even alpha = 1 loses (``policy.round_crossover``)."""
+    return round_crossover(k, t, v, d, d2_extra)
 
 
 def regime(profile, cpuinfo: str | None = None) -> dict:

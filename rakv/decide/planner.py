@@ -14,15 +14,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .acceptance import judged
-from .controller import AlphaEWMA, Controller
-from .costs.model import CostProfile
-from .device import clock
-from .drafts.base import DraftSource
-from .drafts.ngram import NgramDraft
+from ..acceptance import judged
+from .learned import AlphaEWMA
+from .controller import Controller
+from .profile import CostProfile
+from ..device import clock
+from ..drafts.base import DraftSource
+from ..drafts.ngram import NgramDraft
+from ..prefix_cache import PrefixCache
+from ..records import Candidate, Decision
 from .gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, request_trust
-from .prefix_cache import PrefixCache
-from .records import Candidate, Decision
+from .policy import copies_win
 
 now = clock
 
@@ -145,7 +147,7 @@ def plain_step(plan: RoundPlan) -> bool:
 def use_lookup(tokens: list[int], lookup: RoundGate | None, model: RoundGate, alpha: float) -> bool:
     """A gated drafting round takes the n-gram lookup instead of the model draft when the lookup's
     tokens per ms (nothing to draft: C_j = V(j)) beat what the model draft can expect at alpha."""
-    return bool(tokens) and lookup.rate(len(tokens)) >= model.expected_rate(alpha)
+    return bool(tokens) and copies_win(lookup.rate(len(tokens)), model.expected_rate(alpha))
 
 
 class RoundPlanner:
@@ -282,7 +284,8 @@ class RoundPlanner:
 
     def fold_plain(self) -> None:
         """The plain steps told since the last fold refine the profile's t, in order: one by one
-        after each step (Python run cold after a forward) cost ~0.02 ms a round, ~0.5% of a step."""
+        after each step (Python run cold after a forward) cost a measurable share of a step
+        (docs/controller.md)."""
         p = self.profile
         if p is not None:
             for ctx, ms in self._plain:

@@ -14,7 +14,7 @@ S_j = c_1 ... c_j the chance that the first j drafts all survive:
 The per-request (r, k) stays the controller's argmin; the gate decides how far each drafting round
 goes, within k_max. In a k = 0 round (the model draft does not pay) the gate still looks up the
 n-gram continuation, which costs microseconds, and verifies it when E_j / C_j beats a plain step:
-the one way to gain where no model draft pays (``Engine._lookup``). In a drafting round the same
+the one way to gain where no model draft pays (``RoundPlanner._lookup``). In a drafting round the same
 free lookup replaces the model draft when its E_j / C_j beats what the model draft can expect.
 A request's own judged lookups scale the pooled lookup map (``request_trust``).
 """
@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .acceptance import judged  # noqa: F401 - the gate judges rounds this way (and re-exports it)
+from ..acceptance import judged
+from .policy import best_verify_length, worth_more
 
 BINS = 10             # confidence bins of width 0.1
 PRIOR_WEIGHT = 2.0    # pseudo-trials per bin behind the prior (calibration or the confidence itself)
@@ -161,34 +162,6 @@ class RoundGate:
         if j < drafted:
             self.stop = "cut"
         return j
-
-
-def worth_more(S: list[float], c: float, d: float, V: list[float], sunk: float, k_max: int) -> bool:
-    """Draft on only if some longer draft (its next tokens as likely as this one, c) has a better
-    expected rate E/C than the best verify length now: one step ahead is myopic, V is not monotone."""
-    j = len(S)
-    spent = sunk + j * d
-    b = best_verify_length(S, V, spent)
-    best_e, best_c = 1.0 + sum(S[:b]), spent + V[b]
-    e, s = 1.0 + sum(S), S[-1] if S else 1.0
-    for jj in range(j + 1, k_max + 1):
-        s *= c
-        e += s
-        C = sunk + jj * d + V[jj]
-        if C <= 0 or e * best_c > best_e * C:      # (zero costs: a recording gate, never stops)
-            return True
-    return False
-
-
-def best_verify_length(S: list[float], V: list[float], spent: float) -> int:
-    """The verify length j <= len(S) with the most expected tokens per ms (V is not monotone on CPU)."""
-    best_j, best_e, best_c = 0, 1.0, spent + V[0]
-    e = 1.0
-    for j, s in enumerate(S, start=1):
-        e += s
-        if e * best_c > best_e * (spent + V[j]):
-            best_j, best_e, best_c = j, e, spent + V[j]
-    return best_j
 
 
 def recording_gate(amap: AcceptMap, k: int) -> RoundGate:

@@ -15,192 +15,38 @@ E'_k takes acceptance by draft position (``E_shaped``), eps_k is the last round'
   * when it explores a request: ``Controller.explore_request`` (its expected excess at most what it
                      teaches the next EXPLORE_HORIZON requests), ``explore_holds`` (when it stops);
   * what it learns:  ``AlphaEWMA`` (per round), ``alpha_req`` (per request: the long run plus the
-                     measured persistence of recent deviations), ``shape`` (by draft position).
+                     measured persistence of recent deviations), ``shape`` (by draft position):
+                     ``rakv.decide.learned``; the pure maths (E_k, alpha*, the margins):
+                     ``rakv.decide.policy``.
 
-The constants below have one line each; the measurements that set them are in
+The constants have one line each; the measurements that set them are in
 docs/controller.md#constants.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import asdict, dataclass
 
-from .acceptance import trials
-from .config import LOOKUP_K
-from .costs.model import CostProfile, round_draft_ms
-from .records import Candidate
+from ..config import LOOKUP_K
+from ..records import Candidate
+from .learned import OUT_DECAY, PRIOR_TRIALS, Acceptance
+from .policy import (SPEC_MARGIN, E, E_shaped, crossover, explore_value, gh_nodes, learnt_sd, overshoot,
+                     prefer_reuse, round_crossover, round_draft_ms, spec_or_plain)
+from .profile import CostProfile
 
 now = time.perf_counter
-REUSE_TIE = 0.01     # r = 1 takes a near-tie within this share of the best r = 0 action
-PRIOR_TRIALS = 8.0   # weight of the long-run acceptance in the request-level one, in trials
-LONG_WINDOW = 200.0  # the long-run acceptance averages about the last this many trials
-LONG_PRIOR = 32.0    # ... starting from this many pseudo-trials at the prior (a probe barely moves it)
-LONG_DECAY = 0.05    # per-request ageing of the evidence count behind alpha's optimistic bound
-OUT_DECAY = 0.1      # per-request weight of the output-share EWMA
-OUT_FRAC_START = 1.0  # ... which every engine starts here: requests run to max_new_tokens
-SPEC_MARGIN = 0.02   # a drafting action must be predicted this much cheaper than the best k = 0 one
-EXPLORE_SHARE = 0.005  # probes may spend this share of the stream's measured time 
-UCB_Z = 2.0          # alpha's optimistic bound: estimate + UCB_Z standard errors
-MAX_EVIDENCE = 400   # trials counted for that bound at most (and it ages by LONG_DECAY a request)
+EXPLORE_SHARE = 0.005  # probes may spend this share of the stream's measured time
 PROBE_CTX_BUCKET = 16  # probe candidates are recomputed when the context moves by this many tokens
-PERSIST_PRIOR = 4.0   # the persistence of request acceptance starts as this many requests at w = 1
-PERSIST_SD = 0.05     # ... each with this deviation from the long run (its weight against evidence)
-PERSIST_DECAY = 0.05  # per-request ageing of the persistence evidence (~20 requests)
-PERSIST_MIN_TRIALS = 4  # a request counts toward persistence with at least this many trials
-SHAPE_PRIOR = 16.0    # pseudo-trials per draft position at the pooled rate (the i.i.d. model) before any round
-SHAPE_DECAY = 0.005   # per-round ageing of the position counts (about the last 200 rounds)
 COPY_ALPHA = 0.99     # acceptance of an exact repeat whose earlier output the n-gram lookup copies
 EXPLORE_HORIZON = 4.0  # what an explored request teaches is counted for this many later requests like it
-# alpha's uncertainty as a normal over 5 Gauss-Hermite nodes (probabilists'): nodes and weights
-GH_NODES = ((-2.856970, 0.011257), (-1.355626, 0.222076), (0.0, 0.533333), (1.355626, 0.222076),
-            (2.856970, 0.011257))
-
-
-def gh_nodes(a: float, sd: float) -> list[tuple[float, float]]:
-    """alpha ~ normal(a, sd) as GH_NODES' (alpha, weight), alpha clipped to [0, 1]."""
-    return [(min(1.0, max(0.0, a + x * sd)), w) for x, w in GH_NODES]
-
-
-def learnt_sd(a: float, n: float, m: float) -> float:
-    """How far m more trials may move alpha's estimate ``a``, now resting on n trials (the
-    preposterior sd of the knowledge gradient): sqrt(a (1 - a) (1/n - 1/(n + m)))."""
-    return math.sqrt(max(a * (1 - a), 0.01) * max(0.0, 1.0 / n - 1.0 / (n + m)))
-
-
-def explore_value(fns: dict, b0: float, nodes) -> float:
-    """What knowing alpha is worth to a later request like this one: E[max(0, b0 - min_k C_k(alpha))]
-    over alpha's ``nodes`` (once alpha is known, the request takes the better of k = 0 and drafting)."""
-    return sum(w * max(0.0, b0 - min(f(al) for f in fns.values())) for al, w in nodes)
-
-
-def spec_or_plain(best: Candidate, plain: list[Candidate]) -> Candidate:
-    """Draft only when predicted SPEC_MARGIN cheaper than the best k = 0 action: a near-tie lost
-    to k = 0 costs little, a wrong draft a whole draft prefill (docs/controller.md#constants)."""
-    if not plain:
-        return best
-    b0 = min(plain, key=lambda c: c.predicted_ms)
-    return best if best.predicted_ms < b0.predicted_ms * (1 - SPEC_MARGIN) else b0
 
 
 def copy_alpha(s: "Situation", alpha: float) -> float:
     """An exact repeat whose earlier output the n-gram lookup will copy accepts nearly every draft:
-    greedy decoding of the same prompt gives the same output (out/s11-ngram: k = 4 cost 1.4-1.55x k = 8)."""
+    greedy decoding of the same prompt gives the same output (docs/controller.md#constants)."""
     return COPY_ALPHA if s.copy else alpha
-
-
-def prefer_reuse(best: Candidate, feas: list[Candidate]) -> Candidate:
-    """r = 1 wins a near-tie (within REUSE_TIE) with an r = 0 action of the same kind (drafting
-    or not): it costs only the measured clone/store and seeds the cache for later requests (a
-    plain r = 0 chosen by the spec margin once left a shared prefix unstored)."""
-    if best.reuse == 1:
-        return best
-    alt = [c for c in feas if c.reuse == 1 and (c.k > 0) == (best.k > 0)
-           and c.predicted_ms <= best.predicted_ms * (1 + REUSE_TIE)]
-    return min(alt, key=lambda c: c.predicted_ms) if alt else best
-
-
-ROOT_TOL = 1e-5     # alpha* is shown and recorded, not optimised over: this close is enough
-
-
-def root_falling(f, f0: float, f1: float) -> float:
-    """The x in [0, 1] where f, falling with f(0) = f0 > 0 >= f(1) = f1, crosses 0: regula falsi
-    with the Illinois rule (a bracket end kept twice has its value halved), to within ROOT_TOL;
-    a round's costs are smooth in alpha, so it takes ~5 evaluations where bisection took 9 and a
-    chord (this runs for every k of every request's decision, before its first token)."""
-    lo, hi, flo, fhi = 0.0, 1.0, f0, f1
-    side = 0
-    for _ in range(40):
-        if flo == fhi:
-            return hi
-        x = lo + (hi - lo) * flo / (flo - fhi)
-        if hi - lo < ROOT_TOL:
-            return x
-        fx = f(x)
-        if fx <= 0:
-            hi, fhi = x, fx
-            if side == -1:
-                flo /= 2
-            side = -1
-        else:
-            lo, flo = x, fx
-            if side == 1:
-                fhi /= 2
-            side = 1
-        if abs(fx) < 1e-12:
-            return x
-    return lo + (hi - lo) * flo / (flo - fhi)
-
-
-def E(k: int, alpha: float) -> float:
-    """Expected tokens per round with k drafts at per-token acceptance alpha."""
-    if k == 0:
-        return 1.0
-    alpha = min(max(alpha, 0.0), 1.0)
-    if alpha >= 1.0 - 1e-12:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def shape_signal(reach: list[float], hold: list[float], a: float) -> float:
-    """The share of the positions' spread around the pooled rate ``a`` that is signal, not
-    sampling noise: 1 - (m - 1) / chi2 over the m positions drafted (empirical Bayes, by moments).
-    A spread that noise alone explains is dropped: a 6-request stream's int8 shape (0.87 at
-    position 2, 1.11 at 3) flipped k between 1, 2 and 4; n-gram's all-or-nothing copies stay."""
-    if not 0.0 < a < 1.0:
-        return 1.0
-    z = [(h / r - a) ** 2 * r / (a * (1.0 - a)) for r, h in zip(reach, hold) if r >= 1.0]
-    chi2 = sum(z)
-    return 0.0 if len(z) < 2 or chi2 <= 0 else max(0.0, 1.0 - (len(z) - 1) / chi2)
-
-
-def E_shaped(k: int, alpha: float, shape: list[float]) -> float:
-    """Expected tokens per round with k drafts when draft j survives (given j - 1 did) at
-    alpha * shape[j - 1] (capped below 1); shape all ones is E(k, alpha)."""
-    e = p = 1.0
-    a = min(max(alpha, 0.0), 1.0)
-    for j in range(k):
-        p *= min(1.0, a * (shape[j] if j < len(shape) else 1.0))
-        e += p
-    return e
-
-
-def overshoot(k: int, alpha: float) -> float:
-    """Expected rounds a request spends past n / E_k: its last round is cut (by EOS or the token
-    budget) and costs a whole round. Renewal count of integer round sizes X in 1..k+1 (a truncated
-    geometric): rounds(n) ~ n / E[X] + (E[X^2] - E[X]) / (2 E[X]^2); 0 at k = 0, ~0.5 at large k."""
-    if k == 0:
-        return 0.0
-    a = min(max(alpha, 0.0), 1.0)
-    m = E(k, a)
-    x2, p = 0.0, 1.0 - a                   # p = a^(j - 1) (1 - a): P(X = j), j = 1..k
-    for j in range(1, k + 1):
-        x2 += j * j * p
-        p *= a
-    return (x2 + (k + 1) ** 2 * a ** k - m) / (2 * m * m)
-
-
-class AlphaEWMA:
-    def __init__(self, prior: float = 0.5, lam: float = 0.3):
-        self.lam = lam
-        self.S = prior          # EWMA of accepted tokens per round (weighted as one pseudo-trial)
-        self.T = 1.0            # EWMA of trials per round
-        self.rounds = 0
-
-    @property
-    def value(self) -> float:
-        return self.S / self.T if self.T > 0 else 0.0
-
-    def update(self, accepted: int, drafted: int) -> float:
-        if drafted <= 0:
-            return self.value
-        lam = self.lam
-        self.S = (1 - lam) * self.S + lam * accepted
-        self.T = (1 - lam) * self.T + lam * trials(accepted, drafted)
-        self.rounds += 1
-        return self.value
 
 
 @dataclass
@@ -235,83 +81,29 @@ class Choice:
     explore_ms: float = 0.0     # an explored request's expected cost over the best k = 0 action
 
 
-class Controller:
+class Controller(Acceptance):
     def __init__(self, profile: CostProfile, k_set=(0, 1, 2, 4, 6, 8), lam: float = 0.3,
                  probe_every: int = 8, alpha_prior: float | None = None, req_decay: float = 0.3,
                  out_decay: float = OUT_DECAY, explore_share: float = EXPLORE_SHARE):
-        self.profile = profile
         self.k_set = tuple(sorted(set(k_set)))
-        if alpha_prior is None:
-            alpha_prior = profile.alpha_learned if profile.alpha_learned is not None else profile.alpha0
-        self.alpha = AlphaEWMA(alpha_prior, lam)
-        self._rS = self._rT = 0.0                            # recent requests (weight req_decay)
-        self._lS, self._lT = float(alpha_prior) * LONG_PRIOR, LONG_PRIOR       # long run
-        self.req_decay = req_decay
-        self.out_decay = out_decay
-        self._pxy = self._pxx = 0.0              # persistence evidence: sums of x y and x x
-        self._req_S = 0.0                        # this request's successes / trials so far
-        self._req_T = 0.0
-        self._copy = False                       # this request copies an earlier output (not alpha evidence)
         k_top = max(self.k_set + (LOOKUP_K,))     # (a gated n-gram round may verify up to lookup_k)
-        self._pos_reach = [0.0] * k_top           # drafting rounds that judged draft j (j = 1..k_top) ...
-        self._pos_hold = [0.0] * k_top           # ... and accepted it
-        # an engine's output share starts at OUT_FRAC_START, not at the profile's (kept for display):
-        # one stream's 1-token outputs halved the next stream's n and sent its k to 1 (docs/controller.md#constants)
-        self.out_frac = OUT_FRAC_START
+        self._init_learned(profile, alpha_prior, lam, req_decay, out_decay, k_top)
         self.probe_every = probe_every
         self.rounds_since_draft = 0
         self.explore_share = explore_share
         self.earned_ms = 0.0         # explore_share x measured stream time
         self.spent_ms = 0.0          # probes' measured cost beyond the plain steps they replaced
-        # trials behind the acceptance estimate (this session's, plus what the profile saw before)
-        self.evidence = min(MAX_EVIDENCE, float(profile.alpha_trials or 0.0))
         self._probe: tuple[int, float] | None = None     # (k, predicted excess ms) of a pending probe
         self._explore: tuple[dict, float] | None = None   # an explored request's C_k(alpha) by action and its k = 0 cost
         self._pk_key, self._pk = None, []                 # probe_ks's cache (per acceptance estimate)
         self._can_key, self._can = None, []               # ... the k that pay at all (per context bucket)
         self._ksb_key, self._ksb = None, ()               # ks_below's cache
         self._quiet = (0, 0, None)                        # (from, below, K): no probe in that context (nothing pays)
-        self.setting = "greedy"                  # the sampling setting acceptance is learned for now
-        self._by_setting: dict[str, dict] = {}   # the others' acceptance state, kept while away
-
-    # ------------------------------------------------------------------ acceptance per sampling setting
-    ACCEPTANCE_STATE = ("_rS", "_rT", "_lS", "_lT", "_pxy", "_pxx", "_pos_reach", "_pos_hold", "evidence")
 
     def use_setting(self, key: str, prior: float) -> None:
-        """Learn acceptance for sampling setting ``key`` from now on (rakv.sampling.Sampling.key):
-        acceptance falls with temperature, so each setting keeps its own estimates, starting from
-        its measured ``prior`` (or what the profile learned at it before); the others are kept."""
-        if key == self.setting:
-            return
-        self._by_setting[self.setting] = {**{a: copy.copy(getattr(self, a)) for a in self.ACCEPTANCE_STATE},
-                                          "alpha": dict(vars(self.alpha))}
-        st = self._by_setting.pop(key, None) or self._fresh_acceptance(key, prior)
-        for a in self.ACCEPTANCE_STATE:
-            setattr(self, a, st[a])
-        vars(self.alpha).update(st["alpha"])          # the same object the engine and planner hold
-        self.setting = key
-        self._pk_key = None
-
-    def _fresh_acceptance(self, key: str, prior: float) -> dict:
-        """A setting's first acceptance state: the profile's learned rate at it, else ``prior``."""
-        saved = self.profile.alpha_by_setting.get(key, {}) if key != "greedy" else {
-            "alpha_learned": self.profile.alpha_learned, "alpha_trials": self.profile.alpha_trials}
-        a = saved.get("alpha_learned")
-        a = float(prior if a is None else a)
-        k_top = len(self._pos_reach)
-        return {"_rS": 0.0, "_rT": 0.0, "_lS": a * LONG_PRIOR, "_lT": LONG_PRIOR, "_pxy": 0.0, "_pxx": 0.0,
-                "_pos_reach": [0.0] * k_top, "_pos_hold": [0.0] * k_top,
-                "evidence": min(MAX_EVIDENCE, float(saved.get("alpha_trials") or 0.0)),
-                "alpha": {"lam": self.alpha.lam, "S": a, "T": 1.0, "rounds": 0}}
-
-    def _save_learned(self) -> None:
-        """What this setting's requests taught, into the profile (saved for the next session)."""
-        if self.setting == "greedy":
-            self.profile.alpha_learned = round(self.alpha_long, 5)
-            self.profile.alpha_trials = round(self.evidence, 1)
-        else:
-            self.profile.alpha_by_setting.setdefault(self.setting, {}).update(
-                alpha_learned=round(self.alpha_long, 5), alpha_trials=round(self.evidence, 1))
+        if key != self.setting:
+            super().use_setting(key, prior)
+            self._pk_key = None         # probe_ks's cache was made for the other setting's acceptance
 
     # ------------------------------------------------------------------ costs
     def hit_tokens(self, s: Situation, r: int) -> tuple[int, int]:
@@ -353,18 +145,13 @@ class Controller:
                 return False, f"prompt KV {need / 2**20:.2f} MiB > budget {s.budget / 2**20:.2f} MiB"
         return True, ""
 
-    def alpha_star(self, s: Situation, r: int, k: int, costs: dict | None = None) -> float | None:
-        """Smallest alpha with C(k, r) <= C(0, r) (C(k) falls as alpha rises); ``costs``: the
-        decision's C(k, r) of alpha by (r, k), made once."""
+    def request_alpha_star(self, s: Situation, r: int, k: int, costs: dict | None = None) -> float | None:
+        """Smallest alpha with C(k, r) <= C(0, r) (C(k) falls as alpha rises): ``policy.crossover``;
+        ``costs``: the decision's C(k, r) of alpha by (r, k), made once."""
         costs = costs or {}
         c0 = (costs.get((r, 0)) or self.cost_of_alpha(s, r, 0))(0.0)
         ck = costs.get((r, k)) or self.cost_of_alpha(s, r, k)
-        c1, cz = ck(1.0), ck(0.0)
-        if c1 > c0:
-            return None
-        if cz <= c0:
-            return 0.0
-        return root_falling(lambda a: ck(a) - c0, cz - c0, c1 - c0)
+        return crossover(lambda a: ck(a) - c0)
 
     # ------------------------------------------------------------------ decisions
     def decide(self, s: Situation, k_set=None, force: tuple[int, int] | None = None) -> Choice:
@@ -406,14 +193,9 @@ class Controller:
         if best is None:    # nothing feasible (cannot happen: (0, 0) is always feasible)
             best = Candidate(0, 0, self.cost(s, 0, 0, a))
         r = best.reuse
-        stars = {str(k): self.alpha_star(s, r, k, fns) for k in ks if k > 0}
+        stars = {str(k): self.request_alpha_star(s, r, k, fns) for k in ks if k > 0}
         return Choice(best.reuse, best.k, best.predicted_ms, cands, a, stars, reason, (now() - t0) * 1e3, s.copy,
                       round(explore_ms, 3))
-
-    def alpha_sd(self) -> float:
-        """alpha's standard error over the evidence (the same count as its optimistic bound's)."""
-        a = self.alpha_req
-        return math.sqrt(max(a * (1 - a), 0.01) / (self.evidence + PRIOR_TRIALS))
 
     def explore_request(self, feas: list[Candidate], best: Candidate, fns: dict, s_N: int) -> tuple[Candidate, float] | None:
         """Draft this request although the argmin says k = 0, when what it teaches is worth its
@@ -526,16 +308,10 @@ class Controller:
         p = self.profile
         return p.draft_round(k, ctx, 1.0) + p.verify(k, ctx) < (k + 1) * p.step(ctx)
 
-    def alpha_upper(self) -> float:
-        """Optimistic acceptance: the estimate plus UCB_Z standard errors over the evidence."""
-        a = self.alpha_req
-        n = self.evidence + PRIOR_TRIALS
-        return min(1.0, a + UCB_Z * math.sqrt(max(a * (1 - a), 0.01) / n))
-
     def probe_ks(self, ctx: float, ks) -> list[int]:
         """The k that could pay at all and whose crossover alpha's optimistic bound reaches: the
         candidates of a probe. Cached per 16 tokens of context and per acceptance estimate (it is
-        asked every k = 0 round once a probe is due; recomputing it cost ~2% of a step)."""
+        asked every k = 0 round once a probe is due; recomputing it cost a share of a step)."""
         where = (int(ctx) // PROBE_CTX_BUCKET, tuple(ks))
         if where != self._can_key:
             self._can_key, self._can = where, [k for k in ks if k > 0 and self.pays_at_all(k, ctx)]
@@ -578,8 +354,8 @@ class Controller:
 
     def quiet_until_next_bucket(self, ctx: float, k_set) -> None:
         """No k of K pays even at alpha = 1 in this context bucket: until the next one, a k = 0
-        round's probe check is one comparison (any Python after a forward runs cold, ~10x slower:
-        the full check cost ~16 us a round, docs/controller.md#constants)."""
+        round's probe check is one comparison (any Python after a forward runs cold: the full check
+        cost a share of a step, docs/controller.md#constants)."""
         lo = int(ctx) // PROBE_CTX_BUCKET * PROBE_CTX_BUCKET
         self._quiet = (lo, lo + PROBE_CTX_BUCKET, k_set)
 
@@ -618,13 +394,8 @@ class Controller:
             if k == 0:
                 continue
             d, d2x, v = p.round_terms(k, ctx)
-            if t <= 0 or (round_draft_ms(k, 1.0, d, d2x) + v) / t > k + 1:
-                out[str(k)] = None
-                continue
-            def f(a, k=k, d=d, d2x=d2x, v=v):     # a round's cost over what its tokens save: falls with a
-                return round_draft_ms(k, a, d, d2x) + v - E(k, a) * t
-            f0, f1 = f(0.0), f(1.0)
-            out[str(k)] = 0.0 if f0 <= 0 else round(root_falling(f, f0, f1), 4)
+            a = round_crossover(k, t, v, d, d2x)
+            out[str(k)] = None if a is None else round(a, 4)
         return out
 
     def observe_round(self, drafted: int, accepted: int, round_ms: float = 0.0, emitted: int = 0,
@@ -634,11 +405,7 @@ class Controller:
             self.observe_plain(round_ms)
             return 0.0
         spent = 0.0
-        self._observe_positions(drafted, accepted)
-        self.alpha.update(accepted, drafted)
-        self._req_S += accepted
-        self._req_T += trials(accepted, drafted)
-        self.evidence = min(MAX_EVIDENCE, self.evidence + trials(accepted, drafted))
+        self._learn_round(drafted, accepted)
         self.rounds_since_draft = 0
         if self._probe is not None and round_ms > 0:
             spent = round_ms - max(1, emitted) * self.profile.step(ctx)
@@ -653,78 +420,6 @@ class Controller:
         self.rounds_since_draft += 1
         self.earn(round_ms)
         self._probe = None
-
-    def _observe_positions(self, drafted: int, accepted: int) -> None:
-        """Count the drafts a verify judged by position: 1..accepted accepted, the next one rejected."""
-        g = 1.0 - SHAPE_DECAY
-        self._pos_reach = [g * x for x in self._pos_reach]
-        self._pos_hold = [g * x for x in self._pos_hold]
-        for j in range(min(drafted, accepted + 1, len(self._pos_reach))):
-            self._pos_reach[j] += 1.0
-            self._pos_hold[j] += j < accepted
-
-    @property
-    def shape(self) -> list[float]:
-        """s_j: acceptance at draft position j over the pooled acceptance of all positions, shrunk
-        by SHAPE_PRIOR pseudo-trials: position 1 toward the pooled rate, later ones toward the pooled
-        rate of positions 2 and on (no rounds: all 1). A draft that survived one token is in an
-        easier stretch, so a position seldom drafted takes the later positions' rate, not the pooled one."""
-        reach, hold = sum(self._pos_reach), sum(self._pos_hold)
-        if reach <= 0 or hold <= 0:
-            return [1.0] * len(self._pos_reach)
-        a = hold / reach
-        r2, h2 = reach - self._pos_reach[0], hold - self._pos_hold[0]
-        a2 = (h2 + SHAPE_PRIOR * a) / (r2 + SHAPE_PRIOR)      # positions 2+, pooled (toward a)
-        keep = shape_signal(self._pos_reach, self._pos_hold, a)
-        return [1.0 + keep * (((h + SHAPE_PRIOR * (a if j == 0 else a2)) / (r + SHAPE_PRIOR)) / a - 1.0)
-                for j, (r, h) in enumerate(zip(self._pos_reach, self._pos_hold))]
-
-    @property
-    def alpha_long(self) -> float:
-        return self._lS / self._lT
-
-    @property
-    def alpha_recent(self) -> float:
-        """Recent requests' acceptance: their trials plus PRIOR_TRIALS at the long-run rate."""
-        return (self._rS + PRIOR_TRIALS * self.alpha_long) / (self._rT + PRIOR_TRIALS)
-
-    @property
-    def persistence(self) -> float:
-        """w in [0, 1]: the share of the recent deviation from the long run that the next request
-        kept, measured (a deviation that does not persist is noise, and chasing it flips k)."""
-        prior = PERSIST_PRIOR * PERSIST_SD ** 2
-        return min(1.0, max(0.0, (self._pxy + prior) / (self._pxx + prior)))
-
-    @property
-    def alpha_req(self) -> float:
-        """Request-level acceptance: the long run plus the measured-persistent part of the recent deviation."""
-        a = self.alpha_long
-        return a + self.persistence * (self.alpha_recent - a)
-
-    def end_request(self, produced: int, max_new: int, stopped: str) -> None:
-        """Fold a finished request into the request-level estimates and the profile."""
-        if self._copy:        # its acceptance was known in advance: it says nothing about the next request
-            self._req_S = self._req_T = 0.0
-            self._copy = False
-        if self._req_T >= PERSIST_MIN_TRIALS:      # did the recent deviation carry into this request?
-            a = self.alpha_long
-            x, y = self.alpha_recent - a, self._req_S / self._req_T - a
-            self._pxy = (1 - PERSIST_DECAY) * self._pxy + x * y
-            self._pxx = (1 - PERSIST_DECAY) * self._pxx + x * x
-        w = self.req_decay
-        self.evidence *= 1 - LONG_DECAY      # evidence ages: a regime can change, so probing resumes
-        self._rS = (1 - w) * self._rS + w * self._req_S      # no trials: decays toward a_long
-        self._rT = (1 - w) * self._rT + w * self._req_T
-        if self._req_T > 0:
-            g = (1 - 1 / LONG_WINDOW) ** self._req_T      # every trial ages the old ones alike
-            self._lS = g * self._lS + self._req_S
-            self._lT = g * self._lT + self._req_T
-            self._save_learned()
-        if stopped in ("eos", "max_new_tokens") and max_new > 1:
-            frac = min(1.0, max(0, produced - 1) / (max_new - 1))
-            self.out_frac = (1 - self.out_decay) * self.out_frac + self.out_decay * max(frac, 0.02)
-            self.profile.out_frac = round(self.out_frac, 5)
-        self._req_S = self._req_T = 0.0
 
 
 def choice_to_dict(c: Choice) -> dict:

@@ -19,11 +19,10 @@ import torch
 from .. import decoding as dec
 from ..device import clock
 from ..meter import SHARE_QUIET, Meter, Timing, check_enabled, cpu_clock, is_quiet, time_reps
-from .model import CostProfile, interp, lookup_vs
-from .profile import _usable, pair_fingerprint, profile_path, save_profile
+from .policy import lookup_vs
+from .profile import CostProfile, _usable, interp, pair_fingerprint, profile_path, save_profile
 
 now = clock          # synchronizes CUDA / MPS before reading the time
-
 
 
 CAL_TEXT = (
@@ -51,7 +50,7 @@ def calibration_ids(tokenizer, n: int, vocab: int) -> list[int]:
     return out[:n]
 
 
-# The calibration's grid: few points and repeats, chosen so the demo pair calibrates in ~10-20 s
+# The calibration's grid: few points and repeats, chosen so the demo pair calibrates in seconds
 # on a quiet 2-core machine. Prefill tokens dominate its time (under q8 numerics a prefill row
 # costs about a decode step), so lengths stay short and the curves extrapolate linearly past them
 # (online refinement corrects the prefill's scale). What the cost model needs stays: prefill in
@@ -194,8 +193,8 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
                                 extra=lookup_vs(k_max))
     phase("verify ratios")
     t_ref = interp(prof.t, V_ctx)
-    # a verify of k+1 tokens does a step's work and more: a ratio below 1 is noise (layers:6 V(1)/t
-    # 0.88, s13m), and calibration's ratios are what the controller keeps
+    # a verify of k+1 tokens does a step's work and more: a ratio below 1 is noise (docs/controller.md),
+    # and calibration's ratios are what the controller keeps
     prof.V.update({str(k): max(1.0, r) * t_ref for k, r in ratios.items() if k not in ("d", "d2")})
     if dmodel is not None:
         d_ref = interp(prof.d, V_ctx)
@@ -207,7 +206,7 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     cache = dec.DynamicCache()
     dec.prefill(model, ids[:128], cache)
     prof.clone_ms_per_token = _median_ms(lambda: dec.kv_of(cache, 128), 5) / 128
-    from ..gate import AcceptMap
+    from .gate import AcceptMap
 
     amap = AcceptMap()
     prof.alpha0 = measure_alpha(target, draft, ids, k=4, rounds=g["alpha_rounds"], amap=amap)
@@ -264,7 +263,7 @@ def interleaved_ratios(model, dmodel, ids, ctx: int, k_max: int, reps: int, tick
     draft forwards, then a (k+1)-token target verify (both rolled back after). Key 0 is a plain
     target step. All keys run interleaved in a rotated order, so drift or a neighbour's load hits
     them alike. Measured in the loop, not in isolation: a lone draft forward after a target
-    forward runs cold and costs ~40% more than the steps of a real drafting run.
+    forward runs cold and costs more than the steps of a real drafting run (docs/controller.md).
     Keys in ``extra`` (past k_max) time the verify alone: n-gram lookups, which draft nothing.
     Returns {k: V(k)/t} and (with a draft model) "d": median draft ms per drafted token / t, and
     "d2": the draft's 2-token forward / t.
@@ -378,7 +377,7 @@ def _accept_rounds(target, draft, prompt, k: int, rounds: int, amap=None, sampli
     engine does at ``sampling``'s setting (greedy when None)."""
     from .. import sampling as S
     from ..acceptance import trials as round_trials
-    from ..gate import recording_gate
+    from .gate import recording_gate
 
     s = sampling if sampling is not None and not sampling.greedy else None
     draft.sampling = s
@@ -518,8 +517,8 @@ def busy_now(target) -> str | None:
     A busy machine gets a quick calibration: full repeats would only measure the load, slowly."""
     if not check_enabled():
         return None
-    # Another process shows as a low CPU share. A high spread alone is not enough: this VM's host
-    # gives quiet probes 38% spread at a 100% share (docs/history/2026-12-01.md).
+    # Another process shows as a low CPU share. A high spread alone is not enough: a shared host
+    # can give quiet probes a wide spread at a full CPU share (docs/controller.md).
     for _ in range(2):          # twice: one bad probe on a quiet machine is not enough to say busy
         probe = quiet_probe(target)
         if probe.share >= SHARE_QUIET:
