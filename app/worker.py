@@ -29,7 +29,7 @@ from pathlib import Path
 from PySide6.QtCore import QObject, Signal, Slot
 
 from rakv.config import RakvConfig
-from rakv.sampling import Sampling
+from rakv.config import Sampling
 
 
 @dataclass

@@ -235,7 +235,7 @@ def add_sampling_args(ap, seed_flag: str = "--seed") -> None:
 
 def sampling_of(args):
     """The Sampling the flags ask for (CliError: one line, exit 2, before any model loads)."""
-    from .sampling import Sampling, problem
+    from .config import Sampling, problem
 
     s = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                  seed=args.sample_seed, verify=args.verify)

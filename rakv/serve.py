@@ -352,7 +352,7 @@ class Service:
         the request gives is the one its tokens use (the engine adds the request's number to its
         seed, so it gets that seed less the number)."""
         from .engine import EngineError
-        from .sampling import SEED_LIMIT, problem
+        from .config import SEED_LIMIT, problem
 
         d = self.default
         s = replace(d, temperature=d.temperature if ask.temperature is None else ask.temperature,

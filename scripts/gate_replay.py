@@ -156,7 +156,7 @@ def main() -> int:
     from rakv.config import LOOKUP_K
     from rakv.drafts import NgramDraft
 
-    from rakv.sampling import Sampling
+    from rakv.config import Sampling
 
     smp = Sampling(temperature=a.temperature, seed=a.sample_seed) if a.temperature > 0 else Sampling()
     data, target = outputs([int(x) for x in a.seeds.split(",")], a.n_prompts, a.max_new_tokens, a.workload.split(","), smp)

@@ -45,7 +45,7 @@ from rakv.common import quiet_libs  # noqa: E402
 from rakv.config import RakvConfig  # noqa: E402
 from rakv.engine import Engine, make_draft  # noqa: E402
 from rakv.models import load_model  # noqa: E402
-from rakv.sampling import Sampling  # noqa: E402
+from rakv.config import Sampling  # noqa: E402
 
 ALPHA = 1e-3
 SEED_BASE = {"target": 1_000_000, "rejection": 2_000_000, "wrong": 3_000_000}

@@ -30,7 +30,7 @@ from rakv.config import RakvConfig  # noqa: E402
 from rakv.engine import Engine, make_draft  # noqa: E402
 from rakv.models import load_model  # noqa: E402
 from rakv.records import Round  # noqa: E402
-from rakv.sampling import Sampling  # noqa: E402
+from rakv.config import Sampling  # noqa: E402
 
 
 def prompts(n: int) -> list[str]:

@@ -14,7 +14,7 @@ from rakv.engine import Engine, draft_codes
 from rakv.kernels import blockq
 from rakv.kernels.fastpath import FastLinear
 from rakv.models import ModelError, narrow_draft, set_numerics
-from rakv.sampling import Sampling
+from rakv.config import Sampling
 from tests.tiny import make_pair, synthetic_profile
 
 kernel = pytest.mark.skipif(blockq.library() is None, reason=f"no block kernel: {blockq.reason()}")

@@ -14,7 +14,7 @@ from rakv.drafts import ModelDraft, vocab_ids
 from rakv.engine import Engine, draft_vocab
 from rakv.kernels import blockq
 from rakv.models import set_numerics
-from rakv.sampling import Sampling
+from rakv.config import Sampling
 from tests.tiny import make_pair, synthetic_profile
 
 N = 40          # of the tiny vocabulary's ids

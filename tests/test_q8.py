@@ -16,7 +16,7 @@ from rakv.drafts import ModelDraft, NgramDraft
 from rakv.engine import Engine
 from rakv.kernels import blockq
 from rakv.models import ModelError, int8_copy, layers_copy, resolve_numerics, set_numerics
-from rakv.sampling import Sampling
+from rakv.config import Sampling
 from tests import q8_reference as ref
 from tests.tiny import make_pair, synthetic_profile
 

@@ -19,7 +19,7 @@ from rakv.costs import CostProfile
 from rakv.drafts import ModelDraft, NgramDraft
 from rakv.engine import Engine, make_draft
 from rakv.models import wrap
-from rakv.sampling import Sampling
+from rakv.config import Sampling
 from tests.tiny import make_model, perturbed, tiny_tokenizer
 
 N = 20

@@ -391,7 +391,7 @@ def bench_sampling(args):
     from dataclasses import replace
 
     from rakv.common import sampling_of
-    from rakv.sampling import draw_seed
+    from rakv.config import draw_seed
 
     s = sampling_of(args)
     return s if s.greedy or s.seed is not None else replace(s, seed=draw_seed())
