@@ -26,7 +26,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="cProfile the adaptive arm (rakv functions)")
     a = ap.parse_args()
-    from rakv.bench.workloads import chat_prompts
+    from rakv.workloads import chat_prompts
     from rakv.cli import get_profile, load_pair
     from rakv.config import RakvConfig
     from rakv.engine import Engine

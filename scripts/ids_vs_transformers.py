@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rakv.bench import build_parser, load_models  # noqa: E402
-from rakv.bench.workloads import chat_prompts  # noqa: E402
+from rakv.workloads import chat_prompts  # noqa: E402
 from rakv.config import RakvConfig  # noqa: E402
 from rakv.engine import Engine  # noqa: E402
 

@@ -28,7 +28,7 @@ def main() -> int:
     a = ap.parse_args()
     import torch
 
-    from rakv.bench.workloads import chat_prompts, chat_stream
+    from rakv.workloads import chat_prompts, chat_stream
     from rakv.cli import get_profile, load_pair
     from rakv.config import RakvConfig
     from rakv.controller import E, overshoot

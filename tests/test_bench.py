@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rakv.bench import metrics as M
-from rakv.bench import workloads as W
+from rakv import workloads as W
 from rakv.bench.tiny import tokenizer
 from rakv.cli import main
 

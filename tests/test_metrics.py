@@ -276,7 +276,7 @@ def test_bench_rows_count_k0_copies_like_the_timing_csv():
     that copies its earlier output): the executions row's lookup columns and mean_accept_len agree
     with the timing CSV's copied / copies_accepted / mean_accept_len and with the rounds themselves."""
     from rakv.bench.runner import Arm, make_slots, run_engine
-    from rakv.bench.workloads import Request
+    from rakv.workloads import Request
     from rakv.config import RakvConfig
     from rakv.records import Round, request_rows
     from tests.tiny import make_pair, synthetic_profile

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rakv import argtypes as A
 
-from .workloads import ALL_WORKLOADS, WIKITEXT_ENV, WIKITEXT_HELP, WORKLOADS
+from rakv.workloads import ALL_WORKLOADS, WIKITEXT_ENV, WIKITEXT_HELP, WORKLOADS
 
 OUTPUT_FILES = ("executions.csv", "candidates.csv", "summary.md", "meta.json", "profile.json", "latency.png",
                 "predicted_vs_measured.png", "speedup_vs_alpha.png", "llama_cpp.json")
@@ -220,7 +220,7 @@ def load_models(args, draft_spec: str):
 
 
 def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
-    from . import workloads as W
+    from rakv import workloads as W
 
     if tokenizer is None:
         raise ValueError("the bench needs a target with a tokenizer")

@@ -36,7 +36,7 @@ from rakv.records import Decision, Round, accept_len
 
 from .llama_cli import is_arm as is_llama_arm
 from .peers import DEFAULT_PEERS, PEERS, LlamaCppPeer, peer_available, run_peer
-from .workloads import Request, TurnBuilder
+from rakv.workloads import Request, TurnBuilder
 
 now = time.perf_counter
 cpu_clock = time.thread_time
