@@ -217,6 +217,7 @@ def test_adaptive_arms_keep_their_profile_across_streams():
     """A running tool keeps its profile: the adaptive arms' learning carries over streams, each
     arm its own copy; engines (and prefix caches) are fresh per stream; warm-up is throwaway."""
     from rakv.bench.runner import make_slots, parse_arms
+    from rakv.session import Session
     from rakv.config import RakvConfig
     from rakv.costs import CostProfile
     from tests.tiny import make_pair
@@ -227,15 +228,15 @@ def test_adaptive_arms_keep_their_profile_across_streams():
     arms = parse_arms(["ar", "joint:2", "adaptive:request", "adaptive:round"], draft)
     prof = CostProfile(t=[[1, 1.0]], d=[[1, 0.3]], V={str(k): 1.2 for k in range(1, 9)}, alpha0=0.5)
     learned: dict = {}
-    a = make_slots(arms, target, draft, RakvConfig(), prof, learned)
-    b = make_slots(arms, target, draft, RakvConfig(), prof, learned)
+    a = make_slots(arms, Session(RakvConfig(), target, draft, prof), learned)
+    b = make_slots(arms, Session(RakvConfig(), target, draft, prof), learned)
     ad = [i for i, s in enumerate(a) if s.arm.policy == "adaptive"]
     assert len(ad) == 2
     for i in ad:
         assert a[i].engine is not b[i].engine and a[i].engine.store is not b[i].engine.store
         assert a[i].engine.profile is b[i].engine.profile is not prof
     assert a[ad[0]].engine.profile is not a[ad[1]].engine.profile
-    w = make_slots(arms, target, draft, RakvConfig(), prof)
+    w = make_slots(arms, Session(RakvConfig(), target, draft, prof))
     assert all(w[i].engine.profile is not a[i].engine.profile for i in ad)
 
 

@@ -214,7 +214,7 @@ def test_a_new_settings_prior_is_measured_before_any_request(models, monkeypatch
     """The CLI and the bench measure a new setting's prior when the profile loads, so no request's
     latency pays for it; the engine then finds it and measures nothing."""
     import rakv.costs.calibration as C
-    from rakv.common import prior_at_setting
+    from rakv.session import prior_at_setting
 
     target, draft, _ = models
     prof = synthetic_profile(alpha0=0.99)
