@@ -102,10 +102,10 @@ class Worker(QObject):
 
     @Slot(bool)
     def recalibrate(self, quick: bool = False) -> None:
-        """Measure the loaded pair's cost profile again (``Session.calibrate(force=True)``: saved for
-        this machine and pair, so the CLI uses it too), then install the models with it: a new
-        engine, session and recording (the run header says the new profile's quality)."""
-        from rakv.session import Session
+        """Measure the loaded pair's cost profile again (``rakv.session.get_profile(force=True)``:
+        saved for this machine and pair, so the CLI uses it too), then install the models with it: a
+        new engine, session and recording (the run header says the new profile's quality)."""
+        from rakv.session import get_profile
 
         if self.target is None:
             self._fail("no models loaded", None)
@@ -113,9 +113,8 @@ class Worker(QObject):
         try:
             self.busy.emit("recalibrating costs ...")
             k_max = max((8, *self.controls.k_set))
-            prof = Session(RakvConfig(), self.target, self.draft).calibrate(
-                k_max, force=True, quick=quick, progress=lambda f, w: self.progress.emit(f, w), log=self._say,
-                announce=False)
+            prof = get_profile(self.target, self.draft, k_max, force=True, quick=quick,
+                               progress=lambda f, w: self.progress.emit(f, w), log=self._say, announce=False)
             persist = self._persist
             self._install(self.target, self.draft, prof, self.pair)
             self._persist = persist

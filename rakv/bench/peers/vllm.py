@@ -1,4 +1,5 @@
-"""``rakv bench --peer vllm``: the RAKV proposer against vLLM's own arms, on one vLLM engine.
+"""``rakv bench --peer vllm``: the RAKV proposer against vLLM's own arms, on one vLLM engine
+(``VllmPeer``: it takes the whole run over, instead of the engine's policies).
 
 It runs ``python -m rakv.integrations.vllm_run bench`` in this Python when it has vLLM, else in
 the one ``RAKV_VLLM_PYTHON`` names (vLLM's CPU build lives in its own venv; docs/vllm.md). The
