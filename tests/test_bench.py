@@ -283,3 +283,16 @@ def test_a_peer_is_held_to_ars_tokens_only_in_fp32_numerics():
 
     assert token_exact(None, peer=True) and token_exact(None, peer=False, numerics="q8")
     assert not token_exact(None, peer=True, numerics="q8")       # transformers' forward around q8 linears
+
+
+def test_every_peer_arm_belongs_to_one_peer():
+    """The peers' registry: an arm --policies may name belongs to exactly one peer; llama.cpp's
+    tools' arms come from their flag (not nameable) and are compared by text; a policy is no peer's."""
+    from rakv.bench.peers import PEERS, nameable, peer_of
+
+    names = [a for p in PEERS for a in p.arm_names]
+    assert len(names) == len(set(names)) and {"hf:assist", "hf:lookup", "llama.cpp"} <= set(names)
+    assert all(peer_of(a).owns(a) and nameable(a) for a in names)
+    tools = peer_of("llama.cpp:spec:4")
+    assert tools is not None and tools.compare == "text" and tools.own_process and not nameable("llama.cpp:ar")
+    assert peer_of("ar") is None and peer_of("adaptive:gate") is None
