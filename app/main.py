@@ -165,7 +165,7 @@ def early_splash(argv: list[str]):
 
 def run_main(argv: list[str], splash) -> int:
     from rakv.common import CliError, quiet_libs, sampling_of
-    from rakv.sampling import Sampling
+    from rakv.config import Sampling
 
     try:     # every flag is checked here, before anything is shown or saved to the settings
         args = build_parser().parse_args(argv)

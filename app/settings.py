@@ -67,7 +67,7 @@ class Settings:
         "controls/budget_mib": 512,
         "controls/k_set": ",".join(map(str, DEFAULT_K_SET)),
         "controls/granularity": "round",
-        "controls/sampling": "{}",        # JSON of rakv.sampling.Sampling's fields ({} = greedy)
+        "controls/sampling": "{}",        # JSON of rakv.config.Sampling's fields ({} = greedy)
         "replay/speed": "2x",
     }
 
@@ -252,7 +252,7 @@ def describe(key: str, value) -> str:
 
 def sampling_from_text(text: str):
     """The Sampling stored as JSON (None when it is not a valid one)."""
-    from rakv.sampling import Sampling, problem
+    from rakv.config import Sampling, problem
     from rakv.text_in import load_json
 
     try:

@@ -29,7 +29,7 @@ from pathlib import Path
 from PySide6.QtCore import QObject, Signal, Slot
 
 from rakv.config import RakvConfig
-from rakv.sampling import Sampling
+from rakv.config import Sampling
 
 
 @dataclass
@@ -76,26 +76,24 @@ class Worker(QObject):
     # ------------------------------------------------------------------ models (worker thread)
     @Slot(str, str, int)
     def load_models(self, target: str, draft: str, k_max: int = 8) -> None:
-        from rakv.common import settle_heap
+        from rakv.session import settle_heap
         from rakv.decide.calibration import load_or_calibrate
         from rakv.drafts.registry import make_draft
         from rakv.load.hub import load_model
-        from rakv.decide.calibration import load_or_calibrate
-        from rakv.drafts.registry import make_draft
         from rakv.load import load_model
         from rakv.paths import cache_dir
+        from rakv.session import build
 
         try:
             self.busy.emit(f"loading {target} + {draft} ...")
             config = RakvConfig(target=target, draft=draft, device=self.device, numerics=self.numerics,
                                 **({} if self.fast is None else {"fast": self.fast}))
-            t = load_model(target, config.dtype, None, config.device, fast=config.fast, numerics=config.numerics)
-            d = make_draft(draft, t, config)
-            settle_heap(collect=False)        # (collections run on the GUI thread: app.gcguard)
-            self.busy.emit("cost profile (calibrating once for this machine and pair) ...")
-            prof, _ = load_or_calibrate(t, d, cache_dir(), k_max=max(1, k_max),
-                                        progress=lambda f, w: self.progress.emit(f, w), log=self._say)
-            self._install(t, d, prof, (target, draft))
+            # the draft made at once; no collection on this thread (collections run on the GUI thread:
+            # app.gcguard); the engine is made by _install, with the controls' config
+            s = build(config, k_max=max(1, k_max), calibrate=True, engine=False, eager_draft=True, collect=False,
+                      on_loaded=lambda s: self.busy.emit("cost profile (calibrating once for this machine and pair) ..."),
+                      progress=lambda f, w: self.progress.emit(f, w), log=self._say, announce=False)
+            self._install(s.target, s.draft, s.profile, (target, draft))
             self._persist = True              # learning goes back to the user's profile
         except Exception as e:  # noqa: BLE001 - any failure becomes a dialog
             self._load_failed = True          # the run queued behind this load is skipped
@@ -110,11 +108,10 @@ class Worker(QObject):
 
     @Slot(bool)
     def recalibrate(self, quick: bool = False) -> None:
-        """Measure the loaded pair's cost profile again (``load_or_calibrate(force=True)``: saved for
-        this machine and pair, so the CLI uses it too), then install the models with it: a new
-        engine, session and recording (the run header says the new profile's quality)."""
-        from rakv.decide.calibration import load_or_calibrate
-        from rakv.paths import cache_dir
+        """Measure the loaded pair's cost profile again (``rakv.session.get_profile(force=True)``:
+        saved for this machine and pair, so the CLI uses it too), then install the models with it: a
+        new engine, session and recording (the run header says the new profile's quality)."""
+        from rakv.session import get_profile
 
         if self.target is None:
             self._fail("no models loaded", None)
@@ -122,8 +119,8 @@ class Worker(QObject):
         try:
             self.busy.emit("recalibrating costs ...")
             k_max = max((8, *self.controls.k_set))
-            prof, _ = load_or_calibrate(self.target, self.draft, cache_dir(), k_max=k_max, force=True, quick=quick,
-                                        progress=lambda f, w: self.progress.emit(f, w), log=self._say)
+            prof = get_profile(self.target, self.draft, k_max, force=True, quick=quick,
+                               progress=lambda f, w: self.progress.emit(f, w), log=self._say, announce=False)
             persist = self._persist
             self._install(self.target, self.draft, prof, self.pair)
             self._persist = persist
@@ -142,8 +139,8 @@ class Worker(QObject):
             self._fail(f"cannot use models: {e}", e)
 
     def _install(self, target, draft, profile, pair) -> None:
-        from rakv.engine import Engine
         from rakv.records import Recorder
+        from rakv.session import Session
 
         self.close_recording()
         self._load_failed = False
@@ -157,7 +154,7 @@ class Worker(QObject):
                                 granularity=c.granularity, force_action=c.force,
                                 chat_template=c.chat_template, sampling=c.sampling,
                                 policy="adaptive" if profile is not None else "ar")
-            self.engine = Engine(target, draft, config, self._on_record, profile)
+            self.engine = Session(config, target, draft, profile).new_engine(self._on_record)
         self.conversation = None
         if self.sessions is not None:
             self.recording = self.sessions / time.strftime("session-%Y%m%d-%H%M%S.jsonl")

@@ -9,8 +9,8 @@ import sys
 from dataclasses import asdict
 
 from . import argtypes as A
-from .common import (CliError, add_model_args, add_sampling_args, device_kw, draft_vocab_of, get_profile,  # noqa: F401
-                     load_pair, quiet_libs, read_prompts, sampling_of, save_learned)
+from .common import (CliError, add_model_args, add_sampling_args, device_kw, draft_vocab_of, quiet_libs,  # noqa: F401
+                     read_prompts, sampling_of)
 from .config import DEFAULT_K_SET, POLICIES_HELP, Policy, RakvConfig, parse_k_set
 from .textstream import TextStream
 
@@ -116,7 +116,7 @@ def cmd_generate(args) -> int:
     for i, p in enumerate(prompts):
         if not p.strip():
             raise CliError(f"prompt {i + 1} is empty")
-    with Session(args, {"--prompts-file": args.prompts_file}) as run:
+    with Run(args, {"--prompts-file": args.prompts_file}) as run:
         for prompt in prompts:
             end = run.engine.generate(prompt)
             run.report(end)
@@ -148,10 +148,11 @@ def run_config(args) -> tuple[RakvConfig, Policy]:
     return RakvConfig(**kw), policy
 
 
-class Session:
-    """What generate and chat share: the engine built from the run flags, its callback (the
-    recording, each request's decision and gate rounds, the text streamed to stdout without
-    --json), and each request's report (a JSON object on stdout, or the summary on stderr)."""
+class Run:
+    """What generate, chat and serve share: the session (rakv.session.build) of the run flags, its
+    engine's callback (the recording, each request's decision and gate rounds, the text streamed to
+    stdout without --json), and each request's report (a JSON object on stdout, or the summary on
+    stderr)."""
 
     def __init__(self, args, inputs: dict | None = None, on_record=None):
         self.args = args
@@ -168,20 +169,14 @@ class Session:
         self.stream = None
         self.recorder = None
         self.profile = None
-        target, draft = load_pair(args, self.config)
-        from .prompts import template_notice
-
-        notice = template_notice(target.tokenizer, self.config.chat_template, target.name)
-        if notice:
-            print(f"[rakv] {notice}", file=sys.stderr, flush=True)
-        k_max = self.k_max = max(max(self.config.k_set), self.policy.k, 1)
-        if self.policy.adaptive or args.recalibrate:
-            self.profile = get_profile(target, draft, k_max, force=args.recalibrate, sampling=self.config.sampling)
-        from .engine import Engine
         from .records import Recorder
+        from .session import build
 
-        self.recorder = Recorder(args.record) if args.record else None
-        self.engine = Engine(target, draft, self.config, self.callback, self.profile)
+        self.k_max = max(max(self.config.k_set), self.policy.k, 1)
+        s = build(self.config, self.callback, k_max=self.k_max, recalibrate=args.recalibrate,
+                  on_loaded=self._template_notice)
+        self.session, self.profile, self.engine = s, s.profile, s.engine
+        self.recorder = Recorder(args.record) if args.record else None     # the engine's first record is its header
         h = self.engine.header()
         if h.learned and self.policy.adaptive:
             L = h.learned
@@ -190,7 +185,14 @@ class Session:
                   f" (calibrated {L['alpha0']:.2f}, {L['alpha_trials'] or 0:.0f} trials since), last output share "
                   f"{L['out_frac'] if L['out_frac'] is not None else 1.0:.2f} (each run learns its own), cost scales moved: {moved}", file=sys.stderr)
 
-    def __enter__(self) -> "Session":
+    def _template_notice(self, s) -> None:
+        from .prompts import template_notice
+
+        notice = template_notice(s.target.tokenizer, self.config.chat_template, s.target.name)
+        if notice:
+            print(f"[rakv] {notice}", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> "Run":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -203,6 +205,7 @@ class Session:
             return
         from .decide.calibration import remeasure_if_quiet, text_progress
         from .paths import cache_dir, log
+        from .session import save_learned
 
         save_learned(self.profile)       # what this run learned stays, whatever comes next
         new = remeasure_if_quiet(self.profile, self.engine.target, self.engine.draft, cache_dir(), self.k_max,
@@ -215,6 +218,8 @@ class Session:
             self.recorder.close()
             self.recorder = None
         if self.profile is not None and self.policy.adaptive:
+            from .session import save_learned
+
             save_learned(self.profile)
             self.profile = None
 
@@ -312,10 +317,10 @@ def add_chat_parser(sub) -> None:
 
 
 class ChatSession:
-    """``rakv chat``: one conversation at a time over a Session's engine; each turn's report adds
+    """``rakv chat``: one conversation at a time over a Run's engine; each turn's report adds
     the turn's conversation info to generate's output."""
 
-    def __init__(self, run: Session):
+    def __init__(self, run: Run):
         from .chat import Conversation
 
         self.run = run
@@ -355,7 +360,7 @@ class ChatSession:
 
 
 def cmd_chat(args) -> int:
-    with Session(args) as run:
+    with Run(args) as run:
         chat = ChatSession(run)
         if sys.stdin.isatty():
             with Terminal(run) as term:
@@ -426,7 +431,7 @@ class Terminal:
     """The chat's prompt on a terminal: line editing and history (kept in the cache dir); ``read``
     gives a line, None on Ctrl-D; Ctrl-C at the prompt clears the line."""
 
-    def __init__(self, run: Session):
+    def __init__(self, run: Run):
         self.run = run
         self.readline = self.hist = None
 
@@ -493,12 +498,15 @@ class stop_on_interrupt:
 def cmd_calibrate(args) -> int:
     if args.engine == "vllm":
         return cmd_calibrate_vllm(args)
-    config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, threads=args.threads,
-                        numerics=args.numerics, draft_vocab=draft_vocab_of(args), draft_codes=getattr(args, "draft_codes", "auto") or "auto", **device_kw(args))
-    target, draft = load_pair(args, config)
+    from .session import load
+
+    config = RakvConfig(target=args.target, draft=args.draft, revision=args.revision, dtype=args.dtype,
+                        threads=args.threads, numerics=args.numerics, draft_vocab=draft_vocab_of(args),
+                        draft_codes=getattr(args, "draft_codes", "auto") or "auto", **device_kw(args))
+    s = load(config)
     if args.check:
-        return calibrate_check(target, draft, args.json)
-    prof = get_profile(target, draft, args.k_max, force=True, quick=args.quick)
+        return calibrate_check(s.target, s.draft, args.json)
+    prof = s.calibrate(args.k_max, force=True, quick=args.quick)
     if args.json:
         print(json.dumps(asdict(prof)))
         return 0
@@ -646,7 +654,7 @@ def cmd_advise(args) -> int:
 def cmd_serve(args) -> int:
     from .serve import cmd_serve as serve
 
-    return serve(args, lambda on_record: Session(args, on_record=on_record))
+    return serve(args, lambda on_record: Run(args, on_record=on_record))
 
 
 def _guard(fn) -> int:

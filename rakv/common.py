@@ -1,7 +1,8 @@
-"""What the CLI's commands and the benchmark share: model arguments, prompt files, the profile.
+"""What the CLI's commands, the benchmark and the explorer share: their flags and prompt files.
 
-Below both ``rakv.cli`` and ``rakv.bench`` (neither imports the other's internals): the flags that
-load a model pair, reading a prompts file, loading the pair, and the cost profile for it.
+Below ``rakv.cli``, ``rakv.bench`` and ``app`` (none imports another's internals): the flags that
+name a model pair, a device and a sampling setting, and reading a prompts file. Loading the pair,
+its cost profile and its engine is ``rakv.session``'s.
 """
 
 from __future__ import annotations
@@ -9,12 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-import time
 from pathlib import Path
 
 from . import argtypes as A
-from .config import DRAFT_VOCAB, RakvConfig, env_fast
+from .config import DRAFT_VOCAB, env_fast
 
 
 class CliError(Exception):
@@ -131,93 +130,6 @@ def device_kw(args) -> dict:
     return {"device": resolve(args.device), "fast": env_fast() if args.fast is None else bool(args.fast)}
 
 
-def load_pair(args, config: RakvConfig):
-    import torch
-
-    from .drafts.registry import make_draft
-    from .load.hub import load_model
-
-    if args.threads:
-        torch.set_num_threads(args.threads)      # range checked by argparse
-    target = load_model(args.target, args.dtype, args.revision, config.device, fast=config.fast,
-                        numerics=config.numerics)
-    if (args.draft or "").strip() == "int8" and not getattr(args, "recalibrate", False) and not _drafts_at_once(config):
-        # a policy that never drafts (ar, kv), or one that drafts only where its measured costs say it
-        # pays (adaptive; a first calibration measures it): the int8 copy is made when first used
-        from .drafts.int8 import int8_copy
-        from .drafts.model import ModelDraft
-
-        draft = ModelDraft(int8_copy(target, lazy=True))
-    else:
-        draft = make_draft(args.draft, target, config)
-    settle_heap()
-    return target, draft
-
-
-def settle_heap(collect: bool = True) -> None:
-    """After loading: what lives now (torch, transformers, the models) leaves the cyclic
-    collector's reach, so a full collection walks only what requests make (on the demo pair a full
-    collection walked 374,000 objects in ~200 ms, in whichever round allocated past the threshold:
-    docs/fastpath.md#the-collector). ``collect=False`` freezes without collecting first (a thread
-    that must not finalize Qt objects: the explorer's worker)."""
-    import gc
-
-    if collect:
-        gc.collect()
-    gc.freeze()
-
-
-def _drafts_at_once(config: RakvConfig) -> bool:
-    """Does this config's policy draft from its first round (a fixed k > 0)? An unparsable policy
-    counts as one (the engine reports it)."""
-    from .config import Policy
-
-    try:
-        p = Policy.parse(config.policy)
-    except ValueError:
-        return True
-    return not p.adaptive and p.k > 0
-
-
-def get_profile(target, draft, k_max: int, force: bool = False, quick: bool = False, progress=None,
-                sampling=None):
-    """The cost profile for this machine + pair (calibrates once; progress(frac, what) if given),
-    with the acceptance prior at ``sampling``'s setting measured now if it is new."""
-    from .decide.calibration import load_or_calibrate, text_progress
-    from .paths import cache_dir, log
-
-    prof, fresh = load_or_calibrate(target, draft, cache_dir(), k_max=k_max, force=force, quick=quick,
-                                    progress=progress or text_progress(), log=log)
-    if fresh:
-        log(f"calibrated in {prof.calibration_s:.1f} s (alpha0={prof.alpha0:.2f})")
-    prior_at_setting(prof, target, draft, sampling)
-    return prof
-
-
-def prior_at_setting(profile, target, draft, sampling) -> None:
-    """Measure a new sampling setting's acceptance prior before any request, and keep it in the
-    saved profile: measured inside a request it would be charged to that request's latency."""
-    from .decide.calibration import alpha_prior
-    from .paths import log
-
-    if sampling is None or sampling.greedy or sampling.key() in profile.alpha_by_setting:
-        return
-    t0 = time.perf_counter()
-    a0 = alpha_prior(profile, target, draft, sampling)
-    log(f"acceptance prior at {sampling.key()}: {a0:.2f} (measured once per setting, {time.perf_counter() - t0:.1f} s)")
-    save_learned(profile)
-
-
-def save_learned(profile) -> None:
-    """Keep what this session learned (cost scales, acceptance) for the next one; the output share for display."""
-    from .decide.profile import save_learned as save
-    from .paths import cache_dir
-
-    err = save(profile, cache_dir())
-    if err:   # a read-only cache dir loses the learning, not the run
-        print(f"[rakv] could not save the learned profile: {err}", file=sys.stderr)
-
-
 def add_sampling_args(ap, seed_flag: str = "--seed") -> None:
     """--temperature, --top-k, --top-p, --min-p, --seed, --verify (generate, chat, bench, explorer;
     the bench's --seed picks its prompts, so there the sampling seed is --sample-seed)."""
@@ -235,7 +147,7 @@ def add_sampling_args(ap, seed_flag: str = "--seed") -> None:
 
 def sampling_of(args):
     """The Sampling the flags ask for (CliError: one line, exit 2, before any model loads)."""
-    from .sampling import Sampling, problem
+    from .config import Sampling, problem
 
     s = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                  seed=args.sample_seed, verify=args.verify)

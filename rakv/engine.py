@@ -32,7 +32,7 @@ from .drafts.ngram import NgramDraft
 from .drafts.model import ModelDraft
 from .prefix_cache import PrefixCache
 from .prompts import EncodedPrompt, encode_prompt
-from .sampling import Sampling, draw_seed
+from .config import Sampling, draw_seed
 from .decide.gate import LOOKUP_ALPHA, AcceptMap
 from .tree import TokenTree, priced, verify_tree
 from .records import CacheLookup, Candidate, Decision, RequestEnd, RequestStart, Round, RunHeader
@@ -217,7 +217,7 @@ class Engine:
 
     def set_sampling(self, s: Sampling) -> None:
         """Sampling for the next requests (a seed is drawn if it has none); bad values: EngineError."""
-        from .sampling import problem
+        from .config import problem
 
         why = problem(s)
         if why:

@@ -51,7 +51,7 @@ class RequestStart:
     policy: str = ""
     templated: bool = False        # True: prompt_ids are the chat template applied to ``prompt``
     template_prefix: int = 0       # leading ids every templated prompt shares (the template's system prefix)
-    sampling: dict = field(default_factory=dict)   # this request's sampling (rakv.sampling.Sampling: its seed is the call's + i)
+    sampling: dict = field(default_factory=dict)   # this request's sampling (rakv.config.Sampling: its seed is the call's + i)
     # a conversation's turn (rakv.chat): conversation, turn, ids_from ("first" | "append" |
     # "template", and why), previous_tokens (the conversation before it, as fed), kept_tokens (how many
     # of those its ids start with), same_as_template (its ids == the chat template over the whole

@@ -1,7 +1,7 @@
 """Sampling: turn logits into tokens that depend only on (seed, position) and the filtered distribution.
 
 This module's one job is the arithmetic of sampled decoding, with no model and no engine state:
-the settings (``Sampling``), the filtered distribution (``logprobs``), the seeded Gumbel noise
+for the settings (``rakv.config.Sampling``), the filtered distribution (``logprobs``), the seeded Gumbel noise
 (``noise``), the sampler (``sample`` / ``sample_rows`` / ``propose``) and the two ways a verify
 judges drafted tokens (``accept_seeded``, ``accept_rejection``).
 
@@ -75,18 +75,15 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
 import threading
-from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import Tensor
 
+from .config import SEED_LIMIT, VERIFY_MODES, Sampling
 from .ids import lcp
 from .paths import env_on
 
-VERIFY_MODES = ("seeded", "rejection")
-SEED_LIMIT = 2**63                # seeds are in [0, 2**63)
 BLOCK = 64                        # noise block size: part of the noise's definition (changing it changes every sample)
 _LOG_BLOCK = math.log(BLOCK)
 _FIRST_BLOCKS = 16                # blocks (largest logits first) whose noise the sampler's first stage computes
@@ -99,74 +96,6 @@ _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
-
-
-# ---------------------------------------------------------------------------------------------
-# settings
-# ---------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Sampling:
-    """How tokens are chosen: temperature, filters, seed and the verification mode."""
-
-    temperature: float = 0.0      # 0 = greedy: exactly argmax, today's path
-    top_k: int = 0                # 0 = off
-    top_p: float = 1.0            # (0, 1]; 1 = off
-    min_p: float = 0.0            # [0, 1); 0 = off
-    seed: int | None = None       # None until drawn: see draw_seed()
-    verify: str = "seeded"        # "seeded" | "rejection"
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def key(self) -> str:
-        """What acceptance is learned per: temperature and filters (and the verification mode);
-        the seed is not part of it. "greedy" at temperature 0, whatever the filters."""
-        if self.greedy:
-            return "greedy"
-        return (f"T{self.temperature:g}/k{self.top_k}/p{self.top_p:g}/m{self.min_p:g}"
-                f"/{self.verify}")
-
-    def for_request(self, i: int) -> "Sampling":
-        """The settings of request i of one call: seed + i (mod 2**63). Greedy settings without a
-        seed stay without one."""
-        if self.seed is None:
-            if self.greedy:
-                return self
-            raise ValueError("sampling needs a seed: draw one with draw_seed()")
-        return replace(self, seed=(self.seed + i) % SEED_LIMIT)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def problem(s: Sampling) -> str | None:
-    """One line saying what is wrong with ``s``, or None when every value is allowed."""
-    t = s.temperature
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-        return f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}"
-    k = s.top_k
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        return f"top-k must be an integer >= 0 (0 = off), got {k!r}"
-    p = s.top_p
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:   # NaN fails too
-        return f"top-p must be in (0, 1] (1 = off), got {p!r}"
-    m = s.min_p
-    if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
-        return f"min-p must be in [0, 1) (0 = off), got {m!r}"
-    seed = s.seed
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not 0 <= seed < SEED_LIMIT):
-        return f"seed must be an integer in [0, 2**63), got {seed!r}"
-    if s.verify not in VERIFY_MODES:
-        return f"verify must be one of {', '.join(VERIFY_MODES)}, got {s.verify!r}"
-    return None
-
-
-def draw_seed() -> int:
-    """A fresh seed in [0, 2**63) from os.urandom; record it, and any run can be reproduced."""
-    return int.from_bytes(os.urandom(8), "little") >> 1
 
 
 # ---------------------------------------------------------------------------------------------

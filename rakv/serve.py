@@ -1,6 +1,6 @@
 """``rakv serve``: an OpenAI-compatible HTTP server on localhost over one engine (standard library only).
 
-The engine, its prefix cache and its controller are those of ``rakv generate`` (``rakv.cli.Session``
+The engine, its prefix cache and its controller are those of ``rakv generate`` (``rakv.cli.Run``
 builds them from the same flags). There is one engine, so requests run one at a time: every
 request takes ``Service.lock`` for the whole generation, streamed or not; a request waiting for it
 simply waits. Endpoints (docs/serve.md):
@@ -230,12 +230,12 @@ class Current:
 
 
 class RecordHook:
-    """What a server adds to its Session's callback (``Session(on_record=...)``): every record
+    """What a server adds to its Run's callback (``Run(on_record=...)``): every record
     kept for /rakv/records with its tokens' text, and passed to the running request."""
 
     def __init__(self, records: RecordLog):
         self.records = records
-        self.session = None            # set once the Session is built (its header came before)
+        self.session = None            # set once the Run is built (its header came before)
         self.current: Current | None = None
         self._seen: set[int] = set()
 
@@ -264,7 +264,7 @@ class RecordHook:
 
 
 def forget(run, rid: int) -> None:
-    """Drop what the Session kept of a finished request (a server runs for long)."""
+    """Drop what the Run kept of a finished request (a server runs for long)."""
     for kept in (run.starts, run.last_decision, run.gated):
         kept.pop(rid, None)
 
@@ -281,7 +281,7 @@ class Service:
     """Runs the API's requests on the session's engine, one at a time."""
 
     def __init__(self, run, hook: RecordHook, model: str):
-        self.run = run                  # the rakv.cli.Session
+        self.run = run                  # the rakv.cli.Run
         self.hook = hook
         self.engine = run.engine
         self.model = model
@@ -352,7 +352,7 @@ class Service:
         the request gives is the one its tokens use (the engine adds the request's number to its
         seed, so it gets that seed less the number)."""
         from .engine import EngineError
-        from .sampling import SEED_LIMIT, problem
+        from .config import SEED_LIMIT, problem
 
         d = self.default
         s = replace(d, temperature=d.temperature if ask.temperature is None else ask.temperature,
@@ -697,10 +697,10 @@ def bind(host: str, port: int) -> HttpServer:
 
 
 class Server:
-    """A bound HTTP server over the engine of a Session: ``serve_forever()`` (the command) or
+    """A bound HTTP server over the engine of a Run: ``serve_forever()`` (the command) or
     ``start()`` (a thread: tests, embedding); ``close()`` ends it and closes the recording.
 
-    ``make_session(on_record)`` builds the ``rakv.cli.Session`` of the run flags with ``on_record``
+    ``make_session(on_record)`` builds the ``rakv.cli.Run`` of the run flags with ``on_record``
     added to its callback (``rakv.cli`` passes it: the CLI sits above this module)."""
 
     def __init__(self, args, make_session):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from . import decoding as dec
 from . import sampling as S
-from .sampling import Sampling
+from .config import Sampling
 
 
 @dataclass

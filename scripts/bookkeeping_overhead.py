@@ -14,7 +14,6 @@ import cProfile
 import pstats
 import sys
 import time
-import types
 
 
 def main() -> int:
@@ -26,14 +25,14 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="cProfile the adaptive arm (rakv functions)")
     a = ap.parse_args()
-    from rakv.bench.workloads import chat_prompts
-    from rakv.cli import get_profile, load_pair
+    from rakv.workloads import chat_prompts
+    from rakv.session import get_profile, load
     from rakv.config import RakvConfig
     from rakv.engine import Engine
 
-    args = types.SimpleNamespace(threads=a.threads, target="demo", dtype="float32", revision=None, draft=a.draft)
     cfg = RakvConfig(draft=a.draft, threads=a.threads)
-    target, draft = load_pair(args, cfg)
+    s0 = load(cfg)
+    target, draft = s0.target, s0.draft
     prof = get_profile(target, draft, 8)
     prompts = chat_prompts("chat")[: a.n_prompts]
     arms = ("kv", "adaptive:nogate")

@@ -83,7 +83,7 @@ def main() -> int:
     import torch
 
     from rakv.bench import build_streams
-    from rakv.cli import get_profile, load_pair
+    from rakv.session import get_profile, load
     from rakv.config import LOOKUP_K, RakvConfig
     from rakv.engine import Engine
     from rakv.prefix_cache import TokenHistory
@@ -92,7 +92,8 @@ def main() -> int:
     args = SimpleNamespace(threads=a.threads, target="demo", dtype="float32", revision=None, draft="ngram",
                            seed=a.seed, prompts=os.environ.get("RAKV_WIKITEXT"), raw=False)
     cfg = RakvConfig(target="demo", draft="ngram")
-    target, draft = load_pair(args, cfg)
+    s0 = load(cfg.with_(threads=a.threads))
+    target, draft = s0.target, s0.draft
     ks = [int(x) for x in a.ks.split(",")]
     prof = get_profile(target, draft, 8)
     s = {"workloads": a.workload.split(","), "gens": [a.max_new_tokens], "n_prompts": a.n_prompts,

@@ -43,7 +43,7 @@ def outputs(seeds, n_prompts, gen, workloads, sampling=None):
     import torch
 
     from rakv.bench import build_streams
-    from rakv.common import load_pair
+    from rakv.session import load
     from rakv.config import RakvConfig
     from rakv.engine import Engine
 
@@ -55,7 +55,7 @@ def outputs(seeds, n_prompts, gen, workloads, sampling=None):
         args = SimpleNamespace(threads=2, target="demo", dtype="float32", revision=None, draft="ngram", seed=seed,
                                prompts=os.environ.get("RAKV_WIKITEXT"), raw=False)
         if target is None:
-            target, _ = load_pair(args, cfg)
+            target = load(cfg.with_(threads=2)).target
         s = {"workloads": workloads, "gens": [gen], "n_prompts": n_prompts, "buckets": [32, 128]}
         for name, reqs in build_streams(s, args, target.tokenizer, target.max_positions).items():
             eng = Engine(target, None, cfg.with_(policy="kv"))
@@ -154,11 +154,11 @@ def main() -> int:
     ap.add_argument("--arms", default="joint:2;joint:4;joint:8;oracle;gate;gate 8;gate, no trust;gate, rate;gate, rate 8",
                     help="arms, separated by semicolons")
     a = ap.parse_args()
-    from rakv.common import get_profile
+    from rakv.session import get_profile
     from rakv.config import LOOKUP_K
     from rakv.drafts.ngram import NgramDraft
 
-    from rakv.sampling import Sampling
+    from rakv.config import Sampling
 
     smp = Sampling(temperature=a.temperature, seed=a.sample_seed) if a.temperature > 0 else Sampling()
     data, target = outputs([int(x) for x in a.seeds.split(",")], a.n_prompts, a.max_new_tokens, a.workload.split(","), smp)

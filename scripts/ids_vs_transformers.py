@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rakv.bench import build_parser, load_models  # noqa: E402
-from rakv.bench.workloads import chat_prompts  # noqa: E402
+from rakv.bench import bench_config, build_parser, load_session  # noqa: E402
+from rakv.workloads import chat_prompts  # noqa: E402
 from rakv.config import RakvConfig  # noqa: E402
 from rakv.engine import Engine  # noqa: E402
 
@@ -29,7 +29,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     a = ap.parse_args()
     args, _ = build_parser().parse_known_args(["--target", a.target, "--threads", str(a.threads)])
-    target, _ = load_models(args, "none")
+    args.draft = "none"
+    target = load_session(args, bench_config(args, {"k_set": [0]})).target
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(target.model.config._name_or_path, dtype=torch.float32).eval()

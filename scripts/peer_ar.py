@@ -55,7 +55,7 @@ def exactness(target, gguf: str, n_prompts: int, n_tokens: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rakv.bench.workloads import chat_prompts
+    from rakv.workloads import chat_prompts
     from rakv.config import RakvConfig
     from rakv.engine import Engine
 

@@ -13,7 +13,6 @@ import json
 import statistics
 import sys
 from collections import defaultdict
-from types import SimpleNamespace
 
 
 def main() -> int:
@@ -28,17 +27,17 @@ def main() -> int:
     a = ap.parse_args()
     import torch
 
-    from rakv.bench.workloads import chat_prompts, chat_stream
-    from rakv.cli import get_profile, load_pair
+    from rakv.workloads import chat_prompts, chat_stream
+    from rakv.session import get_profile, load
     from rakv.config import RakvConfig
     from rakv.decide.policy import E, overshoot
     from rakv.engine import Engine
     from rakv.records import Round
 
     torch.set_num_threads(a.threads)
-    args = SimpleNamespace(threads=a.threads, target="demo", dtype="float32", revision=None, draft=a.draft)
     cfg = RakvConfig(target="demo", draft=a.draft)
-    target, draft = load_pair(args, cfg)
+    s0 = load(cfg.with_(threads=a.threads))
+    target, draft = s0.target, s0.draft
     ks = [int(x) for x in a.ks.split(",")]
     prof = get_profile(target, draft, max(ks))
     reqs = chat_stream(chat_prompts(a.workload), target.tokenizer, a.n_prompts, a.max_new_tokens, seed=0)

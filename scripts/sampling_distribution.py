@@ -5,7 +5,7 @@ sampling's distribution; a deliberately wrong rejection sampler is shown to fail
 Seeded mode needs no such test: its ids equal target-only sampling's for every seed (the
 invariance figures of ``scripts/sampling_figures.py``). Rejection mode is exact in distribution
 only, so it is checked by a two-sample test: for each held-out chat prompt (the first
-``--n-prompts`` of rakv/bench/data/chat_heldout.jsonl, through the chat template), R requests of
+``--n-prompts`` of rakv/workloads/data/chat_heldout.jsonl, through the chat template), R requests of
 the target alone (``kv``: an exact repeat samples its first token from stored logits, then one token
 per step) against R requests of ``joint:K`` with rejection verification, each arm on its own range of
 seeds. Output positions 1..M (position 0 comes from the stored logits in both arms; the later ones
@@ -46,14 +46,14 @@ from rakv.config import RakvConfig  # noqa: E402
 from rakv.drafts.registry import make_draft  # noqa: E402
 from rakv.engine import Engine  # noqa: E402
 from rakv.load.hub import load_model  # noqa: E402
-from rakv.sampling import Sampling  # noqa: E402
+from rakv.config import Sampling  # noqa: E402
 
 ALPHA = 1e-3
 SEED_BASE = {"target": 1_000_000, "rejection": 2_000_000, "wrong": 3_000_000}
 
 
 def held_out(n: int) -> list[str]:
-    lines = (ROOT / "rakv/bench/data/chat_heldout.jsonl").read_text().splitlines()
+    lines = (ROOT / "rakv/workloads/data/chat_heldout.jsonl").read_text().splitlines()
     return [json.loads(x)["prompt"] for x in lines if x.strip()][:n]
 
 

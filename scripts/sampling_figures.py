@@ -2,7 +2,7 @@
 held-out prompts: the figures behind docs/results.md's sampling section.
 
 For each draft (int8, layers:L, n-gram) and temperature, every held-out chat prompt
-(rakv/bench/data/chat_heldout.jsonl, never used for tuning) runs through the chat template with a
+(rakv/workloads/data/chat_heldout.jsonl, never used for tuning) runs through the chat template with a
 fixed k under both verification modes, and once with ``ar`` (target only). It reports the per-token
 acceptance (accepted drafts / Bernoulli trials) of each mode, whether the seeded run's ids equal
 ``ar``'s for the same seed (they must: 0 mismatches), and the tokens per second of each arm (timing
@@ -31,11 +31,11 @@ from rakv.drafts.registry import make_draft  # noqa: E402
 from rakv.engine import Engine  # noqa: E402
 from rakv.load.hub import load_model  # noqa: E402
 from rakv.records import Round  # noqa: E402
-from rakv.sampling import Sampling  # noqa: E402
+from rakv.config import Sampling  # noqa: E402
 
 
 def prompts(n: int) -> list[str]:
-    lines = (ROOT / "rakv/bench/data/chat_heldout.jsonl").read_text().splitlines()
+    lines = (ROOT / "rakv/workloads/data/chat_heldout.jsonl").read_text().splitlines()
     return [json.loads(x)["prompt"] for x in lines if x.strip()][:n]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rakv.bench import metrics as M
-from rakv.bench import workloads as W
+from rakv import workloads as W
 from rakv.bench.tiny import tokenizer
 from rakv.cli import main
 
@@ -217,6 +217,7 @@ def test_adaptive_arms_keep_their_profile_across_streams():
     """A running tool keeps its profile: the adaptive arms' learning carries over streams, each
     arm its own copy; engines (and prefix caches) are fresh per stream; warm-up is throwaway."""
     from rakv.bench.runner import make_slots, parse_arms
+    from rakv.session import Session
     from rakv.config import RakvConfig
     from rakv.decide.profile import CostProfile
     from tests.tiny import make_pair
@@ -227,15 +228,15 @@ def test_adaptive_arms_keep_their_profile_across_streams():
     arms = parse_arms(["ar", "joint:2", "adaptive:request", "adaptive:round"], draft)
     prof = CostProfile(t=[[1, 1.0]], d=[[1, 0.3]], V={str(k): 1.2 for k in range(1, 9)}, alpha0=0.5)
     learned: dict = {}
-    a = make_slots(arms, target, draft, RakvConfig(), prof, learned)
-    b = make_slots(arms, target, draft, RakvConfig(), prof, learned)
+    a = make_slots(arms, Session(RakvConfig(), target, draft, prof), learned)
+    b = make_slots(arms, Session(RakvConfig(), target, draft, prof), learned)
     ad = [i for i, s in enumerate(a) if s.arm.policy == "adaptive"]
     assert len(ad) == 2
     for i in ad:
         assert a[i].engine is not b[i].engine and a[i].engine.store is not b[i].engine.store
         assert a[i].engine.profile is b[i].engine.profile is not prof
     assert a[ad[0]].engine.profile is not a[ad[1]].engine.profile
-    w = make_slots(arms, target, draft, RakvConfig(), prof)
+    w = make_slots(arms, Session(RakvConfig(), target, draft, prof))
     assert all(w[i].engine.profile is not a[i].engine.profile for i in ad)
 
 
@@ -282,3 +283,16 @@ def test_a_peer_is_held_to_ars_tokens_only_in_fp32_numerics():
 
     assert token_exact(None, peer=True) and token_exact(None, peer=False, numerics="q8")
     assert not token_exact(None, peer=True, numerics="q8")       # transformers' forward around q8 linears
+
+
+def test_every_peer_arm_belongs_to_one_peer():
+    """The peers' registry: an arm --policies may name belongs to exactly one peer; llama.cpp's
+    tools' arms come from their flag (not nameable) and are compared by text; a policy is no peer's."""
+    from rakv.bench.peers import PEERS, nameable, peer_of
+
+    names = [a for p in PEERS for a in p.arm_names]
+    assert len(names) == len(set(names)) and {"hf:assist", "hf:lookup", "llama.cpp"} <= set(names)
+    assert all(peer_of(a).owns(a) and nameable(a) for a in names)
+    tools = peer_of("llama.cpp:spec:4")
+    assert tools is not None and tools.compare == "text" and tools.own_process and not nameable("llama.cpp:ar")
+    assert peer_of("ar") is None and peer_of("adaptive:gate") is None

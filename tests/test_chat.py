@@ -394,7 +394,7 @@ def test_cli_chat_bad_input(chat_dir, capsys, monkeypatch):
 
 # ----------------------------------------------------------------------------- the conversation workload
 def test_conversation_workload_streams():
-    from rakv.bench import workloads as W
+    from rakv import workloads as W
 
     tok = tiny_tokenizer(chat=True)
     main_, held = W.conversations("conversation"), W.conversations("conversation-heldout")

@@ -17,7 +17,7 @@ from rakv.kernels.fastpath import FastLinear
 from rakv.drafts.registry import narrow_draft
 from rakv.load.loaded import ModelError
 from rakv.load.numerics import set_numerics
-from rakv.sampling import Sampling
+from rakv.config import Sampling
 from tests.tiny import make_pair, synthetic_profile
 
 kernel = pytest.mark.skipif(blockq.library() is None, reason=f"no block kernel: {blockq.reason()}")

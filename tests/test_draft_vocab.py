@@ -16,7 +16,7 @@ from rakv.drafts.registry import draft_vocab
 from rakv.engine import Engine
 from rakv.kernels import blockq
 from rakv.load.numerics import set_numerics
-from rakv.sampling import Sampling
+from rakv.config import Sampling
 from tests.tiny import make_pair, synthetic_profile
 
 N = 40          # of the tiny vocabulary's ids

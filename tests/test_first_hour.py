@@ -125,9 +125,9 @@ def test_int8_draft_is_cached_and_loads_identical(arch, tmp_path, monkeypatch, c
 def _session_for_counts():
     from types import SimpleNamespace
 
-    from rakv.cli import Session
+    from rakv.cli import Run
 
-    s = object.__new__(Session)
+    s = object.__new__(Run)
     s.args = SimpleNamespace(json=True)
     s.on_record, s.recorder, s.stream, s.stream_text = None, None, None, False
     s.last_decision, s.starts, s.gated, s.copies = {}, {}, {}, {}

@@ -7,7 +7,6 @@ network."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import pickle
 import time
@@ -308,15 +307,10 @@ def test_a_damaged_hash_index_is_rebuilt(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the int8 draft
-def _args(policy_draft: str = "int8", recalibrate: bool = False):
-    return argparse.Namespace(target="x", draft=policy_draft, revision=None, dtype="float32", threads=None,
-                              recalibrate=recalibrate)
-
-
 def test_a_policy_that_never_drafts_does_not_make_the_int8_draft(monkeypatch):
     """ar and kv never draft; adaptive drafts only where its measured costs say it pays: the int8
     copy is made when first used (a fixed k > 0 makes it at once; so does calibrating)."""
-    from rakv import common
+    from rakv import session
     from rakv.config import RakvConfig
 
     from .tiny import tiny_tokenizer
@@ -329,13 +323,13 @@ def test_a_policy_that_never_drafts_does_not_make_the_int8_draft(monkeypatch):
     for policy, eager in (("ar", False), ("kv", False), ("spec:2", True), ("joint:4", True), ("adaptive", False),
                           ("adaptive:gate", False)):
         made.clear()
-        _, draft = common.load_pair(_args(), RakvConfig(target="x", draft="int8", policy=policy, fast=False))
+        draft = session.load(RakvConfig(target="x", draft="int8", policy=policy, fast=False)).draft
         assert len(made) == (1 if eager else 0), policy
         assert draft.key == target.key.rsplit(":", 1)[0] + ":int8-dynamic" and draft.name == "tiny-int8"
         assert draft.lm.kv_bytes_per_token() == target.kv_bytes_per_token()
         assert len(made) == (1 if eager else 0)
     made.clear()
-    common.load_pair(_args(recalibrate=True), RakvConfig(target="x", draft="int8", policy="ar", fast=False))
+    session.load(RakvConfig(target="x", draft="int8", policy="ar", fast=False), recalibrate=True)
     assert made == [1]                                          # calibrating measures the draft
 
 

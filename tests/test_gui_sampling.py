@@ -11,7 +11,7 @@ pytest.importorskip("pytestqt")
 from app.main import main as explorer_main  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from app.window import MainWindow  # noqa: E402
-from rakv.sampling import Sampling  # noqa: E402
+from rakv.config import Sampling  # noqa: E402
 from tests.test_gui import errors, models, win  # noqa: E402,F401 - the explorer's fixtures on tiny models
 
 T = 30_000

@@ -1,4 +1,4 @@
-"""llama.cpp's tools as a bench peer (rakv.bench.llama_cli, rakv bench --peer-llama-cpp).
+"""llama.cpp's tools as a bench peer (rakv.bench.peers.llamacpp, rakv bench --peer-llama-cpp).
 
 Parsing is tested on real output captured from llama.cpp (llama-cpp-python 0.3.36's vendored tree,
 built by scripts/build_llama_cpp.sh on a 2-core Xeon VM, 2026-12-06; trimmed of nothing but run
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rakv.bench import llama_cli as L
+from rakv.bench.peers import llamacpp as L
 
 DATA = Path(__file__).parent / "data" / "llama_cpp"
 

@@ -276,16 +276,18 @@ def test_bench_rows_count_k0_copies_like_the_timing_csv():
     that copies its earlier output): the executions row's lookup columns and mean_accept_len agree
     with the timing CSV's copied / copies_accepted / mean_accept_len and with the rounds themselves."""
     from rakv.bench.runner import Arm, make_slots, run_engine
-    from rakv.bench.workloads import Request
+    from rakv.workloads import Request
     from rakv.config import RakvConfig
     from rakv.records import Round, request_rows
+    from rakv.session import Session
     from tests.tiny import make_pair, synthetic_profile
 
     target, draft = make_pair("llama", "mostly")
     from rakv.drafts.model import ModelDraft
 
-    (slot,) = make_slots([Arm("adaptive:gate", policy="adaptive:gate")], target, ModelDraft(draft),
-                         RakvConfig(k_set=(0, 2, 4)), synthetic_profile(d=5.0, alpha0=0.2), learned={})
+    (slot,) = make_slots([Arm("adaptive:gate", policy="adaptive:gate")],
+                         Session(RakvConfig(k_set=(0, 2, 4)), target, ModelDraft(draft),
+                                 synthetic_profile(d=5.0, alpha0=0.2)), learned={})
     recs = []
     collect = slot.engine.callback
     slot.engine.callback = lambda r: (recs.append(r), collect(r))

@@ -162,7 +162,7 @@ def test_measuring_a_partial_hit_changes_no_learned_state(pair):
     assert after["store"] != before["store"]
     # measuring at another sampling setting switches to that setting's tables in every run: the
     # engine's own (greedy) tables stay current and no other setting's are kept
-    from rakv.sampling import Sampling
+    from rakv.config import Sampling
 
     eng.set_sampling(Sampling(temperature=0.8, seed=3))
     before = learned_state(eng)

@@ -21,7 +21,7 @@ from rakv.drafts.int8 import int8_copy
 from rakv.drafts.layers import layers_copy
 from rakv.load.loaded import ModelError
 from rakv.load.numerics import resolve_numerics, set_numerics
-from rakv.sampling import Sampling
+from rakv.config import Sampling
 from tests import q8_reference as ref
 from tests.tiny import make_pair, synthetic_profile
 

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from rakv import sampling
+from rakv.config import Sampling, draw_seed, problem
 from rakv.sampling import (
-    BLOCK, Sampling, accept_rejection, accept_seeded, draw_seed, logprobs, noise, problem, propose,
-    sample, sample_rows, stream_key, stream_value, threshold, uniform,
+    BLOCK, accept_rejection, accept_seeded, logprobs, noise, propose, sample, sample_rows, stream_key,
+    stream_value, threshold, uniform,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,7 +21,7 @@ from rakv.drafts.ngram import NgramDraft
 from rakv.drafts.registry import make_draft
 from rakv.engine import Engine
 from rakv.load.numerics import wrap
-from rakv.sampling import Sampling
+from rakv.config import Sampling
 from tests.tiny import make_model, tiny_tokenizer
 from rakv.bench.tiny import perturbed
 
@@ -217,7 +217,8 @@ def test_a_new_settings_prior_is_measured_before_any_request(models, monkeypatch
     """The CLI and the bench measure a new setting's prior when the profile loads, so no request's
     latency pays for it; the engine then finds it and measures nothing."""
     import rakv.decide.calibration as C
-    from rakv.common import prior_at_setting
+    from rakv.session import prior_at_setting
+    import rakv.costs.calibration as C
 
     target, draft, _ = models
     prof = synthetic_profile(alpha0=0.99)

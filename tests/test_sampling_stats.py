@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from rakv import sampling
-from rakv.sampling import Sampling, accept_rejection, accept_seeded, logprobs, propose, sample, sample_rows
+from rakv.config import Sampling
+from rakv.sampling import accept_rejection, accept_seeded, logprobs, propose, sample, sample_rows
 
 ALPHA = 1e-3
 Z = 3.29                       # two-sided normal quantile at ALPHA

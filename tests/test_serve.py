@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rakv.cli import Session, build_parser, main
+from rakv.cli import Run, build_parser, main
 from rakv.records import read_recording
 from rakv.serve import Server, StopText
 from tests.tiny import save_tiny
@@ -48,7 +48,7 @@ def server(model_dir, tmp_path_factory):
         mp.setenv("RAKV_CACHE", str(tmp_path_factory.getbasetemp() / "rakv-cache"))
         mp.setenv("RAKV_CONTENTION_CHECK", "0")
         args = serve_args(model_dir, "--record", str(rec))
-        s = Server(args, lambda on_record: Session(args, on_record=on_record)).start()
+        s = Server(args, lambda on_record: Run(args, on_record=on_record)).start()
         s.recording = rec
         yield s
         s.close()

@@ -22,7 +22,7 @@ from rakv.engine import Engine
 from rakv.kernels import blockq
 from rakv.kernels.lean import TreeLayout
 from rakv.prefix_cache import TokenHistory
-from rakv.sampling import Sampling
+from rakv.config import Sampling
 from rakv.tree import TokenTree, verify_tree, walk
 
 from .test_blockq import kernel, needs_onednn  # noqa: F401  (the kernel fixture)

@@ -8,7 +8,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout
                                QLabel, QLineEdit, QSlider, QSpinBox, QVBoxLayout, QWidget)
 
 from rakv.config import DEFAULT_K_SET, parse_k_set
-from rakv.sampling import Sampling, problem
+from rakv.config import Sampling, problem
 
 T_MAX = 2.0          # the temperature slider's range, in steps of T_STEP
 T_STEP = 0.05
@@ -33,7 +33,7 @@ class ControlsPanel(QWidget):
     kSetChanged = Signal(tuple)
     forceChanged = Signal(object)       # (r, k) or None
     granularityChanged = Signal(str)
-    samplingChanged = Signal(object)    # rakv.sampling.Sampling (valid), for the next request
+    samplingChanged = Signal(object)    # rakv.config.Sampling (valid), for the next request
 
     def __init__(self):
         super().__init__()

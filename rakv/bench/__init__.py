@@ -7,8 +7,9 @@
 
 Writes DIR/executions.csv (one row per timed execution), DIR/candidates.csv (the adaptive
 policies' predicted cost of every action), DIR/summary.md, PNG plots, meta.json and the cost
-profile used. Progress goes to stderr. See docs/results.md. ``--peer vllm``: the RAKV proposer
-against vLLM's own arms on a vLLM engine instead (``rakv/bench/vllm_peer.py``, docs/vllm.md).
+profile used. Progress goes to stderr. See docs/results.md. The peers (transformers, llama.cpp,
+vLLM) are rakv/bench/peers/, one interface; ``--peer vllm``: the RAKV proposer against vLLM's own
+arms on a vLLM engine instead (``rakv/bench/peers/vllm.py``, docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from rakv import argtypes as A
 
-from .workloads import ALL_WORKLOADS, WIKITEXT_ENV, WIKITEXT_HELP, WORKLOADS
+from rakv.workloads import ALL_WORKLOADS, WIKITEXT_ENV, WIKITEXT_HELP, WORKLOADS
 
 OUTPUT_FILES = ("executions.csv", "candidates.csv", "summary.md", "meta.json", "profile.json", "latency.png",
                 "predicted_vs_measured.png", "speedup_vs_alpha.png", "llama_cpp.json")
@@ -77,23 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: $RAKV_WIKITEXT; not shipped, CC BY-SA)")
     ap.add_argument("--seed", type=A.int_range(0), default=0)
     ap.add_argument("--k-set", default=None, help=f"K for the policies and the controller (default {FULL['k_set']})")
-    ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
-                    help="include the transformers peers (hf:assist, hf:confidence, hf:lookup)")
-    ap.add_argument("--peer-gguf", default=None, metavar="FILE",
-                    help="a GGUF of the target's weights: adds the llama.cpp peer (needs llama-cpp-python)")
-    ap.add_argument("--peer-llama-cpp", action="store_true",
-                    help="add llama.cpp's own tools as peers on the same GGUF files, request by request: "
-                         "llama.cpp:ar (llama-completion, greedy) and llama.cpp:spec:N (llama-speculative-simple "
-                         "with the draft's file); needs a GGUF target (a preset or .gguf) and the tools "
-                         "(bash scripts/build_llama_cpp.sh)")
-    ap.add_argument("--llama-cpp-dir", default=None, metavar="DIR",
-                    help="the folder holding llama-completion (or llama-cli) and llama-speculative-simple "
-                         "(default: the build script's, in the cache dir)")
-    ap.add_argument("--llama-cpp-draft-lengths", default=None, metavar="LIST",
-                    help="llama.cpp:spec:N arms, N = --spec-draft-n-max (default 2,4,8,16)")
-    from .vllm_peer import add_args as add_vllm_args
+    from .peers import PEERS
 
-    add_vllm_args(ap)
+    for peer in PEERS:
+        peer.add_args(ap)
     ap.add_argument("--lookup-k", type=A.int_range(1, 64), default=None, help="prompt_lookup_num_tokens (default: max K)")
     ap.add_argument("--budget-mib", type=A.finite_float(0), default=512.0)
     ap.add_argument("--recalibrate", action="store_true", help="measure the cost profile again before running")
@@ -139,20 +127,11 @@ def settings(args) -> dict:
     if {"wikitext", "mixed"} & set(s["workloads"]) and not (args.prompts or os.environ.get(WIKITEXT_ENV)):
         raise ValueError(WIKITEXT_HELP)        # before any model is loaded
     s["policies"] = policy_names(args.policies)
-    from .peers import LlamaCppPeer
-
-    if args.peer_gguf is not None and not Path(args.peer_gguf).expanduser().is_file():
-        raise ValueError(f"--peer-gguf {args.peer_gguf}: no such file")
-    LlamaCppPeer.configure(str(Path(args.peer_gguf).expanduser()) if args.peer_gguf else None)
-    why = LlamaCppPeer.available() if "llama.cpp" in (s["policies"] or []) else None
-    if why:
-        raise ValueError(why)
     check_out(args, s["workloads"])
-    from .llama_cli import configure
+    from .peers import PEERS
 
-    if getattr(args, "peer_llama_cpp", False) and args.temperature:
-        raise ValueError("--peer-llama-cpp runs llama.cpp greedy: use it with --temperature 0")
-    s["llama_cpp"] = configure(args)          # tools and GGUF files found (or one line) before any model loads
+    for peer in PEERS:          # each peer's settings found (or one line) before any model loads
+        peer.configure(args, s["policies"])
     return s
 
 
@@ -172,14 +151,14 @@ def policy_names(raw: list[str] | None) -> list[str] | None:
     """--policies split on commas and checked before any model is loaded (None: the default set)."""
     from rakv.config import Policy
 
-    from .peers import PEERS
+    from .peers import nameable
     from .runner import ADAPTIVE_ARMS
 
     if not raw:
         return None
     names = [n.strip().lower() for x in raw for n in x.split(",") if n.strip()]
     for n in names:
-        if n not in ADAPTIVE_ARMS + PEERS:
+        if n not in ADAPTIVE_ARMS and not nameable(n):
             Policy.parse(n)
     if not names:
         raise ValueError("--policies is empty")
@@ -198,28 +177,39 @@ def parse_workloads(text: str) -> list[str]:
     return names
 
 
-def load_models(args, draft_spec: str):
-    from rakv.common import device_kw, draft_vocab_of, load_pair
+def bench_config(args, s: dict):
+    """The bench's config: the model pair and its flags, K, the budget and the sampling (one seed
+    for every arm); each arm's engine sets its own policy."""
+    from rakv.common import device_kw, draft_vocab_of
     from rakv.config import RakvConfig
 
-    kw = device_kw(args)
+    return RakvConfig(target=args.target, draft=args.draft, revision=args.revision, dtype=args.dtype,
+                      numerics=getattr(args, "numerics", "auto"), draft_vocab=draft_vocab_of(args),
+                      draft_codes=getattr(args, "draft_codes", "auto") or "auto", threads=args.threads,
+                      k_set=tuple(s["k_set"]), budget_mib=args.budget_mib, sampling=bench_sampling(args),
+                      **device_kw(args))
+
+
+def load_session(args, config):
+    """The session of the bench's models (rakv.session.load; ``--tiny``: the tiny random pair);
+    its profile comes once the arms are known."""
+    from rakv.session import Session, load
+
     if args.tiny:
         from rakv.load.numerics import set_fast
 
         from .tiny import make_pair
 
-        target, draft = make_pair(draft_spec)
-        set_fast(target, kw["fast"])
+        target, draft = make_pair(config.draft)
+        set_fast(target, config.fast)
         if draft.has_model and draft.lm.fast:
-            set_fast(draft.lm, kw["fast"])
-        return target, draft
-    return load_pair(args, RakvConfig(target=args.target, draft=draft_spec, dtype=args.dtype,
-                                      numerics=getattr(args, "numerics", "auto"), draft_vocab=draft_vocab_of(args), draft_codes=getattr(args, "draft_codes", "auto") or "auto",
-                                      **kw))
+            set_fast(draft.lm, config.fast)
+        return Session(config, target, draft)
+    return load(config)
 
 
 def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
-    from . import workloads as W
+    from rakv import workloads as W
 
     if tokenizer is None:
         raise ValueError("the bench needs a target with a tokenizer")
@@ -267,20 +257,20 @@ def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
 
 
 def run(args, argv: list[str]) -> int:
-    from rakv.common import device_kw, draft_vocab_of, get_profile, quiet_libs
-    from rakv.config import RakvConfig
+    from rakv.common import quiet_libs
+    from rakv.decide.profile import save_profile
     from rakv.paths import log
 
-    from rakv.decide.profile import save_profile
 
+    from .peers import PEERS
     from .report import write_summary
-    from .runner import BenchContext, default_arm_names, parse_arms, run_streams
+    from .runner import Arm, BenchContext, default_arm_names, parse_arms, run_streams
 
-    from . import vllm_peer
-
-    vllm_peer.check_args(args)
-    if args.peer == "vllm":
-        return vllm_peer.run(args)
+    for peer in PEERS:
+        peer.check(args)
+    alone = next((p for p in PEERS if p.takes_over(args)), None)
+    if alone is not None:
+        return alone.run_alone(args)
     out = Path(args.out)
     if args.report_only:
         if not (out / "executions.csv").exists():
@@ -290,38 +280,28 @@ def run(args, argv: list[str]) -> int:
     quiet_libs()
     s = settings(args)
     t_start = time.perf_counter()
-    target, draft = load_models(args, args.draft)
+    session = load_session(args, bench_config(args, s))
+    target, draft = session.target, session.draft
     names = s["policies"] or default_arm_names(s["k_set"], args.peers, draft)
     if args.quick and not s["policies"]:
         names = [n for n in names if n in QUICK_POLICIES]
     arms = parse_arms(names, draft)
-    if s.get("llama_cpp") is not None:
-        from .runner import Arm
-
-        lc = s["llama_cpp"]
-        if lc.draft_gguf is None:
-            log(f"--peer-llama-cpp: the draft {args.draft!r} is no GGUF file, so llama.cpp runs without "
-                "speculation (llama.cpp:ar only)")
-        arms += [Arm(n, peer=True) for n in lc.arm_names()]
+    for peer in PEERS:          # the arms a peer's own flags ask for (--peer-llama-cpp)
+        arms += [Arm(n, peer=peer) for n in peer.added_arms(args, draft)]
     fixed_k = [a.action[1] for a in arms if a.action is not None]
     k_max = max(s["k_set"] + fixed_k + [1])
     lookup_k = args.lookup_k or max(s["k_set"] + [1])
     streams = build_streams(s, args, target.tokenizer, target.max_positions)
     if args.dry_run:
         return print_plan(streams, arms, s["repeats"])
-    profile = get_profile(target, draft, k_max, force=args.recalibrate, quick=args.quick or args.tiny,
-                          sampling=bench_sampling(args))
+    profile = session.calibrate(k_max, force=args.recalibrate, quick=args.quick or args.tiny)
     out.mkdir(parents=True, exist_ok=True)
     save_profile(profile, out / "profile.json")
-    config = RakvConfig(target=args.target, draft=args.draft, dtype=args.dtype, numerics=getattr(args, "numerics", "auto"),
-                        draft_vocab=draft_vocab_of(args), draft_codes=getattr(args, "draft_codes", "auto") or "auto",
-                        k_set=tuple(s["k_set"]),
-                        budget_mib=args.budget_mib, sampling=bench_sampling(args), **device_kw(args))
-    meta = run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile, config.sampling)
+    meta = run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile, session.config.sampling)
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     log(f"bench: {len(streams)} streams x {s['n_prompts']} requests x {s['repeats']} repeats x "
         f"{len(arms)} policies ({', '.join(a.name for a in arms)}) -> {out}")
-    ctx = BenchContext(target, draft, config, profile, arms, lookup_k, raw=args.raw, llama_cpp=s.get("llama_cpp"))
+    ctx = BenchContext(session, arms, lookup_k, raw=args.raw)
     n_exec, n_bad = run_streams(ctx, streams, s["repeats"], out, show_progress=not args.no_progress,
                                 resume=args.resume)
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
@@ -363,19 +343,17 @@ def run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile=None
                 started=time.strftime("%Y-%m-%dT%H:%M:%S"), elapsed_s=0.0,
                 regime=None if profile is None else regime(profile),
                 sampling=None if sampling is None else sampling.to_dict(),
-                llama_cpp=llama_cpp_meta(s.get("llama_cpp"), args))
+                **peer_meta(args))
 
 
-def llama_cpp_meta(lc, args) -> dict | None:
-    """What the llama.cpp peer ran: its tools, the files, the draft lengths, how the prompt was sent."""
-    if lc is None:
-        return None
-    return dict(tools=str(lc.tools.folder), completion=lc.tools.completion.name, target_gguf=lc.target_gguf,
-                draft_gguf=lc.draft_gguf, draft_lengths=list(lc.draft_lengths) if lc.draft_gguf else [],
-                prompt=("the text of the ids our bench feeds every policy (decoded with the special tokens kept, "
-                        "parsed by llama.cpp), " + ("raw" if args.raw else "through the chat template where "
-                                                    "the workload uses it")),
-                greedy=True)
+def peer_meta(args) -> dict:
+    """What the peers add to meta.json (llama_cpp: what llama.cpp's tools ran, None without them)."""
+    from .peers import PEERS
+
+    out: dict = {}
+    for peer in PEERS:
+        out.update(peer.meta(args))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -390,7 +368,7 @@ def bench_sampling(args):
     from dataclasses import replace
 
     from rakv.common import sampling_of
-    from rakv.sampling import draw_seed
+    from rakv.config import draw_seed
 
     s = sampling_of(args)
     return s if s.greedy or s.seed is not None else replace(s, seed=draw_seed())

@@ -380,7 +380,7 @@ def llama_cpp_table(rows: list[dict]) -> list[dict]:
     decode only), acceptance (sum accepted / sum drafted), and for each llama.cpp arm the paired
     median ratios of its tokens/s to our ar's, to our counterpart's (spec:N for llama.cpp:spec:N, ar
     for llama.cpp:ar) and to our fastest policy's (by median tokens/s)."""
-    from .llama_cli import PREFIX, is_arm
+    from .peers.llamacpp import PREFIX, is_arm
 
     pols = M.policies_in(rows)
     theirs = [p for p in pols if is_arm(p)]

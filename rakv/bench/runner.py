@@ -33,10 +33,10 @@ from rakv.config import Policy, RakvConfig
 from rakv.engine import Engine
 from rakv.acceptance import judged
 from rakv.records import Decision, Round, accept_len
+from rakv.session import Session
+from rakv.workloads import Request, TurnBuilder
 
-from .llama_cli import is_arm as is_llama_arm
-from .peers import DEFAULT_PEERS, PEERS, LlamaCppPeer, peer_available, run_peer
-from .workloads import Request, TurnBuilder
+from .peers import PEERS, Peer, peer_of
 
 now = time.perf_counter
 cpu_clock = time.thread_time
@@ -56,8 +56,8 @@ CAND_COLUMNS = ["rep", "cell", "index", "policy", "reuse", "k", "predicted_ms", 
 
 @dataclass(frozen=True)
 class Arm:
-    name: str                  # ar | kv | spec:K | joint:K | adaptive:request | adaptive:round | hf:*
-    peer: bool = False
+    name: str                  # ar | kv | spec:K | joint:K | adaptive:request | adaptive:round | a peer's arm
+    peer: Peer | None = None   # the peer that runs it (rakv.bench.peers); None: an engine policy
     policy: str = ""           # engine policy string
     granularity: str = "round"
 
@@ -77,10 +77,10 @@ def default_arm_names(k_set, peers: bool, draft) -> list[str]:
         names += ["adaptive:request", "adaptive:round"]
     elif not ks:
         names += ["adaptive:request"]
-    if peers:
-        names += [p for p in DEFAULT_PEERS + ("llama.cpp",) if peer_available(p, draft)]
     if _no_draft(draft):
-        names = [n for n in names if not (n.startswith(("spec:", "joint:", "hf:")))]
+        names = [n for n in names if not (n.startswith(("spec:", "joint:")))]
+    if peers:
+        names += [a for p in PEERS for a in p.default_arms(draft)]
     return names
 
 
@@ -102,13 +102,11 @@ def parse_arms(names: list[str], draft) -> list[Arm]:
             new = [Arm(n, policy="adaptive", granularity=n.split(":")[1])]
         elif n in GATE_ARMS:      # per request, with / without the gate
             new = [Arm(n, policy=n, granularity="request")]
-        elif n in PEERS:
-            why = LlamaCppPeer.available() if n == "llama.cpp" else None
+        elif (peer := peer_of(n)) is not None:
+            why = peer.why_not(n, draft)
             if why:
                 raise ValueError(why)
-            if not peer_available(n, draft):
-                raise ValueError(f"peer {n} needs a draft model (--draft is {getattr(draft, 'name', 'none')!r})")
-            new = [Arm(n, peer=True)]
+            new = [Arm(n, peer=peer)]
         else:
             p = Policy.parse(n)
             if p.k > 0 and _no_draft(draft):
@@ -147,23 +145,24 @@ class Slot:
     collector: Collector = field(default_factory=Collector)
 
 
-def make_slots(arms, target, draft, config: RakvConfig, profile, learned: dict | None = None) -> list[Slot]:
-    """Fresh engines for one stream. ``learned`` maps an adaptive arm to the profile it keeps
-    across streams (None: a throwaway copy, as for the warm-up)."""
+def make_slots(arms, session: Session, learned: dict | None = None) -> list[Slot]:
+    """Fresh engines over the session's models for one stream, each with the session's config
+    set to its arm's policy. ``learned`` maps an adaptive arm to the copy of the session's profile it
+    keeps across streams (None: a throwaway copy, as for the warm-up)."""
     slots = []
     for arm in arms:
         s = Slot(arm)
         if not arm.peer:
-            cfg = config.with_(policy=arm.policy, granularity=arm.granularity)
+            cfg = session.config.with_(policy=arm.policy, granularity=arm.granularity)
             prof = None
             if arm.policy.startswith("adaptive"):
                 if learned is None:
-                    prof = copy.deepcopy(profile)
+                    prof = copy.deepcopy(session.profile)
                 else:
                     if arm.name not in learned:
-                        learned[arm.name] = copy.deepcopy(profile)
+                        learned[arm.name] = copy.deepcopy(session.profile)
                     prof = learned[arm.name]
-            s.engine = Engine(target, draft, cfg, s.collector, prof)
+            s.engine = session.new_engine(s.collector, config=cfg, profile=prof)
         slots.append(s)
     return slots
 
@@ -226,45 +225,11 @@ def run_engine(slot: Slot, req: Request) -> tuple[dict, list[dict]]:
     return row, cands
 
 
-def run_peer_slot(slot: Slot, req: Request, target, draft, lookup_k: int, sampling=None) -> tuple[dict, list[dict]]:
-    dm = draft.lm.model if getattr(draft, "has_model", False) else None
-    s = None if sampling is None or sampling.greedy else sampling.for_request(req.index)
-    res = run_peer(slot.arm.name, target, dm, req.ids, req.gen, lookup_k, s)
-    n = len(res.output_ids)
-    row = dict(latency_ms=round(res.latency_ms, 3), ttft_ms=round(res.ttft_ms, 3),
-               tokens_per_s=round(n / (res.latency_ms / 1e3), 3) if res.latency_ms else 0.0, output_tokens=n,
-               drafted="", accepted="", rounds="", mean_accept_len="", alpha_req="", hit_tokens=0,
-               exact_repeat=0, reuse=0, k="", mean_k="", predicted_ms="",
-               stopped="eos" if n < req.gen else "max_new_tokens", _ids=res.output_ids)
-    return row, []
-
-
 def decode_tps(n: int, latency_ms: float, ttft_ms: float | None):
     """Tokens after the first over the time after the first: the decode rate, prompt excluded."""
     if ttft_ms is None or n < 2 or latency_ms <= ttft_ms:
         return ""
     return round((n - 1) / ((latency_ms - ttft_ms) / 1e3), 3)
-
-
-def run_llama_slot(slot: Slot, req: Request, ctx: "BenchContext") -> tuple[dict, list[dict]]:
-    """One llama.cpp tool run (rakv.bench.llama_cli) on the request's text, the same max new tokens."""
-    import torch
-
-    tok = ctx.target.tokenizer
-    prompt = tok.decode(list(req.ids), skip_special_tokens=False)
-    res = ctx.llama_cpp.run(slot.arm.name, prompt, req.gen, torch.get_num_threads())
-    ids = list(tok(res.text, add_special_tokens=False)["input_ids"]) if res.text else []
-    n = res.output_tokens if res.output_tokens is not None else len(ids)
-    row = dict(latency_ms=round(res.latency_ms, 3), ttft_ms="" if res.ttft_ms is None else round(res.ttft_ms, 3),
-               tokens_per_s=round(n / (res.latency_ms / 1e3), 3) if res.latency_ms else 0.0, output_tokens=n,
-               drafted="" if res.drafted is None else res.drafted, accepted="" if res.accepted is None else res.accepted,
-               rounds="", mean_accept_len="",
-               alpha_req=round(res.accepted / res.drafted, 4) if res.drafted else "", hit_tokens=0,
-               exact_repeat=0, reuse=0, k="", mean_k="", predicted_ms="",
-               stopped="eos" if n < req.gen else "max_new_tokens", _ids=ids, _text=res.text,
-               decode_tps=round(res.decode_tps, 3), peer_prompt_tokens=res.prompt_tokens,
-               peer_wall_ms=round(res.wall_ms, 1))
-    return row, []
 
 
 def same_text(theirs: str, ours: str) -> bool:
@@ -338,14 +303,26 @@ class CsvOut:
 
 @dataclass
 class BenchContext:
-    target: object
-    draft: object
-    config: RakvConfig
-    profile: object
+    session: Session           # the models, the bench's config and the calibrated profile
     arms: list[Arm]
     lookup_k: int
     raw: bool = False          # chat and conversation workloads: without the chat template
-    llama_cpp: object = None   # rakv.bench.llama_cli.LlamaCppCli: llama.cpp's tools as arms (--peer-llama-cpp)
+
+    @property
+    def target(self):
+        return self.session.target
+
+    @property
+    def draft(self):
+        return self.session.draft
+
+    @property
+    def config(self) -> RakvConfig:
+        return self.session.config
+
+    @property
+    def profile(self):
+        return self.session.profile
 
 
 NOT_COMPARED = -1    # "match" of an arm that is exact in distribution only (rejection verify, a sampling peer)
@@ -391,17 +368,15 @@ def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, ce
     rows, cands = [], []
     for pos, slot in enumerate(slots[i] for i in arm_order(len(slots), req.index, rep)):
         c0, w0 = cpu_clock(), now()
-        if slot.arm.peer and is_llama_arm(slot.arm.name):
-            row, cc = run_llama_slot(slot, req, ctx)
-        elif slot.arm.peer:
-            row, cc = run_peer_slot(slot, req, ctx.target, ctx.draft, ctx.lookup_k, ctx.config.sampling)
+        if slot.arm.peer:
+            row, cc = slot.arm.peer.run(slot.arm.name, req, ctx), []
         else:
             row, cc = run_engine(slot, req)
         wall = now() - w0
         # the main thread's CPU time over wall time: ~1 on a quiet machine (it computes or spins
         # through every forward); lower when another process took the CPU during this execution
         row["cpu_share"] = round(min(1.0, (cpu_clock() - c0) / wall), 3) if wall > 0 else ""
-        if slot.arm.peer and is_llama_arm(slot.arm.name):
+        if slot.arm.peer and slot.arm.peer.own_process:
             row["cpu_share"] = ""          # another process computes: this thread's share says nothing
         base = dict(rep=rep, cell=cell, index=req.index, workload=req.workload, kind=req.kind,
                     context_id=req.context_id, bucket=req.bucket, gen=req.gen, prompt_tokens=len(req.ids),
@@ -411,14 +386,14 @@ def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, ce
         if progress:
             progress.tick(f"{cell} #{req.index} {slot.arm.name}")
     ref = next(r["_ids"] for r in rows if r["policy"] == "ar")
-    peers = {s.arm.name for s in slots if s.arm.peer}
+    peers = {s.arm.name: s.arm.peer for s in slots if s.arm.peer}
     ref_text = None
     for r in rows:
         d = first_diff(r["_ids"], ref)
         r["match"], r["first_diff"] = int(d < 0), ("" if d < 0 else d)
         if not token_exact(ctx.config.sampling, r["policy"] in peers, getattr(ctx.target, "numerics", "fp32")):
             r["match"] = NOT_COMPARED
-        if is_llama_arm(r["policy"]):      # another program's arithmetic: its text is compared, not counted
+        if r["policy"] in peers and peers[r["policy"]].compare == "text":   # another program's arithmetic
             if ref_text is None:
                 ref_text = ctx.target.tokenizer.decode(ref, skip_special_tokens=True).strip()
             r["match"], r["text_match"] = NOT_COMPARED, int(same_text(r.get("_text", ""), ref_text))
@@ -428,7 +403,7 @@ def run_request(ctx: BenchContext, slots: list[Slot], req: Request, rep: int, ce
 
 def warm_up(ctx: BenchContext, req: Request) -> None:
     """Every arm once on one request with throwaway engines; nothing is recorded."""
-    slots = make_slots(ctx.arms, ctx.target, ctx.draft, ctx.config, ctx.profile)
+    slots = make_slots(ctx.arms, ctx.session)
     w = Request(req.index, req.workload, req.kind, req.bucket, min(req.gen, 8), req.ids, req.context_id)
     run_request(ctx, slots, w, 0, "warmup", None)
 
@@ -474,7 +449,7 @@ def run_streams(ctx: BenchContext, streams: dict[str, list[Request]], repeats: i
             for cell, stream in streams.items():
                 if (str(rep), cell) in done:
                     continue
-                slots = make_slots(ctx.arms, ctx.target, ctx.draft, ctx.config, ctx.profile, learned)
+                slots = make_slots(ctx.arms, ctx.session, learned)
                 turns = TurnBuilder(ctx.target.tokenizer, ctx.target.eos_ids, ctx.raw) if any(
                     r.turn for r in stream) else None
                 for req in stream:

@@ -245,7 +245,7 @@ def calibrate_draft(llm, ctl, spec: str, numerics: str, log=None) -> dict:
     """The model draft's per-token acceptance on this engine: the ``draft:K`` arm on shipped chat
     prompts; from vLLM's own counters, accepted / judged (the accepted drafts and each round's
     first rejected one). Its d and prefill cost as the worker measured them (the proposer's stats)."""
-    import rakv.bench.workloads as W
+    import rakv.workloads as W
 
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
@@ -277,7 +277,7 @@ def calibrate_draft(llm, ctl, spec: str, numerics: str, log=None) -> dict:
 def workload(n_copy: int = 5, n_chat: int = 5, tokenizer=None) -> list[dict]:
     """Copy-heavy prompts (rakv's ``repetitive`` workload: lists, code, tables to copy or continue,
     raw text) and open prompts (``chat-heldout``, through the model's chat template), alternating."""
-    import rakv.bench.workloads as W
+    import rakv.workloads as W
 
     src = W.repetitive_source(0)
     copies = [src.contexts[i] + src.suffixes[i % len(src.suffixes)] for i in range(n_copy)]

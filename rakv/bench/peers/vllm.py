@@ -1,4 +1,5 @@
-"""``rakv bench --peer vllm``: the RAKV proposer against vLLM's own arms, on one vLLM engine.
+"""``rakv bench --peer vllm``: the RAKV proposer against vLLM's own arms, on one vLLM engine
+(``VllmPeer``: it takes the whole run over, instead of the engine's policies).
 
 It runs ``python -m rakv.integrations.vllm_run bench`` in this Python when it has vLLM, else in
 the one ``RAKV_VLLM_PYTHON`` names (vLLM's CPU build lives in its own venv; docs/vllm.md). The
@@ -23,6 +24,8 @@ import sys
 from pathlib import Path
 
 from rakv import argtypes as A
+
+from .base import Peer
 
 VLLM_OUTPUTS = ("vllm.json", "vllm-summary.md", "vllm-proposer.json")
 DEFAULTS = dict(n_prompts=5, repeats=2, max_new_tokens=96)
@@ -124,3 +127,22 @@ def run(args) -> int:
     print(f"[rakv] bench --peer vllm: {calls_one + calls_b} generate calls ({', '.join(p['arms'])}; mode "
           f"{p['mode']}) -> {out}" + ("" if exe is None else f" (vLLM in {exe})"), file=sys.stderr, flush=True)
     return run_in_vllm_python(argv, exe)
+
+
+class VllmPeer(Peer):
+    """--peer vllm: the whole run is vLLM's (its own arms, workload and engine); the flags that go
+    with it are refused without it."""
+
+    name = "vLLM"
+
+    def add_args(self, ap) -> None:
+        add_args(ap)
+
+    def check(self, args) -> None:
+        check_args(args)
+
+    def takes_over(self, args) -> bool:
+        return args.peer == "vllm"
+
+    def run_alone(self, args) -> int:
+        return run(args)

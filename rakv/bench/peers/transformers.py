@@ -1,4 +1,4 @@
-"""Peer baselines run through transformers itself on the same models and prompts.
+"""The transformers peer: baselines run through transformers itself on the same models and prompts.
 
   hf:assist      ``model.generate(assistant_model=draft, do_sample=False)`` with the assistant's own
                  generation settings (transformers 5.x defaults: 20 tokens, constant schedule,
@@ -7,24 +7,19 @@
                  gate explicit: stop drafting below ``assistant_confidence_threshold`` (0.4; adapted
                  online only when scikit-learn is installed): transformers' counterpart of adaptive:gate.
   hf:lookup      ``model.generate(prompt_lookup_num_tokens=K, do_sample=False)`` (prompt lookup).
-  llama.cpp      llama.cpp (``llama_cpp``, llama-cpp-python: the ``peers`` extra, never required) on a
-                 GGUF of the target's weights given with ``--peer-gguf`` (e.g. an F32 one from llama.cpp's
-                 ``convert_hf_to_gguf.py --outtype f32``): greedy (top_k 1), the same prompt ids, no draft.
 
-TTFT is taken from a streamer: the time of the first ``put`` after the prompt's (llama.cpp: the
-first token's arrival).
+TTFT is taken from a streamer: the time of the first ``put`` after the prompt's. In the default set
+with --peers (hf:assist and hf:confidence only with a draft model; none with --draft none).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from .base import Peer, ids_row
 
-from rakv.device import clock as now, model_device
-
-PEERS = ("hf:assist", "hf:confidence", "hf:lookup", "llama.cpp")
-DEFAULT_PEERS = ("hf:assist", "hf:confidence", "hf:lookup")   # llama.cpp only when asked for (--peer-gguf)
+ARMS = ("hf:assist", "hf:confidence", "hf:lookup")
+NEEDS_DRAFT_MODEL = ("hf:assist", "hf:confidence")
 CONFIDENCE_THRESHOLD = 0.4      # transformers' default assistant_confidence_threshold
 
 
@@ -33,6 +28,12 @@ class PeerResult:
     output_ids: list[int]
     latency_ms: float
     ttft_ms: float
+
+
+def now() -> float:
+    from rakv.device import clock
+
+    return clock()
 
 
 class FirstTokenTimer:
@@ -65,59 +66,12 @@ def generate_kwargs(target, n: int, sampling=None) -> dict:
     return kw
 
 
-class LlamaCppPeer:
-    """llama.cpp on a GGUF, loaded once per thread count (torch's, so both sides get the same cores)."""
-
-    gguf: str | None = None
-    _llm = None
-    _threads = None
-
-    @classmethod
-    def configure(cls, gguf: str | None) -> None:
-        cls.gguf, cls._llm, cls._threads = gguf, None, None
-
-    @classmethod
-    def available(cls) -> str | None:
-        """Why the llama.cpp peer cannot run (None: it can)."""
-        if not cls.gguf:
-            return "the llama.cpp peer needs --peer-gguf FILE (a GGUF of the target's weights)"
-        try:
-            import llama_cpp  # noqa: F401
-        except Exception as e:  # noqa: BLE001 - an import that fails on a missing shared library too
-            return f"the llama.cpp peer needs llama-cpp-python (pip install 'rakv-explorer[peers]'): {e}"
-        return None
-
-    @classmethod
-    def llm(cls):
-        threads = torch.get_num_threads()
-        if cls._llm is None or cls._threads != threads:
-            from llama_cpp import Llama
-
-            cls._llm = Llama(model_path=cls.gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
-                             n_batch=512, verbose=False)
-            cls._threads = threads
-        return cls._llm
-
-    @classmethod
-    def run(cls, target, ids, n: int) -> PeerResult:
-        llm = cls.llm()
-        eos = set(target.eos_ids)
-        out: list[int] = []
-        t0 = now()
-        ttft = 0.0
-        for tok in llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            if not out:
-                ttft = (now() - t0) * 1e3
-            out.append(int(tok))
-            if tok in eos or len(out) >= n:
-                break
-        return PeerResult(out, (now() - t0) * 1e3, ttft)
-
-
 def run_peer(name: str, target, draft_model, ids, n: int, lookup_k: int, sampling=None) -> PeerResult:
-    """One peer execution; with ``sampling`` (not greedy) transformers samples, seeded by its seed."""
-    if name == "llama.cpp":
-        return LlamaCppPeer.run(target, ids, n)
+    """One transformers execution; with ``sampling`` (not greedy) transformers samples, seeded by its seed."""
+    import torch
+
+    from rakv.device import model_device
+
     x = torch.tensor([list(ids)], device=model_device(target.model))
     kw = generate_kwargs(target, n, sampling)
     if sampling is not None and not sampling.greedy:
@@ -147,8 +101,29 @@ def run_peer(name: str, target, draft_model, ids, n: int, lookup_k: int, samplin
     return PeerResult(out[0, x.shape[1]:].tolist(), latency, timer.ttft_ms or latency)
 
 
-def peer_available(name: str, draft) -> bool:
-    """hf:assist and hf:confidence need a draft model (not ngram / none); llama.cpp its GGUF and module."""
-    if name == "llama.cpp":
-        return LlamaCppPeer.available() is None
-    return name not in ("hf:assist", "hf:confidence") or getattr(draft, "has_model", False)
+class TransformersPeer(Peer):
+    name = "transformers"
+    arm_names = ARMS
+
+    def add_args(self, ap) -> None:
+        import argparse
+
+        ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                        help="include the transformers peers (hf:assist, hf:confidence, hf:lookup)")
+
+    def why_not(self, arm: str, draft) -> str | None:
+        if arm in NEEDS_DRAFT_MODEL and not getattr(draft, "has_model", False):
+            return f"peer {arm} needs a draft model (--draft is {getattr(draft, 'name', 'none')!r})"
+        return None
+
+    def default_arms(self, draft) -> list[str]:
+        if getattr(draft, "name", "none") == "none":
+            return []
+        return [a for a in ARMS if self.why_not(a, draft) is None]
+
+    def run(self, arm: str, req, ctx) -> dict:
+        dm = ctx.draft.lm.model if getattr(ctx.draft, "has_model", False) else None
+        sampling = ctx.config.sampling
+        s = None if sampling is None or sampling.greedy else sampling.for_request(req.index)
+        res = run_peer(arm, ctx.target, dm, req.ids, req.gen, ctx.lookup_k, s)
+        return ids_row(res.output_ids, res.latency_ms, res.ttft_ms, req.gen)

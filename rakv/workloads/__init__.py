@@ -1,4 +1,4 @@
-"""Workloads and request streams for ``rakv bench``.
+"""Workloads and request streams for ``rakv bench`` and the vLLM integration's runner (below both).
 
 A request is ``context + suffix`` as token ids, cut to a prompt-length bucket:
 the context (an article, a system prompt with few-shot examples, a list or code block) keeps its

@@ -1,6 +1,8 @@
-"""llama.cpp's own tools as a bench peer on the same GGUF files (``rakv bench --peer-llama-cpp``).
+"""The llama.cpp peers: llama.cpp's own tools on the same GGUF files (``rakv bench --peer-llama-cpp``,
+``LlamaCppToolsPeer``), and llama-cpp-python on a GGUF of the target's weights (``--peer-gguf``,
+``LlamaCppPeer``).
 
-Two kinds of arm, run as subprocesses on each request of the stream, interleaved with our policies
+llama.cpp's tools: two kinds of arm, run as subprocesses on each request of the stream, interleaved with our policies
 (they are arms of the same Williams order, request by request):
 
   llama.cpp:ar        ``llama-completion`` (``llama-cli`` on older trees): plain greedy decoding
@@ -22,6 +24,11 @@ not compared: another program's arithmetic).
 
 Build the tools with ``bash scripts/build_llama_cpp.sh`` (into the cache dir's
 ``llama.cpp/<version>/build/bin``) or point ``--llama-cpp-dir`` at a folder holding them.
+
+llama-cpp-python (``llama_cpp``: the ``peers`` extra, never required), the ``llama.cpp`` arm: on a
+GGUF of the target's weights given with ``--peer-gguf`` (e.g. an F32 one from llama.cpp's
+``convert_hf_to_gguf.py --outtype f32``): greedy (top_k 1), the same prompt ids, no draft; its TTFT
+is the first token's arrival.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .base import Peer, ids_row
 
 BUILD_SCRIPT = "scripts/build_llama_cpp.sh"
 DEFAULT_VERSION = "0.3.36"
@@ -327,3 +336,149 @@ def configure(args) -> LlamaCppCli | None:
         raise ValueError(f"--peer-llama-cpp needs a GGUF target (a preset such as qwen-coder-1.5b, or a .gguf "
                          f"file), not {args.target!r}")
     return LlamaCppCli(tools, target, gguf_of(args.draft), lengths)
+
+
+def meta_of(lc: LlamaCppCli | None, args) -> dict | None:
+    """What the llama.cpp tools ran: the tools, the files, the draft lengths, how the prompt was sent."""
+    if lc is None:
+        return None
+    return dict(tools=str(lc.tools.folder), completion=lc.tools.completion.name, target_gguf=lc.target_gguf,
+                draft_gguf=lc.draft_gguf, draft_lengths=list(lc.draft_lengths) if lc.draft_gguf else [],
+                prompt=("the text of the ids our bench feeds every policy (decoded with the special tokens kept, "
+                        "parsed by llama.cpp), " + ("raw" if args.raw else "through the chat template where "
+                                                    "the workload uses it")),
+                greedy=True)
+
+
+class LlamaCppToolsPeer(Peer):
+    """llama.cpp's tools as arms (--peer-llama-cpp): subprocesses, their text compared with ar's."""
+
+    name = "llama.cpp's tools"
+    own_process = True
+    compare = "text"
+
+    def __init__(self):
+        self.cli: LlamaCppCli | None = None
+
+    def add_args(self, ap) -> None:
+        ap.add_argument("--peer-llama-cpp", action="store_true",
+                        help="add llama.cpp's own tools as peers on the same GGUF files, request by request: "
+                             "llama.cpp:ar (llama-completion, greedy) and llama.cpp:spec:N (llama-speculative-simple "
+                             "with the draft's file); needs a GGUF target (a preset or .gguf) and the tools "
+                             f"(bash {BUILD_SCRIPT})")
+        ap.add_argument("--llama-cpp-dir", default=None, metavar="DIR",
+                        help="the folder holding llama-completion (or llama-cli) and llama-speculative-simple "
+                             "(default: the build script's, in the cache dir)")
+        ap.add_argument("--llama-cpp-draft-lengths", default=None, metavar="LIST",
+                        help="llama.cpp:spec:N arms, N = --spec-draft-n-max (default 2,4,8,16)")
+
+    def configure(self, args, policies) -> None:
+        if getattr(args, "peer_llama_cpp", False) and args.temperature:
+            raise ValueError("--peer-llama-cpp runs llama.cpp greedy: use it with --temperature 0")
+        self.cli = configure(args)          # tools and GGUF files found (or one line) before any model loads
+
+    def owns(self, arm: str) -> bool:
+        return is_arm(arm)
+
+    def added_arms(self, args, draft) -> list[str]:
+        if self.cli is None:
+            return []
+        if self.cli.draft_gguf is None:
+            from rakv.paths import log
+
+            log(f"--peer-llama-cpp: the draft {args.draft!r} is no GGUF file, so llama.cpp runs without "
+                "speculation (llama.cpp:ar only)")
+        return self.cli.arm_names()
+
+    def run(self, arm: str, req, ctx) -> dict:
+        """One tool run on the request's text, the same max new tokens."""
+        import torch
+
+        tok = ctx.target.tokenizer
+        prompt = tok.decode(list(req.ids), skip_special_tokens=False)
+        res = self.cli.run(arm, prompt, req.gen, torch.get_num_threads())
+        ids = list(tok(res.text, add_special_tokens=False)["input_ids"]) if res.text else []
+        n = res.output_tokens if res.output_tokens is not None else len(ids)
+        return dict(latency_ms=round(res.latency_ms, 3), ttft_ms="" if res.ttft_ms is None else round(res.ttft_ms, 3),
+                    tokens_per_s=round(n / (res.latency_ms / 1e3), 3) if res.latency_ms else 0.0, output_tokens=n,
+                    drafted="" if res.drafted is None else res.drafted,
+                    accepted="" if res.accepted is None else res.accepted, rounds="", mean_accept_len="",
+                    alpha_req=round(res.accepted / res.drafted, 4) if res.drafted else "", hit_tokens=0,
+                    exact_repeat=0, reuse=0, k="", mean_k="", predicted_ms="",
+                    stopped="eos" if n < req.gen else "max_new_tokens", _ids=ids, _text=res.text,
+                    decode_tps=round(res.decode_tps, 3), peer_prompt_tokens=res.prompt_tokens,
+                    peer_wall_ms=round(res.wall_ms, 1))
+
+    def meta(self, args) -> dict:
+        return {"llama_cpp": meta_of(self.cli, args)}
+
+
+class LlamaCppPeer(Peer):
+    """llama-cpp-python on --peer-gguf (the ``llama.cpp`` arm), loaded once per thread count (torch's,
+    so both sides get the same cores)."""
+
+    name = "llama.cpp"
+    arm_names = ("llama.cpp",)
+
+    def __init__(self):
+        self.gguf: str | None = None
+        self._llm = None
+        self._threads = None
+
+    def add_args(self, ap) -> None:
+        ap.add_argument("--peer-gguf", default=None, metavar="FILE",
+                        help="a GGUF of the target's weights: adds the llama.cpp peer (needs llama-cpp-python)")
+
+    def configure(self, args, policies) -> None:
+        if args.peer_gguf is not None and not Path(args.peer_gguf).expanduser().is_file():
+            raise ValueError(f"--peer-gguf {args.peer_gguf}: no such file")
+        self.gguf, self._llm, self._threads = (str(Path(args.peer_gguf).expanduser()) if args.peer_gguf else None,
+                                               None, None)
+        why = self.available() if "llama.cpp" in (policies or []) else None
+        if why:
+            raise ValueError(why)
+
+    def available(self) -> str | None:
+        """Why the llama.cpp peer cannot run (None: it can)."""
+        if not self.gguf:
+            return "the llama.cpp peer needs --peer-gguf FILE (a GGUF of the target's weights)"
+        try:
+            import llama_cpp  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - an import that fails on a missing shared library too
+            return f"the llama.cpp peer needs llama-cpp-python (pip install 'rakv-explorer[peers]'): {e}"
+        return None
+
+    def why_not(self, arm: str, draft) -> str | None:
+        return self.available()
+
+    def default_arms(self, draft) -> list[str]:
+        return list(self.arm_names) if self.available() is None else []
+
+    def llm(self):
+        import torch
+
+        threads = torch.get_num_threads()
+        if self._llm is None or self._threads != threads:
+            from llama_cpp import Llama
+
+            self._llm = Llama(model_path=self.gguf, n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+                              n_batch=512, verbose=False)
+            self._threads = threads
+        return self._llm
+
+    def run(self, arm: str, req, ctx) -> dict:
+        from rakv.device import clock as now
+
+        llm = self.llm()
+        eos = set(ctx.target.eos_ids)
+        out: list[int] = []
+        t0 = now()
+        ttft = 0.0
+        for tok in llm.generate(list(req.ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                reset=True):
+            if not out:
+                ttft = (now() - t0) * 1e3
+            out.append(int(tok))
+            if tok in eos or len(out) >= req.gen:
+                break
+        return ids_row(out, (now() - t0) * 1e3, ttft, req.gen)
