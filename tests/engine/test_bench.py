@@ -158,6 +158,7 @@ def test_chat_stream_kinds_and_template():
     assert list(raw[0].ids) == tok(prompts[int(raw[0].context_id.split("/")[1])], add_special_tokens=False)["input_ids"]
 
 
+@pytest.mark.fast
 def test_tiny_bench_chat_workload(tmp_path):
     out = tmp_path / "c"
     rc = main(["bench", "--tiny", "--workload", "chat,chat-heldout", "--policies", "kv", "--no-peers",

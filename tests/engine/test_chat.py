@@ -33,6 +33,7 @@ def ids_of(out) -> list[int]:
     return list(out["input_ids"]) if hasattr(out, "keys") else list(out)
 
 
+@pytest.mark.fast
 def test_encode_prompt_applies_the_template():
     tok = tiny_tokenizer(chat=True)
     want = ids_of(tok.apply_chat_template([{"role": "user", "content": TEXT}], add_generation_prompt=True))
@@ -76,6 +77,7 @@ def test_templated_generation_is_exact(chat_pair, policy):
         assert ends[1].hit_tokens >= starts[1].template_prefix and ends[2].exact_repeat
 
 
+@pytest.mark.fast
 def test_engine_raw_switch(chat_pair):
     target, _ = chat_pair
     eng = Engine(target, NgramDraft(), RakvConfig(policy="ar", chat_template=False))
@@ -248,6 +250,7 @@ def canonical_turn(conv: Conversation, tok, text: str, answer: str, eos: bool = 
     return conv.commit(out)
 
 
+@pytest.mark.fast
 def test_append_equals_template_when_the_answer_tokenizes_alike():
     tok = tiny_tokenizer(chat=True)
     conv = Conversation(tok, frozenset({tok.eos_token_id}))

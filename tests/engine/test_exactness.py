@@ -43,6 +43,7 @@ def test_ngram_draft_matches_oracle(pair, policy):
         assert_exact(eng.generate(p, N), target, p, N, policy)
 
 
+@pytest.mark.fast
 def test_partial_and_exact_hits_stay_exact():
     target, draft = make_pair("llama", "mostly")
     eng = Engine(target, ModelDraft(draft), RakvConfig(policy="joint:4"))
@@ -153,6 +154,7 @@ def test_int8_self_draft_is_exact_and_quantized(arch):
     assert end.accepted > 0
 
 
+@pytest.mark.fast
 def test_stop_before_and_during_a_request():
     target, draft = make_pair("llama", "identical")
     eng = Engine(target, ModelDraft(draft), RakvConfig(policy="spec:2"))

@@ -14,6 +14,7 @@ from rakv.drafts import ModelDraft
 from tests.tiny import make_pair
 
 
+@pytest.mark.fast
 def test_profile_key_names_numerics_and_threads(drafted, monkeypatch):
     target, draft = drafted
     fp = C.pair_fingerprint(target, draft)

@@ -25,6 +25,7 @@ def entry_bytes(n, layers=2, logits=8):
     return layers * 2 * (2 * n * 4 * 4) + logits * 4
 
 
+@pytest.mark.fast
 def test_bucket_is_blake2b_96_of_first_16_ids():
     ids = list(range(100, 140))
     want = hashlib.blake2b(np.asarray(ids[:16], dtype="<i4").tobytes(), digest_size=12).digest()
@@ -33,11 +34,13 @@ def test_bucket_is_blake2b_96_of_first_16_ids():
     assert bucket_digest(ids) != bucket_digest([0] + ids[1:])
 
 
+@pytest.mark.fast
 def test_lcp():
     a = np.array([1, 2, 3, 4]); b = np.array([1, 2, 9])
     assert lcp(a, b) == 2 and lcp(a, a) == 4 and lcp(a, a[:0]) == 0
 
 
+@pytest.mark.fast
 def test_lookup_longest_common_prefix_and_q_minus_1():
     c = PrefixCache(1 << 20)
     base = list(range(50))
@@ -64,6 +67,7 @@ def test_short_prompts_reuse_only_on_exact_repeat():
     assert c.lookup("m", [1, 2, 3, 4, 5]).q == 0
 
 
+@pytest.mark.fast
 def test_short_prompt_rule_at_15_16_17_tokens():
     """Under 16 tokens the bucket is the digest of all of them; from 16 on, of the first 16. So a
     15-token prompt meets only itself; 16 and 17 tokens with the same first 16 share a bucket."""
@@ -137,6 +141,7 @@ def test_entry_larger_than_budget_is_not_stored():
     assert len(c) == 1 and c.bytes_used == entry_bytes(10)
 
 
+@pytest.mark.fast
 def test_lru_eviction_never_exceeds_budget():
     c = PrefixCache(3 * entry_bytes(20))
     prompts = [[i] * 20 for i in range(5)]
@@ -151,6 +156,7 @@ def test_lru_eviction_never_exceeds_budget():
     assert [int(e.ids[0]) for e in c.entries()] == [3] and c.bytes_used <= c.budget
 
 
+@pytest.mark.fast
 def test_bytes_are_counted_for_real():
     c = PrefixCache(1 << 30)
     k = kv(7)
@@ -188,6 +194,7 @@ def test_exact_repeat_runs_no_target_forward_for_the_prompt(pair, monkeypatch):
     assert_exact(longer, target, p, 3)
 
 
+@pytest.mark.fast
 def test_partial_hit_recomputes_from_boundary(pair):
     target, draft = pair
     recs = []

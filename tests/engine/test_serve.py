@@ -75,6 +75,7 @@ def generate_json(capsys, model_dir, *argv) -> dict:
 
 
 # ----------------------------------------------------------------------------- the OpenAI client
+@pytest.mark.fast
 def test_openai_client_chat_and_completions(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -157,6 +158,7 @@ def test_conversation_turns_hit_the_cache(server):
 
 
 # ----------------------------------------------------------------------------- stop strings
+@pytest.mark.fast
 def test_stop_text_holds_back_a_stop_string_split_across_pieces():
     s = StopText(["END"])
     assert [s.push(p) for p in ("abc E", "N", "D tail")] == ["abc ", "", ""]
@@ -321,6 +323,7 @@ def rakv_cmd(*argv):
     return [sys.executable, "-m", "rakv", *argv], env
 
 
+@pytest.mark.fast
 def test_version():
     cmd, env = rakv_cmd("--version")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)

@@ -11,6 +11,8 @@ from rakv.cli import main
 from rakv.textstream import REPLACEMENT, TextStream
 from tests.tiny import save_tiny, tiny_tokenizer
 
+pytestmark = pytest.mark.fast      # the whole file is in the fast subset (docs/contributing.md#tests)
+
 MIXED = "héllo wörld — 日本語 🙂 The quick brown fox jumps over the lazy dog."
 
 

@@ -56,6 +56,7 @@ def _decode_path(m, ids, at, tokens) -> tuple[list[torch.Tensor], object]:
 
 
 # ----------------------------------------------------------------------------- the mask
+@pytest.mark.fast
 def test_the_tree_mask_on_a_branchy_tree():
     lay = TreeLayout([-1] + [p + 1 for p in BRANCHY_PARENTS])       # row 0: the pending token
     past = 5
@@ -75,6 +76,7 @@ def test_the_tree_mask_on_a_branchy_tree():
         TreeLayout([-1, 2, 0])
 
 
+@pytest.mark.fast
 def test_walk_accepts_the_target_path_and_stops_at_the_first_miss():
     tree = TokenTree(BRANCHY_TOKENS, BRANCHY_PARENTS)
     want = {0: 11, 1: 12, 2: 15, 5: 18}        # row -> the target's token after it
@@ -158,6 +160,7 @@ def test_ngram_tree_groups_every_occurrence_by_shared_prefix_and_keeps_the_heavi
     assert t2.tokens[:2] == [42, 43]
 
 
+@pytest.mark.fast
 def test_tree_policy_parses():
     p = Policy.parse("tree:8")
     assert (p.tree, p.reuse, p.k) == (True, True, 8)

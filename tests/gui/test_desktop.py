@@ -75,6 +75,7 @@ def test_explorer_says_one_line_instead_of_qts_abort(monkeypatch, capsys):
         assert sys.modules["PySide6.QtWidgets"].QApplication.instance() is None
 
 
+@pytest.mark.fast
 def test_fit_to_screen():
     assert desktop.fit((0, 0, 1600, 1000)) == (50, 30, 1500, 940)
     x, y, w, h = desktop.fit((0, 0, 1280, 720))

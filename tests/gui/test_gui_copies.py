@@ -117,6 +117,7 @@ def test_k0_copies_are_copies_in_every_panel(qtbot, win, tmp_path):
     win.leave_replay()
 
 
+@pytest.mark.fast
 def test_a_request_without_copies_says_plain_k(qtbot, win):
     """Without the gate (policy kv: reuse, k = 0) nothing is copied: the panels say k=0 alone."""
     win.run_panel.policy.setCurrentText("kv")

@@ -47,6 +47,7 @@ def test_layout_depths_and_rows():
     assert label("\n  x") == "\u21b5\u2423\u2423x" and label("abcdefghijklmnop").endswith("\u2026")
 
 
+@pytest.mark.fast
 def test_panel_draws_a_hand_made_tree(qtbot):
     p = TreePanel(lambda: (lambda tid: {9: "def", 11: " add", 12: "(", 13: "a", 20: ","}.get(tid, f"<{tid}>")))
     qtbot.addWidget(p)
@@ -62,6 +63,7 @@ def test_panel_draws_a_hand_made_tree(qtbot):
     assert not p.nodata.item.isVisible()
 
 
+@pytest.mark.fast
 def test_chain_round_says_no_tree(qtbot):
     p = TreePanel()
     qtbot.addWidget(p)

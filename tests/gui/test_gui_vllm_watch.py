@@ -60,6 +60,7 @@ def wait_poll(qtbot, w, pred) -> dict:
     return w.panel_snapshot()["vllm"]
 
 
+@pytest.mark.fast
 def test_watch_shows_acceptance_alpha_hit_rate_and_the_crossover(qtbot, tmp_path, srv, profile, errors):
     w = window(qtbot, tmp_path)
     try:

@@ -43,6 +43,7 @@ def _pair(arch: str, backend: str, agreement: str = "mostly"):
 
 
 # ----------------------------------------------------------------------------- chosen at load
+@pytest.mark.fast
 @needs_onednn
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_the_backend_is_chosen_at_load(arch):
@@ -152,6 +153,7 @@ def test_fingerprints_differ_between_backends():
 
 
 # ----------------------------------------------------------------------------- the interface
+@pytest.mark.fast
 def test_decoding_delegates_to_the_models_backend():
     """``rakv.decoding``'s primitives (what the engine calls, with the model) call its backend."""
     m = make_model("llama")

@@ -59,6 +59,7 @@ def _coded(kind: str, N: int = 96, K: int = 128, seed: int = 0) -> torch.Tensor:
     return lin.weight.detach().clone()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 def test_codes_rebuild_the_weights_bit_for_bit_and_nothing_else_gets_codes(kind):
     w = _coded(kind)
@@ -339,6 +340,7 @@ def test_every_output_token_is_decided_by_the_same_bits_through_the_engine(kerne
             assert eng.generate(a, 16).accepted > 0          # verifies did accept drafts
 
 
+@pytest.mark.fast
 def test_own_attention_is_causal_attention(kernel):
     """blockq.attend against torch's SDPA: GQA, a growing cache, rows that see 0..past + i."""
     torch.manual_seed(0)

@@ -13,6 +13,8 @@ from rakv.controller import E, AlphaEWMA, Controller, Situation
 from rakv.drafts import NoDraft
 from rakv.costs import CostProfile, interp, load_or_calibrate
 
+pytestmark = pytest.mark.fast      # the whole file is in the fast subset (docs/contributing.md#tests)
+
 
 def profile(t=10.0, d=2.0, V=None, T=(1.0, 0.5), D=(0.5, 0.1), alpha0=0.5, clone=0.0):
     V = V or {k: t * (1 + 0.1 * k) for k in range(1, 9)}

@@ -8,6 +8,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fast      # the whole file is in the fast subset (docs/contributing.md#tests)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -17,6 +17,8 @@ from rakv.models import ModelError, narrow_draft, set_numerics
 from rakv.sampling import Sampling
 from tests.tiny import make_pair, synthetic_profile
 
+pytestmark = pytest.mark.fast      # the whole file is in the fast subset (docs/contributing.md#tests)
+
 kernel = pytest.mark.skipif(blockq.library() is None, reason=f"no block kernel: {blockq.reason()}")
 
 

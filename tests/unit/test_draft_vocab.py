@@ -34,6 +34,7 @@ def _pair(numerics: str, agreement: str = "mostly"):
     return t, d
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("numerics", ["fp32", "q8"])
 def test_the_limited_head_is_the_whole_heads_rows(numerics):
     _, d = _pair(numerics)
@@ -80,6 +81,7 @@ def test_seeded_sampling_is_exact_with_a_limited_draft():
     d.model._rakv_lean.limit_head(None)
 
 
+@pytest.mark.fast
 def test_only_a_large_vocabulary_is_limited():
     t, d = _pair("fp32")
     assert draft_vocab(d, d.vocab_size // 2 + 1) == 0 and draft_vocab(d, d.vocab_size // 2) == d.vocab_size // 2

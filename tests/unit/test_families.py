@@ -140,6 +140,7 @@ def test_hf_forward_on_sliding_windows_stays_exact_too(name, monkeypatch):
             assert eng.generate(p, 20).output_ids == want[tuple(p)], (policy, p)
 
 
+@pytest.mark.fast
 def test_what_the_lean_forward_does_not_reproduce_runs_hf():
     g = make_family("gemma3")
     g.config.use_bidirectional_attention = True

@@ -51,6 +51,7 @@ def test_engaged_on_every_linear_and_same_greedy_ids(arch, monkeypatch):
             assert eng.generate(p, 20).output_ids == ref[tuple(p)], (policy, p)
 
 
+@pytest.mark.fast
 @needs_onednn
 def test_switch_off_and_env(monkeypatch):
     lm = wrap(make_model("llama"), name="t", fast=False)
@@ -100,6 +101,7 @@ def test_int8_draft_of_a_fast_target_and_deepcopy():
 
 
 # ----------------------------------------------------------------------------- devices
+@pytest.mark.fast
 def test_device_resolution_here():
     assert resolve("cpu") == "cpu"
     if not torch.cuda.is_available() and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):

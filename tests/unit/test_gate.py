@@ -156,6 +156,7 @@ def test_lookup_in_k0_rounds_gains_where_no_model_draft_pays(arch):
     assert gate[3] < plain[3] // 2 and gate[4] < plain[4] // 2     # the repeats copy: far fewer forwards
 
 
+@pytest.mark.fast
 def test_lookup_is_not_verified_when_a_verify_costs_three_steps():
     target, draft = make_pair("llama", "mostly")
     target.eos_ids = frozenset()

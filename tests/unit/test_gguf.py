@@ -164,6 +164,7 @@ def _count_conversions(monkeypatch) -> list:
 PROMPT = [(7 * i + 3) % 300 for i in range(12)]
 
 
+@pytest.mark.fast
 def test_the_tiny_gguf_is_the_model_for_transformers(tmp_path):
     f, m = _tiny_gguf(tmp_path)
     _same_weights(_hf_gguf(f), m)          # the writer lays it out as llama.cpp's converter does
@@ -305,6 +306,7 @@ def test_a_conversion_that_cannot_be_loaded_even_when_made_again_names_the_folde
     M.load_model(str(f), fast=False)          # converted afresh
 
 
+@pytest.mark.fast
 def test_a_gguf_the_loader_cannot_read_is_one_clear_error(tmp_path):
     f = tmp_path / "junk.gguf"
     f.write_bytes(b"GGUF" + b"\0" * 64)

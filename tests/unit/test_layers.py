@@ -12,6 +12,10 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fast      # the whole file is in the fast subset (docs/contributing.md#tests)
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("rakv", "app")
 

@@ -53,6 +53,7 @@ def test_lean_logits_equal_hf_prefill_verify_and_step(fast, arch):
     torch.testing.assert_close(dec.forward(m, ids[36:38], c_lean), _hf(m, ids[36:38], c_hf), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.fast
 @needs_onednn
 def test_lean_is_attached_with_the_fast_path_and_switched_off(monkeypatch):
     lm = wrap(make_model("llama"), name="t", fast=True)

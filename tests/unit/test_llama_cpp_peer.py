@@ -20,6 +20,8 @@ import pytest
 
 from rakv.bench import llama_cli as L
 
+pytestmark = pytest.mark.fast      # the whole file is in the fast subset (docs/contributing.md#tests)
+
 DATA = Path(__file__).resolve().parents[1] / "data" / "llama_cpp"
 
 

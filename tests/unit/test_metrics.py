@@ -53,6 +53,7 @@ REQ1 = ({(0, 0): [200, 210, 190], (1, 0): [205, 195, 215], (0, 2): [120, 121, 11
         [(0, 2), (0, 2), (0, 2)], [121, 120, 122])
 
 
+@pytest.mark.fast
 def test_oracle_is_the_median_of_repeats_with_its_spread():
     rows, _ = build([REQ0])
     s = M.action_spreads(rows)[("w/P32/N8", 0)]
@@ -199,6 +200,7 @@ def test_summary_renders_the_papers_table_per_regime(tmp_path):
     assert "run 2" in both and both.count("no-pay: prose") == 2 and "83.3%" in both and "avx512_vnni" in both
 
 
+@pytest.mark.fast
 def test_regime_states_whether_speculation_can_pay():
     info = "processor\t: 0\nflags\t\t: fpu sse sse4_2 avx f16c avx2 fma\n"
     assert cpu_flags(info) == ["sse4_2", "avx", "avx2", "fma", "f16c"]

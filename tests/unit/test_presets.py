@@ -16,6 +16,8 @@ import pytest
 
 import rakv.presets as P
 
+pytestmark = pytest.mark.fast      # the whole file is in the fast subset (docs/contributing.md#tests)
+
 PARTS = [b"GGUF" + bytes(range(7)) * 3, b"second slice \x00\x01", b"the end"]
 WHOLE = b"".join(PARTS)
 

@@ -51,6 +51,7 @@ def test_the_kernel_equals_the_torch_reference_bit_for_bit(kind, K):
             assert torch.equal(b(x[i:i + 1], bias)[0], got[i])
 
 
+@pytest.mark.fast
 @kernel
 def test_q8_numerics_stay_close_to_the_fp32_linear():
     """Not a bit-exactness property: the 8-bit activations move a dot product by well under 1%
@@ -301,6 +302,7 @@ def test_numerics_switch_back_and_name_the_key():
     assert target.key == key and _ar(target) == fp
 
 
+@pytest.mark.fast
 def test_auto_numerics_follow_the_model_form():
     assert resolve_numerics("demo") == "q8" and resolve_numerics("x/model.GGUF") == "q8"
     assert resolve_numerics("./some_dir") == "fp32" and resolve_numerics("gpt2", "q8") == "q8"

@@ -81,6 +81,7 @@ OTHER = [c for c in COMMANDS if why_not_run(rakv_argv(c)) is not None] + DOCS
 RUN = [c for c in COMMANDS if why_not_run(rakv_argv(c)) is None]
 
 
+@pytest.mark.fast
 def test_the_readme_shows_commands_that_run_without_a_model():
     assert len(COMMANDS) >= 8 and len(RUN) >= 3, (COMMANDS, RUN)
 
@@ -95,6 +96,7 @@ def test_cheap_command_runs_as_shown(command, tmp_path):
     assert r.returncode == 0, f"{command}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("command", OTHER)
 def test_every_other_command_parses(command, tmp_path, monkeypatch, capsys):
     argv = rakv_argv(command)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rakv.config import RakvConfig
 from rakv.drafts import ModelDraft
 from rakv.engine import Engine
@@ -56,6 +58,7 @@ def test_recording_is_flushed_per_line_and_round_trips(tmp_path):
     assert rows[0]["output_tokens"] == len(ends[0].output_ids) == 10
 
 
+@pytest.mark.fast
 def test_session_state_sums_exploration():
     """The explorer's status line shows what probes cost, per request and as a session share."""
     from app.state import SessionState

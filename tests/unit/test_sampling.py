@@ -41,6 +41,7 @@ def full_argmax(logits: torch.Tensor, s: Sampling, position: int, stream: str = 
 
 # ------------------------------------------------------------------------------------- settings
 
+@pytest.mark.fast
 def test_defaults_are_greedy_and_key():
     s = Sampling()
     assert s.greedy and s.key() == "greedy" and s.seed is None and s.verify == "seeded"
@@ -70,6 +71,7 @@ def test_for_request_and_to_dict():
     ({"min_p": 1.0}, "min-p"), ({"min_p": -0.1}, "min-p"), ({"seed": -1}, "seed"),
     ({"seed": 2**63}, "seed"), ({"seed": 1.5}, "seed"), ({"verify": "greedy"}, "verify"),
 ])
+@pytest.mark.fast
 def test_problem_names_the_bad_value(kw, word):
     msg = problem(Sampling(**kw))
     assert msg is not None and msg.startswith(word) and "\n" not in msg
@@ -102,6 +104,7 @@ def splitmix64_reference(state: int, count: int) -> list[int]:
     return out
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("seed, position", [(0, 0), (1, 7), (2**63 - 1, 10**12), (123456789, 2**40)])
 def test_torch_hash_is_splitmix64(seed, position):
     """The vectorised int64 arithmetic (wrap-around multiply, masked shifts) gives splitmix64's
@@ -204,6 +207,7 @@ def test_positions_seeds_and_streams_give_unrelated_noise():
         assert abs(float(a.mean())) < 5 / math.sqrt(V - lag)
 
 
+@pytest.mark.fast
 def test_noise_is_standard_gumbel():
     """Mean (Euler's gamma) and variance (pi^2 / 6) within 5 standard errors; the CDF
     exp(-exp(-g)) within 5 binomial standard errors at seven points, pooled over 120 positions."""
@@ -231,6 +235,7 @@ def test_sample_equals_argmax_over_the_whole_noise(V):
         assert sample(logits, s, trial) == full_argmax(logits, s, trial), (V, trial)
 
 
+@pytest.mark.fast
 def test_sample_rows_equals_sample_row_by_row():
     g = gen(3)
     logits = torch.randn(6, 5000, generator=g) * 4
@@ -322,6 +327,7 @@ def test_top_k_keeps_ties_and_ignores_k_past_v():
         assert sorted(kept(v.tolist(), Sampling(0.7, top_k=k, seed=1))) == sorted(v.topk(k).indices.tolist())
 
 
+@pytest.mark.fast
 def test_top_p_keeps_the_token_that_crosses():
     p = logs(0.5, 0.3, 0.2)
     assert kept(p, Sampling(1.0, top_p=0.5, seed=1)) == [0]              # mass ahead of token 1 is 0.5 >= 0.5
@@ -381,6 +387,7 @@ def hf_filtered(z: torch.Tensor, s: Sampling) -> torch.Tensor:
     return scores[0]
 
 
+@pytest.mark.fast
 def test_filters_agree_with_transformers():
     """Kept sets identical and log-probabilities equal to 1e-5 on random logits (no exact ties,
     so the documented tie and rounding differences do not arise)."""
@@ -408,6 +415,7 @@ def test_accept_seeded_is_the_longest_equal_prefix():
     assert accept_seeded([4], [1, 2]) == 0
 
 
+@pytest.mark.fast
 def test_accept_rejection_edges():
     V = 6
     p = torch.tensor([0.5, 0.3, 0.1, 0.1, 0.0, 0.0]).log()
@@ -430,6 +438,7 @@ def test_accept_rejection_edges():
         accept_rejection(torch.randn(3, V), None, [1, 2, 3], s, 0)
 
 
+@pytest.mark.fast
 def test_the_kernel_sampler_gives_the_torch_ops_token(monkeypatch):
     """The kernel library's one-call sampler (RAKV_C_SAMPLER=1, the default on CPU) and torch's ops
     give the same token for every row: random, peaked and flat logits, -inf entries, V around block

@@ -89,6 +89,7 @@ def chi_square_p(counts: list[int], probs: list[float]) -> float:
     return chi2_sf(stat, len(big) - 1)
 
 
+@pytest.mark.fast
 def test_chi2_sf_known_values():
     assert chi2_sf(0.0, 3) == 1.0
     for stat, dof, want in [(3.841458820694124, 1, 0.05), (10.827566170662733, 1, 0.001),

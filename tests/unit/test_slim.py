@@ -46,6 +46,7 @@ def _linears(lm):
     return [(n, m) for n, m in lm.model.named_modules() if isinstance(m, FastLinear)]
 
 
+@pytest.mark.fast
 @kernel
 @needs_onednn
 def test_the_converted_folder_holds_no_fp32_copy_of_a_coded_weight(kquant):

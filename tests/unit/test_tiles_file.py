@@ -13,7 +13,8 @@ from rakv.kernels import blockq
 from rakv.models import set_numerics
 from tests.tiny import make_pair
 
-pytestmark = pytest.mark.skipif(blockq.library() is None, reason=f"no block kernel: {blockq.reason()}")
+pytestmark = [pytest.mark.skipif(blockq.library() is None, reason=f"no block kernel: {blockq.reason()}"),
+              pytest.mark.fast]      # the whole file is in the fast subset (docs/contributing.md#tests)
 gguf = pytest.importorskip("gguf")
 
 

@@ -40,6 +40,7 @@ def test_rakv_imports_without_vllm():
     assert out.stdout.strip() == "[[]]"
 
 
+@pytest.mark.fast
 def test_verify_costs_interpolate_and_floor():
     V = VP.verify_costs({"t_ms": 10.0, "V_ms": {"1": 11.0, "4": 14.0, "8": 22.0}}, 10)
     assert V[0] == 10.0 and V[1] == 11.0 and V[4] == 14.0 and V[8] == 22.0
@@ -49,6 +50,7 @@ def test_verify_costs_interpolate_and_floor():
     assert len(VP.verify_costs(None, 5)) == 6
 
 
+@pytest.mark.fast
 def test_alpha_star_is_the_crossover():
     V = [10.0, 12.0, 14.0, 41.0]
     s = VP.alpha_star(V)
@@ -68,6 +70,7 @@ def _row(ids, width=256):
 PROFILE = {"t_ms": 60.0, "V_ms": {"1": 62.0, "2": 64.0, "4": 68.0, "8": 76.0}}
 
 
+@pytest.mark.fast
 def test_copies_are_proposed_and_acceptance_is_told_back():
     p = VP.RakvProposer(k_max=8, max_model_len=256, profile=PROFILE)
     block = list(range(10, 40))
@@ -81,6 +84,7 @@ def test_copies_are_proposed_and_acceptance_is_told_back():
     assert len(d2) >= len(d)
 
 
+@pytest.mark.fast
 def test_no_match_proposes_nothing_and_open_text_stays_plain():
     p = VP.RakvProposer(k_max=8, max_model_len=256, profile=PROFILE)
     ids = list(range(100, 140))                   # nothing repeats: no lookup, a plain step
@@ -88,6 +92,7 @@ def test_no_match_proposes_nothing_and_open_text_stays_plain():
     assert p.propose([[]], np.array([len(ids)]), _row(ids)) == [[]]          # a prefill chunk: nothing
 
 
+@pytest.mark.fast
 def test_rejected_copies_lower_the_request_trust():
     p = VP.RakvProposer(k_max=8, max_model_len=256, profile=PROFILE)
     rq = VP._Req(n=0, pending=((0.6, 0.7, 0.75), (0.5, 0.5, 0.5), "copy"))
@@ -100,6 +105,7 @@ def test_rejected_copies_lower_the_request_trust():
     assert len(doubted) < len(fresh)             # its own rejected copies cut the next verify
 
 
+@pytest.mark.fast
 def test_requests_are_tracked_across_rows():
     p = VP.RakvProposer(k_max=4, max_model_len=256, profile=PROFILE)
     a = [1, 2, 3, 4, 1, 2]
@@ -330,6 +336,7 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250.0
 """
 
 
+@pytest.mark.fast
 def test_metrics_acceptance():
     from rakv.integrations.vllm_advise import acceptance, parse_prometheus, spec_counters
 
@@ -390,6 +397,7 @@ def test_profile_batches_and_nearest_batch():
             VP.profile_batches(bad)
 
 
+@pytest.mark.fast
 def test_verify_costs_for_batch():
     assert VP.verify_costs_for_batch(BATCHED, 8, 1) == VP.verify_costs(BATCHED, 8)       # batch 1: today's costs
     V4 = VP.verify_costs_for_batch(BATCHED, 8, 3)                                          # 3: nearest is 4
@@ -479,6 +487,7 @@ class _FakeLLM:
         return self.metrics
 
 
+@pytest.mark.fast
 def test_counters_and_summaries():
     from rakv.integrations import vllm_run as R
 

@@ -194,6 +194,7 @@ def test_the_profile_names_the_draft_and_its_acceptance(monkeypatch):
     assert VP.RakvProposer(k_max=8, max_model_len=WIDTH, profile=prof).draft_spec == ("demo", "fp32")
 
 
+@pytest.mark.fast
 def test_worth_starting_and_remaining():
     assert VD.remaining(1) == VD.REMAINING_MIN and VD.remaining(100) == 100
     assert VD.worth_starting(100.0, 20.0, 60.0, 16)          # 16 x 40 ms saved > 100 ms
@@ -224,6 +225,7 @@ def test_switch_arms_share_one_draft(target, tmp_path, monkeypatch):
     assert set(sw.stats()) == {"rakv", "rakvcopy", "draft:3"}
 
 
+@pytest.mark.fast
 def test_a_rows_costs_follow_the_batch_size():
     """At batch B a row's share of a step is V_B(k) / B (the nearest measured B); batch 1 as measured."""
     prof = dict(PROFILE, by_batch={"4": {"t_ms": 100.0, "V_ms": {"1": 110.0, "2": 120.0, "4": 140.0, "8": 200.0}}})

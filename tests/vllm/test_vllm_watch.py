@@ -14,6 +14,8 @@ from rakv.integrations.vllm_advise import acceptance, parse_prometheus, spec_cou
 from rakv.integrations.vllm_proposer import alpha_star, verify_costs
 from tests.vllm.vllm_metrics import MetricsServer, metrics_text, state
 
+pytestmark = pytest.mark.fast      # the whole file is in the fast subset (docs/contributing.md#tests)
+
 S0 = state(100, [60, 45, 30, 15], 4, queries=1000, hits=250, prompt=1000, generation=400, success=5,
            itl=[0.02] * 10)
 S1 = state(150, [100, 80, 50, 20], 4, queries=1400, hits=550, prompt=1400, generation=650, success=8,
