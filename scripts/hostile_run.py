@@ -446,7 +446,7 @@ def gguf_cases(r: Runner, M: Path) -> None:
     """A conversion into a disk that fills up (a file-size limit: the write fails with EFBIG as on
     ENOSPC), then the next run, which must convert again and say why."""
     try:
-        from tests.test_gguf import _tiny_gguf
+        from tests.unit.test_gguf import _tiny_gguf
     except Exception as e:  # noqa: BLE001
         print(f"skipping the GGUF cases: {e}", file=sys.stderr)
         return

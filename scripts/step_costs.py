@@ -3,7 +3,7 @@ form, the forms alternated over rounds (docs/fastpath.md, "q8 numerics").
 
 Forms: ``tiles`` (the default: tiled codes, VNNI), ``amx`` (tiled codes, AMX tiles for 2+ rows where
 the CPU allows them: ``RAKV_AMX=1``), ``lanes`` (the lane form: ``RAKV_TILES=0``).
-Every form computes the same bits (tests/test_q8.py); the script checks the argmax of each forward
+Every form computes the same bits (tests/unit/test_q8.py); the script checks the argmax of each forward
 agrees across forms.
 
     .venv/bin/python scripts/step_costs.py --target qwen-coder-1.5b --forms tiles,amx,lanes --threads 2

@@ -1,4 +1,4 @@
-/* The block kernel's arithmetic written out plainly, one output at a time (tests/test_blockq.py
+/* The block kernel's arithmetic written out plainly, one output at a time (tests/unit/test_blockq.py
    compares rakv/kernels/blockq.c with it bit for bit).
 
    y[r][n] = tree16(lanes) (+ bias[n]): lane l (0..15) starts at 0 and adds, block after block b,
