@@ -200,17 +200,23 @@ class LanePool:
     def __init__(self, engine, n: int, on_step=None):
         self.base = engine
         self.batcher = Batcher(on_step)
-        self._free = [engine.lane() for _ in range(max(1, n))]
+        self.lanes = [engine] + [engine.lane() for _ in range(max(1, n) - 1)]
+        self._free = list(reversed(self.lanes))
         self._cv = threading.Condition()
         self._next_id = engine._next_id
         for lm in {id(m): m for m in (engine.target, getattr(engine.draft, "lm", None)) if m is not None}.values():
             join_batcher(lm, self.batcher)
 
+    busy = 0
+
     @property
     def size(self) -> int:
-        return len(self._free) + self.busy
+        return len(self.lanes)
 
-    busy = 0
+    def stop_all(self) -> None:
+        """Every running request ends within its round."""
+        for e in self.lanes:
+            e.stop()
 
     @contextmanager
     def lane(self, timeout: float | None = None):

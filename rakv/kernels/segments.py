@@ -51,6 +51,8 @@ def segments_ok(lean, caches) -> bool:
     alone), the C layers on, and every cache already holding a prompt the kernel's attention reads."""
     if lean is None or not lean.rows_alone() or not lean.c_layers_on() or lean.dtype != torch.float32:
         return False
+    if getattr(lean, "family", "") != "llama" or list(getattr(lean, "ropes", {})) != [""]:
+        return False                     # (GPT-2's learned positions: its rows run alone)
     if blockq.library() is None or not hasattr(blockq.library(), "rakv_decode_segments"):
         return False
     for c in caches:
