@@ -70,6 +70,11 @@ class DraftSource:
     def commit(self, ids: list[int]) -> None:
         pass
 
+    def fork(self) -> "DraftSource":
+        """A source for another request stream running beside this one (a lane): shares what is
+        read-only (a model's weights), owns its own per-request state."""
+        return type(self)()
+
     def end(self) -> None:
         pass
 
@@ -91,6 +96,9 @@ class NgramDraft(DraftSource):
     def begin(self, prompt_ids, store, reuse):
         """Reuse (r = 1) also looks up what earlier requests of this store generated."""
         self.history = store.history if (store is not None and reuse and len(store.history)) else None
+
+    def fork(self) -> "NgramDraft":
+        return NgramDraft(self.sizes)
 
     def end(self) -> None:
         self.history = None
@@ -379,6 +387,9 @@ class ModelDraft(DraftSource):
             self.name = f"{lm.name} ({vocab} ids)"
             self.key = f"{lm.key}+v{vocab}"          # its own cost profile (its step is cheaper)
         self._reset()
+
+    def fork(self) -> "ModelDraft":
+        return ModelDraft(self.lm, self.vocab)
 
     def _reset(self):
         self.cache = None
