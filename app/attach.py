@@ -44,9 +44,12 @@ def records_of(dicts: list) -> list:
     out = []
     for d in dicts:
         try:
-            out.append(from_dict(d))
+            rec = from_dict(d)
         except (RecordingError, TypeError):
             continue
+        if not hasattr(rec, "predicted_ms") and isinstance(d.get("predicted_ms"), (int, float)):
+            rec.predicted_ms = d["predicted_ms"]     # a step's predicted cost, from a server newer than this schema
+        out.append(rec)
     return out
 
 

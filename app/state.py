@@ -8,10 +8,11 @@ per record on the GUI thread); panels read the state on a timer and redraw only 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rakv.decide.gate import Reliability
 from rakv.records import CacheLookup, Decision, OracleResult, RequestEnd, RequestStart, Round, RunHeader
+from rakv.records import Step
 
 # token provenance (the token stream's colours)
 PROMPT = "prompt"          # prompt token prefilled by the target this request
@@ -25,6 +26,8 @@ STORED = "stored"          # first token served from stored logits (exact repeat
 KINDS = (REUSED, BOUNDARY, PROMPT, TARGET, DRAFT, COPY, STORED)
 
 MAX_ROUNDS_KEPT = 2000     # rounds kept for the alpha/timeline plots (older ones are dropped)
+MAX_ENDED_KEPT = 64        # finished requests whose whole view (tokens, rounds) is kept; open ones always are
+MAX_STEPS_KEPT = 400       # shared steps kept for the batch panel
 
 
 @dataclass
@@ -161,12 +164,11 @@ class Exchange:
 
 
 @dataclass
-class SessionState:
-    records: list = field(default_factory=list)
-    header: RunHeader | None = None
-    version: int = 0
-    running: bool = False
-    # current request
+class RequestView:
+    """One request as the panels show it: its prompt and tokens, rounds, decisions and cache lookup.
+    A session keeps one per request (several are open at once under ``rakv serve --parallel``); the
+    panels show the selected one (``SessionState.shown``)."""
+
     request_id: int = -1
     policy: str = ""
     prompt_text: str = ""
@@ -174,23 +176,81 @@ class SessionState:
     templated: bool = False      # the prompt went through the chat template
     template_prefix: int = 0     # S: leading prompt tokens every templated prompt shares
     max_new_tokens: int = 0
-    sampling: dict = field(default_factory=dict)   # the current request's (RequestStart.sampling)
+    sampling: dict = field(default_factory=dict)   # RequestStart.sampling
     verify: str = ""             # how its last drafting round was judged ("" greedy, seeded, rejection)
     start_t: float = 0.0
     last_t: float = 0.0
     tokens: list[Tok] = field(default_factory=list)
-    rounds_by_index: dict[int, Round] = field(default_factory=dict)   # current request
+    rounds_by_index: dict[int, Round] = field(default_factory=dict)
+    points: list[RoundPoint] = field(default_factory=list)    # its rounds for the plots (x = round index)
     generated: int = 0
-    counts: Counts = field(default_factory=Counts)             # current request's rounds (drafts, copies)
-    session_counts: Counts = field(default_factory=Counts)     # every request's
-    explore_req: float = 0.0       # ms this request's probes cost beyond plain steps
-    # cache
-    cache: CacheView = field(default_factory=CacheView)
+    counts: Counts = field(default_factory=Counts)             # its rounds (drafts, copies)
+    explore_req: float = 0.0     # ms its probes cost beyond plain steps
+    cache: CacheView | None = None                # its target lookup (None: not looked up yet)
     draft_cache: CacheView | None = None
+    decision: Decision | None = None              # its per-request decision (round == -1)
+    round_decision: Decision | None = None        # its latest per-round re-decision
+    turn: TurnView | None = None
+    exchange: Exchange | None = None
+    end: RequestEnd | None = None
+    closed: bool = False         # ended without a RequestEnd (an error mid-request)
+    started: bool = True         # False: first seen by a later record (attached after its start)
+    k: int | None = None         # its current k: of its latest Round or Decision
+    steps: int = 0               # shared steps it took part in
+    rows_total: int = 0
+    last_rows: int = 0           # rows it fed to its latest shared step
+    last_step: int = -1
+
+    @property
+    def active(self) -> bool:
+        return self.end is None and not self.closed
+
+
+@dataclass
+class StepPoint:
+    """One shared step (``rakv.records.Step``): who fed how many rows, measured and predicted ms."""
+
+    step: int
+    t: float
+    rows: list[tuple[int, int]]          # (request id, rows)
+    ms: float
+    predicted_ms: float | None = None
+    shared: bool = True
+
+    @property
+    def total(self) -> int:
+        return sum(n for _, n in self.rows)
+
+
+def _shown(name: str, doc: str = "", settable: bool = False) -> property:
+    """A SessionState attribute that reads the shown request's (``SessionState.shown``)."""
+    def get(self):
+        return getattr(self.shown, name)
+
+    def set_(self, v):
+        setattr(self.shown, name, v)
+
+    return property(get, set_ if settable else None, doc=doc or f"the shown request's {name}")
+
+
+@dataclass
+class SessionState:
+    records: list = field(default_factory=list)
+    header: RunHeader | None = None
+    version: int = 0
+    running: bool = False        # a request is open
+    last_t: float = 0.0
+    # every request's view (start order; open ones and the latest MAX_ENDED_KEPT ended ones kept)
+    views: dict[int, RequestView] = field(default_factory=dict)
+    selected: int | None = None  # the request the panels show (None: the newest)
+    batched: bool = False        # requests ran together (a Step record, or a start while one was open)
+    steps: list[StepPoint] = field(default_factory=list)     # the latest MAX_STEPS_KEPT shared steps
+    n_steps: int = 0
+    session_counts: Counts = field(default_factory=Counts)     # every request's
+    # cache
+    latest_cache: CacheView = field(default_factory=CacheView)   # the latest target lookup (any request)
     hits: list[tuple[int, int, int, bool]] = field(default_factory=list)   # (rid, q, P, exact)
     # decisions
-    decision: Decision | None = None           # latest per-request decision (round == -1)
-    round_decision: Decision | None = None     # latest per-round re-decision of that request
     decisions: int = 0
     # acceptance + timeline
     rounds: list[RoundPoint] = field(default_factory=list)
@@ -207,9 +267,73 @@ class SessionState:
     oracle_fresh: bool = False                 # no request has started since it
     # conversations (the explorer's conversation mode, rakv.chat)
     turns: list[TurnView] = field(default_factory=list)
-    turn: TurnView | None = None               # the current request's turn (None: not a conversation)
     # the chat transcript: every request as (user text, answer)
     exchanges: list[Exchange] = field(default_factory=list)
+    chat_version: int = 0        # bumped when any exchange changes (several can be open at once)
+    loose: RequestView = field(default_factory=RequestView, repr=False)   # records before any request
+
+    # ------------------------------------------------------------------ the shown request
+    request_id = _shown("request_id")
+    policy = _shown("policy")
+    prompt_text = _shown("prompt_text")
+    prompt_tokens = _shown("prompt_tokens")
+    templated = _shown("templated")
+    template_prefix = _shown("template_prefix")
+    max_new_tokens = _shown("max_new_tokens")
+    sampling = _shown("sampling")
+    verify = _shown("verify")
+    start_t = _shown("start_t")
+    tokens = _shown("tokens")
+    rounds_by_index = _shown("rounds_by_index")
+    generated = _shown("generated")
+    counts = _shown("counts")
+    explore_req = _shown("explore_req")
+    draft_cache = _shown("draft_cache")
+    decision = _shown("decision", "the shown request's per-request decision (round == -1)", settable=True)
+    round_decision = _shown("round_decision", "the shown request's latest per-round re-decision", settable=True)
+    turn = _shown("turn", "the shown request's conversation turn (None: not a conversation)")
+    end = _shown("end", "the shown request's RequestEnd (None while it runs)")
+
+    @property
+    def shown(self) -> RequestView:
+        """The request the panels show: the selected one while it is kept, else the newest."""
+        v = self.views.get(self.selected) if self.selected is not None else None
+        if v is None and self.views:
+            v = self.views[next(reversed(self.views))]
+        return v if v is not None else self.loose
+
+    @property
+    def cache(self) -> CacheView:
+        """The shown request's target lookup (before it has one: the latest of the session)."""
+        c = self.shown.cache
+        return c if c is not None else self.latest_cache
+
+    def select(self, request_id: int | None) -> None:
+        """Show ``request_id`` in the panels (None: follow the newest request)."""
+        if request_id is not None and request_id not in self.views:
+            request_id = None
+        if request_id != self.selected:
+            self.selected = request_id
+            self.version += 1
+
+    def active(self) -> list[RequestView]:
+        """The requests started and not ended, in start order."""
+        return [v for v in self.views.values() if v.active]
+
+    def plot_rounds(self) -> tuple[list[RoundPoint], list[tuple[int, int]], str]:
+        """(rounds, request boundaries, x label) for the acceptance and timeline plots: the session's
+        rounds in order; once requests ran together, the shown request's own rounds (x = its round
+        index), since the session's interleave several requests."""
+        if not self.batched:
+            return self.rounds, self.request_x, "round (session)"
+        v = self.shown
+        return v.points, [], f"round (request {v.request_id})"
+
+    @property
+    def plot_key(self) -> tuple:
+        """Changes when plot_rounds() does."""
+        v = self.shown
+        return (self.n_rounds, self.batched and (v.request_id, len(v.points)))
 
     # ------------------------------------------------------------------ feeding
     def apply(self, rec) -> None:
@@ -226,6 +350,8 @@ class SessionState:
             self._start(rec)
         elif isinstance(rec, RequestEnd):
             self._end(rec)
+        elif isinstance(rec, Step):
+            self._step(rec)
         elif isinstance(rec, OracleResult):
             self.oracles.append(rec)
             self.oracle = rec
@@ -237,105 +363,167 @@ class SessionState:
         for r in recs:
             self.apply(r)
 
+    def close_open(self) -> None:
+        """The run ended: a request left open (an error mid-request) is open no more."""
+        for v in self.views.values():
+            if v.end is None:
+                v.closed = True
+        self.running = False
+        self.version += 1
+
+    def _view(self, rid, t: float = 0.0, always: bool = False) -> RequestView | None:
+        """The view of request ``rid``; one first seen by a record other than its start (attached
+        after it started) gets a view of its own once the session has requests (or ``always``)."""
+        v = self.views.get(rid)
+        if v is None and isinstance(rid, int) and (self.views or always):
+            v = self.views[rid] = RequestView(rid, start_t=t, last_t=t, started=False)
+            self._batched_if_open(v)
+            self._trim()
+        if v is not None:
+            v.last_t = max(v.last_t, t)
+        return v
+
+    def _batched_if_open(self, new: RequestView) -> None:
+        if not self.batched and any(v.active for v in self.views.values() if v is not new):
+            self.batched = True
+
+    def _trim(self) -> None:
+        ended = [rid for rid, v in self.views.items() if not v.active]
+        for rid in ended[: max(0, len(ended) - MAX_ENDED_KEPT)]:
+            del self.views[rid]
+            if self.selected == rid:
+                self.selected = None
+
     def _start(self, r: RequestStart) -> None:
         self.running = True
         self.oracle_fresh = False
-        self.request_id = r.request_id
-        self.policy = r.policy
-        self.prompt_text = r.prompt
-        self.prompt_tokens = r.prompt_tokens
-        self.templated = bool(r.templated)
-        self.template_prefix = int(r.template_prefix)
-        self.max_new_tokens = r.max_new_tokens
-        self.sampling = dict(getattr(r, "sampling", None) or {})
-        self.verify = ""
-        self.start_t = r.t
-        self.tokens = [Tok(i, PROMPT, p, t=r.t) for p, i in enumerate(r.prompt_ids)]
-        self.rounds_by_index = {}
-        self.generated = 0
-        self.counts = Counts()
-        self.explore_req = 0.0
-        self.decision = None
-        self.round_decision = None
-        self.draft_cache = None
+        self.views.pop(r.request_id, None)      # (an id seen again: the newest request)
+        v = RequestView(r.request_id, r.policy, r.prompt, r.prompt_tokens, bool(r.templated),
+                        int(r.template_prefix), r.max_new_tokens, dict(getattr(r, "sampling", None) or {}),
+                        start_t=r.t, last_t=r.t, tokens=[Tok(i, PROMPT, p, t=r.t) for p, i in enumerate(r.prompt_ids)])
+        self._batched_if_open(v)
+        self.views[r.request_id] = v
+        self._trim()
         self.request_x.append((self.n_rounds, r.request_id))
         c = getattr(r, "conversation", None)
-        self.turn = None
         if c:
-            self.turn = TurnView(r.request_id, int(c.get("conversation", 1)), int(c.get("turn", 1)), r.prompt,
-                                 r.prompt_tokens, int(c.get("previous_tokens", 0)), str(c.get("ids_from", "")),
-                                 str(c.get("reason", "")))
-            self.turns.append(self.turn)
-        self.exchanges.append(Exchange(r.request_id, r.prompt, list(r.prompt_ids), bool(r.templated),
-                                       self.turn.conversation if self.turn else None,
-                                       self.turn.turn if self.turn else None))
+            v.turn = TurnView(r.request_id, int(c.get("conversation", 1)), int(c.get("turn", 1)), r.prompt,
+                              r.prompt_tokens, int(c.get("previous_tokens", 0)), str(c.get("ids_from", "")),
+                              str(c.get("reason", "")))
+            self.turns.append(v.turn)
+        v.exchange = Exchange(r.request_id, r.prompt, list(r.prompt_ids), bool(r.templated),
+                              v.turn.conversation if v.turn else None, v.turn.turn if v.turn else None)
+        self.exchanges.append(v.exchange)
+        self.chat_version += 1
 
     def _lookup(self, r: CacheLookup) -> None:
         view = CacheView(r.model, r.hit_tokens, r.reused_tokens, r.prompt_tokens, r.exact_repeat,
                          r.bytes_used, r.budget, r.entries, r.evictions, r.stored, r.prefill_ms)
+        v = self._view(r.request_id, r.t) or self.loose
         if r.model != "target":
-            self.draft_cache = view
+            v.draft_cache = view
             return
-        self.cache = view
+        self.latest_cache = v.cache = view
         self.hits.append((r.request_id, r.hit_tokens, r.prompt_tokens, r.exact_repeat))
-        if self.turn is not None and self.turn.request_id == r.request_id:
-            self.turn.hit_tokens = r.hit_tokens
-        if r.request_id != self.request_id:
+        turn = self.turn_of(r.request_id)
+        if turn is not None:
+            turn.hit_tokens = r.hit_tokens
+        if v is self.loose:
             return
-        P = min(r.prompt_tokens, len(self.tokens))
+        P = min(r.prompt_tokens, len(v.tokens))
         for p in range(min(r.reused_tokens, P)):
-            self.tokens[p].kind = REUSED
+            v.tokens[p].kind = REUSED
         if not r.exact_repeat and r.hit_tokens > 0 and r.reused_tokens < P:
-            self.tokens[r.reused_tokens].kind = BOUNDARY
+            v.tokens[r.reused_tokens].kind = BOUNDARY
 
     def _decision(self, r: Decision) -> None:
         self.decisions += 1
+        v = self._view(r.request_id, r.t) or self.loose
         if r.round < 0:
-            self.decision = r
-            self.round_decision = None
+            v.decision = r
+            v.round_decision = None
         else:
-            self.round_decision = r
+            v.round_decision = r
+        k = (r.action or {}).get("k")
+        if isinstance(k, int):
+            v.k = k
 
     def _round(self, r: Round) -> None:
-        if r.request_id == self.request_id:
-            self.rounds_by_index[r.index] = r
+        v = self._view(r.request_id, r.t)
+        if v is not None:
+            v.rounds_by_index[r.index] = r
             if getattr(r, "verify", ""):
-                self.verify = r.verify
-            pos = len(self.tokens)
+                v.verify = r.verify
+            pos = len(v.tokens)
             for j, (tid, prov) in enumerate(zip(r.emitted, r.provenance)):
-                self.tokens.append(Tok(tid, token_kind(r, prov), pos + j, r.index, r.k, r.t))
-            self.generated += len(r.emitted)
-            ex = self.exchanges[-1] if self.exchanges else None
-            if ex is not None and ex.request_id == r.request_id:
-                ex.output_ids.extend(r.emitted)
-            self.explore_req += getattr(r, "explore_ms", 0.0) or 0.0
+                v.tokens.append(Tok(tid, token_kind(r, prov), pos + j, r.index, r.k, r.t))
+            v.generated += len(r.emitted)
+            if v.exchange is not None and r.emitted:
+                v.exchange.output_ids.extend(r.emitted)
+                self.chat_version += 1
+            v.explore_req += getattr(r, "explore_ms", 0.0) or 0.0
         if r.kind == "prefill":
             return
-        if r.request_id == self.request_id:
-            self.counts.add(r)
+        if v is not None:
+            v.counts.add(r)
+            v.k = r.k
         self.session_counts.add(r)
         if getattr(r, "draft_pred", None):
             self.gate.add(r.draft_pred, r.drafted, r.accepted)
             self.gate_rounds += 1
         self.n_rounds += 1
         copy = is_copy_round(r) and r.drafted > 0
-        self.rounds.append(RoundPoint(self.n_rounds, r.request_id, r.index, r.kind, r.k, r.drafted,
-                                      r.accepted, r.draft_ms, r.verify_ms, r.alpha,
-                                      sum(1 for p in r.provenance if p == DRAFT) if copy else 0, copy))
+        pt = RoundPoint(self.n_rounds, r.request_id, r.index, r.kind, r.k, r.drafted, r.accepted, r.draft_ms,
+                        r.verify_ms, r.alpha, sum(1 for p in r.provenance if p == DRAFT) if copy else 0, copy)
+        self.rounds.append(pt)
         if len(self.rounds) > MAX_ROUNDS_KEPT:
             del self.rounds[: len(self.rounds) - MAX_ROUNDS_KEPT]
+        if v is not None:
+            v.points.append(replace(pt, x=r.index))
+            if len(v.points) > MAX_ROUNDS_KEPT:
+                del v.points[: len(v.points) - MAX_ROUNDS_KEPT]
 
     def _end(self, r: RequestEnd) -> None:
-        self.running = False
         self.ends.append(r)
         self.last_end = r
-        ex = next((e for e in reversed(self.exchanges) if e.request_id == r.request_id), None)
+        v = self.views.get(r.request_id)
+        if v is not None:
+            v.end = r
+            v.last_t = max(v.last_t, r.t)
+        ex = v.exchange if v is not None else next((e for e in reversed(self.exchanges)
+                                                    if e.request_id == r.request_id), None)
         if ex is not None:
             ex.output_ids = list(r.output_ids)
             ex.text, ex.stopped, ex.latency_ms = r.text, r.stopped, r.latency_ms
             ex.predicted_ms, ex.tokens_per_s = r.predicted_ms, r.tokens_per_s
-        if self.turn is not None and self.turn.request_id == r.request_id:
-            self.turn.answer, self.turn.output_tokens, self.turn.ttft_ms = r.text, len(r.output_ids), r.ttft_ms
+            self.chat_version += 1
+        turn = self.turn_of(r.request_id)
+        if turn is not None:
+            turn.answer, turn.output_tokens, turn.ttft_ms = r.text, len(r.output_ids), r.ttft_ms
+        self.running = any(x.active for x in self.views.values())
+        self._trim()
+
+    def _step(self, r: Step) -> None:
+        """A forward several requests shared: who fed how many rows (``predicted_ms`` where the
+        record carries one)."""
+        self.batched = True
+        self.n_steps += 1
+        rows = []
+        for item in r.requests or ():
+            try:
+                rid, n = int(item[0]), int(item[1])
+            except (TypeError, ValueError, IndexError):
+                continue
+            rows.append((rid, n))
+            v = self._view(rid, r.t, always=True)
+            v.steps += 1
+            v.rows_total += n
+            v.last_rows, v.last_step = n, r.step
+        pred = getattr(r, "predicted_ms", None)
+        pred = float(pred) if isinstance(pred, (int, float)) and not isinstance(pred, bool) else None
+        self.steps.append(StepPoint(r.step, r.t, rows, float(r.ms or 0.0), pred, bool(r.shared)))
+        if len(self.steps) > MAX_STEPS_KEPT:
+            del self.steps[: len(self.steps) - MAX_STEPS_KEPT]
 
     def exploration(self) -> tuple[float, float]:
         """(ms probes cost this request beyond plain steps, share of the session's latency)."""
@@ -354,14 +542,15 @@ class SessionState:
         return c
 
     def live_tokens_per_s(self) -> float:
-        if self.last_end is not None and self.last_end.request_id == self.request_id:
-            return self.last_end.tokens_per_s
-        dt = self.last_t - self.start_t
-        return self.generated / dt if dt > 0 else 0.0
+        v = self.shown
+        if v.end is not None:
+            return v.end.tokens_per_s
+        dt = v.last_t - v.start_t
+        return v.generated / dt if dt > 0 else 0.0
 
     def ttft_ms(self) -> float | None:
-        if self.last_end is not None and self.last_end.request_id == self.request_id:
-            return self.last_end.ttft_ms
+        if self.end is not None:
+            return self.end.ttft_ms
         r0 = self.rounds_by_index.get(0)
         return r0.round_ms if r0 is not None else None
 

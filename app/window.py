@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QLabel, Q
 from app import exports, icons, layout
 from app.gcguard import GuiThreadGC
 from app.lagprobe import LagProbe
+from app.panels import batch
 from app.panels.acceptance import AcceptancePanel
 from app.panels.cache import CachePanel
 from app.panels.chat import ChatPanel
@@ -132,6 +133,7 @@ class MainWindow(QMainWindow):
             self.addDockWidget(area, d)
             self.docks[name] = d
         self.splitDockWidget(self.docks["acceptance"], self.docks["timeline"], Qt.Orientation.Horizontal)
+        self.batch = batch.install(self)           # requests decoding together (a tab beside the prefix cache)
         self.setCorner(Qt.Corner.BottomLeftCorner, L)
         self.setCorner(Qt.Corner.BottomRightCorner, R)
         self.replay_bar = ReplayBar()
@@ -225,7 +227,7 @@ class MainWindow(QMainWindow):
                                         "a new session starts")
         r.addAction(self.act_recalibrate)
         v = self.view_menu = mb.addMenu("&View")
-        for d in self.docks.values():
+        for d in (*self.docks.values(), self.batch_dock):
             v.addAction(d.toggleViewAction())
         h = mb.addMenu("&Help")
         h.addAction(self._action("&About RAKV Explorer", self.about))
@@ -623,7 +625,7 @@ class MainWindow(QMainWindow):
             if self.run_panel.prompt_text() == sent:     # the message went into the conversation
                 self.run_panel.prompt.clear()
         self.running = False
-        self.live.running = False          # also after an error in the middle of a request
+        self.live.close_open()             # also after an error in the middle of a request
         self.lag.active = False
         self._set_running_ui()
         if end is not None:
@@ -702,7 +704,8 @@ class MainWindow(QMainWindow):
         self.chat.refresh(self.state)
         snap = {name: p.snapshot() for name, p in (("tokens", self.tokens), ("chat", self.chat), ("cache", self.cache),
                                                     ("costs", self.costs), ("acceptance", self.acceptance),
-                                                    ("timeline", self.timeline), ("tree", self.tree))}
+                                                    ("timeline", self.timeline), ("tree", self.tree),
+                                                    ("batch", self.batch))}
         if self.vllm_panel is not None:
             snap["vllm"] = self.vllm_panel.snapshot()
         return snap

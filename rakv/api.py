@@ -23,9 +23,10 @@ class ApiError(Exception):
     """A request the server refuses: an HTTP status and an OpenAI-style error object."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None):
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = dict(headers or {})          # extra response headers (429: Retry-After)
 
     def body(self) -> dict:
         return error_body(self.message, self.kind, self.param, self.code)

@@ -103,6 +103,13 @@ def cut_at_eos(emitted: list[int], prov: list[str], eos, remaining: int):
     return emitted[:cut], prov[:cut], hit
 
 
+class _Ids:
+    __slots__ = ("next",)
+
+    def __init__(self):
+        self.next = 0
+
+
 class SharedWithPlanner:
     """An engine attribute the round planner holds too: setting it on the engine sets both."""
 
@@ -158,11 +165,25 @@ class Engine:
         self.tree_map = AcceptMap(LOOKUP_ALPHA)   # a tree node's confidence -> its chance, its parent accepted
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._next_id = 0
+        self._ids = _Ids()               # request ids (one counter for an engine and its lanes)
         self._running = False
         self._pending_budget: int | None = None
         self._open_request: int | None = None
         self.t0 = now()
+
+    _next_id = property(lambda self: self._ids.next, lambda self, v: setattr(self._ids, "next", int(v)))
+
+    def lane(self) -> "Engine":
+        """Another engine over this one's target, prefix cache, learned state and request ids, with
+        its own draft state, round planner and controls: one lane of ``rakv.batching.LanePool``."""
+        e = Engine(self.target, self.draft.fork(), self.config, self.callback, self.profile)
+        e.store = e.planner.store = self.store
+        if self.controller is not None:
+            e.controller = self.controller
+        e.profile, e.alpha, e._ids, e.t0 = self.profile, self.alpha, self._ids, self.t0
+        e.policy, e.k_set, e.granularity, e.force = self.policy, self.k_set, self.granularity, self.force
+        e.sampling, e.chat_template = self.sampling, self.chat_template
+        return e
 
     # what the planner shares with the engine: swapping one (the oracle's measuring does) swaps both
     controller = SharedWithPlanner("controller")

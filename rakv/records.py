@@ -174,6 +174,21 @@ class RequestEnd:
 
 
 @dataclass
+class Step:
+    """One forward several requests shared (``rakv serve --parallel``, ``rakv.batching``): each
+    request's id and the rows it fed (1 a decode step, 1 + k a verify, a chunk of a prompt), the
+    step's wall ms, and whether the rows shared one pass over the weights (False: the backend ran
+    each request's forward alone inside the step)."""
+
+    type: str = "step"
+    t: float = 0.0
+    step: int = 0
+    requests: list = field(default_factory=list)     # [[request_id, rows], ...]
+    ms: float = 0.0
+    shared: bool = True
+
+
+@dataclass
 class ActionMeasure:
     """One action (r, k) of an oracle measurement: R timed runs of the same request."""
 
@@ -224,10 +239,10 @@ class OracleResult:
 
 
 RECORD_TYPES = {f.default: cls for cls in (RunHeader, RequestStart, CacheLookup, Decision, Round, RequestEnd,
-                                           OracleResult)
+                                           OracleResult, Step)
                 for f in fields(cls) if f.name == "type"}
 
-Record = RunHeader | RequestStart | CacheLookup | Decision | Round | RequestEnd | OracleResult
+Record = RunHeader | RequestStart | CacheLookup | Decision | Round | RequestEnd | OracleResult | Step
 Callback = Callable[[object], None]
 
 
@@ -436,6 +451,9 @@ CSV_COLUMNS = [
     ("copied", "n-gram tokens the confidence gate copied and verified (rounds with draft_source lookup, "
                "k = 0 ones included; as rakv generate --json)"),
     ("copies_accepted", "of them accepted by the target (the explorer's gate copy tokens)"),
+    ("shared_steps", "forwards this request shared with other requests (rakv serve --parallel)"),
+    ("max_batch", "most requests in one of its shared forwards (1: it never shared one)"),
+    ("shared_with", "the requests it shared forwards with, separated by ';'"),
 ]
 
 
@@ -467,8 +485,19 @@ def request_rows(records: Iterable) -> list[dict]:
                 rows[rid]["copies_accepted"] += r.accepted
             if r.draft_stop:
                 _gate_row(rows[rid], r)
+        elif isinstance(r, Step):
+            ids = [q for q, _ in r.requests]
+            for q in ids:
+                if q in rows:
+                    row = rows[q]
+                    row["shared_steps"] = row.get("shared_steps", 0) + 1
+                    row["max_batch"] = max(row.get("max_batch", 1), len(ids))
+                    row.setdefault("_with", set()).update(x for x in ids if x != q)
         elif isinstance(r, RequestEnd) and rid in rows:
             row = rows[rid]
+            row.setdefault("shared_steps", 0)
+            row.setdefault("max_batch", 1)
+            row["shared_with"] = ";".join(str(x) for x in sorted(row.pop("_with", ())))
             row.update(hit_tokens=r.hit_tokens, exact_repeat=int(r.exact_repeat),
                        reuse=r.action.get("reuse", 0), k=r.action.get("k", 0),
                        output_tokens=len(r.output_ids), rounds=r.rounds, drafted=r.drafted,

@@ -1,9 +1,11 @@
 """``rakv serve``: an OpenAI-compatible HTTP server on localhost over one engine (standard library only).
 
 The engine, its prefix cache and its controller are those of ``rakv generate`` (``rakv.cli.Run``
-builds them from the same flags). There is one engine, so requests run one at a time: every
-request takes ``Service.lock`` for the whole generation, streamed or not; a request waiting for it
-simply waits. Endpoints (docs/serve.md):
+builds them from the same flags). ``--parallel N`` requests decode together (``rakv.batching``: a
+lane each over the one engine's target, prefix cache and learned state; one forward a step carries
+every active request's rows); a request beyond them waits in a queue of at most ``--max-queue``,
+and one past that is refused with 429 and Retry-After. ``--api-key KEY``: every request must carry
+``Authorization: Bearer KEY`` (else 401). Endpoints (docs/serve.md):
 
     GET  /v1/models                  the one model
     POST /v1/chat/completions        through the chat template; consecutive turns hit the cache
@@ -38,6 +40,9 @@ from .chat import RAW_SEPARATOR, Conversation, Turn, run_turn
 from .common import CliError
 from .paths import log
 from .textstream import TextStream
+
+DEFAULT_PARALLEL = 4         # requests decoded together (docs/serve.md: why 4)
+DEFAULT_MAX_QUEUE = 16       # requests waiting for a lane beyond those; more: 429
 
 MAX_BODY = 8 * 2**20         # bytes of a request body
 MAX_WAIT_S = 30.0            # the longest long-poll of /rakv/records
@@ -236,8 +241,16 @@ class RecordHook:
     def __init__(self, records: RecordLog):
         self.records = records
         self.session = None            # set once the Run is built (its header came before)
-        self.current: Current | None = None
+        self._local = threading.local()   # each request runs in its own thread: its Current there
         self._seen: set[int] = set()
+
+    @property
+    def current(self) -> "Current | None":
+        return getattr(self._local, "current", None)
+
+    @current.setter
+    def current(self, cur: "Current | None") -> None:
+        self._local.current = cur
 
     def __call__(self, rec) -> None:
         from .records import to_dict
@@ -278,64 +291,135 @@ class Result:
 
 
 class Service:
-    """Runs the API's requests on the session's engine, one at a time."""
+    """Runs the API's requests on the session's engine: up to ``parallel`` at once, each on a lane
+    of ``rakv.batching.LanePool`` (their forwards share a pass), at most ``max_queue`` waiting."""
 
-    def __init__(self, run, hook: RecordHook, model: str):
+    def __init__(self, run, hook: RecordHook, model: str, parallel: int = 1, max_queue: int = DEFAULT_MAX_QUEUE):
+        from .batching import LanePool
+
         self.run = run                  # the rakv.cli.Run
         self.hook = hook
         self.engine = run.engine
         self.model = model
         self.created = int(time.time())
-        self.lock = threading.Lock()
+        self.pool = LanePool(self.engine, parallel, on_step=self._step)
+        self.max_queue = max_queue
+        self._gate = threading.Condition()
+        self.waiting = 0                # requests waiting for a lane
+        self.open = 0                   # requests admitted and not yet answered
         self.closing = False
         self.convs = Conversations()
         self.default = self.engine.sampling       # the sampling flags' (a drawn seed if they gave none)
         self._conv_number = 0
         self.requests = 0
+        self._latency = deque(maxlen=32)          # recent requests' seconds (Retry-After)
+
+    @property
+    def busy(self) -> bool:
+        return self.pool.busy > 0
+
+    def _step(self, info) -> None:
+        """A step several lanes shared: a record of who shared it (rakv.records.Step)."""
+        from .records import Step
+
+        if len(info.rows) > 1:
+            self.engine._emit(Step(step=info.index, requests=[[r, n] for r, n in info.rows], ms=info.ms,
+                                   shared=info.shared))
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the queue ahead of it over the lanes, at the
+        recent requests' mean duration (at least 1)."""
+        mean = sum(self._latency) / len(self._latency) if self._latency else 1.0
+        return max(1, int(mean * (1 + self.waiting / max(1, self.pool.size)) + 0.999))
+
+    def admit(self):
+        """Count a request in (429 past the queue's limit); use as ``with service.admit():``."""
+        service = self
+
+        class _Admitted:
+            def __enter__(self):
+                with service._gate:
+                    if service.closing:
+                        raise ApiError(503, "the server is shutting down", kind="server_error")
+                    if service.pool.busy >= service.pool.size and service.waiting >= service.max_queue:
+                        raise ApiError(429, f"the server is busy: {service.pool.size} requests running and "
+                                            f"{service.waiting} waiting (--max-queue {service.max_queue})",
+                                       kind="server_error", code="rate_limit_exceeded",
+                                       headers={"Retry-After": str(service.retry_after())})
+                    service.open += 1
+
+            def __exit__(self, *exc):
+                with service._gate:
+                    service.open -= 1
+                    service._gate.notify_all()
+
+        return _Admitted()
 
     # ---------------------------------------------------------------- one request
     def complete(self, ask: Ask, begin=None, emit=None) -> Result:
-        """Run ``ask`` (waiting for the engine); ``begin()`` when it starts, ``emit(text)`` per piece."""
+        """Run ``ask`` on a free lane (waiting for one); ``begin()`` when it starts, ``emit(text)``
+        per piece. Call inside ``admit()``."""
+        with self._gate:
+            self.waiting += 1
+        try:
+            lane = self.pool.lane()
+            eng = lane.__enter__()
+        finally:
+            with self._gate:
+                self.waiting -= 1
+        exc = (None, None, None)
+        try:
+            return self._complete(eng, ask, begin, emit)
+        except BaseException:
+            exc = sys.exc_info()
+            raise
+        finally:
+            lane.__exit__(*exc)
+
+    def _complete(self, eng, ask: Ask, begin, emit) -> Result:
         from .engine import EngineError
 
-        with self.lock:
-            if self.closing:
-                raise ApiError(503, "the server is shutting down", kind="server_error")
-            self._use_sampling(ask)
-            cur = Current(self.engine, ask.stop, begin, emit)
-            self.hook.current = cur
-            conv = history = None
-            try:
-                if ask.chat:
-                    end, conv, history = self._chat(ask)
-                else:
-                    end = self._completion(ask)
-            except ApiError:
-                raise
-            except EngineError as e:
-                raise ApiError(400, _one_line(e), code="context_length_exceeded" if "context" in str(e) else None)
-            except ValueError as e:                  # e.g. an empty message; a template that refuses the roles
-                raise ApiError(400, _one_line(e))
-            except Exception as e:  # noqa: BLE001 - a template error or a failure inside the engine
-                if isinstance(e, _template_errors()):
-                    raise ApiError(400, f"the chat template refused these messages: {_one_line(e)}")
-                raise ApiError(500, f"{type(e).__name__}: {_one_line(e)}", kind="server_error")
-            finally:
-                self.hook.current = None
-            cur.finish()
-            text = cur.stop.text()
-            j = self.run.request_json(end)
-            start = self.run.starts.get(end.request_id)
-            j["conversation"] = start.conversation if start is not None else None
-            forget(self.run, end.request_id)
-            if self.run.args.json:          # generate's object on stdout, one a line
-                sys.stdout.write(json.dumps(j) + "\n")
-                sys.stdout.flush()
-            if conv is not None and not cur.stop.hit and not cur.gone and end.stopped != "stop":
-                system, pairs, user = history
-                self.convs.put(system, pairs + [(user, text)], conv)
-            self.requests += 1
-            return Result(end, text, api.finish_reason(end.stopped, cur.stop.hit), self._rakv(j, cur))
+        if self.closing:
+            raise ApiError(503, "the server is shutting down", kind="server_error")
+        t0 = time.perf_counter()
+        self._use_sampling(eng, ask)
+        cur = Current(eng, ask.stop, begin, emit)
+        self.hook.current = cur
+        conv = history = None
+        try:
+            if ask.chat:
+                end, conv, history = self._chat(eng, ask)
+            else:
+                end = self._completion(eng, ask)
+        except ApiError:
+            raise
+        except EngineError as e:
+            raise ApiError(400, _one_line(e), code="context_length_exceeded" if "context" in str(e) else None)
+        except ValueError as e:                  # e.g. an empty message; a template that refuses the roles
+            raise ApiError(400, _one_line(e))
+        except Exception as e:  # noqa: BLE001 - a template error or a failure inside the engine
+            if isinstance(e, _template_errors()):
+                raise ApiError(400, f"the chat template refused these messages: {_one_line(e)}")
+            raise ApiError(500, f"{type(e).__name__}: {_one_line(e)}", kind="server_error")
+        finally:
+            self.hook.current = None
+        cur.finish()
+        text = cur.stop.text()
+        j = self.run.request_json(end)
+        start = self.run.starts.get(end.request_id)
+        j["conversation"] = start.conversation if start is not None else None
+        forget(self.run, end.request_id)
+        if self.run.args.json:          # generate's object on stdout, one a line
+            sys.stdout.write(json.dumps(j) + "\n")
+            sys.stdout.flush()
+        if conv is not None and not cur.stop.hit and not cur.gone and end.stopped != "stop":
+            system, pairs, user = history
+            self.convs.put(system, pairs + [(user, text)], conv)
+        self.requests += 1
+        self._latency.append(time.perf_counter() - t0)
+        if self.closing and end.stopped == "stop":
+            raise ApiError(503, "the server is shutting down: this answer was cut short", kind="server_error")
+        return Result(end, text, api.finish_reason(end.stopped, cur.stop.hit), self._rakv(j, cur))
 
     def _rakv(self, j: dict, cur: Current) -> dict:
         """The response's ``rakv`` object: generate's --json fields of the request (its text is the
@@ -347,7 +431,7 @@ class Service:
         out["stop_string"] = cur.stop.hit
         return out
 
-    def _use_sampling(self, ask: Ask) -> None:
+    def _use_sampling(self, eng, ask: Ask) -> None:
         """The request's sampling: the server's flags, overridden by the request's fields. A seed
         the request gives is the one its tokens use (the engine adds the request's number to its
         seed, so it gets that seed less the number)."""
@@ -363,72 +447,76 @@ class Service:
         if why:
             raise ApiError(400, why)
         if ask.seed is not None:
-            s = replace(s, seed=(ask.seed - self.engine._next_id) % SEED_LIMIT)
+            s = replace(s, seed=(ask.seed - eng._next_id) % SEED_LIMIT)
         try:
-            self.engine.set_sampling(s)
+            eng.set_sampling(s)
         except EngineError as e:
             raise ApiError(400, _one_line(e)) from None
 
-    def _completion(self, ask: Ask):
+    def _completion(self, eng, ask: Ask):
         from .prompts import EncodedPrompt, raw_ids
 
         if isinstance(ask.prompt, str):
-            tok = self.engine.target.tokenizer
+            tok = eng.target.tokenizer
             if tok is None:
                 raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
             enc = EncodedPrompt(raw_ids(tok, ask.prompt), False, 0)
-            return self.engine.generate(enc, ask.max_tokens, prompt_text=ask.prompt)
-        return self.engine.generate(ask.prompt, ask.max_tokens)
+            return eng.generate(enc, ask.max_tokens, prompt_text=ask.prompt)
+        return eng.generate(ask.prompt, ask.max_tokens)
 
-    def _chat(self, ask: Ask):
+    def _chat(self, eng, ask: Ask):
         """A conversation's next turn (continued, or started here); messages that are no
         conversation (two user messages in a row, ...) are one templated prompt."""
         parts = api.split_conversation(ask.messages)
-        if self.engine.target.tokenizer is None:
+        if eng.target.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: use /v1/completions with token ids", "messages")
         if parts is None:
-            enc = self._one_prompt(ask.messages)
-            return self.engine.generate(enc, ask.max_tokens, prompt_text=ask.messages[-1]["content"]), None, None
+            enc = self._one_prompt(eng, ask.messages)
+            return eng.generate(enc, ask.max_tokens, prompt_text=ask.messages[-1]["content"]), None, None
         system, pairs, user = parts
         taken = self.convs.take(system, pairs)
-        conv = taken or self._new_conversation(system, pairs)
+        conv = taken or self._new_conversation(eng, system, pairs)
         try:
-            end = run_turn(self.engine, conv, user, ask.max_tokens)
+            end = run_turn(eng, conv, user, ask.max_tokens)
         except BaseException:
             if taken is not None:          # (the turn was abandoned: the conversation is as it was)
                 self.convs.put(system, pairs, taken)
             raise
         return end, conv, (system, pairs, user)
 
-    def _new_conversation(self, system, pairs) -> ServerConversation:
+    def _new_conversation(self, eng, system, pairs) -> ServerConversation:
         """A conversation whose earlier turns came from the request (the ids of their answers as the
         tokenizer gives them; the next turn checks them against the template, as always)."""
         self._conv_number += 1
-        conv = ServerConversation.for_engine(self.engine, number=self._conv_number, system=list(system))
-        tok = self.engine.target.tokenizer
+        conv = ServerConversation.for_engine(eng, number=self._conv_number, system=list(system))
+        tok = eng.target.tokenizer
         for user, answer in pairs:
             ids = conv._whole(user)
             out = [int(x) for x in tok(answer, add_special_tokens=False)["input_ids"]]
             conv.turns.append(Turn(user, answer, ids, out, "template"))
         return conv
 
-    def _one_prompt(self, messages: list[dict]):
+    def _one_prompt(self, eng, messages: list[dict]):
         from .ids import lcp
         from .prompts import EncodedPrompt, _as_ids, has_chat_template, raw_ids, template_prefix
 
-        tok = self.engine.target.tokenizer
-        if self.engine.chat_template and has_chat_template(tok):
+        tok = eng.target.tokenizer
+        if eng.chat_template and has_chat_template(tok):
             ids = _as_ids(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
             return EncodedPrompt(ids, True, lcp(ids, template_prefix(tok)))
         return EncodedPrompt(raw_ids(tok, RAW_SEPARATOR.join(m["content"] for m in messages)), False, 0)
 
     # ---------------------------------------------------------------- shutdown
     def close(self, wait_s: float = 30.0) -> None:
-        """No new requests; the running one stops within a round."""
-        self.closing = True
-        self.engine.stop()
-        if self.lock.acquire(timeout=wait_s):
-            self.lock.release()
+        """No new requests; the running ones stop within a round, and every open answer ends (a
+        stream with a final error event) before this returns (at most ``wait_s``)."""
+        with self._gate:
+            self.closing = True
+        deadline = time.monotonic() + wait_s
+        with self._gate:
+            while self.open and time.monotonic() < deadline:
+                self.pool.stop_all()
+                self._gate.wait(0.05)
 
 
 def _template_errors() -> tuple:
@@ -484,6 +572,11 @@ class Handler(BaseHTTPRequestHandler):
         self.note = ""
         url = urlsplit(self.path)
         path = url.path.rstrip("/") or "/"
+        if not self._authorized():
+            self.close_connection = True
+            self._error(ApiError(401, "a valid API key is needed: send 'Authorization: Bearer KEY' (the server's "
+                                      "--api-key)", kind="invalid_request_error", code="invalid_api_key"))
+            return
         gets = {"/v1/models": self._models, "/rakv/records": lambda: self._records(url.query)}
         posts = {"/v1/chat/completions": lambda: self._complete(True),
                  "/v1/completions": lambda: self._complete(False)}
@@ -509,6 +602,17 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as e:  # noqa: BLE001 - a server bug is a 500, and the server goes on
             self._error(ApiError(500, f"{type(e).__name__}: {_one_line(e)}", kind="server_error"))
 
+    def _authorized(self) -> bool:
+        """With --api-key: the request's bearer token is the key (compared in constant time)."""
+        import hmac
+
+        key = getattr(self.server, "api_key", None)
+        if not key:
+            return True
+        got = self.headers.get("Authorization", "")
+        token = got[7:].strip() if got[:7].lower() == "bearer " else ""
+        return hmac.compare_digest(token.encode("utf-8", "replace"), key.encode("utf-8"))
+
     # ---------------------------------------------------------------- endpoints
     def _models(self) -> None:
         s = self.service
@@ -531,13 +635,17 @@ class Handler(BaseHTTPRequestHandler):
         if since < 0 or limit < 1 or not 0 <= wait <= 1e6:
             raise ApiError(400, "since >= 0, limit >= 1 and wait >= 0")
         out = self.server.records.read(since, min(wait, MAX_WAIT_S), min(limit, MAX_PAGE))
-        out["busy"] = self.service.lock.locked()
+        out["busy"] = self.service.busy
         out["model"] = self.service.model
         self._json(200, out, log=False)
 
     def _complete(self, chat: bool) -> None:
         body = self._body()
         ask = api.parse_ask(body, chat)
+        with self.service.admit():
+            self._answer(chat, ask)
+
+    def _answer(self, chat: bool, ask) -> None:
         rid = api.new_id(chat)
         model = self.service.model
         if not ask.stream:
@@ -596,9 +704,11 @@ class Handler(BaseHTTPRequestHandler):
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON ({getattr(e, 'msg', e)})") from None
 
-    def _json(self, status: int, obj: dict, log: bool = True) -> None:
+    def _json(self, status: int, obj: dict, log: bool = True, headers: dict | None = None) -> None:
         data = json.dumps(obj).encode("utf-8")
         self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         if self.close_connection:
@@ -611,7 +721,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _error(self, e: ApiError) -> None:
         try:
-            self._json(e.status, e.body(), log=False)
+            self._json(e.status, e.body(), log=False, headers=e.headers)
         except OSError:
             pass
         self._log(e.status, e.message)
@@ -716,9 +826,11 @@ class Server:
             raise
         hook.session = self.run
         self.run.stream_text = False          # a server writes no answer text to stdout
-        self.service = Service(self.run, hook, model_name(args, self.run.engine))
+        self.service = Service(self.run, hook, model_name(args, self.run.engine),
+                               parallel=getattr(args, "parallel", 1), max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE))
         self.httpd.service = self.service
         self.httpd.records = self.records
+        self.httpd.api_key = getattr(args, "api_key", None) or None
 
     @property
     def url(self) -> str:
@@ -770,16 +882,30 @@ def add_serve_parser(sub, add_run_args) -> None:
     add_run_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=A.int_range(0, 65535), default=8000, help="port (default 8000; 0: any free port)")
+    s.add_argument("--parallel", type=A.int_range(1, 64), default=DEFAULT_PARALLEL,
+                   help=f"requests decoded together, their rows in one forward a step (default {DEFAULT_PARALLEL}; "
+                        "1: one at a time)")
+    s.add_argument("--max-queue", type=A.int_range(0, 100_000), default=DEFAULT_MAX_QUEUE,
+                   help=f"requests waiting beyond --parallel (default {DEFAULT_MAX_QUEUE}); more are refused with "
+                        "429 and Retry-After")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="every request must send 'Authorization: Bearer KEY' (else 401); also read from "
+                        "RAKV_API_KEY")
 
 
 def cmd_serve(args, make_session) -> int:
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        log(f"warning: listening on {args.host}: anyone who can reach it can use this server (no authentication)")
+    if args.api_key is None:
+        import os
+
+        args.api_key = os.environ.get("RAKV_API_KEY") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log(f"warning: listening on {args.host}: anyone who can reach it can use this server (no --api-key)")
     server = Server(args, make_session)
     restore = _sigterm_as_interrupt()
     try:
         s = server.service
-        log(f"serving {s.model} (policy {server.run.policy.name}) on {server.url}: POST /v1/chat/completions, "
+        log(f"serving {s.model} (policy {server.run.policy.name}, {s.pool.size} at once, queue {s.max_queue}"
+            + (", API key required" if args.api_key else "") + f") on {server.url}: POST /v1/chat/completions, "
             f"/v1/completions; GET /v1/models, /rakv/records" + (f"; recording to {args.record}" if args.record else "")
             + "; Ctrl-C stops")
         try:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build llama.cpp's bench tools (llama-bench, llama-speculative-simple,
-# llama-completion or llama-cli) from the llama.cpp vendored in the
-# llama-cpp-python sdist, for `rakv bench --peer-llama-cpp`.
+# llama-completion or llama-cli) and its server (llama-server) from the
+# llama.cpp vendored in the llama-cpp-python sdist, for `rakv bench
+# --peer-llama-cpp` and `rakv bench --load` (continuous batching, -np N).
 #
 #   bash scripts/build_llama_cpp.sh [VERSION]      (default 0.3.36)
 #
@@ -27,7 +28,7 @@ fi
 STAMP="native;${CFLAGS_EXTRA}"
 
 have_all() {
-  [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-speculative-simple" ] &&
+  [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-speculative-simple" ] && [ -x "$BIN/llama-server" ] &&
     { [ -x "$BIN/llama-completion" ] || [ -x "$BIN/llama-cli" ]; }
 }
 if have_all && [ "$(cat "$ROOT/build/rakv-build-flags" 2>/dev/null)" = "$STAMP" ]; then
@@ -56,10 +57,10 @@ fi
 LC="$SRC/vendor/llama.cpp"
 echo "[build_llama_cpp] configuring $LC" >&2
 cmake -S "$LC" -B "$ROOT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON \
   -DCMAKE_C_FLAGS="$CFLAGS_EXTRA" -DCMAKE_CXX_FLAGS="$CFLAGS_EXTRA" >&2
 # which completion tool this version has: llama-completion (newer) or llama-cli
-TARGETS="llama-bench llama-speculative-simple"
+TARGETS="llama-bench llama-speculative-simple llama-server"
 # (newer llama.cpp's llama-cli is the chat client built on the server: llama-completion is the
 # plain one-shot tool there; the source tree says which exists)
 if [ -f "$LC/tools/completion/CMakeLists.txt" ] && grep -q 'llama-completion' "$LC/tools/completion/CMakeLists.txt"; then

@@ -87,12 +87,13 @@ class AcceptancePanel(QWidget):
         lay.addLayout(row, 1)
 
     def refresh(self, state: SessionState) -> None:
-        key = (id(state), state.n_rounds, len(state.request_x))
+        pts, bounds, xlabel = state.plot_rounds()
+        key = (id(state), state.plot_key, len(bounds))
         if key != self._key:
             if key[0] != (self._key or (None,))[0] or key[2] != self._key[2]:
-                self._draw_bounds(state)
+                self._draw_bounds(bounds)
             self._key = key
-            pts = state.rounds
+            self._set_xlabel(xlabel)
             x = np.array([p.x for p in pts], dtype=float)
             y = np.array([p.alpha for p in pts], dtype=float)
             self.curve.setData(x, y)
@@ -110,8 +111,8 @@ class AcceptancePanel(QWidget):
         if skey != self._stars_key:
             self._stars_key = skey
             self._draw_stars(d)
-        if state.rounds:
-            last = state.rounds[-1]
+        if pts:
+            last = pts[-1]
             txt = f"alpha EWMA {last.alpha:.3f} after round {last.index} of request {last.request_id}"
         elif d is not None:
             txt = f"alpha EWMA {d.alpha:.3f} (prior)"
@@ -170,11 +171,11 @@ class AcceptancePanel(QWidget):
             self.plot.getPlotItem().setXRange(lo - 0.5, want, padding=0)
             self._label_bounds()
 
-    def _draw_bounds(self, state: SessionState) -> None:
+    def _draw_bounds(self, bounds: list[tuple[int, int]]) -> None:
         for ln in self._bounds:
             self.plot.removeItem(ln)
         self._bounds = []
-        for x, rid in state.request_x[-MAX_BOUNDARIES:]:
+        for x, rid in bounds[-MAX_BOUNDARIES:]:
             # the label right of its line, its bottom just above the x axis (anchors: text corner at the point)
             ln = pg.InfiniteLine(pos=x + 0.5, angle=90, pen=pg.mkPen("#bbb", style=pg.QtCore.Qt.PenStyle.DashLine),
                                  label=f"req {rid}", labelOpts={"position": 0.03, "color": "#999",
@@ -229,6 +230,11 @@ class AcceptancePanel(QWidget):
             lo = min(finite.values())
         self.region.setRegion((lo, 1.05) if lo is not None else (1.05, 1.05))
 
+    def _set_xlabel(self, text: str) -> None:
+        if text != getattr(self, "_xlabel", "round (session)"):
+            self._xlabel = text
+            self.plot.getPlotItem().setLabel("bottom", text)
+
     def snapshot(self) -> dict:
         x, y = self.curve.getData()
         return {"info": self.info.text(), "n": 0 if x is None else len(x),
@@ -236,6 +242,7 @@ class AcceptancePanel(QWidget):
                 "stars": {k: v for k, v in self._stars.items()}, "chosen_k": self._chosen_k,
                 "region": tuple(round(v, 6) for v in self.region.getRegion()),
                 "gate_bins": len(self.rel_pts.data), "empty": bool(self.nodata.empty),
+                "xlabel": getattr(self, "_xlabel", "round (session)"),
                 "counts": dict(self._counts), "counts_text": self.counts.text(),
                 "draft_rounds": len(self.draft_pts.data), "copy_rounds": len(self.copy_pts.data),
                 "bound_labels": [ln.label.toPlainText() for ln in self._bounds]}

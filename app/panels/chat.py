@@ -76,9 +76,7 @@ class ChatPanel(QWidget):
         self.state = state
         self.pieces = self.pieces_of()
         ex = state.exchanges
-        last = ex[-1] if ex else None
-        key = (id(state), id(self.pieces), len(ex), self.show_template.isChecked(),
-               None if last is None else (len(last.output_ids), last.done))
+        key = (id(state), id(self.pieces), len(ex), self.show_template.isChecked(), state.chat_version)
         if key == self._key:
             return
         self._key = key

@@ -47,11 +47,13 @@ class TimelinePanel(QWidget):
         return b
 
     def refresh(self, state: SessionState) -> None:
-        key = (id(state), state.n_rounds)
+        key = (id(state), state.plot_key)
         if key == self._key:
             return
         self._key = key
-        pts = state.rounds[-SHOW_ROUNDS:]
+        pts, _, xlabel = state.plot_rounds()
+        pts = pts[-SHOW_ROUNDS:]
+        self._set_xlabel(xlabel)
         x = np.array([p.x for p in pts], dtype=float)
         dm = np.array([p.draft_ms for p in pts], dtype=float)
         vm = np.array([p.verify_ms for p in pts], dtype=float)
@@ -103,6 +105,11 @@ class TimelinePanel(QWidget):
             item = pg.BarGraphItem(x=[], height=[], width=1, brush=self._b(k, False), pen=None)
             self.legend.addItem(item, f"k={k}")
 
+    def _set_xlabel(self, text: str) -> None:
+        if text != getattr(self, "_xlabel", "round (session)"):
+            self._xlabel = text
+            self.plot.getPlotItem().setLabel("bottom", text)
+
     def snapshot(self) -> dict:
         return {"info": self.info.text(), "n": len(self._verify_heights), "verify": list(self._verify_heights),
-                "empty": bool(self.nodata.empty)}
+                "empty": bool(self.nodata.empty), "xlabel": getattr(self, "_xlabel", "round (session)")}

@@ -103,8 +103,8 @@ class TokenPanel(QWidget):
             sb = self.view.verticalScrollBar()
             sb.setValue(sb.maximum())
         if state.request_id >= 0:
-            end = state.last_end if state.last_end and state.last_end.request_id == state.request_id else None
-            status = f"done ({end.stopped})" if end else ("running" if state.running else "")
+            end = state.end
+            status = f"done ({end.stopped})" if end else ("running" if state.running and state.shown.active else "")
             t = state.turn
             turn = (f"Conversation {t.conversation}, turn {t.turn} (the prompt is the whole conversation) · "
                     if t is not None and t.request_id == state.request_id else "")

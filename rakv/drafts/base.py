@@ -76,5 +76,10 @@ class DraftSource:
     def commit(self, ids: list[int]) -> None:
         pass
 
+    def fork(self) -> "DraftSource":
+        """A source for another request stream running beside this one (a lane of
+        ``rakv.batching``): shares what is read-only (a model's weights), owns its per-request state."""
+        return type(self)()
+
     def end(self) -> None:
         pass

@@ -133,5 +133,8 @@ class ModelDraft(DraftSource):
             dec.crop_to(self.cache, i)
             del self.cached[i:]
 
+    def fork(self) -> "ModelDraft":
+        return ModelDraft(self.lm, self.vocab)
+
     def end(self) -> None:
         self.cache = None

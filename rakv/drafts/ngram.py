@@ -28,6 +28,9 @@ class NgramDraft(DraftSource):
         """Reuse (r = 1) also looks up what earlier requests of this store generated."""
         self.history = store.history if (store is not None and reuse and len(store.history)) else None
 
+    def fork(self) -> "NgramDraft":
+        return NgramDraft(self.sizes)
+
     def end(self) -> None:
         self.history = None
 

@@ -1937,17 +1937,42 @@ static float *aligned_floats(int64_t n) {
     return (float *)aligned_alloc(64, bytes ? bytes : 64);
 }
 
-int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, int64_t H, int64_t Hq,
-                       int64_t Hk, int64_t D, int64_t I, int64_t past, const float *cos, const float *sin,
-                       float eps, float scale, int threads, const int64_t *path, int64_t path_rs,
-                       const int64_t *depth, const float *final_w) {
+/* The rows of a forward come in S segments, one per request: segment s is rows r0[s] .. r0[s] + n[s]
+   - 1 (in order), at positions past[s] .. of its own KV buffers: layer l's are kbuf[l * S + s],
+   vbuf[l * S + s] ([Hk, cap[s], D]). Every linear runs over all n rows at once (one pass over the
+   codes; under the q8 numerics each row's arithmetic is its own, whatever rows share the pass), each
+   segment's attention over its own cache only: a row of one request never reads another's KV. */
+typedef struct {
+    int64_t S;
+    const int64_t *r0, *n, *past, *cap;
+    float *const *kbuf, *const *vbuf;      /* NULL: one segment in the layers' own k, v, cap */
+} rakv_segs;
+
+static inline float *seg_k(const rakv_dlayer *L, const rakv_segs *g, int64_t l, int64_t s) {
+    return g->kbuf ? g->kbuf[l * g->S + s] : L->k;
+}
+static inline float *seg_v(const rakv_dlayer *L, const rakv_segs *g, int64_t l, int64_t s) {
+    return g->vbuf ? g->vbuf[l * g->S + s] : L->v;
+}
+static inline int64_t seg_cap(const rakv_dlayer *L, const rakv_segs *g, int64_t s) {
+    return g->kbuf ? g->cap[s] : L->cap;
+}
+
+static int decode_segments(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, int64_t H, int64_t Hq,
+                           int64_t Hk, int64_t D, int64_t I, const rakv_segs *g, const float *cos,
+                           const float *sin, float eps, float scale, int threads, const int64_t *path,
+                           int64_t path_rs, const int64_t *depth, const float *final_w) {
     const int64_t sq = Hq * D, sk = Hk * D, W = sq + 2 * sk;
+    int64_t *seg_of = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
+    if (!seg_of) return 1;
+    for (int64_t s = 0; s < g->S; s++)
+        for (int64_t i = g->r0[s]; i < g->r0[s] + g->n[s]; i++) seg_of[i] = s;
     /* 64-byte aligned, as torch's own tensors: the kernel's row loads then never straddle lines */
     float *xn = aligned_floats(n * H), *h = aligned_floats(n * W), *a = aligned_floats(n * sq);
     float *y = aligned_floats(n * (2 * I > H ? 2 * I : H)), *m = aligned_floats(n * I);
     float *tmp = aligned_floats(n * (W > I ? W : I));
     if (!xn || !h || !a || !y || !m || !tmp) {
-        free(xn); free(h); free(a); free(y); free(m); free(tmp);
+        free(xn); free(h); free(a); free(y); free(m); free(tmp); free(seg_of);
         return 1;
     }
     for (int64_t l = 0; l < nL; l++) {
@@ -1958,18 +1983,24 @@ int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, i
         #pragma omp parallel for num_threads(threads) schedule(static) if (n > SERIAL_ROWS)
         for (int64_t i = 0; i < n; i++) {
             float *hi = h + i * W;
+            const int64_t s = seg_of[i], cap = seg_cap(L, g, s), at = g->past[s] + i - g->r0[s];
+            float *kb = seg_k(L, g, l, s), *vb = seg_v(L, g, l, s);
             rotate_heads(hi, Hq + Hk, D, cos + i * D, sin + i * D);            /* q, then k: adjacent */
-            for (int64_t g = 0; g < Hk; g++) {
-                memcpy(L->k + (g * L->cap + past + i) * D, hi + sq + g * D, sizeof(float) * D);
-                memcpy(L->v + (g * L->cap + past + i) * D, hi + sq + sk + g * D, sizeof(float) * D);
+            for (int64_t e = 0; e < Hk; e++) {
+                memcpy(kb + (e * cap + at) * D, hi + sq + e * D, sizeof(float) * D);
+                memcpy(vb + (e * cap + at) * D, hi + sq + sk + e * D, sizeof(float) * D);
             }
         }
-        if (path)           /* a token tree: row i at position past + depth[i] (cos, sin given so) */
-            rakv_attend_tree(h, n, Hq, D, W, L->k, L->cap * D, L->v, L->cap * D, Hk, past, scale, a, threads,
-                             L->window, 0.0f, path, path_rs, depth);
-        else
-            rakv_attend(h, n, Hq, D, W, L->k, L->cap * D, L->v, L->cap * D, Hk, past, scale, a, threads,
-                        L->window, 0.0f);
+        for (int64_t s = 0; s < g->S; s++) {
+            const int64_t r0 = g->r0[s], cap = seg_cap(L, g, s);
+            float *kb = seg_k(L, g, l, s), *vb = seg_v(L, g, l, s);
+            if (path)       /* a token tree (one segment): row i at position past + depth[i] */
+                rakv_attend_tree(h, n, Hq, D, W, kb, cap * D, vb, cap * D, Hk, g->past[s], scale, a, threads,
+                                 L->window, 0.0f, path, path_rs, depth);
+            else
+                rakv_attend(h + r0 * W, g->n[s], Hq, D, W, kb, cap * D, vb, cap * D, Hk, g->past[s], scale,
+                            a + r0 * sq, threads, L->window, 0.0f);
+        }
         rakv_linear(L->o, a, n, y, L->o_bias, threads);
         for (int64_t j = 0; j < n * H; j++) x[j] = x[j] + y[j];
         rms_rows(x, n, H, L->ln2, eps, xn, threads);
@@ -1983,8 +2014,30 @@ int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, i
     /* the model's final RMSNorm (weights final_w, the layers' eps), in place: here the rows are
        still in cache, where torch's op after the call found its code and data cold (~0.1 ms) */
     if (final_w) rms_rows(x, n, H, final_w, eps, x, threads);
-    free(xn); free(h); free(a); free(y); free(m); free(tmp);
+    free(xn); free(h); free(a); free(y); free(m); free(tmp); free(seg_of);
     return 0;
+}
+
+/* one request's rows (a decode or verify step, a token tree with path) in the layers' own buffers */
+int rakv_decode_layers(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, int64_t H, int64_t Hq,
+                       int64_t Hk, int64_t D, int64_t I, int64_t past, const float *cos, const float *sin,
+                       float eps, float scale, int threads, const int64_t *path, int64_t path_rs,
+                       const int64_t *depth, const float *final_w) {
+    const int64_t r0 = 0;
+    const rakv_segs one = {1, &r0, &n, &past, NULL, NULL, NULL};
+    return decode_segments(Ls, nL, x, n, H, Hq, Hk, D, I, &one, cos, sin, eps, scale, threads, path, path_rs,
+                           depth, final_w);
+}
+
+/* several requests' rows in one pass (rakv_segs); no trees */
+int rakv_decode_segments(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n, int64_t H, int64_t Hq,
+                         int64_t Hk, int64_t D, int64_t I, int64_t S, const int64_t *r0, const int64_t *ns,
+                         const int64_t *past, const int64_t *cap, float *const *kbuf, float *const *vbuf,
+                         const float *cos, const float *sin, float eps, float scale, int threads,
+                         const float *final_w) {
+    const rakv_segs g = {S, r0, ns, past, cap, kbuf, vbuf};
+    return decode_segments(Ls, nL, x, n, H, Hq, Hk, D, I, &g, cos, sin, eps, scale, threads, NULL, 0, NULL,
+                           final_w);
 }
 
 /* ------------------------------------------------------------------ the seeded sampler

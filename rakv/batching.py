@@ -1,0 +1,253 @@
+"""Continuous batching: several requests decode together, one forward per step carrying all their rows.
+
+Each active request runs the engine's own code (lookup, decision, prefill, rounds, end) on its own
+*lane*: an ``Engine`` that shares the target, the prefix cache and the learned state with the
+others but has its own draft state and controls. Lanes run one at a time (they pass a baton, so the
+Python state they share is never touched by two at once) and meet at the target's forward: a lane
+that needs a forward hands its rows to the ``Batcher`` and waits; when every active lane waits,
+the last one runs them all in one pass (``kernels.segments.forward_segments``: each linear over
+every row at once, each request's attention over its own cache) and each lane goes on with its own
+logits. A request joins at the next step (its lane takes the baton and adds its rows) and leaves
+when done; a long prompt's prefill is fed in chunks, one a step, so the running requests keep
+their pace.
+
+Exact by construction: a row computes the same bits in the shared pass as in a forward of its own
+request alone (the q8 numerics' rows are computed alone; attention reads only the request's own
+cache), and nothing else about a request depends on its neighbours, so its tokens equal its solo
+run's. Where a backend cannot run rows of several requests exactly (``segments_ok`` says no: fp32
+numerics, the torch path) each request's forward runs on its own inside the step.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from .device import clock as now
+from .kernels.segments import forward_segments, segments_ok
+
+PREFILL_CHUNK = 64        # prompt tokens a request feeds per step while others decode
+
+
+@dataclass
+class _Rows:
+    """One lane's forward, waiting for the step."""
+
+    backend: object
+    tokens: list[int]
+    cache: object
+    keep: int
+    tree: object = None
+    rid: int | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    logits: object = None
+    error: BaseException | None = None
+
+
+@dataclass
+class StepInfo:
+    """What one shared step carried: (request id, rows) per forward, its wall ms, whether the rows
+    shared one pass."""
+
+    index: int
+    rows: list[tuple[int | None, int]]
+    ms: float
+    shared: bool
+
+
+class Batcher:
+    """The baton lanes pass and the step where their forwards meet."""
+
+    def __init__(self, on_step=None):
+        self._baton = threading.Lock()
+        self._state = threading.Lock()
+        self._local = threading.local()
+        self._waiting: list[_Rows] = []
+        self.live = 0
+        self.joining = 0            # lanes waiting for the baton to start: the next step waits for them
+        self.steps = 0
+        self.on_step = on_step or (lambda info: None)
+
+    # ---- lanes
+    def in_lane(self) -> bool:
+        return getattr(self._local, "lane", False)
+
+    @contextmanager
+    def lane(self, rid_of=None):
+        """Run a request's code as a lane: holding the baton except while waiting for a step.
+        ``rid_of()``: the request id now (for the step records)."""
+        with self._state:
+            self.joining += 1
+        self._baton.acquire()
+        with self._state:
+            self.joining -= 1
+            self.live += 1
+        self._local.lane, self._local.rid_of = True, rid_of
+        try:
+            yield
+        finally:
+            self._local.lane = False
+            with self._state:
+                self.live -= 1
+                ready = bool(self._waiting) and len(self._waiting) >= self.live
+                subs = self._take() if ready else []
+            if subs:
+                self._run(subs)
+            self._baton.release()
+
+    def _take(self) -> list[_Rows]:
+        subs, self._waiting = self._waiting, []
+        return subs
+
+    # ---- the step
+    def submit(self, backend, tokens: list[int], cache, keep: int, tree=None):
+        """A lane's forward: wait for the step that carries it; its logits [keep or n, V]."""
+        rid_of = getattr(self._local, "rid_of", None)
+        sub = _Rows(backend, list(tokens), cache, keep, tree, rid_of() if rid_of else None)
+        with self._state:
+            self._waiting.append(sub)
+            ready = len(self._waiting) >= self.live and not self.joining
+            subs = self._take() if ready else []
+        if subs:                                  # the last lane to arrive runs the step
+            self._run(subs)
+        else:
+            self._baton.release()
+            sub.done.wait()
+            self._baton.acquire()
+        if sub.error is not None:
+            raise sub.error
+        return sub.logits
+
+    def _run(self, subs: list[_Rows]) -> None:
+        t0 = now()
+        shared = False
+        try:
+            groups: dict[int, list[_Rows]] = {}
+            for s in subs:
+                groups.setdefault(id(s.backend), []).append(s)
+            for group in groups.values():
+                shared |= self._run_group(group)
+        except BaseException as e:  # noqa: BLE001 - every waiting lane gets the failure
+            for s in subs:
+                if s.logits is None:
+                    s.error = e
+        ms = (now() - t0) * 1e3
+        self.steps += 1
+        info = StepInfo(self.steps, [(s.rid, len(s.tokens)) for s in subs], round(ms, 3), shared)
+        for s in subs:
+            s.done.set()
+        self.on_step(info)
+
+    @staticmethod
+    def _run_group(group: list[_Rows]) -> bool:
+        """One model's forwards of this step: rows that can share a pass in one call, others alone."""
+        be = group[0].backend
+        lean = getattr(be, "lean", None)
+        together = [s for s in group if s.tree is None and segments_ok(lean, [s.cache])] if len(group) > 1 else []
+        if len(together) >= 2:
+            outs = forward_segments(lean, [(s.tokens, s.cache, s.keep) for s in together])
+            for s, o in zip(together, outs):
+                s.logits = o
+        for s in group:
+            if s.logits is None:
+                s.logits = be.forward(s.tokens, s.cache, s.keep, s.tree)
+        return len(together) >= 2
+
+
+class BatchedBackend:
+    """A model's backend whose forwards, called from a lane, join the batcher's step (called from
+    anywhere else: run at once). Everything else is the wrapped backend's."""
+
+    def __init__(self, inner, batcher: Batcher):
+        self.inner = inner
+        self.batcher = batcher
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, tokens, cache, keep: int = 0, tree=None):
+        if not self.batcher.in_lane():
+            return self.inner.forward(tokens, cache, keep, tree)
+        tokens = list(tokens.view(-1).tolist()) if hasattr(tokens, "view") else list(tokens)
+        lean = getattr(self.inner, "lean", None)
+        if keep and tree is None and len(tokens) > PREFILL_CHUNK and lean is not None and lean.rows_alone():
+            # a prompt in chunks, one a step (rows alone: the same bits as one forward of it all)
+            for i in range(0, len(tokens) - PREFILL_CHUNK, PREFILL_CHUNK):
+                self.batcher.submit(self.inner, tokens[i:i + PREFILL_CHUNK], cache, 1)
+            tokens = tokens[len(tokens) - (len(tokens) - 1) % PREFILL_CHUNK - 1:]
+        return self.batcher.submit(self.inner, tokens, cache, keep, tree)
+
+    def prefill(self, ids, cache):
+        return self.forward(ids, cache, 1)[-1]
+
+    def step(self, token: int, cache):
+        return self.forward([token], cache, 1)[-1]
+
+    def verify(self, tokens, cache):
+        return self.forward(tokens, cache, 0)
+
+    def tree(self, tokens, parents, cache):
+        """A token tree runs alone (the lane holds the baton: no other forward runs meanwhile)."""
+        return self.inner.tree(tokens, parents, cache)
+
+
+class LanePool:
+    """``n`` lanes over one engine: the engine's target (its backend joined to the batcher), prefix
+    cache and learned state, each lane its own draft state and controls; request ids from one
+    counter, so a request's seed (the call's + its id) is what one engine would give it."""
+
+    def __init__(self, engine, n: int, on_step=None):
+        self.base = engine
+        self.batcher = Batcher(on_step)
+        self.lanes = [engine] + [engine.lane() for _ in range(max(1, n) - 1)]
+        self._free = list(reversed(self.lanes))
+        self._cv = threading.Condition()
+        self._next_id = engine._next_id
+        for lm in {id(m): m for m in (engine.target, getattr(engine.draft, "lm", None)) if m is not None}.values():
+            join_batcher(lm, self.batcher)
+
+    busy = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.lanes)
+
+    def stop_all(self) -> None:
+        """Every running request ends within its round."""
+        for e in self.lanes:
+            e.stop()
+
+    @contextmanager
+    def lane(self, timeout: float | None = None):
+        """A free lane, running as a lane of the batcher (blocks while all are busy; TimeoutError)."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._free, timeout):
+                raise TimeoutError("no free lane")
+            eng = self._free.pop()
+            self.busy += 1
+        try:
+            with self.batcher.lane(lambda: getattr(eng, "_open_request", None)):
+                eng._next_id = self._next_id        # (under the baton: ids in order of arrival)
+                self._next_id += 1
+                yield eng
+        finally:
+            with self._cv:
+                self._free.append(eng)
+                self.busy -= 1
+                self._cv.notify()
+
+
+def join_batcher(lm, batcher: Batcher) -> None:
+    """Route ``lm``'s forwards through ``batcher`` (a lane's join its step; any other runs at once)."""
+    be = lm.backend if getattr(lm, "backend", None) is not None else None
+    if be is None:
+        from .backend import backend_of
+
+        be = backend_of(lm.model)
+    if isinstance(be, BatchedBackend):       # (a model one pool at a time: the newest one's)
+        be.batcher = batcher
+        return
+    wrapped = BatchedBackend(be, batcher)
+    lm.backend = wrapped
+    lm.model._rakv_backend = wrapped

@@ -1,0 +1,291 @@
+"""A closed-loop load generator for OpenAI-compatible servers on this machine (``rakv bench --load``).
+
+N clients, each sending its next request when its last one ends, against ``rakv serve`` and
+llama.cpp's ``llama-server`` started on the same model files, at each client count, the servers and
+counts interleaved. Bounded in count (``--load-requests`` a run) and time (``--load-time-limit``),
+loopback only (every server here is started on 127.0.0.1 by this module).
+
+Every request streams (server-sent events), so its time to first token is measured where the
+client sees it; a request's tokens are the server's usage count (or its chunks where it sends none).
+Reported per server and client count: aggregate tokens/s (all output tokens over the run's wall
+time), latency and TTFT p50 / p99, and how many answers differ from the same prompt's answer at one
+client (a server whose text changes with concurrency shows it here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+
+@dataclass
+class Answer:
+    prompt: int
+    text: str
+    tokens: int
+    ttft_s: float
+    latency_s: float
+    ok: bool = True
+    error: str = ""
+
+
+@dataclass
+class LoadRun:
+    server: str
+    clients: int
+    wall_s: float
+    answers: list[Answer] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(a.tokens for a in self.answers if a.ok)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile (0..1) by linear interpolation; nan for no data."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    i = (len(s) - 1) * q
+    lo = int(i)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (i - lo)
+
+
+# ----------------------------------------------------------------------------- one request
+def stream_completion(url: str, prompt: str, max_tokens: int, api_key: str | None = None,
+                      timeout: float = 600.0, extra: dict | None = None) -> tuple[str, int, float, float]:
+    """(text, tokens, ttft s, latency s) of one streamed /v1/completions request, greedy."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **(extra or {})}
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), headers=headers)
+    t0 = time.perf_counter()
+    ttft, text, chunks, usage = None, [], 0, None
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                raise RuntimeError(obj["error"].get("message", "error"))
+            for ch in obj.get("choices") or ():
+                piece = ch.get("text") or ""
+                if piece:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(piece)
+                    chunks += 1
+            if obj.get("usage"):
+                usage = obj["usage"].get("completion_tokens")
+            timings = obj.get("timings")                 # llama-server's last chunk
+            if timings and usage is None and timings.get("predicted_n") is not None:
+                usage = int(timings["predicted_n"])
+    latency = time.perf_counter() - t0
+    return "".join(text), int(usage if usage is not None else chunks), ttft if ttft is not None else latency, latency
+
+
+def closed_loop(url: str, prompts: list[str], clients: int, n_requests: int, max_tokens: int,
+                time_limit_s: float, api_key: str | None = None, server: str = "") -> LoadRun:
+    """``clients`` threads, each sending the next prompt (in order, round robin over ``prompts``)
+    when its last answer ended, until ``n_requests`` were sent or ``time_limit_s`` passed."""
+    lock = threading.Lock()
+    sent = [0]
+    answers: list[Answer] = []
+    deadline = time.perf_counter() + time_limit_s
+
+    def client():
+        while True:
+            with lock:
+                if sent[0] >= n_requests or time.perf_counter() > deadline:
+                    return
+                i = sent[0]
+                sent[0] += 1
+            p = i % len(prompts)
+            try:
+                text, n, ttft, lat = stream_completion(url, prompts[p], max_tokens, api_key)
+                a = Answer(p, text, n, ttft, lat)
+            except (OSError, RuntimeError, ValueError) as e:
+                a = Answer(p, "", 0, 0.0, 0.0, ok=False, error=f"{type(e).__name__}: {e}"[:200])
+            with lock:
+                answers.append(a)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(time_limit_s + 600)
+    return LoadRun(server, clients, time.perf_counter() - t0, answers)
+
+
+# ----------------------------------------------------------------------------- servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 900.0, api_key: str | None = None) -> None:
+    """Until GET /v1/models answers (the model loaded); the server's death or the timeout: RuntimeError."""
+    t_end = time.time() + timeout_s
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    while time.time() < t_end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=headers), timeout=5):
+                return
+        except (OSError, urllib.error.URLError):
+            time.sleep(0.5)
+    raise RuntimeError(f"the server at {url} was not ready after {timeout_s:.0f} s")
+
+
+@dataclass
+class ServerSpec:
+    """How to start one server to measure: a name, its command (``{port}`` filled in), its log."""
+
+    name: str
+    argv: list[str]
+    env: dict = field(default_factory=dict)
+
+    def start(self, log_dir: Path) -> tuple[subprocess.Popen, str]:
+        port = free_port()
+        argv = [a.replace("{port}", str(port)) for a in self.argv]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(log_dir / f"{self.name.replace(' ', '_').replace('/', '_')}.log", "ab")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                                stdin=subprocess.DEVNULL)
+        url = f"http://{HOST}:{port}"
+        try:
+            wait_ready(url, proc)
+        except BaseException:
+            stop(proc)
+            raise
+        return proc, url
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def rakv_server(target: str, draft: str, parallel: int, policy: str = "adaptive", extra: list[str] | None = None,
+                name: str | None = None) -> ServerSpec:
+    argv = [sys.executable, "-m", "rakv", "serve", "--target", target, "--draft", draft, "--policy", policy,
+            "--parallel", str(parallel), "--host", HOST, "--port", "{port}", *(extra or [])]
+    return ServerSpec(name or f"rakv {policy} -np {parallel}", argv)
+
+
+def llama_server_binary() -> str | None:
+    """llama.cpp's llama-server: $RAKV_LLAMA_SERVER, on PATH, or where scripts/build_llama_cpp.sh puts it."""
+    env = os.environ.get("RAKV_LLAMA_SERVER")
+    if env:
+        return env if os.access(env, os.X_OK) else None
+    found = shutil.which("llama-server")
+    if found:
+        return found
+    from rakv.paths import cache_dir
+
+    for p in sorted((cache_dir() / "llama.cpp").glob("*/build/bin/llama-server")):
+        if os.access(p, os.X_OK):
+            return str(p)
+    return None
+
+
+def llama_server(binary: str, gguf: str, parallel: int, draft_gguf: str | None = None, threads: int = 2,
+                 ctx_per_slot: int = 2048) -> ServerSpec:
+    """llama-server with continuous batching over ``parallel`` slots (and its draft model ``-md``)."""
+    argv = [binary, "-m", gguf, "-np", str(parallel), "-c", str(ctx_per_slot * parallel), "-t", str(threads),
+            "--host", HOST, "--port", "{port}", "-cb", "--cache-reuse", "256"]
+    if draft_gguf:
+        argv += ["-md", draft_gguf, "--draft-max", "8", "--draft-min", "1", "-td", str(threads)]
+    return ServerSpec(f"llama-server -np {parallel}" + (" -md" if draft_gguf else ""), argv)
+
+
+# ----------------------------------------------------------------------------- the table
+def summary_rows(runs: list[LoadRun]) -> list[dict]:
+    """One row per (server, clients): tok/s, latency / TTFT p50 p99, errors, and answers whose text
+    differs from that server's one-client answer to the same prompt."""
+    solo: dict[tuple[str, int], str] = {}
+    for r in runs:
+        if r.clients == 1:
+            for a in r.answers:
+                if a.ok:
+                    solo.setdefault((r.server, a.prompt), a.text)
+    rows = []
+    for r in runs:
+        ok = [a for a in r.answers if a.ok]
+        diff = sum(1 for a in ok if (r.server, a.prompt) in solo and a.text != solo[(r.server, a.prompt)])
+        rows.append({"server": r.server, "clients": r.clients, "requests": len(r.answers), "errors": len(r.answers) - len(ok),
+                     "tokens": r.tokens, "wall_s": round(r.wall_s, 2), "tok_s": round(r.tok_s, 2),
+                     "latency_p50_s": round(pct([a.latency_s for a in ok], 0.5), 3),
+                     "latency_p99_s": round(pct([a.latency_s for a in ok], 0.99), 3),
+                     "ttft_p50_s": round(pct([a.ttft_s for a in ok], 0.5), 3),
+                     "ttft_p99_s": round(pct([a.ttft_s for a in ok], 0.99), 3),
+                     "differ_from_one_client": diff})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    cols = list(rows[0]) if rows else []
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def run_load(specs: list[ServerSpec], prompts: list[str], clients: list[int], n_requests: int, max_tokens: int,
+             time_limit_s: float, out: Path, repeats: int = 1, progress=print) -> list[LoadRun]:
+    """Each server started once (in turn, never two at a time: they would share the cores), every
+    client count measured on it; with ``repeats`` > 1 the servers are started again in rotated
+    order, so a slow period of the machine does not fall on one server only. Writes OUT/load.json
+    and OUT/load.md."""
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[LoadRun] = []
+    for rep in range(repeats):
+        order = specs[rep % len(specs):] + specs[: rep % len(specs)]
+        for spec in order:
+            progress(f"[load] starting {spec.name} ...")
+            proc, url = spec.start(out / "logs")
+            try:
+                stream_completion(url, prompts[0], 4)                       # warm-up (not timed)
+                cs = clients if rep % 2 == 0 else list(reversed(clients))
+                for c in cs:
+                    r = closed_loop(url, prompts, c, n_requests, max_tokens, time_limit_s, server=spec.name)
+                    runs.append(r)
+                    progress(f"[load] {spec.name}: {c} clients, {len(r.answers)} requests, {r.tok_s:.1f} tok/s")
+            finally:
+                stop(proc)
+    rows = summary_rows(runs)
+    (out / "load.json").write_text(json.dumps({"rows": rows, "runs": [
+        {"server": r.server, "clients": r.clients, "wall_s": r.wall_s,
+         "answers": [a.__dict__ for a in r.answers]} for r in runs]}, indent=1))
+    (out / "load.md").write_text(markdown(rows) + "\n")
+    return runs

@@ -1,0 +1,327 @@
+"""Continuous batching (``rakv.batching``, ``rakv serve --parallel``): requests decode together, one
+forward a step carrying all their rows, and every request's tokens equal its solo run, whatever
+arrives beside it, in any order: greedy and seeded, every policy, partial and exact prefix hits,
+EOS mid-round, long prompts fed in chunks, a request stopped mid-way; q8 and fp32 numerics, Llama
+and GPT-2 tiny models. The server's side: 429 past the queue, 401 without the API key, a client
+that goes away, shutdown with open streams. No test depends on timing."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import urllib.request
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from rakv import decoding as dec
+from rakv.backend import backend_of
+from rakv.batching import LanePool
+from rakv.config import RakvConfig
+from rakv.drafts import ModelDraft, NgramDraft
+from rakv.engine import Engine
+from rakv.kernels import blockq
+from rakv.kernels.segments import forward_segments, segments_ok
+from rakv.models import set_numerics
+from rakv.records import Round, Step, from_dict, request_rows, to_dict
+from rakv.sampling import Sampling
+from tests.tiny import EOS_PROMPTS, make_pair, synthetic_profile
+
+kernel = pytest.mark.skipif(blockq.library() is None, reason=f"no block kernel: {blockq.reason()}")
+N = 16
+
+
+def _pair(arch: str, numerics: str, eos=None):
+    t, d = make_pair(arch, "mostly", eos=eos)
+    return set_numerics(t, numerics), set_numerics(d, numerics)
+
+
+def _prompts(seed: int = 1) -> list[list[int]]:
+    """Short and long prompts (past PREFILL_CHUNK: fed in chunks), shared prefixes (partial hits) and
+    a repeat (an exact hit)."""
+    rng = random.Random(seed)
+    base = list(range(5, 140))
+    out = [[rng.randrange(5, 200) for _ in range(rng.randrange(3, 150))] for _ in range(6)]
+    return out + [base[:100], base[:100], base[:60] + [7, 8], base[:130]]
+
+
+def _solo(target, prompt, rid: int, s: Sampling, n: int = N) -> list[int]:
+    e = Engine(target, None, RakvConfig(policy="ar", sampling=s))
+    e._next_id = rid                      # (a seeded request's seed is the call's + its id)
+    return e.generate(prompt, n).output_ids
+
+
+def _serve_all(engine, prompts, lanes: int, seed: int, n: int = N, steps=None):
+    """Every prompt through a LanePool of ``lanes``, from ``lanes`` client threads in a random order;
+    {request_id: (prompt, RequestEnd)}."""
+    pool = LanePool(engine, lanes, on_step=(steps.append if steps is not None else None))
+    rng = random.Random(seed)
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    done, errors = {}, []
+
+    def client(mine):
+        try:
+            for i in mine:
+                with pool.lane() as lane:
+                    end = lane.generate(prompts[i], n)
+                done[end.request_id] = (prompts[i], end)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(order[j::lanes],)) for j in range(lanes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert len(done) == len(prompts)
+    return done
+
+
+@kernel
+def test_rows_of_several_requests_in_one_pass_equal_each_forward_alone():
+    """The kernel's segments: decode steps and verify rows of different requests in one call give
+    each request's logits and KV bit for bit as its own forward (q8 numerics)."""
+    t, _ = _pair("llama", "q8")
+    lean = backend_of(t.model).lean
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 200) for _ in range(rng.randrange(3, 40))] for _ in range(5)]
+    ref = []
+    for p in prompts:
+        c = DynamicCache()
+        rows = [dec.prefill(t.model, p, c)]
+        seq = [int(rows[0].argmax())]
+        for _ in range(6):
+            rows.append(dec.decode_one(t.model, seq[-1], c))
+            seq.append(int(rows[-1].argmax()))
+        ref.append((seq, rows))
+    caches = []
+    for p in prompts:
+        c = DynamicCache()
+        dec.prefill(t.model, p, c)
+        caches.append(c)
+    assert segments_ok(lean, caches)
+    segs = [(ref[i][0][: 1 + i % 4], caches[i], 0) for i in range(5)]        # 1 to 4 rows each
+    for i, out in enumerate(forward_segments(lean, segs)):
+        for j in range(out.shape[0]):
+            assert torch.equal(out[j], ref[i][1][j + 1]), (i, j)
+    segs = [([ref[i][0][i % 4 + 1]], caches[i], 1) for i in range(5)]         # then one step each, together
+    for i, out in enumerate(forward_segments(lean, segs)):
+        assert torch.equal(out[-1], ref[i][1][i % 4 + 2]), i
+
+
+@pytest.mark.parametrize("arch,numerics", [("llama", "q8"), ("llama", "fp32"), ("gpt2", "q8")])
+@pytest.mark.parametrize("policy,draft", [("ar", None), ("kv", None), ("spec:3", "model"), ("joint:2", "ngram"),
+                                          ("adaptive", "model")])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_every_request_equals_its_solo_run_whatever_shares_its_steps(arch, numerics, policy, draft, greedy):
+    if numerics == "q8" and blockq.library() is None:
+        pytest.skip(f"no block kernel: {blockq.reason()}")
+    t, d = _pair(arch, numerics)
+    s = Sampling() if greedy else Sampling(temperature=0.8, top_p=0.95, seed=11)
+    src = ModelDraft(d) if draft == "model" else NgramDraft() if draft == "ngram" else None
+    eng = Engine(t, src, RakvConfig(policy=policy, sampling=s), profile=synthetic_profile())
+    steps = []
+    prompts = _prompts(seed=len(policy))
+    done = _serve_all(eng, prompts, 4, seed=len(policy) + greedy, steps=steps)
+    for rid, (p, end) in done.items():
+        assert end.output_ids == _solo(t, p, rid, s), (rid, end.stopped)
+    shared = [st for st in steps if len(st.rows) > 1]
+    assert shared                                              # requests did meet in steps
+    if numerics == "q8" and arch == "llama":
+        assert any(st.shared for st in shared)                 # ... and shared one pass over the weights
+    else:
+        assert not any(st.shared for st in shared)             # each forward alone inside the step
+
+
+@kernel
+def test_eos_mid_round_and_a_stopped_request_among_others():
+    t, d = _pair("llama", "q8", eos="emitted")
+    eng = Engine(t, ModelDraft(d), RakvConfig(policy="spec:4"), profile=synthetic_profile())
+    prompts = EOS_PROMPTS * 2
+    done = _serve_all(eng, prompts, 3, seed=5)
+    assert any(end.stopped == "eos" for _, end in done.values())
+    for rid, (p, end) in done.items():
+        assert end.output_ids == _solo(t, p, rid, Sampling())
+    # a request stopped mid-way (a client gone) ends within its round; the others run on, exact
+    pool = LanePool(eng, 2)
+    out = {}
+
+    def long_one():
+        with pool.lane() as lane:
+            lane.stop_after = 3
+            orig = lane.callback
+
+            def cb(rec):
+                orig(rec)
+                if isinstance(rec, Round) and rec.index >= 3:
+                    lane.stop()
+            lane.callback = cb
+            out["stopped"] = lane.generate(prompts[1], 40)
+            lane.callback = orig
+
+    def other():
+        with pool.lane() as lane:
+            out["other"] = lane.generate(prompts[3], N)
+
+    threads = [threading.Thread(target=long_one), threading.Thread(target=other)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(300)
+    a, b = out["stopped"], out["other"]
+    assert a.stopped == "stop" and len(a.output_ids) < 40
+    assert a.output_ids == _solo(t, prompts[1], a.request_id, Sampling(), 40)[: len(a.output_ids)]
+    assert b.output_ids == _solo(t, prompts[3], b.request_id, Sampling())
+
+
+def test_step_records_round_trip_and_fill_the_timing_csv():
+    st = Step(step=3, requests=[[0, 1], [1, 5]], ms=2.5, shared=True)
+    assert from_dict(json.loads(json.dumps(to_dict(st)))) == st
+    from rakv.records import RequestEnd, RequestStart
+
+    recs = [RequestStart(request_id=0, prompt_tokens=4), RequestStart(request_id=1, prompt_tokens=5), st,
+            Step(step=4, requests=[[0, 1], [1, 1], [2, 1]]), RequestEnd(request_id=0, output_ids=[1, 2]),
+            RequestEnd(request_id=1, output_ids=[3])]
+    rows = {r["request_id"]: r for r in request_rows(recs)}
+    assert rows[0]["shared_steps"] == 2 and rows[0]["max_batch"] == 3 and rows[0]["shared_with"] == "1;2"
+    assert rows[1]["shared_steps"] == 2
+
+
+# ----------------------------------------------------------------------------- the server's side
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.tiny import save_tiny
+
+    d = tmp_path_factory.mktemp("batch-model")
+    save_tiny(d / "target", "llama", chat=True)
+    return d / "target"
+
+
+def _server(model_dir, tmp_path_factory, *extra):
+    from rakv.cli import Session, build_parser
+    from rakv.serve import Server
+
+    args = build_parser().parse_args(["serve", "--target", str(model_dir), "--draft", "ngram", "--port", "0",
+                                      "--max-new-tokens", "8", *extra])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAKV_CACHE", str(tmp_path_factory.getbasetemp() / "rakv-cache"))
+        mp.setenv("RAKV_CONTENTION_CHECK", "0")
+        return Server(args, lambda on_record: Session(args, on_record=on_record)).start()
+
+
+def _post(url, body, path="/v1/completions", headers=None):
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}"), dict(e.headers)
+
+
+def test_the_api_key_is_asked_for(model_dir, tmp_path_factory):
+    s = _server(model_dir, tmp_path_factory, "--api-key", "sesame")
+    try:
+        status, r, _ = _post(s.url, {"prompt": "hello there", "max_tokens": 2})
+        assert status == 401 and r["error"]["code"] == "invalid_api_key"
+        status, _, _ = _post(s.url, {"prompt": "hello there", "max_tokens": 2}, headers={"Authorization": "Bearer nope"})
+        assert status == 401
+        status, r, _ = _post(s.url, {"prompt": "hello there", "max_tokens": 2},
+                             headers={"Authorization": "Bearer sesame"})
+        assert status == 200 and r["choices"][0]["text"] is not None
+        import openai
+
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="sesame", max_retries=0, timeout=60)
+        assert client.completions.create(model=s.service.model, prompt="hi", max_tokens=2).choices
+    finally:
+        s.close()
+
+
+def test_past_the_queue_a_429_with_retry_after_and_the_lanes_free_again(model_dir, tmp_path_factory):
+    s = _server(model_dir, tmp_path_factory, "--parallel", "1", "--max-queue", "0")
+    try:
+        held, go = threading.Event(), threading.Event()
+
+        def hold():                             # the one lane busy, as a long request holds it
+            with s.service.admit(), s.service.pool.lane():
+                held.set()
+                go.wait(60)
+
+        th = threading.Thread(target=hold)
+        th.start()
+        assert held.wait(60)
+        status, r, headers = _post(s.url, {"prompt": "hello there", "max_tokens": 2})
+        assert status == 429 and int(headers["Retry-After"]) >= 1 and "busy" in r["error"]["message"]
+        go.set()
+        th.join(60)
+        status, _, _ = _post(s.url, {"prompt": "hello there", "max_tokens": 2})
+        assert status == 200
+    finally:
+        s.close()
+
+
+def _pause_after_first_round(service):
+    """Every lane's records pass a hook that holds a request after its first round until released."""
+    paused, release = threading.Event(), threading.Event()
+    for lane in service.pool.lanes:
+        def cb(rec, orig=lane.callback):
+            orig(rec)
+            if isinstance(rec, Round) and rec.index == 1 and not paused.is_set():
+                paused.set()
+                release.wait(60)
+        lane.callback = cb
+    return paused, release
+
+
+def test_shutdown_ends_an_open_stream_with_an_error_event(model_dir, tmp_path_factory):
+    s = _server(model_dir, tmp_path_factory, "--parallel", "2", "--max-new-tokens", "60")
+    paused, release = _pause_after_first_round(s.service)
+    events = []
+
+    def stream():
+        req = urllib.request.Request(s.url + "/v1/completions",
+                                     data=json.dumps({"prompt": "a b c d e f", "max_tokens": 60,
+                                                      "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                line = line.decode().strip()
+                if line.startswith("data: "):
+                    events.append(line[6:])
+
+    th = threading.Thread(target=stream)
+    th.start()
+    assert paused.wait(60)
+    closer = threading.Thread(target=s.close)       # Ctrl-C: the server closes with the stream open
+    closer.start()
+    while not s.service.closing:
+        threading.Event().wait(0.01)
+    release.set()
+    closer.join(60)
+    th.join(60)
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert "shutting down" in last["error"]["message"]
+
+
+def test_a_client_gone_mid_stream_frees_its_lane(model_dir, tmp_path_factory):
+    from rakv.api import parse_ask
+
+    s = _server(model_dir, tmp_path_factory, "--parallel", "1", "--max-queue", "0")
+    try:
+        def gone(piece):
+            raise BrokenPipeError("the client closed the connection")
+
+        with s.service.admit():
+            res = s.service.complete(parse_ask({"prompt": "alpha beta gamma", "max_tokens": 40, "stream": True},
+                                               chat=False), emit=gone)
+        assert res.end.stopped == "stop" and len(res.end.output_ids) < 40
+        assert s.service.pool.busy == 0
+        status, _, _ = _post(s.url, {"prompt": "hello there", "max_tokens": 2})    # the lane serves again
+        assert status == 200
+    finally:
+        s.close()
