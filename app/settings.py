@@ -183,7 +183,7 @@ GENERIC_DRAFTS = ("int8", "ngram", "none")     # drafts made for any target (its
 def default_draft(target: str) -> str:
     """The draft a target gets when none is named: a preset's own draft (qwen-coder-1.5b:
     qwen-coder-0.5b), else the explorer's default (``Settings.DEFAULTS``)."""
-    from rakv.presets import PRESETS
+    from rakv.load.presets import PRESETS
 
     p = PRESETS.get(target.strip())
     return p.draft if p is not None and p.draft else Settings.DEFAULTS["models/draft"]

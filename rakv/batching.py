@@ -24,6 +24,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from .backends import backend_of, set_backend
 from .device import clock as now
 from .kernels.segments import forward_segments, segments_ok
 
@@ -240,14 +241,10 @@ class LanePool:
 
 def join_batcher(lm, batcher: Batcher) -> None:
     """Route ``lm``'s forwards through ``batcher`` (a lane's join its step; any other runs at once)."""
-    be = lm.backend if getattr(lm, "backend", None) is not None else None
-    if be is None:
-        from .backend import backend_of
-
-        be = backend_of(lm.model)
+    be = lm.backend if getattr(lm, "backend", None) is not None else backend_of(lm.model)
     if isinstance(be, BatchedBackend):       # (a model one pool at a time: the newest one's)
         be.batcher = batcher
         return
     wrapped = BatchedBackend(be, batcher)
     lm.backend = wrapped
-    lm.model._rakv_backend = wrapped
+    set_backend(lm.model, wrapped)

@@ -440,7 +440,7 @@ def alpha_prior(profile, target, draft, sampling, ids=None) -> float:
 
 
 def _backend_name(lm) -> str:
-    from ..backend import backend_of
+    from ..backends import backend_of
 
     return (getattr(lm, "backend", None) or backend_of(lm.model)).name
 

@@ -249,7 +249,7 @@ def fingerprint(target_key: str, draft_key: str, dtype: str, device: str = "cpu"
 def pair_fingerprint(target, draft) -> dict:
     """The fingerprint of this machine and pair as loaded (device and fast path read off the model,
     the backend as chosen at load: a profile measured under one backend is not reused under another)."""
-    from ..backend import LeanBackend, backend_of
+    from ..backends import LeanBackend, backend_of
     from ..device import model_device
     from ..kernels.fastpath import is_enabled, one_row_kernel
 

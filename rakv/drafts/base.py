@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .. import decoding as dec
 from ..prefix_cache import Hit, PrefixCache
-from ..sampling import Sampling
+from ..config import Sampling
 
 now = dec.now
 

@@ -8,10 +8,11 @@ import torch
 
 from .. import decoding as dec
 from .. import sampling as S
+from ..backends import lean_of
 from ..load.loaded import LoadedModel
 from ..prefill import prefill_with_reuse
 from ..prefix_cache import PrefixCache
-from ..sampling import Sampling
+from ..config import Sampling
 from .base import DraftSource, PrefillInfo, Proposal, now
 
 
@@ -37,7 +38,7 @@ def vocab_ids(lm: LoadedModel, n: int):
 
     if n <= 0:
         return None
-    lean = getattr(lm.model, "_rakv_lean", None) if lm.lean else None
+    lean = lean_of(lm.model) if lm.lean else None
     if lean is None or not hasattr(lean, "limit_head") or n >= lm.vocab_size:
         return None
     V = lm.vocab_size
@@ -59,7 +60,7 @@ class ModelDraft(DraftSource):
         self.vocab = 0
         ids = vocab_ids(lm, vocab)
         if ids is not None:
-            lm.model._rakv_lean.limit_head(ids)
+            lean_of(lm.model).limit_head(ids)
             self.vocab = vocab
             self.name = f"{lm.name} ({vocab} ids)"
             self.key = f"{lm.key}+v{vocab}"          # its own cost profile (its step is cheaper)

@@ -17,7 +17,7 @@ numerics: the exactness contract (spec == ar == target-only greedy) is unaffecte
 Automatic fallback (the model is left plain) where oneDNN is unavailable, on a non-CPU device, or
 for a dtype other than float32 / bfloat16. ``RAKV_FAST=0`` (or ``RakvConfig.fast=False``, CLI
 ``--no-fast``) keeps the plain path for comparison: the caller decides (nothing here reads the
-environment, but ``default_enabled``, kept for one caller until it moves).
+environment: ``rakv.config.env_fast`` reads RAKV_FAST).
 """
 
 from __future__ import annotations
@@ -38,14 +38,6 @@ from .registry import lean_of, set_lean
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 _BLOCK_ROWS = MAX_ROWS            # rows up to which a linear with block codes runs from them
-
-
-def default_enabled() -> bool:
-    """The process default: on unless ``RAKV_FAST`` is 0 / false / off / no. Temporary until merge:
-    only ``rakv/models.py`` calls it (it takes ``rakv.config.env_fast()`` instead); the kernels never do."""
-    from ..paths import env_on
-
-    return env_on("RAKV_FAST")
 
 
 def _ops_available() -> bool:

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from . import blockq
-from .lean import _reserve_layers, buffers_hold, weights_may_change
+from .lean.kv import _VIEWS, _reserve_layers, buffers_hold, views_of
+from .lean.llama import weights_may_change
 
 
 def _bind(lib) -> None:
@@ -35,15 +36,6 @@ def _bind(lib) -> None:
                                          vp, vp, vp, vp, ctypes.c_float, ctypes.c_float, ctypes.c_int32, vp]
     lib.rakv_decode_segments.restype = ctypes.c_int32
     lib._segments_bound = True
-
-
-def views_of(cache):
-    """The C layers' KV buffers a cache was last written through (``lean._Views``), or None."""
-    return getattr(cache, "_rakv_views", None)
-
-
-def _keep_views(cache, views) -> None:
-    cache._rakv_views = views
 
 
 def segments_ok(lean, caches) -> bool:
@@ -113,7 +105,7 @@ def forward_segments(lean, segs: list[tuple[list[int], object, int]]) -> list[to
         for L, k, v in zip(layers, ks, vs):
             L.keys, L.values = k, v
         views.ks, views.vs = ks, vs
-        _keep_views(cache, views)
+        _VIEWS[cache] = views
     rows = [r for (_, _, keep), r0, m in zip(segs, r0s, ns) for r in range(r0 + (m - keep if keep else 0), r0 + m)]
     h = x[:, rows]                                                          # [1, kept, H]
     if not lean._final_c:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import env_fast
 from ..paths import log, write_atomic
 from .demo import DEMO_NAME, ensure_demo
 from .gguf import ensure_gguf, gguf_codes
@@ -150,9 +151,8 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
 def _slim_q8(device, torch_dtype, spec: str, numerics: str, fast: bool | None) -> bool:
     """A slim copy may keep its coded linears unmade: q8 arithmetic (on the CPU's fast path, in
     float32) runs their codes and never reads their weights."""
-    from ..kernels import fastpath
 
-    on = fastpath.default_enabled() if fast is None else bool(fast)
+    on = env_fast() if fast is None else bool(fast)
     return (torch.device(device).type == "cpu" and torch_dtype == torch.float32 and on
             and resolve_numerics(spec, numerics) == "q8")
 

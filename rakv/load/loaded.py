@@ -33,7 +33,7 @@ class LoadedModel:
     slim: bool = False               # loaded from a slim converted GGUF: its coded linears' fp32 weights are made
                                      # from the codes only when fp32 arithmetic needs them (``_materialize``)
     narrow: str = ""                 # "q4": a draft's wider codes requantized to Q4_1 (``narrow_draft``)
-    backend: object = field(default=None, repr=False, compare=False)   # what runs its forward (rakv.backend),
+    backend: object = field(default=None, repr=False, compare=False)   # what runs its forward (rakv.backends),
                                      # chosen at load by ``select_backend`` (``set_fast`` calls it last)
 
     @property
@@ -106,8 +106,8 @@ def check_all_loaded(info: dict, what: str) -> None:
 
 
 def backend_name(lm: LoadedModel) -> str:
-    """The name of what runs ``lm``'s forward (``rakv.backend``): torch | lean-fp32 | lean-q8."""
-    from ..backend import backend_of
+    """The name of what runs ``lm``'s forward (``rakv.backends``): torch | lean-fp32 | lean-q8."""
+    from ..backends import backend_of
 
     be = getattr(lm, "backend", None)
     if be is None and getattr(lm, "model", None) is not None:

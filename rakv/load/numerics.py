@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from ..backends import choose_one_row, lean_of, read_switches, select_backend, set_lean
+from ..config import env_fast
 from ..paths import cache_dir, log
 from .demo import DEMO_NAME
 from .loaded import LoadedModel, ModelError, _dtype_of, _eos_ids, _max_positions, weights_hash
@@ -49,11 +51,10 @@ def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
     whose weights are exactly block-coded running from its codes (``rakv.kernels.blockq``; ``RAKV_BLOCKQ=0``).
     The environment's switches are read here, once (``backend.read_switches``), and the model's backend
     is chosen last (``backend.select_backend``): every load and numerics switch chooses again."""
-    from ..backend import read_switches, select_backend
     from ..kernels import fastpath
 
     sw = read_switches()
-    on = fastpath.default_enabled() if fast is None else bool(fast)
+    on = env_fast() if fast is None else bool(fast)
     if lm.slim and not (on and lm.numerics == "q8"):
         _materialize(lm)                    # fp32 arithmetic: the weights the codes stand for
     info = fastpath.set_fast(lm.model, on)
@@ -77,7 +78,7 @@ def set_fast(lm: LoadedModel, fast: bool | None = None) -> LoadedModel:
         fastpath.set_one_row(lm.model, "plain")
         lm.one_row = {"kernel": "plain", "how": "every linear runs from block codes (unused)"}
     elif lm.fast:
-        lm.one_row = fastpath.choose_one_row(lm.model, lm.key, cache_dir(), forced=sw.one_row)
+        lm.one_row = choose_one_row(lm.model, lm.key, cache_dir(), forced=sw.one_row)
     select_backend(lm, sw)
     return lm
 
@@ -143,7 +144,7 @@ def _attach_tiles(lm: LoadedModel) -> dict:
     from ..kernels import blockq
     from ..kernels.fastpath import FastLinear
 
-    lean = getattr(lm.model, "_rakv_lean", None) if lm.lean else None
+    lean = lean_of(lm.model) if lm.lean else None
     if lean is not None and hasattr(lean, "coded_blocks"):
         blocks = lean.coded_blocks()
     else:
@@ -191,7 +192,7 @@ def _q8_unavailable(lm: LoadedModel, blockq_on: bool | None = None) -> str:
         return lm.fast_reason or "the fast path is off (--no-fast or RAKV_FAST=0)"
     if blockq.library() is None:
         return f"the C kernel is unavailable ({blockq.reason() or 'RAKV_BLOCKQ=0'})"
-    if not (blockq.env_enabled() if blockq_on is None else blockq_on):
+    if not (read_switches().blockq if blockq_on is None else blockq_on):
         return "RAKV_BLOCKQ=0"
     for name, m in lm.model.named_modules():
         if isinstance(m, FastLinear) and m.in_features % blockq.BLK:
@@ -215,12 +216,11 @@ def attach_lean(lm: LoadedModel, on: bool = True, like: LoadedModel | None = Non
     """The lean forward for ``lm`` (``like``: the model whose layers it shares, for layers:L), and
     its backend chosen (``backend.select_backend``) with ``switches`` (the environment as the load
     read it; None: read now)."""
-    from ..backend import select_backend
     from ..kernels import lean
 
-    base = getattr(like.model, "_rakv_lean", None) if like is not None else None
+    base = lean_of(like.model) if like is not None else None
     if on and base is not None and lean.supported(lm.model) is None:
-        lm.model._rakv_lean = base.truncated(lm.model)
+        set_lean(lm.model, base.truncated(lm.model))
         lm.lean = lean.kind(lm.model)
     else:
         lm.lean = lean.kind(lm.model) if lean.attach(lm.model, on) == "" else ""

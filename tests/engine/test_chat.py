@@ -16,7 +16,8 @@ from rakv.engine import Engine
 from rakv.load.numerics import wrap
 from rakv.prompts import encode_prompt, template_prefix
 from rakv.records import RequestStart, read_recording, request_rows
-from tests.tiny import make_model, oracle, perturbed, save_tiny, tiny_tokenizer, wrap_tiny
+from tests.tiny import make_model, oracle, save_tiny, tiny_tokenizer, wrap_tiny
+from rakv.bench.tiny import perturbed
 
 TEXT = "Write a function that adds two numbers."
 

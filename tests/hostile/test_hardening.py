@@ -432,7 +432,7 @@ def test_string_typed_fields_give_file_and_line(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------- minor
 def test_bom_is_stripped_in_txt_and_jsonl(tmp_path):
-    from rakv.cli import read_prompts
+    from rakv.common import read_prompts
 
     t = tmp_path / "p.txt"
     t.write_bytes("\ufeffhello\nworld\n".encode())

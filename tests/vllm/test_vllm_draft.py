@@ -16,7 +16,7 @@ import torch
 from rakv import decoding as dec
 import rakv.load.hub as LH
 from rakv.drafts.model import ModelDraft
-from tests.test_cli import models as M
+from tests.conftest import models as M
 from rakv.decide import profile as PF
 from rakv.decide.policy import worth_starting
 from rakv.integrations import vllm_draft as VD

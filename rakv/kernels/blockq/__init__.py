@@ -40,9 +40,3 @@ from .weight import (BlockWeight, _LayerDesc, _solve, concat, encode, narrower_q
                      quantize_q8_0)
 
 
-def env_enabled() -> bool:
-    """``RAKV_BLOCKQ`` now. Temporary until merge: only ``rakv/models.py`` calls it (its caller
-    takes ``rakv.backends.read_switches().blockq`` instead); nothing in the kernels does."""
-    from ...paths import env_on
-
-    return env_on("RAKV_BLOCKQ")

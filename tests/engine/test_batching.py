@@ -17,16 +17,17 @@ import torch
 from transformers import DynamicCache
 
 from rakv import decoding as dec
-from rakv.backend import backend_of
+from rakv.backends import backend_of
 from rakv.batching import LanePool
 from rakv.config import RakvConfig
-from rakv.drafts import ModelDraft, NgramDraft
+from rakv.drafts.model import ModelDraft
+from rakv.drafts.ngram import NgramDraft
 from rakv.engine import Engine
 from rakv.kernels import blockq
 from rakv.kernels.segments import forward_segments, segments_ok
-from rakv.models import set_numerics
+from rakv.load.numerics import set_numerics
 from rakv.records import Round, Step, from_dict, request_rows, to_dict
-from rakv.sampling import Sampling
+from rakv.config import Sampling
 from tests.tiny import EOS_PROMPTS, make_pair, synthetic_profile
 
 kernel = pytest.mark.skipif(blockq.library() is None, reason=f"no block kernel: {blockq.reason()}")
@@ -202,7 +203,8 @@ def model_dir(tmp_path_factory):
 
 
 def _server(model_dir, tmp_path_factory, *extra):
-    from rakv.cli import Session, build_parser
+    from rakv.session import Session
+    from rakv.cli import build_parser
     from rakv.serve import Server
 
     args = build_parser().parse_args(["serve", "--target", str(model_dir), "--draft", "ngram", "--port", "0",
