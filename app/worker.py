@@ -76,12 +76,6 @@ class Worker(QObject):
     # ------------------------------------------------------------------ models (worker thread)
     @Slot(str, str, int)
     def load_models(self, target: str, draft: str, k_max: int = 8) -> None:
-        from rakv.session import settle_heap
-        from rakv.decide.calibration import load_or_calibrate
-        from rakv.drafts.registry import make_draft
-        from rakv.load.hub import load_model
-        from rakv.load import load_model
-        from rakv.paths import cache_dir
         from rakv.session import build
 
         try:

@@ -28,8 +28,6 @@ from .drafts.none import NoDraft
 from .load.loaded import LoadedModel, model_info
 from .prefill import prefill_with_reuse
 from .decide.planner import RoundPlanner
-from .drafts.ngram import NgramDraft
-from .drafts.model import ModelDraft
 from .prefix_cache import PrefixCache
 from .prompts import EncodedPrompt, encode_prompt
 from .config import Sampling, draw_seed

@@ -80,7 +80,7 @@ import threading
 import torch
 from torch import Tensor
 
-from .config import SEED_LIMIT, VERIFY_MODES, Sampling
+from .config import VERIFY_MODES, Sampling
 from .ids import lcp
 from .paths import env_on
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from .base import Backend
 from .lean import LeanBackend, LeanFp32Backend, LeanQ8Backend
 from .select import BACKENDS, backend_of, choose_one_row, select_backend, set_backend
-from . import lean_of, set_lean
+from ..kernels.registry import lean_of, set_lean
 from .switches import Switches, read_switches
 from .torch import TorchBackend
 

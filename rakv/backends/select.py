@@ -10,7 +10,7 @@ import weakref
 
 from ..kernels.registry import lean_of, set_lean
 from .base import Backend
-from .lean import LeanBackend, LeanFp32Backend, LeanQ8Backend
+from .lean import LeanFp32Backend, LeanQ8Backend
 from .switches import Switches, read_switches
 from .torch import TorchBackend
 

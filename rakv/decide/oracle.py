@@ -30,7 +30,6 @@ import time
 from dataclasses import asdict
 
 from ..records import ActionMeasure, CacheLookup, Decision, OracleResult, RequestEnd, RequestStart
-from ..drafts.none import NoDraft
 
 now = time.perf_counter
 ADAPTIVE = "adaptive"

@@ -25,7 +25,7 @@ import re
 import urllib.request
 
 from ..decide.policy import E, alpha_star
-from ..decide.profile import load_vllm_profile, nearest_batch, profile_batches, verify_costs
+from ..decide.profile import load_vllm_profile, profile_batches, verify_costs
 from .vllm_proposer import PROFILE_ENV, speculative_config
 
 _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')

@@ -13,11 +13,9 @@ from rakv.config import RakvConfig
 from rakv.drafts.model import ModelDraft
 from rakv.drafts.ngram import NgramDraft
 from rakv.engine import Engine
-from rakv.load.numerics import wrap
 from rakv.prompts import encode_prompt, template_prefix
 from rakv.records import RequestStart, read_recording, request_rows
-from tests.tiny import make_model, oracle, save_tiny, tiny_tokenizer, wrap_tiny
-from rakv.bench.tiny import perturbed
+from tests.tiny import oracle, save_tiny, tiny_tokenizer
 
 TEXT = "Write a function that adds two numbers."
 
@@ -184,7 +182,6 @@ def test_explorer_raw_box_and_template_in_cache_panel(qtbot, tmp_path, chat_pair
 
 # ----------------------------------------------------------------------------- conversations
 from rakv.chat import Conversation, run_turn  # noqa: E402
-from rakv.records import CacheLookup, RequestEnd  # noqa: E402
 
 TURNS = ["Hi!", "And what did I just say?", "Name three prime numbers."]
 

@@ -10,7 +10,7 @@ import pytest
 
 from rakv.cli import main
 from rakv.records import CSV_COLUMNS, read_recording
-from tests.tiny import oracle, save_tiny, tiny_tokenizer
+from tests.tiny import oracle, tiny_tokenizer
 
 pytestmark = pytest.mark.fast      # the whole file is in the fast subset (docs/contributing.md#tests)
 

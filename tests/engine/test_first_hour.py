@@ -10,7 +10,6 @@ import pytest
 
 from rakv.decide import calibration as C, profile as CP
 from rakv import meter as M
-from rakv.drafts.model import ModelDraft
 from tests.tiny import make_pair
 
 

@@ -12,14 +12,13 @@ import torch
 
 from rakv.cli import main as cli_main
 from rakv.config import RakvConfig
-from rakv.decide.calibration import calibrate
 from rakv.drafts.model import ModelDraft
 from rakv.engine import Engine
 from rakv.decide.oracle import Oracle, check_exact, policy_of
 from rakv.prefix_cache import PrefixCache
 from rakv.records import (ORACLE_CSV_COLUMNS, OracleResult, Recorder, RequestEnd, oracle_csv_path,
                           read_recording)
-from tests.tiny import make_pair, reference, synthetic_profile
+from tests.tiny import reference, synthetic_profile
 
 PROMPT = "The quick brown fox jumps over the lazy dog. def add(a, b):"
 

@@ -218,7 +218,6 @@ def test_a_new_settings_prior_is_measured_before_any_request(exact_models, monke
     latency pays for it; the engine then finds it and measures nothing."""
     import rakv.decide.calibration as C
     from rakv.session import prior_at_setting
-    import rakv.costs.calibration as C
 
     target, draft, _ = exact_models
     prof = synthetic_profile(alpha0=0.99)

@@ -22,7 +22,6 @@ import pytest
 from rakv.cli import Run, build_parser, main
 from rakv.records import read_recording
 from rakv.serve import Server, StopText
-from tests.tiny import save_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = "The quick brown fox jumps over the lazy dog."

@@ -9,7 +9,7 @@ import pytest
 
 from rakv.cli import main
 from rakv.textstream import REPLACEMENT, TextStream
-from tests.tiny import save_tiny, tiny_tokenizer
+from tests.tiny import tiny_tokenizer
 
 pytestmark = pytest.mark.fast      # the whole file is in the fast subset (docs/contributing.md#tests)
 

@@ -10,14 +10,11 @@ import pytest
 
 pytest.importorskip("pytestqt")
 
-from PySide6.QtWidgets import QMessageBox  # noqa: E402
 
 from app.settings import Settings  # noqa: E402
 from app.window import MainWindow, about_text  # noqa: E402
-from rakv.decide.calibration import calibrate  # noqa: E402
 from rakv.drafts.model import ModelDraft  # noqa: E402
 from rakv.records import CSV_COLUMNS, Decision, RequestEnd, Round, read_recording  # noqa: E402
-from tests.tiny import make_pair  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. def add(a, b):"
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,7 +117,7 @@ def test_run_updates_every_panel(qtbot, win, tmp_path):
 
 
 def test_hover_shows_token_details(qtbot, win):
-    from PySide6.QtCore import QEvent, QPoint
+    from PySide6.QtCore import QEvent
     from PySide6.QtGui import QHelpEvent, QTextCursor
     from PySide6.QtWidgets import QApplication, QToolTip
 

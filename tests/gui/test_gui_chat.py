@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("pytestqt")
 
-from PySide6.QtWidgets import QApplication, QMessageBox, QProgressDialog  # noqa: E402
+from PySide6.QtWidgets import QApplication, QProgressDialog  # noqa: E402
 
 from app import desktop  # noqa: E402
 from app import transcript as T  # noqa: E402
@@ -20,10 +20,8 @@ from app.panels.costs import VIEW_REQUESTS, quality_text  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from app.state import Exchange, SessionState  # noqa: E402
 from app.window import MainWindow  # noqa: E402
-from rakv.decide.calibration import calibrate  # noqa: E402
 from rakv.drafts.model import ModelDraft  # noqa: E402
 from rakv.records import RequestEnd, RunHeader  # noqa: E402
-from tests.tiny import make_pair  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. def add(a, b):"
 T_MS = 60_000

@@ -20,7 +20,7 @@ from app.state import COPY, DRAFT  # noqa: E402
 from app.window import MainWindow  # noqa: E402
 from rakv.drafts.model import ModelDraft  # noqa: E402
 from rakv.records import RequestEnd, Round, request_rows  # noqa: E402
-from tests.tiny import make_pair, synthetic_profile  # noqa: E402
+from tests.tiny import synthetic_profile  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. def add(a, b):"
 T = 30_000

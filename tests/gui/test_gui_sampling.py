@@ -12,9 +12,6 @@ from app.main import main as explorer_main  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from app.window import MainWindow  # noqa: E402
 from rakv.config import Sampling  # noqa: E402
-from tests.gui.conftest import errors
-from tests.conftest import models
-from tests.gui.test_gui import win
 
 T = 30_000
 

@@ -11,7 +11,6 @@ import json
 import socket
 
 import pytest
-from PySide6.QtWidgets import QMessageBox
 
 from app.settings import Settings
 from app.window import MainWindow

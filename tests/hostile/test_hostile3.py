@@ -19,7 +19,7 @@ from rakv.common import CliError, read_prompts
 from rakv.kernels import trust
 from rakv.records import RecordingError, read_recording
 from rakv.text_in import TextError, checked_text, decode_file, load_json, text_problem
-from tests.tiny import save_tiny, tiny_tokenizer
+from tests.tiny import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "resources" / "example.jsonl"
@@ -249,7 +249,6 @@ def test_a_full_disk_during_conversion_keeps_nothing_and_the_next_run_says_why(t
     pytest.importorskip("gguf")
     import rakv.load.gguf as LG
     from tests.unit.test_gguf import _tiny_gguf
-    from tests.conftest import models as M
 
     monkeypatch.setenv("RAKV_CACHE", str(tmp_path / "cache"))
     f, _ = _tiny_gguf(tmp_path / "src")
@@ -277,7 +276,6 @@ def test_a_killed_conversion_leaves_a_part_folder_that_the_next_run_names(tmp_pa
     pytest.importorskip("gguf")
     import rakv.load.slim as LS
     from tests.unit.test_gguf import _tiny_gguf
-    from tests.conftest import models as M
 
     monkeypatch.setenv("RAKV_CACHE", str(tmp_path / "cache"))
     f, _ = _tiny_gguf(tmp_path / "src")

@@ -11,7 +11,7 @@ import torch
 
 from rakv import decoding as dec
 from rakv.backends import (BACKENDS, LeanFp32Backend, LeanQ8Backend, TorchBackend, backend_of, lean_of,
-                           read_switches, select_backend, set_backend)
+                           read_switches, set_backend)
 from rakv.config import RakvConfig
 from rakv.decide.profile import fingerprint_id, pair_fingerprint
 from rakv.drafts.model import ModelDraft

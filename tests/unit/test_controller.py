@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from rakv.drafts import model as costs_mod
 from rakv.decide import calibration as calibrate_mod
 from rakv.decide import profile as profile_mod
 from rakv.decide.policy import E

@@ -11,7 +11,7 @@ import torch
 
 from rakv import decoding as dec
 from rakv.backends import lean_of
-from rakv.kernels import blockq, fastpath, lean
+from rakv.kernels import blockq, fastpath
 from rakv.load.numerics import wrap
 
 from tests.unit.test_blockq import can_build

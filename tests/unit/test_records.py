@@ -9,7 +9,7 @@ import pytest
 from rakv.config import RakvConfig
 from rakv.drafts.model import ModelDraft
 from rakv.engine import Engine
-from rakv.records import (CSV_COLUMNS, Decision, Recorder, RequestEnd, Round, read_recording,
+from rakv.records import (CSV_COLUMNS, Recorder, RequestEnd, Round, read_recording,
                           request_rows, to_dict)
 from tests.tiny import make_pair
 

@@ -15,8 +15,6 @@ import torch
 
 from rakv import decoding as dec
 import rakv.load.hub as LH
-from rakv.drafts.model import ModelDraft
-from tests.conftest import models as M
 from rakv.decide import profile as PF
 from rakv.decide.policy import worth_starting
 from rakv.integrations import vllm_draft as VD

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 from torch import nn
 from torch.nn import functional as F
 
