@@ -212,7 +212,7 @@ def _server(model_dir, tmp_path_factory, *extra):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAKV_CACHE", str(tmp_path_factory.getbasetemp() / "rakv-cache"))
         mp.setenv("RAKV_CONTENTION_CHECK", "0")
-        return Server(args, lambda on_record: Session(args, on_record=on_record)).start()
+        return Server(args, lambda on_record: Run(args, on_record=on_record)).start()
 
 
 def _post(url, body, path="/v1/completions", headers=None):

@@ -275,7 +275,7 @@ def test_replay_of_a_real_parallel_server_recording(qtbot, win, tmp_path):
     args = build_parser().parse_args(["serve", "--target", str(tmp_path / "target"), "--draft", "ngram",
                                       "--port", "0", "--max-new-tokens", "8", "--parallel", "3",
                                       "--policy", "ar", "--record", str(path)])
-    s = Server(args, lambda on_record: Session(args, on_record=on_record)).start()
+    s = Server(args, lambda on_record: Run(args, on_record=on_record)).start()
     try:
         batcher = s.service.pool.batcher
         first = threading.Event()
