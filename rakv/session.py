@@ -165,7 +165,7 @@ def prior_at_setting(profile, target, draft, sampling) -> None:
 
 def save_learned(profile) -> None:
     """Keep what this session learned (cost scales, acceptance) for the next one; the output share for display."""
-    from .session import save_learned as save
+    from .decide.profile import save_learned as save
     from .paths import cache_dir
 
     err = save(profile, cache_dir())

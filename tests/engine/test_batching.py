@@ -203,7 +203,7 @@ def model_dir(tmp_path_factory):
 
 
 def _server(model_dir, tmp_path_factory, *extra):
-    from rakv.session import Session
+    from rakv.cli import Run
     from rakv.cli import build_parser
     from rakv.serve import Server
 

@@ -265,7 +265,7 @@ def test_replay_of_interleaved_requests_through_the_same_panels(qtbot, win, tmp_
 def test_replay_of_a_real_parallel_server_recording(qtbot, win, tmp_path):
     """``rakv serve --parallel 3`` in-process on a tiny model, 3 requests at once, its ``--record``
     file replayed: Steps of the three, each request's tokens its own, 3 active then 0."""
-    from rakv.session import Session
+    from rakv.cli import Run
     from rakv.cli import build_parser
     from rakv.serve import Server
     from tests.tiny import save_tiny
