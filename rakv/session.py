@@ -85,7 +85,7 @@ def load(config: RakvConfig, *, recalibrate: bool = False, eager_draft: bool = F
     import torch
 
     from .drafts.registry import make_draft
-    from .load import load_model
+    from .load.hub import load_model
 
     if config.threads:
         torch.set_num_threads(config.threads)      # range checked by the flags' parser

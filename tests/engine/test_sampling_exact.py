@@ -22,8 +22,7 @@ from rakv.drafts.registry import make_draft
 from rakv.engine import Engine
 from rakv.load.numerics import wrap
 from rakv.config import Sampling
-from tests.tiny import make_model, tiny_tokenizer
-from rakv.bench.tiny import perturbed
+from tests.tiny import make_model, perturbed, tiny_tokenizer
 
 N = 20
 SETTINGS = [Sampling(temperature=0.8, seed=7), Sampling(temperature=1.0, top_k=40, top_p=0.9, seed=123),

@@ -25,7 +25,7 @@ from rakv.prefix_cache import TokenHistory
 from rakv.config import Sampling
 from rakv.tree import TokenTree, verify_tree, walk
 
-from tests.unit.test_fastpath import needs_onednn
+from tests.unit.test_blockq import kernel, needs_onednn  # noqa: F401  (the kernel fixture)
 from tests.engine.test_sampling_exact import reference as sampled_reference
 from tests.tiny import (EOS_N, EOS_PROMPTS, assert_exact, make_model, make_pair, oracle, save_tiny, snap_to_blocks,
                    tiny_tokenizer, wrap_tiny)

@@ -172,7 +172,7 @@ def test_prefix_cache_scrolls_rather_than_overlap(qtbot, window):
     w.default_docks()
     w.show()
     qtbot.waitExposed(w)
-    assert w.open_recording(str(Path(__file__).resolve().parent.parent / "resources" / "example.jsonl"), play=False)
+    assert w.open_recording(str(Path(__file__).resolve().parents[2] / "resources" / "example.jsonl"), play=False)
     w.replay_bar.speed.setCurrentText("max")
     with qtbot.waitSignal(w.replayFinished, timeout=60_000):
         w.replayer.play()

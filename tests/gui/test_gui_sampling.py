@@ -12,6 +12,7 @@ from app.main import main as explorer_main  # noqa: E402
 from app.settings import Settings  # noqa: E402
 from app.window import MainWindow  # noqa: E402
 from rakv.config import Sampling  # noqa: E402
+from tests.gui.test_gui import win  # noqa: E402,F401 - the explorer's window on tiny models
 
 T = 30_000
 

@@ -19,9 +19,7 @@ from rakv.engine import Engine
 from rakv.load.numerics import wrap
 
 from .test_fastpath import needs_onednn
-from ..tiny import assert_exact, make_model, snap_to_blocks, tiny_tokenizer, wrap_tiny
-from rakv.decide import oracle
-from rakv.bench.tiny import perturbed
+from tests.tiny import assert_exact, make_model, oracle, perturbed, snap_to_blocks, tiny_tokenizer, wrap_tiny
 
 BUILDS_ON = {"linux": ("x86_64", "amd64", "aarch64", "arm64"), "darwin": ("x86_64", "arm64")}
 

@@ -27,10 +27,8 @@ from rakv.drafts.layers import layers_copy
 from rakv.load.numerics import wrap
 
 from .test_fastpath import needs_onednn
-from ..tiny import VOCAB
-from rakv.decide import oracle
-from rakv.bench.tiny import perturbed
-from ..tiny import hf_forward as _hf  # HF's own forward, whatever the model has attached
+from tests.tiny import VOCAB, oracle, perturbed
+from tests.tiny import hf_forward as _hf  # HF's own forward, whatever the model has attached
 
 WINDOW = 6           # smaller than every prompt: the window is exercised from the prefill on
 
