@@ -566,6 +566,7 @@ class Engine:
                          stopped=rq.stopped, forward_ms=round(rq.forward_ms, 3), bookkeeping_ms=round(rq.book_ms, 3),
                          explore_ms=round(rq.explore_ms, 3))
         self.planner.fold_plain()
+        self.planner.end_request(rq.rid)
         if self.controller is not None:
             self.controller.end_request(len(out), rq.N, rq.stopped)
         self._open_request = None

@@ -108,6 +108,9 @@ class Decision:
     explore_cost_ms: float = 0.0   # a probe's predicted cost beyond the plain steps it replaces
     explore_balance_ms: float = 0.0  # exploration budget left before this decision
     copy: bool = False             # an exact repeat whose earlier output the n-gram lookup copies (alpha ~1)
+    # the batch's price (rakv serve --parallel): the other requests' rows and expected tokens a step
+    # when this k was chosen, and the k the single-request rule would have taken; {} alone
+    batch: dict = field(default_factory=dict)
 
 
 @dataclass

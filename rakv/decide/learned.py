@@ -280,3 +280,25 @@ class OnlineScales:
         n = self._seen.get(key, 0)
         self._seen[key] = n + 1
         return 1.0 / (n + 2) if n < ONLINE_FIRST else ONLINE_WEIGHT
+
+
+class BatchView:
+    """What each request of a batch put in its latest step: rows fed and tokens emitted (one view
+    for the lanes of a ``rakv.batching.LanePool``). A request's k is priced against the others'."""
+
+    def __init__(self):
+        self.rows: dict[int, int] = {}
+        self.tokens: dict[int, float] = {}
+
+    def told(self, rid: int, rows: int, tokens: float) -> None:
+        self.rows[rid], self.tokens[rid] = int(rows), float(tokens)
+
+    def leave(self, rid: int) -> None:
+        self.rows.pop(rid, None)
+        self.tokens.pop(rid, None)
+
+    def others(self, rid: int) -> tuple[int, float, int]:
+        """(rows, tokens, requests) of the batch's other requests in their latest steps."""
+        ids = [q for q in self.rows if q != rid]
+        return sum(self.rows[q] for q in ids), sum(self.tokens[q] for q in ids), len(ids)
+
