@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from rakv import argtypes as A
+from rakv.util import argtypes as A
 
 from rakv.workloads import ALL_WORKLOADS, WIKITEXT_ENV, WIKITEXT_HELP, WORKLOADS
 
@@ -259,7 +259,7 @@ def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
 def run(args, argv: list[str]) -> int:
     from rakv.common import quiet_libs
     from rakv.decide.profile import save_profile
-    from rakv.paths import log
+    from rakv.util.paths import log
 
 
     from .peers import PEERS
@@ -329,7 +329,7 @@ def run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile=None
     import torch
 
     from rakv.prompts import has_chat_template
-    from rakv.device import hardware_info, versions_info
+    from rakv.util.device import hardware_info, versions_info
     from rakv.decide.regime import regime
 
     return dict(command=shlex.join(["rakv", "bench", *argv]), target=target.name, draft=getattr(draft, "name", "none"),

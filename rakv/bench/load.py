@@ -212,7 +212,7 @@ def llama_server_binary() -> str | None:
     found = shutil.which("llama-server")
     if found:
         return found
-    from rakv.paths import cache_dir
+    from rakv.util.paths import cache_dir
 
     for p in sorted((cache_dir() / "llama.cpp").glob("*/build/bin/llama-server")):
         if os.access(p, os.X_OK):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 
-from ..acceptance import trials
+from ..util.acceptance import trials
 from .policy import drafting_ks, shape_signal
 
 PRIOR_TRIALS = 8.0   # weight of the long-run acceptance in the request-level one, in trials
@@ -101,7 +101,7 @@ class Acceptance:
     ACCEPTANCE_STATE = ("_rS", "_rT", "_lS", "_lT", "_pxy", "_pxx", "_pos_reach", "_pos_hold", "evidence")
 
     def use_setting(self, key: str, prior: float) -> None:
-        """Learn acceptance for sampling setting ``key`` from now on (rakv.sampling.Sampling.key):
+        """Learn acceptance for sampling setting ``key`` from now on (rakv.decoding.sampling.Sampling.key):
         acceptance falls with temperature, so each setting keeps its own estimates, starting from
         its measured ``prior`` (or what the profile learned at it before); the others are kept."""
         if key == self.setting:
@@ -284,7 +284,7 @@ class OnlineScales:
 
 class BatchView:
     """What each request of a batch put in its latest step: rows fed and tokens emitted (one view
-    for the lanes of a ``rakv.batching.LanePool``). A request's k is priced against the others'."""
+    for the lanes of a ``rakv.engine.batch.LanePool``). A request's k is priced against the others'."""
 
     def __init__(self):
         self.rows: dict[int, int] = {}

@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..acceptance import judged
+from ..util.acceptance import judged
 from .learned import AlphaEWMA
 from .controller import Controller
 from .profile import CostProfile
-from ..device import clock
+from ..util.device import clock
 from ..drafts.base import DraftSource
 from ..drafts.ngram import NgramDraft
 from ..prefix_cache import PrefixCache
@@ -165,7 +165,7 @@ class RoundPlanner:
         self.lookup_top = lookup_k              # lookup_k as this machine's verify costs allow (per request)
         self.emit = emit                        # records out (the engine stamps and forwards them)
         self.k_set_now = k_set_now              # () -> the K allowed now (changes between rounds)
-        self.batch = None                       # a lane's BatchView (rakv.batching): the others' rows
+        self.batch = None                       # a lane's BatchView (rakv.engine.batch): the others' rows
         # draft confidence -> chance of acceptance, for the gate (prior: the calibration's counts)
         self.accept_map = AcceptMap(alpha.value, profile.accept_map if profile is not None else None)
         # the n-gram side draft of k = 0 rounds under the gate (its own map unless it is the draft)

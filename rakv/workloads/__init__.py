@@ -17,7 +17,7 @@ The conversation workloads (``conversation``, ``conversation-heldout``: multi-tu
 shipped in ``data/``, each a list of user messages) are streams of whole conversations in a seeded
 order, cut to ``n`` turns: a conversation's first turn is ``unrelated``, every later turn ``shared``
 (it starts with the whole conversation before it). A later turn's ids depend on the previous answer,
-so they are built while the stream runs (``TurnBuilder``, over ``rakv.chat``): the previous turn's
+so they are built while the stream runs (``TurnBuilder``, over ``rakv.engine.chat``): the previous turn's
 ids, its answer as generated (every policy's is the same: exact), then the template's end of turn,
 the new message and the generation prompt. Each turn keeps its prompt and answer in the prefix cache
 (``EncodedPrompt.keep_answer``), as ``rakv chat`` does; ``turn`` numbers them (0 elsewhere).
@@ -381,7 +381,7 @@ class TurnBuilder:
     (a first turn starts a new conversation), ``answered`` with its output afterwards."""
 
     def __init__(self, tokenizer, eos_ids, raw: bool = False):
-        from rakv.chat import Conversation
+        from rakv.engine.chat import Conversation
 
         self.conv = Conversation(tokenizer, frozenset(eos_ids), raw=raw)
 

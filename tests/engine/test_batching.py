@@ -1,4 +1,4 @@
-"""Continuous batching (``rakv.batching``, ``rakv serve --parallel``): requests decode together, one
+"""Continuous batching (``rakv.engine.batch``, ``rakv serve --parallel``): requests decode together, one
 forward a step carrying all their rows, and every request's tokens equal its solo run, whatever
 arrives beside it, in any order: greedy and seeded, every policy, partial and exact prefix hits,
 EOS mid-round, long prompts fed in chunks, a request stopped mid-way; q8 and fp32 numerics, Llama
@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from rakv import decoding as dec
 from rakv.backends import backend_of
-from rakv.batching import LanePool
+from rakv.engine.batch import LanePool
 from rakv.config import RakvConfig
 from rakv.drafts.model import ModelDraft
 from rakv.drafts.ngram import NgramDraft
@@ -311,7 +311,7 @@ def test_shutdown_ends_an_open_stream_with_an_error_event(model_dir, tmp_path_fa
 
 
 def test_a_client_gone_mid_stream_frees_its_lane(model_dir, tmp_path_factory):
-    from rakv.api import parse_ask
+    from rakv.serve.api import parse_ask
 
     s = _server(model_dir, tmp_path_factory, "--parallel", "1", "--max-queue", "0")
     try:

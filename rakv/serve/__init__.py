@@ -1,7 +1,7 @@
 """``rakv serve``: an OpenAI-compatible HTTP server on localhost over one engine (standard library only).
 
 The engine, its prefix cache and its controller are those of ``rakv generate`` (``rakv.cli.Run``
-builds them from the same flags). ``--parallel N`` requests decode together (``rakv.batching``: a
+builds them from the same flags). ``--parallel N`` requests decode together (``rakv.engine.batch``: a
 lane each over the one engine's target, prefix cache and learned state; one forward a step carries
 every active request's rows); a request beyond them waits in a queue of at most ``--max-queue``,
 and one past that is refused with 429 and Retry-After. ``--api-key KEY``: every request must carry
@@ -13,7 +13,7 @@ and one past that is refused with 429 and Retry-After. ``--api-key KEY``: every 
     GET  /rakv/records?since=N       the engine's records after the first N (long-poll with wait=S)
 
 A chat request whose messages are a conversation this server answered (the same messages and
-then the answer it gave) continues that conversation (``rakv.chat``): its ids are the previous
+then the answer it gave) continues that conversation (``rakv.engine.chat``): its ids are the previous
 turn's prompt ids, the answer's own ids and the new message, so the prefix cache serves all of it
 but the new message. Other histories start a conversation of their own.
 """
@@ -34,12 +34,12 @@ from itertools import islice
 from urllib.parse import parse_qs, urlsplit
 
 from . import api
-from . import argtypes as A
+from ..util import argtypes as A
 from .api import ApiError, Ask
-from .chat import RAW_SEPARATOR, Conversation, Turn, run_turn
-from .common import CliError
-from .paths import log
-from .textstream import TextStream
+from ..engine.chat import RAW_SEPARATOR, Conversation, Turn, run_turn
+from ..common import CliError
+from ..util.paths import log
+from ..util.textstream import TextStream
 
 DEFAULT_PARALLEL = 4         # requests decoded together (docs/serve.md: why 4)
 DEFAULT_MAX_QUEUE = 16       # requests waiting for a lane beyond those; more: 429
@@ -155,7 +155,7 @@ class RecordLog:
 # ----------------------------------------------------------------------------- the engine's side
 @dataclass
 class ServerConversation(Conversation):
-    """A conversation of the server: ``rakv.chat.Conversation`` with the request's system messages
+    """A conversation of the server: ``rakv.engine.chat.Conversation`` with the request's system messages
     in front of its turns."""
 
     system: list = field(default_factory=list)
@@ -201,7 +201,7 @@ class Current:
         self.gone = False              # the client went away: the engine was asked to stop
 
     def see(self, rec) -> None:
-        from .records import Decision, RequestStart, Round
+        from ..records import Decision, RequestStart, Round
 
         if isinstance(rec, RequestStart):
             self.rid = rec.request_id
@@ -253,7 +253,7 @@ class RecordHook:
         self._local.current = cur
 
     def __call__(self, rec) -> None:
-        from .records import to_dict
+        from ..records import to_dict
 
         d = to_dict(rec)
         self.records.add(d, self._new_pieces(d))
@@ -292,10 +292,10 @@ class Result:
 
 class Service:
     """Runs the API's requests on the session's engine: up to ``parallel`` at once, each on a lane
-    of ``rakv.batching.LanePool`` (their forwards share a pass), at most ``max_queue`` waiting."""
+    of ``rakv.engine.batch.LanePool`` (their forwards share a pass), at most ``max_queue`` waiting."""
 
     def __init__(self, run, hook: RecordHook, model: str, parallel: int = 1, max_queue: int = DEFAULT_MAX_QUEUE):
-        from .batching import LanePool
+        from ..engine.batch import LanePool
 
         self.run = run                  # the rakv.cli.Run
         self.hook = hook
@@ -320,7 +320,7 @@ class Service:
 
     def _step(self, info) -> None:
         """A step several lanes shared: a record of who shared it (rakv.records.Step)."""
-        from .records import Step
+        from ..records import Step
 
         if len(info.rows) > 1:
             self.engine._emit(Step(step=info.index, requests=[[r, n] for r, n in info.rows], ms=info.ms,
@@ -377,7 +377,7 @@ class Service:
             lane.__exit__(*exc)
 
     def _complete(self, eng, ask: Ask, begin, emit) -> Result:
-        from .engine import EngineError
+        from ..engine import EngineError
 
         if self.closing:
             raise ApiError(503, "the server is shutting down", kind="server_error")
@@ -435,8 +435,8 @@ class Service:
         """The request's sampling: the server's flags, overridden by the request's fields. A seed
         the request gives is the one its tokens use (the engine adds the request's number to its
         seed, so it gets that seed less the number)."""
-        from .engine import EngineError
-        from .config import SEED_LIMIT, problem
+        from ..engine import EngineError
+        from ..config import SEED_LIMIT, problem
 
         d = self.default
         s = replace(d, temperature=d.temperature if ask.temperature is None else ask.temperature,
@@ -454,7 +454,7 @@ class Service:
             raise ApiError(400, _one_line(e)) from None
 
     def _completion(self, eng, ask: Ask):
-        from .prompts import EncodedPrompt, raw_ids
+        from ..prompts import EncodedPrompt, raw_ids
 
         if isinstance(ask.prompt, str):
             tok = eng.target.tokenizer
@@ -497,8 +497,8 @@ class Service:
         return conv
 
     def _one_prompt(self, eng, messages: list[dict]):
-        from .ids import lcp
-        from .prompts import EncodedPrompt, _as_ids, has_chat_template, raw_ids, template_prefix
+        from ..util.ids import lcp
+        from ..prompts import EncodedPrompt, _as_ids, has_chat_template, raw_ids, template_prefix
 
         tok = eng.target.tokenizer
         if eng.chat_template and has_chat_template(tok):
@@ -543,7 +543,7 @@ class Handler(BaseHTTPRequestHandler):
     timeout = 300                      # an idle kept-alive connection is closed after this
 
     def version_string(self) -> str:
-        from . import __version__
+        from .. import __version__
 
         return f"rakv-serve/{__version__}"
 

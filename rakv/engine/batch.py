@@ -24,10 +24,10 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from .backends import backend_of, set_backend
-from .decide.learned import BatchView
-from .device import clock as now
-from .kernels.segments import forward_segments, segments_ok
+from ..backends import backend_of, set_backend
+from ..decide.learned import BatchView
+from ..util.device import clock as now
+from ..kernels.segments import forward_segments, segments_ok
 
 PREFILL_CHUNK = 64        # prompt tokens a request feeds per step while others decode
 
