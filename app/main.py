@@ -17,7 +17,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rakv.util import argtypes as A
+    from rakv import argtypes as A
     from rakv.common import add_device_args, add_sampling_args
     from rakv.config import POLICIES_HELP
 
@@ -123,7 +123,7 @@ attach_url.__name__ = "URL"
 def check_paths(args) -> None:
     """The screenshot must not overwrite the recording being replayed; prompt text on the command
     line must be valid Unicode (the one rule, rakv.util.text_in: refused, not replaced)."""
-    from rakv.util import argtypes as A
+    from rakv import argtypes as A
     from rakv.util.text_in import checked_text
 
     for flag in ("prompt", "measure_prompt"):

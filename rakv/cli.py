@@ -8,7 +8,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from .util import argtypes as A
+from . import argtypes as A
 from .common import (CliError, add_model_args, add_sampling_args, device_kw, draft_vocab_of, quiet_libs,  # noqa: F401
                      read_prompts, sampling_of)
 from .config import DEFAULT_K_SET, POLICIES_HELP, Policy, RakvConfig, parse_k_set

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from .util import argtypes as A
+from . import argtypes as A
 from .config import DRAFT_VOCAB, env_fast
 
 

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from rakv.util import argtypes as A
+from rakv import argtypes as A
 
 from rakv.workloads import ALL_WORKLOADS, WIKITEXT_ENV, WIKITEXT_HELP, WORKLOADS
 

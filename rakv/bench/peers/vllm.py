@@ -23,7 +23,7 @@ import os
 import sys
 from pathlib import Path
 
-from rakv.util import argtypes as A
+from rakv import argtypes as A
 
 from .base import Peer
 
