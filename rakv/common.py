@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 from . import argtypes as A
 from .config import DRAFT_VOCAB, env_fast
+from .util.paths import set_env
 
 
 class CliError(Exception):
@@ -22,7 +22,7 @@ class CliError(Exception):
 
 def quiet_libs() -> None:
     """Silence library warnings and progress bars (our own progress goes to stderr)."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    set_env("TOKENIZERS_PARALLELISM", "false", keep=True)
     import warnings
 
     warnings.filterwarnings("ignore")

