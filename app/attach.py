@@ -167,7 +167,7 @@ def attach(win, url: str | None = None) -> bool:
     """Attach ``win`` (a MainWindow) to the server at ``url`` (None: ask for it)."""
     from PySide6.QtWidgets import QInputDialog, QLineEdit
 
-    from rakv.api import server_url
+    from rakv.serve.api import server_url
 
     if url is None:
         last = getattr(win, "_attach_url", DEFAULT_URL)

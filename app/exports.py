@@ -48,7 +48,7 @@ def export_conversation(win, path: str | None = None) -> str | None:
     """The transcript of the shown session as Markdown (.md) or JSON (.json; other names: by the
     filter picked), written atomically; with *Show template* ticked, the prompts as fed."""
     from app.transcript import to_json, to_markdown
-    from rakv.paths import write_atomic
+    from rakv.util.paths import write_atomic
 
     if not win.state.exchanges:
         win.show_error("Nothing to export", "the session has no request yet")

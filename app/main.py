@@ -109,7 +109,7 @@ def splash_say(splash, app, text: str) -> None:
 
 
 def attach_url(text: str) -> str:
-    from rakv.api import server_url
+    from rakv.serve.api import server_url
 
     try:
         return server_url(text)
@@ -122,9 +122,9 @@ attach_url.__name__ = "URL"
 
 def check_paths(args) -> None:
     """The screenshot must not overwrite the recording being replayed; prompt text on the command
-    line must be valid Unicode (the one rule, rakv.text_in: refused, not replaced)."""
+    line must be valid Unicode (the one rule, rakv.util.text_in: refused, not replaced)."""
     from rakv import argtypes as A
-    from rakv.text_in import checked_text
+    from rakv.util.text_in import checked_text
 
     for flag in ("prompt", "measure_prompt"):
         for i, text in enumerate(_listed(getattr(args, flag, None))):
@@ -190,7 +190,7 @@ def run_main(argv: list[str], splash) -> int:
         except ValueError as e:
             print(f"rakv-explorer: error: {e}", file=sys.stderr)
             return 2
-    from rakv.device import DeviceError, resolve
+    from rakv.util.device import DeviceError, resolve
 
     try:
         device = resolve(args.device)

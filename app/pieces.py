@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rakv.text_in import load_json
+from rakv.util.text_in import load_json
 
 
 def sidecar(recording: str | Path) -> Path:

@@ -253,7 +253,7 @@ def describe(key: str, value) -> str:
 def sampling_from_text(text: str):
     """The Sampling stored as JSON (None when it is not a valid one)."""
     from rakv.config import Sampling, problem
-    from rakv.text_in import load_json
+    from rakv.util.text_in import load_json
 
     try:
         s = Sampling(**load_json(text))

@@ -265,7 +265,7 @@ class SessionState:
     oracles: list[OracleResult] = field(default_factory=list)
     oracle: OracleResult | None = None         # the latest measurement
     oracle_fresh: bool = False                 # no request has started since it
-    # conversations (the explorer's conversation mode, rakv.chat)
+    # conversations (the explorer's conversation mode, rakv.engine.chat)
     turns: list[TurnView] = field(default_factory=list)
     # the chat transcript: every request as (user text, answer)
     exchanges: list[Exchange] = field(default_factory=list)

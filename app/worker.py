@@ -3,7 +3,7 @@
 Commands come in as queued slot calls (load models, run, chat, new conversation, set budget);
 records go out through the queued ``record`` signal. The engine callback runs on this thread and
 only writes the recording line and emits the signal; all GUI work happens on the GUI thread, on a
-timer. Conversation mode keeps a ``rakv.chat.Conversation`` here, beside the engine.
+timer. Conversation mode keeps a ``rakv.engine.chat.Conversation`` here, beside the engine.
 
 Thread-safety of the live controls:
   * ``stop()`` is called directly from the GUI thread: ``Engine.stop`` sets a threading.Event,
@@ -71,7 +71,7 @@ class Worker(QObject):
         self._persist = False
         self._lock = threading.Lock()
         self._oracle = None               # the running "measure every action", if any
-        self.conversation = None          # conversation mode: rakv.chat.Conversation over the engine
+        self.conversation = None          # conversation mode: rakv.engine.chat.Conversation over the engine
 
     # ------------------------------------------------------------------ models (worker thread)
     @Slot(str, str, int)
@@ -195,7 +195,7 @@ class Worker(QObject):
         ones); best effort: a failure to write it loses only that learning."""
         if self._persist and self.profile is not None:
             from rakv.decide.profile import save_learned
-            from rakv.paths import cache_dir
+            from rakv.util.paths import cache_dir
 
             save_learned(self.profile, cache_dir())
 
@@ -224,9 +224,9 @@ class Worker(QObject):
 
     @Slot(str, str, int)
     def chat(self, text: str, policy: str, max_new_tokens: int) -> None:
-        """Conversation mode: ``text`` is the next user turn of the conversation (rakv.chat): its
+        """Conversation mode: ``text`` is the next user turn of the conversation (rakv.engine.chat): its
         prompt is the whole conversation, and its prompt and answer stay in the prefix cache."""
-        from rakv.chat import Conversation, run_turn
+        from rakv.engine.chat import Conversation, run_turn
 
         def turn():
             conv = self.conversation

@@ -12,7 +12,7 @@ from . import argtypes as A
 from .common import (CliError, add_model_args, add_sampling_args, device_kw, draft_vocab_of, quiet_libs,  # noqa: F401
                      read_prompts, sampling_of)
 from .config import DEFAULT_K_SET, POLICIES_HELP, Policy, RakvConfig, parse_k_set
-from .textstream import TextStream
+from .util.textstream import TextStream
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +109,7 @@ def add_run_args(g) -> None:
 
 
 def cmd_generate(args) -> int:
-    from .text_in import checked_text
+    from .util.text_in import checked_text
 
     prompts = read_prompts(args.prompts_file) if args.prompts_file else \
         [checked_text(p, f"--prompt {i + 1}" if len(args.prompt) > 1 else "--prompt") for i, p in enumerate(args.prompt)]
@@ -204,7 +204,7 @@ class Run:
         if self.profile is None or not self.profile.contended:
             return
         from .decide.calibration import remeasure_if_quiet, text_progress
-        from .paths import cache_dir, log
+        from .util.paths import cache_dir, log
         from .session import save_learned
 
         save_learned(self.profile)       # what this run learned stays, whatever comes next
@@ -321,14 +321,14 @@ class ChatSession:
     the turn's conversation info to generate's output."""
 
     def __init__(self, run: Run):
-        from .chat import Conversation
+        from .engine.chat import Conversation
 
         self.run = run
         self.conv = Conversation.for_engine(run.engine)
         self.rows: list[dict] = []          # this conversation's turns, for /stats
 
     def turn(self, text: str):
-        from .chat import run_turn
+        from .engine.chat import run_turn
 
         end = run_turn(self.run.engine, self.conv, text)
         info = (self.run.starts.get(end.request_id).conversation or {}) if end.request_id in self.run.starts else {}
@@ -381,10 +381,10 @@ def cmd_chat(args) -> int:
 
 
 def stdin_lines():
-    """Piped stdin's lines, read as bytes and decoded by the one rule (rakv.text_in): a line that is
+    """Piped stdin's lines, read as bytes and decoded by the one rule (rakv.util.text_in): a line that is
     not valid UTF-8 ends the chat with one line naming it (CliError, exit 2); the turns before it
     were answered."""
-    from .text_in import TextError, decode_utf8
+    from .util.text_in import TextError, decode_utf8
 
     src = getattr(sys.stdin, "buffer", None)
     for n, raw in enumerate(src if src is not None else (x.encode("utf-8", "surrogateescape") for x in sys.stdin), 1):
@@ -397,7 +397,7 @@ def stdin_lines():
 def chat_line(chat: ChatSession, line: str, interactive: bool) -> bool:
     """One line of the chat: a command or a user turn. False: the chat ends."""
     from .engine import EngineError
-    from .text_in import text_problem
+    from .util.text_in import text_problem
 
     cmd = line.strip()
     if not cmd:
@@ -439,7 +439,7 @@ class Terminal:
         try:
             import readline
 
-            from .paths import cache_dir
+            from .util.paths import cache_dir
 
             self.readline, self.hist = readline, cache_dir() / "chat_history"
             try:
@@ -548,7 +548,7 @@ def calibrate_check(target, draft, as_json: bool) -> int:
     """`rakv calibrate --check`: a few terms measured now against the saved profile (exit 0)."""
     from .decide.calibration import check_profile
     from .decide.profile import saved_profile
-    from .paths import cache_dir
+    from .util.paths import cache_dir
 
     prof, path = saved_profile(target, draft, cache_dir())
     if prof is None:

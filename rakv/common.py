@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 from . import argtypes as A
 from .config import DRAFT_VOCAB, env_fast
+from .util.paths import set_env
 
 
 class CliError(Exception):
@@ -22,7 +22,7 @@ class CliError(Exception):
 
 def quiet_libs() -> None:
     """Silence library warnings and progress bars (our own progress goes to stderr)."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    set_env("TOKENIZERS_PARALLELISM", "false", keep=True)
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -37,8 +37,8 @@ def quiet_libs() -> None:
 
 def read_prompts(path: str) -> list[str]:
     """A .jsonl file: one {"prompt": ...} per line; any other file: one prompt per line. Text that
-    is not valid Unicode is refused with its line (rakv.text_in)."""
-    from .text_in import TextError, decode_file, load_json, text_problem
+    is not valid Unicode is refused with its line (rakv.util.text_in)."""
+    from .util.text_in import TextError, decode_file, load_json, text_problem
 
     p = Path(path)
     try:
@@ -125,7 +125,7 @@ def draft_vocab_of(args) -> int:
 
 def device_kw(args) -> dict:
     """{"device": the resolved device, "fast": bool} from --device / --fast (DeviceError: exit 2)."""
-    from .device import resolve
+    from .util.device import resolve
 
     return {"device": resolve(args.device), "fast": env_fast() if args.fast is None else bool(args.fast)}
 

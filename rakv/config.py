@@ -1,7 +1,7 @@
 """One frozen configuration passed top-down (engine, controller, cache, CLI, GUI).
 
 Every default lives here, in one place, with the sampling settings (``Sampling``: pure data and
-its checks; the sampler's arithmetic is rakv.sampling's).
+its checks; the sampler's arithmetic is rakv.decoding.sampling's).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, replace
 
-from .paths import env_on
+from .util.paths import env_on
 
 DEFAULT_K_SET: tuple[int, ...] = (0, 1, 2, 4, 6, 8)
 POLICIES_HELP = "adaptive | adaptive:gate | adaptive:nogate | adaptive:tree | ar | kv | spec:K | joint:K | tree:N"

@@ -18,8 +18,8 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
-from .ids import lcp
-from .text_in import checked_text
+from .util.ids import lcp
+from .util.text_in import checked_text
 
 # two unrelated user texts: their templated ids agree on the template's shared prefix only
 _PROBES = ("Hello.", "42 + 7 = ?")
@@ -30,7 +30,7 @@ class EncodedPrompt:
     ids: list[int]             # the ids fed to the model
     templated: bool            # True: the chat template was applied
     template_prefix: int = 0   # leading ids that every templated prompt shares (system prompt, headers)
-    conversation: dict | None = None   # a conversation's turn (rakv.chat): how these ids were built
+    conversation: dict | None = None   # a conversation's turn (rakv.engine.chat): how these ids were built
     keep_answer: bool = False  # store prompt + answer KV after the request (the next turn starts with them)
 
 
@@ -98,7 +98,7 @@ _PREFIXES: dict[int, tuple] = {}
 
 def encode_prompt(tokenizer, text: str, raw: bool = False) -> EncodedPrompt:
     """Prompt text -> the ids to feed: chat template unless ``raw`` or the tokenizer has none.
-    Text that is not valid Unicode is refused (``rakv.text_in.TextError``, a ValueError)."""
+    Text that is not valid Unicode is refused (``rakv.util.text_in.TextError``, a ValueError)."""
     checked_text(text, "prompt")
     if raw or not has_chat_template(tokenizer):
         return EncodedPrompt(raw_ids(tokenizer, text), False, 0)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Iterable, Union, get_args, get_origin, get_type_hints
 
-from .text_in import TextError, decode_file, load_json
+from .util.text_in import TextError, decode_file, load_json
 
 SCHEMA_VERSION = 1
 
@@ -52,7 +52,7 @@ class RequestStart:
     templated: bool = False        # True: prompt_ids are the chat template applied to ``prompt``
     template_prefix: int = 0       # leading ids every templated prompt shares (the template's system prefix)
     sampling: dict = field(default_factory=dict)   # this request's sampling (rakv.config.Sampling: its seed is the call's + i)
-    # a conversation's turn (rakv.chat): conversation, turn, ids_from ("first" | "append" |
+    # a conversation's turn (rakv.engine.chat): conversation, turn, ids_from ("first" | "append" |
     # "template", and why), previous_tokens (the conversation before it, as fed), kept_tokens (how many
     # of those its ids start with), same_as_template (its ids == the chat template over the whole
     # conversation; first_diff where not); None outside conversations
@@ -108,6 +108,9 @@ class Decision:
     explore_cost_ms: float = 0.0   # a probe's predicted cost beyond the plain steps it replaces
     explore_balance_ms: float = 0.0  # exploration budget left before this decision
     copy: bool = False             # an exact repeat whose earlier output the n-gram lookup copies (alpha ~1)
+    # the batch's price (rakv serve --parallel): the other requests' rows and expected tokens a step
+    # when this k was chosen, and the k the single-request rule would have taken; {} alone
+    batch: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -175,7 +178,7 @@ class RequestEnd:
 
 @dataclass
 class Step:
-    """One forward several requests shared (``rakv serve --parallel``, ``rakv.batching``): each
+    """One forward several requests shared (``rakv serve --parallel``, ``rakv.engine.batch``): each
     request's id and the rows it fed (1 a decode step, 1 + k a verify, a chunk of a prompt), the
     step's wall ms, and whether the rows shared one pass over the weights (False: the backend ran
     each request's forward alone inside the step)."""
@@ -525,7 +528,7 @@ def _gate_row(row: dict, r: "Round") -> None:
     row["gate_rounds"] = row.get("gate_rounds", 0) + 1
     stops = row.setdefault("_stops", {})
     stops[r.draft_stop] = stops.get(r.draft_stop, 0) + 1
-    from .acceptance import judged
+    from .util.acceptance import judged
 
     n, p, h = row.get("_judged", (0, 0.0, 0))
     js = judged(r.draft_pred, r.drafted, r.accepted)

@@ -137,8 +137,8 @@ def get_profile(target, draft, k_max: int, force: bool = False, quick: bool = Fa
     """The cost profile for this machine + pair (calibrates once; progress(frac, what) if given),
     with the acceptance prior at ``sampling``'s setting measured now if it is new."""
     from .decide.calibration import load_or_calibrate, text_progress
-    from .paths import cache_dir
-    from .paths import log as stderr_log
+    from .util.paths import cache_dir
+    from .util.paths import log as stderr_log
 
     say = log or stderr_log
     prof, fresh = load_or_calibrate(target, draft, cache_dir(), k_max=k_max, force=force, quick=quick,
@@ -153,7 +153,7 @@ def prior_at_setting(profile, target, draft, sampling) -> None:
     """Measure a new sampling setting's acceptance prior before any request, and keep it in the
     saved profile: measured inside a request it would be charged to that request's latency."""
     from .decide.calibration import alpha_prior
-    from .paths import log
+    from .util.paths import log
 
     if sampling is None or sampling.greedy or sampling.key() in profile.alpha_by_setting:
         return
@@ -166,7 +166,7 @@ def prior_at_setting(profile, target, draft, sampling) -> None:
 def save_learned(profile) -> None:
     """Keep what this session learned (cost scales, acceptance) for the next one; the output share for display."""
     from .decide.profile import save_learned as save
-    from .paths import cache_dir
+    from .util.paths import cache_dir
 
     err = save(profile, cache_dir())
     if err:   # a read-only cache dir loses the learning, not the run

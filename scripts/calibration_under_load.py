@@ -69,7 +69,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--settle", type=float, default=30.0, help="seconds between the load's end and step 3")
     args = ap.parse_args()
-    from rakv.paths import cache_dir
+    from rakv.util.paths import cache_dir
 
     models = cache_dir() / "models"
     root = Path(tempfile.mkdtemp(prefix="rakv-calload-"))

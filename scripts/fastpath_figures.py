@@ -39,7 +39,7 @@ from rakv.backends import lean_of  # noqa: E402
 from rakv.kernels import fastpath  # noqa: E402
 from rakv.kernels import lean as leanmod  # noqa: E402
 from rakv.config import RakvConfig  # noqa: E402
-from rakv.device import isa_flags, threads_info  # noqa: E402
+from rakv.util.device import isa_flags, threads_info  # noqa: E402
 from rakv.engine import Engine  # noqa: E402
 from rakv.load.hub import load_model
 from rakv.load.loaded import LoadedModel  # noqa: E402
@@ -218,7 +218,7 @@ def main() -> int:
 
 
 def _cpu() -> str:
-    from rakv.device import hardware_info
+    from rakv.util.device import hardware_info
 
     return hardware_info()["cpu"]
 

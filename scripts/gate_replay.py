@@ -95,7 +95,7 @@ def replay(reqs, arm: str, prof, prior, lookup_k: int) -> float:
     from rakv.drafts.ngram import ngram_confidence
     from rakv.decide.gate import AcceptMap, request_trust
     from rakv.decide.policy import best_verify_length
-    from rakv.acceptance import judged
+    from rakv.util.acceptance import judged
     from rakv.prefix_cache import TokenHistory
 
     def V(j, ctx):

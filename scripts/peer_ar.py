@@ -90,7 +90,7 @@ def main() -> int:
     import torch
 
     from rakv.config import RakvConfig
-    from rakv.device import isa_flags
+    from rakv.util.device import isa_flags
     from rakv.engine import Engine
     from rakv.load.hub import load_model
 

@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rakv import sampling as S  # noqa: E402
+from rakv.decoding import sampling as S  # noqa: E402
 from rakv.common import quiet_libs  # noqa: E402
 from rakv.config import RakvConfig  # noqa: E402
 from rakv.drafts.registry import make_draft  # noqa: E402

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rakv.acceptance import trials  # noqa: E402
+from rakv.util.acceptance import trials  # noqa: E402
 from rakv.common import quiet_libs  # noqa: E402
 from rakv.config import RakvConfig  # noqa: E402
 from rakv.drafts.registry import make_draft  # noqa: E402

@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import torch
 
-from ..device import model_device
+from ..util.device import model_device
 from ..kernels.lean.kv import crop
 from .switches import Switches
 
@@ -38,7 +38,7 @@ def _ids(tokens, device=None) -> torch.Tensor:
 
 @lru_cache(maxsize=1)
 def _isa() -> tuple:
-    from ..device import isa_flags
+    from ..util.device import isa_flags
 
     return tuple(isa_flags())
 

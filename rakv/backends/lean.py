@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..device import model_device
+from ..util.device import model_device
 from .base import Backend, _ids
 from .switches import Switches
 

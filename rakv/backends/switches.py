@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..paths import env_on, env_text
+from ..util.paths import env_on, env_text
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..device import model_device
+from ..util.device import model_device
 from .base import Backend, _cache_arg, _ids
 
 

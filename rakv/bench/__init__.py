@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from rakv import argtypes as A
 
 from rakv.workloads import ALL_WORKLOADS, WIKITEXT_ENV, WIKITEXT_HELP, WORKLOADS
+from rakv.util.paths import env_text
 
 OUTPUT_FILES = ("executions.csv", "candidates.csv", "summary.md", "meta.json", "profile.json", "latency.png",
                 "predicted_vs_measured.png", "speedup_vs_alpha.png", "llama_cpp.json")
@@ -124,7 +124,7 @@ def settings(args) -> dict:
     if args.budget_mib < 0:
         raise ValueError("--budget-mib must be >= 0")
     s["workloads"] = parse_workloads(args.workload)
-    if {"wikitext", "mixed"} & set(s["workloads"]) and not (args.prompts or os.environ.get(WIKITEXT_ENV)):
+    if {"wikitext", "mixed"} & set(s["workloads"]) and not (args.prompts or env_text(WIKITEXT_ENV)):
         raise ValueError(WIKITEXT_HELP)        # before any model is loaded
     s["policies"] = policy_names(args.policies)
     check_out(args, s["workloads"])
@@ -259,7 +259,7 @@ def build_streams(s: dict, args, tokenizer, max_pos: int | None) -> dict:
 def run(args, argv: list[str]) -> int:
     from rakv.common import quiet_libs
     from rakv.decide.profile import save_profile
-    from rakv.paths import log
+    from rakv.util.paths import log
 
 
     from .peers import PEERS
@@ -329,7 +329,7 @@ def run_meta(args, argv, s, target, draft, arms, lookup_k, streams, profile=None
     import torch
 
     from rakv.prompts import has_chat_template
-    from rakv.device import hardware_info, versions_info
+    from rakv.util.device import hardware_info, versions_info
     from rakv.decide.regime import regime
 
     return dict(command=shlex.join(["rakv", "bench", *argv]), target=target.name, draft=getattr(draft, "name", "none"),

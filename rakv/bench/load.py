@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from rakv.util.paths import child_env, env_text
 
 HOST = "127.0.0.1"
 
@@ -176,7 +177,7 @@ class ServerSpec:
         argv = [a.replace("{port}", str(port)) for a in self.argv]
         log_dir.mkdir(parents=True, exist_ok=True)
         log = open(log_dir / f"{self.name.replace(' ', '_').replace('/', '_')}.log", "ab")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(self.env),
                                 stdin=subprocess.DEVNULL)
         url = f"http://{HOST}:{port}"
         try:
@@ -206,13 +207,13 @@ def rakv_server(target: str, draft: str, parallel: int, policy: str = "adaptive"
 
 def llama_server_binary() -> str | None:
     """llama.cpp's llama-server: $RAKV_LLAMA_SERVER, on PATH, or where scripts/build_llama_cpp.sh puts it."""
-    env = os.environ.get("RAKV_LLAMA_SERVER")
+    env = env_text("RAKV_LLAMA_SERVER")
     if env:
         return env if os.access(env, os.X_OK) else None
     found = shutil.which("llama-server")
     if found:
         return found
-    from rakv.paths import cache_dir
+    from rakv.util.paths import cache_dir
 
     for p in sorted((cache_dir() / "llama.cpp").glob("*/build/bin/llama-server")):
         if os.access(p, os.X_OK):

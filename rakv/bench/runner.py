@@ -31,7 +31,7 @@ from pathlib import Path
 
 from rakv.config import Policy, RakvConfig
 from rakv.engine import Engine
-from rakv.acceptance import judged
+from rakv.util.acceptance import judged
 from rakv.records import Decision, Round, accept_len
 from rakv.session import Session
 from rakv.workloads import Request, TurnBuilder

@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 
 from .. import decoding as dec
-from ..device import clock
-from ..meter import SHARE_QUIET, Meter, Timing, check_enabled, cpu_clock, is_quiet, time_reps
+from ..util.device import clock
+from ..util.meter import SHARE_QUIET, Meter, Timing, check_enabled, cpu_clock, is_quiet, time_reps
 from .policy import lookup_vs
 from .profile import CostProfile, _usable, interp, pair_fingerprint, profile_path, save_profile
 
@@ -55,7 +55,7 @@ def calibration_ids(tokenizer, n: int, vocab: int) -> list[int]:
 # costs about a decode step), so lengths stay short and the curves extrapolate linearly past them
 # (online refinement corrects the prefill's scale). What the cost model needs stays: prefill in
 # length (3 points) and the step by context (2), checked to rise; V(k) for every k up to k_max; d;
-# medians of repeats with a spread check (a noisy term is measured again, rakv/meter.py).
+# medians of repeats with a spread check (a noisy term is measured again, rakv/util/meter.py).
 GRID = {
     "full": {"reps": 3, "pf_ns": [8, 32, 128], "ctxs": [16, 128], "n_steps": 8, "v_reps": 4,
              "alpha_rounds": 6, "regime_reps": 3},
@@ -112,7 +112,7 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
               quick: bool = False, meter: Meter | None = None, say: Callable[[str], None] | None = None) -> CostProfile:
     """Measure every term of the cost model on this machine. ``draft`` is a DraftSource.
 
-    Every term goes through a Meter (rakv/meter.py): noisy terms are measured again, prefill and
+    Every term goes through a Meter (rakv/util/meter.py): noisy terms are measured again, prefill and
     step curves must rise with length, and the profile's ``quality`` says how clean it all was
     (``contended`` when the machine was busy). ``say`` gets one line with the up-front estimate
     ("calibrating: about N s"); ``progress(frac, what)`` follows each term."""
@@ -231,7 +231,7 @@ def regime_figures(target, prof: CostProfile, reps: int = 5) -> dict:
     linear layers on 1 row (``fastpath.linear_floor_ms``; the weights stream from memory as in a
     step), with whatever kernel the forward uses (packed oneDNN on the fast path).
     """
-    from ..device import isa_flags, model_device, threads_info
+    from ..util.device import isa_flags, model_device, threads_info
     from ..kernels.fastpath import is_enabled, linear_floor_ms, one_row_kernel
 
     model = target.model
@@ -375,8 +375,8 @@ def measure_alpha(target, draft, ids, k: int = 4, rounds: int = 8, amap=None, sa
 def _accept_rounds(target, draft, prompt, k: int, rounds: int, amap=None, sampling=None) -> tuple[int, int]:
     """(accepted, trials) over ``rounds`` rounds of k drafts after ``prompt``, verified as the
     engine does at ``sampling``'s setting (greedy when None)."""
-    from .. import sampling as S
-    from ..acceptance import trials as round_trials
+    from ..decoding import sampling as S
+    from ..util.acceptance import trials as round_trials
     from .gate import recording_gate
 
     s = sampling if sampling is not None and not sampling.greedy else None
@@ -452,7 +452,7 @@ def load_or_calibrate(target, draft, cache: Path, k_max: int = 8, force: bool = 
     A malformed profile is reported (naming the file) and measured again. Calibration runs under a
     lock per profile: a second process for the same pair waits and then loads what the first saved
     (two calibrations at once would also measure each other's load)."""
-    from ..filelock import file_lock
+    from ..util.filelock import file_lock
 
     say = log or (lambda m: print(f"[rakv] {m}", file=sys.stderr, flush=True))
     fp = pair_fingerprint(target, draft)

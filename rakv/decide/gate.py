@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..acceptance import judged
+from ..util.acceptance import judged
 from .policy import best_verify_length, worth_more
 
 BINS = 10             # confidence bins of width 0.1

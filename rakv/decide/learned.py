@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 
-from ..acceptance import trials
+from ..util.acceptance import trials
 from .policy import drafting_ks, shape_signal
 
 PRIOR_TRIALS = 8.0   # weight of the long-run acceptance in the request-level one, in trials
@@ -101,7 +101,7 @@ class Acceptance:
     ACCEPTANCE_STATE = ("_rS", "_rT", "_lS", "_lT", "_pxy", "_pxx", "_pos_reach", "_pos_hold", "evidence")
 
     def use_setting(self, key: str, prior: float) -> None:
-        """Learn acceptance for sampling setting ``key`` from now on (rakv.sampling.Sampling.key):
+        """Learn acceptance for sampling setting ``key`` from now on (rakv.decoding.sampling.Sampling.key):
         acceptance falls with temperature, so each setting keeps its own estimates, starting from
         its measured ``prior`` (or what the profile learned at it before); the others are kept."""
         if key == self.setting:
@@ -280,3 +280,25 @@ class OnlineScales:
         n = self._seen.get(key, 0)
         self._seen[key] = n + 1
         return 1.0 / (n + 2) if n < ONLINE_FIRST else ONLINE_WEIGHT
+
+
+class BatchView:
+    """What each request of a batch put in its latest step: rows fed and tokens emitted (one view
+    for the lanes of a ``rakv.engine.batch.LanePool``). A request's k is priced against the others'."""
+
+    def __init__(self):
+        self.rows: dict[int, int] = {}
+        self.tokens: dict[int, float] = {}
+
+    def told(self, rid: int, rows: int, tokens: float) -> None:
+        self.rows[rid], self.tokens[rid] = int(rows), float(tokens)
+
+    def leave(self, rid: int) -> None:
+        self.rows.pop(rid, None)
+        self.tokens.pop(rid, None)
+
+    def others(self, rid: int) -> tuple[int, float, int]:
+        """(rows, tokens, requests) of the batch's other requests in their latest steps."""
+        ids = [q for q in self.rows if q != rid]
+        return sum(self.rows[q] for q in ids), sum(self.tokens[q] for q in ids), len(ids)
+

@@ -14,17 +14,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..acceptance import judged
+from ..util.acceptance import judged
 from .learned import AlphaEWMA
 from .controller import Controller
 from .profile import CostProfile
-from ..device import clock
+from ..util.device import clock
 from ..drafts.base import DraftSource
 from ..drafts.ngram import NgramDraft
 from ..prefix_cache import PrefixCache
 from ..records import Candidate, Decision
 from .gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, request_trust
-from .policy import copies_win
+from .policy import E, batch_k, copies_win
 
 now = clock
 
@@ -165,6 +165,7 @@ class RoundPlanner:
         self.lookup_top = lookup_k              # lookup_k as this machine's verify costs allow (per request)
         self.emit = emit                        # records out (the engine stamps and forwards them)
         self.k_set_now = k_set_now              # () -> the K allowed now (changes between rounds)
+        self.batch = None                       # a lane's BatchView (rakv.engine.batch): the others' rows
         # draft confidence -> chance of acceptance, for the gate (prior: the calibration's counts)
         self.accept_map = AcceptMap(alpha.value, profile.accept_map if profile is not None else None)
         # the n-gram side draft of k = 0 rounds under the gate (its own map unless it is the draft)
@@ -248,6 +249,8 @@ class RoundPlanner:
              ctx: int) -> float:
         """Learn from the verified round; returns the exploration ms it spent (a probe's excess)."""
         m, a, gate, lookup = len(plan.drafts), accepted, plan.gate, plan.lookup
+        if self.batch is not None:
+            self.batch.told(rq.rid, m + 1, emitted)
         if plain_step(plan) and self.controller is not None:
             if plan.copy:                # (its lookup's cost, for the copy ledger)
                 self.copies.observe(0, 0, 0.0, 0.0, plan.plan_ms)
@@ -317,6 +320,10 @@ class RoundPlanner:
                                alpha=self.alpha.value, reason="argmin",
                                alpha_star=ctl.round_alpha_star(len(seq), (rq.k,))))
         k_req = 0 if rq.dropped else rq.k
+        if rq.policy.adaptive and rq.has_draft and not rq.explore and self.batch is not None:
+            k_b = self._batch_round(rq, seq, remaining, k_req)
+            if k_b is not None:
+                return k_b
         if not (rq.policy.adaptive and k_req == 0 and rq.has_draft):
             return k_req
         if not ctl.probe_possible(len(seq), remaining, rq.k_set):
@@ -334,12 +341,16 @@ class RoundPlanner:
         return k
 
     def _decide_round(self, rq, seq: list[int], remaining: int) -> int:
-        """Per-round granularity: the controller's k for this round (a Decision when it changes)."""
+        """Per-round granularity: the controller's k for this round (a Decision when it changes),
+        priced by the batch where other requests share the steps (``_batch_k``)."""
         ks_now = self.k_set_now()
         behind = self._draft_behind(seq, rq.reuse, rq.draft_model)
         td = now()
         k_new, reason, costs = self.controller.decide_round(len(seq), remaining, ks_now, behind,
                                                             rq.has_draft, rq.draft_model)
+        batch = {}
+        if reason == "argmin" and costs:
+            k_new, batch = self._batch_k(rq, len(seq), k_new, costs)
         dms = (now() - td) * 1e3
         self.decide_ms_total += dms
         if reason == "probe" or k_new != self.last_k:
@@ -348,9 +359,53 @@ class RoundPlanner:
                                            for kk, v in costs.items()],
                                action={"reuse": int(rq.reuse), "k": k_new}, alpha=self.alpha.value,
                                alpha_star=self.controller.round_alpha_star(len(seq), ks_now),
-                               reason=reason, decide_ms=round(dms, 4)))
+                               reason=reason, decide_ms=round(dms, 4), batch=batch))
         self.last_k = k_new
         return k_new
+
+    def _batch_k(self, rq, ctx: int, k_solo: int, costs: dict) -> tuple[int, dict]:
+        """The round's k when other requests share its steps (``self.batch``, a lane's): the k among
+        the controller's candidates at which the whole step emits the most tokens per ms
+        (``policy.batch_k``: a pass of all rows W(n) = V(n - 1), each request's expected tokens);
+        alone, the controller's own k."""
+        if self.batch is None:
+            return k_solo, {}
+        rows_o, tokens_o, n_o = self.batch.others(rq.rid)
+        if not n_o:
+            return k_solo, {}
+        p, a = self.profile, self.alpha.value
+
+        def W(n: int) -> float:
+            return p.verify(n - 1, ctx) if n > 1 else p.step(ctx)
+
+        k = batch_k(list(costs), lambda j: E(j, a), W, rows_o, tokens_o,
+                    lambda j: p.draft_round(j, ctx, a) if rq.has_draft else 0.0,
+                    lambda j: j if rq.draft_model else 0)          # a model draft's forwards: steps of their own
+        return k, {"requests": n_o, "rows": rows_o, "tokens": round(tokens_o, 3), "k_alone": k_solo}
+
+    def _batch_round(self, rq, seq: list[int], remaining: int, k_req: int) -> int | None:
+        """Request granularity in a batch: the request's k re-priced every round while others share
+        its steps (their rows change as requests join and leave); None alone."""
+        ks = [k for k in self.k_set_now() if k == 0 or k <= remaining - 1]
+        if not self.batch.others(rq.rid)[2]:
+            if self.last_k != k_req:           # alone again: back to the request's own k
+                self.emit(Decision(request_id=rq.rid, round=rq.rounds + 1, action={"reuse": int(rq.reuse), "k": k_req},
+                                   alpha=self.alpha.value, reason="argmin",
+                                   alpha_star=self.controller.round_alpha_star(len(seq), tuple(ks))))
+                self.last_k = k_req
+            return None
+        k, batch = self._batch_k(rq, len(seq), k_req, dict.fromkeys(ks or [0], 0.0))
+        if k != self.last_k:
+            self.emit(Decision(request_id=rq.rid, round=rq.rounds + 1, action={"reuse": int(rq.reuse), "k": k},
+                               alpha=self.alpha.value, reason="argmin",
+                               alpha_star=self.controller.round_alpha_star(len(seq), tuple(ks)), batch=batch))
+            self.last_k = k
+        return k
+
+    def end_request(self, rid: int) -> None:
+        """A request left: its rows no longer share the batch's steps."""
+        if self.batch is not None:
+            self.batch.leave(rid)
 
     def _gate(self, rq, seq: list[int], k: int) -> RoundGate | None:
         """The round's confidence gate (policy adaptive:gate and a cost profile), else None."""

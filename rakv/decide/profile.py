@@ -42,9 +42,9 @@ from typing import Callable
 
 import torch
 
-from ..device import hardware_info
-from ..paths import write_atomic
-from ..text_in import load_json
+from ..util.device import hardware_info
+from ..util.paths import write_atomic
+from ..util.text_in import load_json
 from .learned import OnlineScales
 from .policy import round_draft_ms
 
@@ -96,7 +96,7 @@ class CostProfile(OnlineScales):
     alpha_trials: float | None = None    # trials behind alpha_learned (capped; bounds exploration)
     # the draft's confidence against acceptance, per bin (rakv.decide.gate): {"hits": [...], "n": [...]}
     accept_map: dict = field(default_factory=dict)
-    # acceptance per sampling setting (rakv.sampling.Sampling.key, not "greedy"): {"alpha0": measured
+    # acceptance per sampling setting (rakv.decoding.sampling.Sampling.key, not "greedy"): {"alpha0": measured
     # prior, "alpha_learned": long-run rate, "alpha_trials": its evidence}; greedy uses the fields above
     alpha_by_setting: dict = field(default_factory=dict)
     calibrated_at: str = ""
@@ -104,7 +104,7 @@ class CostProfile(OnlineScales):
     # online refinement: multiplicative scales (log-space EWMA of measured / predicted)
     scale: dict[str, float] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)
-    # how clean the calibration was (rakv/meter.py): spread per term, CPU share, retries,
+    # how clean the calibration was (rakv/util/meter.py): spread per term, CPU share, retries,
     # curves made monotone, and contended (measured while the machine was busy)
     quality: dict = field(default_factory=dict)
 
@@ -250,7 +250,7 @@ def pair_fingerprint(target, draft) -> dict:
     """The fingerprint of this machine and pair as loaded (device and fast path read off the model,
     the backend as chosen at load: a profile measured under one backend is not reused under another)."""
     from ..backends import LeanBackend, backend_of
-    from ..device import model_device
+    from ..util.device import model_device
     from ..kernels.fastpath import is_enabled, one_row_kernel
 
     fp = fingerprint(target.key, getattr(draft, "key", "none"), str(next(target.model.parameters()).dtype),

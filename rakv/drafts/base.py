@@ -78,7 +78,7 @@ class DraftSource:
 
     def fork(self) -> "DraftSource":
         """A source for another request stream running beside this one (a lane of
-        ``rakv.batching``): shares what is read-only (a model's weights), owns its per-request state."""
+        ``rakv.engine.batch``): shares what is read-only (a model's weights), owns its per-request state."""
         return type(self)()
 
     def end(self) -> None:

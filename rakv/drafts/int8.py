@@ -14,7 +14,7 @@ import torch
 from ..load.loaded import LoadedModel, ModelError, _dtype_of, weights_hash
 from ..load.numerics import _switches_of, attach_lean
 from ..load.slim import _set_weight, placeholder
-from ..paths import log
+from ..util.paths import log
 from .model import ModelDraft
 
 # the cache file an int8 module was loaded from (the lazy draft's log line says so); nothing is
@@ -54,7 +54,7 @@ def int8_cache_path(target: LoadedModel) -> Path | None:
     the digest of the target's weights (its weights_hash and key), the torch version and the layout
     (fused for the lean forward). None where there is no cache dir to write."""
     try:
-        from ..paths import cache_dir
+        from ..util.paths import cache_dir
 
         root = cache_dir()
     except OSError:
@@ -116,7 +116,7 @@ def _quantized(target: LoadedModel) -> torch.nn.Module:
 
 def _save_int8(q: torch.nn.Module, path: Path) -> None:
     """The quantized state dict, atomically (a temp file in the same dir, then os.replace)."""
-    from ..paths import replace_atomic
+    from ..util.paths import replace_atomic
 
     replace_atomic(path, lambda tmp: torch.save(q.state_dict(), tmp))
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from .. import decoding as dec
-from .. import sampling as S
+from ..decoding import sampling as S
 from ..backends import lean_of
 from ..load.loaded import LoadedModel
-from ..prefill import prefill_with_reuse
+from ..decoding.prefill import prefill_with_reuse
 from ..prefix_cache import PrefixCache
 from ..config import Sampling
 from .base import DraftSource, PrefillInfo, Proposal, now

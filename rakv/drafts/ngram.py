@@ -9,7 +9,7 @@ from bisect import bisect_left
 import numpy as np
 
 from ..prefix_cache import TokenHistory
-from ..tree import TokenTree
+from ..decoding.tree import TokenTree
 from .base import DraftSource, Proposal, now
 
 

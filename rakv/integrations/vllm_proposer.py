@@ -42,7 +42,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from ..acceptance import judged
+from ..util.acceptance import judged
 from ..decide.gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, request_trust
 from ..decide.policy import alpha_star, copies_win, worth_starting
 from ..decide.profile import (DEFAULT_V_SLOPE, load_vllm_profile, nearest_batch, profile_batches, verify_costs,

@@ -235,7 +235,7 @@ class Watch:
 def metrics_url(text: str) -> str:
     """A vLLM server's /metrics URL from what a user typed: ``host:port``, ``http://host:port``,
     its OpenAI base URL (``.../v1``) or the metrics URL itself (ValueError: one line)."""
-    from ..api import user_url
+    from ..serve.api import user_url
 
     u = user_url(text, ("http", "https"), "watched")
     path = u.path.rstrip("/")

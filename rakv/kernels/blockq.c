@@ -2041,7 +2041,7 @@ int rakv_decode_segments(const rakv_dlayer *Ls, int64_t nL, float *x, int64_t n,
 }
 
 /* ------------------------------------------------------------------ the seeded sampler
-   Gumbel-max over rows of logits with the counter-based noise rakv/sampling.py defines (its
+   Gumbel-max over rows of logits with the counter-based noise rakv/decoding/sampling.py defines (its
    docstring): the same 64-bit words, the same float64 and float32 operations in the same order,
    log from the C library (a libm may differ from torch's vectorised log in the last bit of a
    float64 log, which moves a float32 Gumbel with probability ~2**-29). Row r of z [n, V]:

@@ -277,7 +277,7 @@ def linear_floor_ms(model: nn.Module, rows: int = 1, reps: int = 5) -> float:
     row this is the weight-streaming floor of a decode step (a step cannot be cheaper than reading
     its weights once). The attention, norms and framework overhead are what a step pays above it.
     """
-    from ..device import clock, model_device
+    from ..util.device import clock, model_device
 
     coded = _coded_ops(model)
     if coded:                             # the block kernel's calls as the lean forward makes them
@@ -339,13 +339,13 @@ def _own_forward(model: nn.Module):
 
 @torch.inference_mode()
 def _decode_steps(model: nn.Module, forward=None, ctx: int = 64, steps: int = 4):
-    """Timing (rakv.meter) of real decode steps, one token after a ``ctx``-token prefill: what the
+    """Timing (rakv.util.meter) of real decode steps, one token after a ``ctx``-token prefill: what the
     one-row kernel is chosen for (whole steps, not a bare pass over the linear layers, which can rank
     the kernels the other way: docs/fastpath.md). ``forward(tokens, cache)``: the model's backend's
     forward (``rakv.backends``); None: ``_own_forward``."""
     from transformers import DynamicCache
 
-    from ..meter import time_reps
+    from ..util.meter import time_reps
 
     forward = forward or _own_forward(model)
     vocab = int(getattr(model.config, "vocab_size", 1000))
@@ -378,8 +378,8 @@ def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, roun
     remembered in ``cache/kernels.json`` per model, thread count, torch build and CPU; else
     measured: real decode steps with each kernel (``forward``: the backend's, see ``_decode_steps``),
     interleaved ``rounds`` times (seconds), medians compared."""
-    from ..meter import Timing
-    from ..device import hardware_info
+    from ..util.meter import Timing
+    from ..util.device import hardware_info
 
     if not is_enabled(model):
         return {"kernel": "", "how": "not on the fast path"}
@@ -413,7 +413,7 @@ def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, roun
         return dict(out, kernel="plain", how=f"busy machine (CPU share {share:.0%}): default kept, not remembered")
     set_one_row(model, out["kernel"])
     if path is not None:
-        from ..paths import write_atomic
+        from ..util.paths import write_atomic
 
         known[ident] = out
         try:
@@ -426,8 +426,8 @@ def choose_one_row(model: nn.Module, key: str, cache: "Path | None" = None, roun
 def remembered_kernels(path: Path | None) -> dict:
     """``kernels.json``'s choices ({} when there is none); a damaged file (not JSON, not an object,
     nested too deeply) is ignored with one line: the choice is measured again and the file rewritten."""
-    from ..paths import log
-    from ..text_in import load_json
+    from ..util.paths import log
+    from ..util.text_in import load_json
 
     if path is None or not path.exists():
         return {}

@@ -87,7 +87,7 @@ def _records(folder: Path) -> dict:
 
 def record(path: Path) -> None:
     """Record ``path``'s hash as one this program wrote (call right after writing it)."""
-    from ..paths import write_atomic
+    from ..util.paths import write_atomic
 
     path = Path(path)
     recs = _records(path.parent)
@@ -98,7 +98,7 @@ def record(path: Path) -> None:
 
 def forget(path: Path) -> None:
     """Drop ``path``'s record (the file is about to be replaced or was found untrusted)."""
-    from ..paths import write_atomic
+    from ..util.paths import write_atomic
 
     path = Path(path)
     recs = _records(path.parent)

@@ -11,7 +11,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ..paths import cache_dir, log
+from ..util.paths import cache_dir, log
 from .gguf import convert_gguf
 from .loaded import ModelError
 from .slim import _demo_ready, _ensure_converted

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..paths import cache_dir, log
+from ..util.paths import cache_dir, log
 from .loaded import ModelError, check_all_loaded
 from .slim import (_converted_ready, _ensure_converted, _ino, _note_failed, _save_converted,
                    _slim_state, file_hash)

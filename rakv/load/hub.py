@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..config import env_fast
-from ..paths import log, write_atomic
+from ..util.paths import log, write_atomic
 from .demo import DEMO_NAME, ensure_demo
 from .gguf import ensure_gguf, gguf_codes
 from .loaded import LoadedModel, ModelError, _eos_ids, check_all_loaded
@@ -67,8 +67,8 @@ def load_model(spec: str, dtype: str = "float32", revision: str | None = None, d
                fast: bool | None = None, numerics: str = "fp32") -> LoadedModel:
     """Load a target (or a draft model) from ``demo``, a ``.gguf`` file, a local dir or a hub id.
 
-    ``device``: auto | cpu | cuda[:i] | mps (``rakv.device.resolve``); ``fast``: see ``wrap``."""
-    from ..device import register, resolve
+    ``device``: auto | cpu | cuda[:i] | mps (``rakv.util.device.resolve``); ``fast``: see ``wrap``."""
+    from ..util.device import register, resolve
 
     device = resolve(device)
     if not spec:

@@ -11,7 +11,7 @@ import torch
 
 from ..backends import choose_one_row, lean_of, read_switches, select_backend, set_lean
 from ..config import env_fast
-from ..paths import cache_dir, log
+from ..util.paths import cache_dir, log
 from .demo import DEMO_NAME
 from .loaded import LoadedModel, ModelError, _dtype_of, _eos_ids, _max_positions, weights_hash
 from .presets import PRESETS

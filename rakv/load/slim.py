@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..paths import cache_dir, log
+from ..util.paths import cache_dir, log
 from .loaded import LoadedModel, ModelError
 
 
@@ -85,7 +85,7 @@ def file_hash(path: Path) -> str:
     (unless it was written too recently to trust its stamp: ``racy``)."""
     import json
 
-    from ..paths import write_atomic
+    from ..util.paths import write_atomic
 
     p = Path(path).expanduser().resolve()
     st = p.stat()
@@ -129,7 +129,7 @@ def _converted_ready(out: Path) -> bool:
 def _ensure_converted(out: Path, ready, convert, what: str, lock_name: str = "") -> Path:
     """``out`` as ``convert(out)`` makes it, made at most once: under a lock next to it (``lock_name``,
     else ``.<out's name>.lock``), and only when ``ready(out)`` is false before and after taking the lock."""
-    from ..filelock import file_lock
+    from ..util.filelock import file_lock
 
     if ready(out):
         return out

@@ -9,7 +9,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..paths import log
+from ..util.paths import log
 from .loaded import LoadedModel, ModelError
 
 

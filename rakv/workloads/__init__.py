@@ -17,7 +17,7 @@ The conversation workloads (``conversation``, ``conversation-heldout``: multi-tu
 shipped in ``data/``, each a list of user messages) are streams of whole conversations in a seeded
 order, cut to ``n`` turns: a conversation's first turn is ``unrelated``, every later turn ``shared``
 (it starts with the whole conversation before it). A later turn's ids depend on the previous answer,
-so they are built while the stream runs (``TurnBuilder``, over ``rakv.chat``): the previous turn's
+so they are built while the stream runs (``TurnBuilder``, over ``rakv.engine.chat``): the previous turn's
 ids, its answer as generated (every policy's is the same: exact), then the template's end of turn,
 the new message and the generation prompt. Each turn keeps its prompt and answer in the prefix cache
 (``EncodedPrompt.keep_answer``), as ``rakv chat`` does; ``turn`` numbers them (0 elsewhere).
@@ -37,11 +37,11 @@ Everything is deterministic given the seed.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from rakv.util.paths import env_text
 
 WORKLOADS = ("wikitext", "humaneval", "repetitive")       # bucketed sources (``mixed`` draws from these)
 CODE_WORKLOADS = ("code", "code-heldout")                # shipped code completions and edits, chat-templated
@@ -102,7 +102,7 @@ QUESTIONS = [
 def wikitext_source(path: str | Path | None = None) -> Source:
     """Articles of a WikiText raw file (titles: lines starting ' = ' but not ' = ='); a text file
     without titles is split into paragraphs instead."""
-    path = path or os.environ.get(WIKITEXT_ENV)
+    path = path or env_text(WIKITEXT_ENV) or None
     if not path:
         raise ValueError(WIKITEXT_HELP)
     p = Path(path)
@@ -381,7 +381,7 @@ class TurnBuilder:
     (a first turn starts a new conversation), ``answered`` with its output afterwards."""
 
     def __init__(self, tokenizer, eos_ids, raw: bool = False):
-        from rakv.chat import Conversation
+        from rakv.engine.chat import Conversation
 
         self.conv = Conversation(tokenizer, frozenset(eos_ids), raw=raw)
 

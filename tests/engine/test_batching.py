@@ -1,4 +1,4 @@
-"""Continuous batching (``rakv.batching``, ``rakv serve --parallel``): requests decode together, one
+"""Continuous batching (``rakv.engine.batch``, ``rakv serve --parallel``): requests decode together, one
 forward a step carrying all their rows, and every request's tokens equal its solo run, whatever
 arrives beside it, in any order: greedy and seeded, every policy, partial and exact prefix hits,
 EOS mid-round, long prompts fed in chunks, a request stopped mid-way; q8 and fp32 numerics, Llama
@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from rakv import decoding as dec
 from rakv.backends import backend_of
-from rakv.batching import LanePool
+from rakv.engine.batch import LanePool
 from rakv.config import RakvConfig
 from rakv.drafts.model import ModelDraft
 from rakv.drafts.ngram import NgramDraft
@@ -311,7 +311,7 @@ def test_shutdown_ends_an_open_stream_with_an_error_event(model_dir, tmp_path_fa
 
 
 def test_a_client_gone_mid_stream_frees_its_lane(model_dir, tmp_path_factory):
-    from rakv.api import parse_ask
+    from rakv.serve.api import parse_ask
 
     s = _server(model_dir, tmp_path_factory, "--parallel", "1", "--max-queue", "0")
     try:
@@ -327,3 +327,20 @@ def test_a_client_gone_mid_stream_frees_its_lane(model_dir, tmp_path_factory):
         assert status == 200
     finally:
         s.close()
+
+
+def test_the_adaptive_k_is_priced_by_the_batch_and_stays_exact():
+    """Beside other requests an adaptive request's k is re-priced every round (Decision.batch says
+    against what); tokens stay each request's solo run."""
+    from rakv.records import Decision
+
+    t, d = _pair("llama", "q8" if blockq.library() is not None else "fp32")
+    decisions = []
+    eng = Engine(t, ModelDraft(d), RakvConfig(policy="adaptive"), profile=synthetic_profile(d=0.05, alpha0=0.9),
+                 callback=lambda r: decisions.append(r) if isinstance(r, Decision) else None)
+    prompts = _prompts(seed=3)[:8]
+    done = _serve_all(eng, prompts, 4, seed=3)
+    for rid, (p, end) in done.items():
+        assert end.output_ids == _solo(t, p, rid, Sampling())
+    priced = [x for x in decisions if x.batch]
+    assert priced and all(x.batch["requests"] >= 1 and "k_alone" in x.batch for x in priced)

@@ -181,7 +181,7 @@ def test_explorer_raw_box_and_template_in_cache_panel(qtbot, tmp_path, chat_pair
 
 
 # ----------------------------------------------------------------------------- conversations
-from rakv.chat import Conversation, run_turn  # noqa: E402
+from rakv.engine.chat import Conversation, run_turn  # noqa: E402
 
 TURNS = ["Hi!", "And what did I just say?", "Name three prime numbers."]
 

@@ -9,7 +9,7 @@ import copy
 import pytest
 
 from rakv.decide import calibration as C, profile as CP
-from rakv import meter as M
+from rakv.util import meter as M
 from tests.tiny import make_pair
 
 

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from rakv import sampling as S
+from rakv.decoding import sampling as S
 from rakv.config import RakvConfig
 from rakv.decide.profile import CostProfile
 from rakv.drafts.model import ModelDraft

@@ -453,7 +453,7 @@ def test_concurrent_requests_decode_together_and_each_equals_its_solo_run(server
 
 
 def test_a_client_that_goes_away_stops_its_request(server):
-    from rakv.api import parse_ask
+    from rakv.serve.api import parse_ask
 
     calls = []
 

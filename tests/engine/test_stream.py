@@ -8,7 +8,7 @@ import json
 import pytest
 
 from rakv.cli import main
-from rakv.textstream import REPLACEMENT, TextStream
+from rakv.util.textstream import REPLACEMENT, TextStream
 from tests.tiny import tiny_tokenizer
 
 pytestmark = pytest.mark.fast      # the whole file is in the fast subset (docs/contributing.md#tests)

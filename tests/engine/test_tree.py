@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rakv import decoding as dec
-from rakv import sampling as S
+from rakv.decoding import sampling as S
 from rakv.config import Policy, RakvConfig
 from rakv.drafts.ngram import ngram_tree, NgramDraft
 from rakv.engine import Engine
@@ -23,7 +23,7 @@ from rakv.kernels import blockq
 from rakv.kernels.lean import TreeLayout
 from rakv.prefix_cache import TokenHistory
 from rakv.config import Sampling
-from rakv.tree import TokenTree, verify_tree, walk
+from rakv.decoding.tree import TokenTree, verify_tree, walk
 
 from tests.unit.test_blockq import kernel, needs_onednn  # noqa: F401  (the kernel fixture)
 from tests.engine.test_sampling_exact import reference as sampled_reference
@@ -413,7 +413,7 @@ def test_trees_are_exact_on_torch_attention_with_the_tree_mask(monkeypatch):
 
 # ----------------------------------------------------------------------------- trees priced by measured cost
 def test_priced_keeps_the_likeliest_nodes_while_they_pay():
-    from rakv.tree import priced, reach
+    from rakv.decoding.tree import priced, reach
 
     tree = TokenTree([1, 2, 3, 4], [-1, 0, -1, 1], conf=[0.9, 0.8, 0.1, 0.5])
     r = reach(tree, lambda c: c)

@@ -18,7 +18,7 @@ from rakv.decide import profile as CP  # noqa: E402
 from rakv.cli import main  # noqa: E402
 from rakv.common import CliError, read_prompts  # noqa: E402
 from rakv.records import Recording, RecordingError, read_recording, write_csv  # noqa: E402
-from rakv.text_in import text_problem  # noqa: E402
+from rakv.util.text_in import text_problem  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_LINES = (ROOT / "resources" / "example.jsonl").read_bytes().splitlines(keepends=True)[:12]

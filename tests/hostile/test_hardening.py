@@ -270,7 +270,7 @@ def test_demo_fetch_and_convert_run_once_for_two_first_uses(tmp_path, monkeypatc
 
 
 def test_file_lock_serialises(tmp_path):
-    from rakv.filelock import file_lock
+    from rakv.util.filelock import file_lock
 
     lock = tmp_path / "x.lock"
     order = []
@@ -286,7 +286,7 @@ def test_file_lock_serialises(tmp_path):
     t.start()
     while not order:
         threading.Event().wait(0.01)
-    code = ("import sys; from rakv.filelock import file_lock\n"
+    code = ("import sys; from rakv.util.filelock import file_lock\n"
             "with file_lock(sys.argv[1], on_wait=lambda: print('waited')): print('in')\n")
     p = subprocess.run([sys.executable, "-c", code, str(lock)], capture_output=True, text=True, timeout=60,
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -451,7 +451,7 @@ def test_bad_record_path_reported_before_models_load(tmp_path, capsys, where):
 
 
 # ------------------------------------------------------------------------------- 9 + 13.4 calibration
-from rakv import meter as M  # noqa: E402
+from rakv.util import meter as M  # noqa: E402
 
 
 def test_pool_adjacent_violators_and_drops():

@@ -18,7 +18,7 @@ from rakv.cli import main
 from rakv.common import CliError, read_prompts
 from rakv.kernels import trust
 from rakv.records import RecordingError, read_recording
-from rakv.text_in import TextError, checked_text, decode_file, load_json, text_problem
+from rakv.util.text_in import TextError, checked_text, decode_file, load_json, text_problem
 from tests.tiny import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -308,7 +308,7 @@ def test_kernels_json_list_through_the_kernel_choice(tmp_path, capsys, monkeypat
     import torch
 
     from rakv.kernels import fastpath
-    from rakv.meter import Timing
+    from rakv.util.meter import Timing
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     monkeypatch.setattr(fastpath, "ONE_ROW_MIN_PARAMS", 0)

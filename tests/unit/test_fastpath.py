@@ -12,7 +12,7 @@ from rakv.kernels import fastpath
 from rakv.cli import main
 from rakv.config import RakvConfig
 from rakv.decide.policy import lookup_vs
-from rakv.device import DeviceError, resolve
+from rakv.util.device import DeviceError, resolve
 from rakv.drafts.model import ModelDraft
 from rakv.engine import Engine
 from rakv.drafts.int8 import int8_copy

@@ -256,7 +256,7 @@ def test_two_first_uses_at_once_convert_once(tmp_path, monkeypatch):
 def test_without_working_locks_racing_conversions_still_leave_one_whole_copy(tmp_path, monkeypatch):
     import contextlib
 
-    from rakv import filelock
+    from rakv.util import filelock
 
     f, m = _tiny_gguf(tmp_path)
     monkeypatch.setattr(filelock, "file_lock", lambda *a, **k: contextlib.nullcontext())

@@ -1,4 +1,4 @@
-"""rakv.sampling without statistics: settings, seeded noise (determinism, the generator's arithmetic,
+"""rakv.decoding.sampling without statistics: settings, seeded noise (determinism, the generator's arithmetic,
 independence), the pruned sampler against the whole noise vector, greedy bit for bit, the filters
 on hand-made distributions and against transformers' warpers, and the verification helpers.
 
@@ -16,12 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rakv import sampling
+from rakv.decoding import sampling
 from rakv.config import Sampling, draw_seed, problem
-from rakv.sampling import (
-    BLOCK, accept_rejection, accept_seeded, logprobs, noise, propose, sample, sample_rows, stream_key,
-    stream_value, threshold, uniform,
-)
+from rakv.decoding.sampling import BLOCK, accept_rejection, accept_seeded, logprobs, noise, propose, sample, sample_rows, stream_key, stream_value, threshold, uniform
 
 ROOT = Path(__file__).resolve().parents[2]
 M64 = (1 << 64) - 1
@@ -445,7 +442,7 @@ def test_the_kernel_sampler_gives_the_torch_ops_token(monkeypatch):
     give the same token for every row: random, peaked and flat logits, -inf entries, V around block
     edges, temperatures, filters, several rows at once, and the rejection mode's residual stream."""
     from rakv.kernels import blockq
-    from rakv.sampling import _residual_sample
+    from rakv.decoding.sampling import _residual_sample
 
     if blockq.library() is None:
         pytest.skip(f"no kernel library here: {blockq.reason()}")

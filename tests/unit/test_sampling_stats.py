@@ -1,4 +1,4 @@
-"""rakv.sampling in distribution: the sampler and both speculative verification modes produce the
+"""rakv.decoding.sampling in distribution: the sampler and both speculative verification modes produce the
 target's distribution, and acceptance rates match their theory.
 
 Significance: every chi-square goodness-of-fit test here is at ALPHA = 1e-3 for the whole test
@@ -24,9 +24,9 @@ import math
 import pytest
 import torch
 
-from rakv import sampling
+from rakv.decoding import sampling
 from rakv.config import Sampling
-from rakv.sampling import accept_rejection, accept_seeded, logprobs, propose, sample, sample_rows
+from rakv.decoding.sampling import accept_rejection, accept_seeded, logprobs, propose, sample, sample_rows
 
 ALPHA = 1e-3
 Z = 3.29                       # two-sided normal quantile at ALPHA

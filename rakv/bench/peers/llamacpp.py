@@ -71,7 +71,7 @@ class Tools:
 
 def default_dirs() -> list[Path]:
     """Where scripts/build_llama_cpp.sh puts the tools, newest version first."""
-    from rakv.paths import cache_dir
+    from rakv.util.paths import cache_dir
 
     root = cache_dir() / "llama.cpp"
     found = sorted((p / "build" / "bin" for p in root.glob("*") if (p / "build" / "bin").is_dir()),
@@ -384,7 +384,7 @@ class LlamaCppToolsPeer(Peer):
         if self.cli is None:
             return []
         if self.cli.draft_gguf is None:
-            from rakv.paths import log
+            from rakv.util.paths import log
 
             log(f"--peer-llama-cpp: the draft {args.draft!r} is no GGUF file, so llama.cpp runs without "
                 "speculation (llama.cpp:ar only)")
@@ -467,7 +467,7 @@ class LlamaCppPeer(Peer):
         return self._llm
 
     def run(self, arm: str, req, ctx) -> dict:
-        from rakv.device import clock as now
+        from rakv.util.device import clock as now
 
         llm = self.llm()
         eos = set(ctx.target.eos_ids)

@@ -31,7 +31,7 @@ class PeerResult:
 
 
 def now() -> float:
-    from rakv.device import clock
+    from rakv.util.device import clock
 
     return clock()
 
@@ -70,7 +70,7 @@ def run_peer(name: str, target, draft_model, ids, n: int, lookup_k: int, samplin
     """One transformers execution; with ``sampling`` (not greedy) transformers samples, seeded by its seed."""
     import torch
 
-    from rakv.device import model_device
+    from rakv.util.device import model_device
 
     x = torch.tensor([list(ids)], device=model_device(target.model))
     kw = generate_kwargs(target, n, sampling)

@@ -19,13 +19,13 @@ call. The rakv engine's policies do not run in this mode.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 from rakv import argtypes as A
 
 from .base import Peer
+from rakv.util.paths import set_env
 
 VLLM_OUTPUTS = ("vllm.json", "vllm-summary.md", "vllm-proposer.json")
 DEFAULTS = dict(n_prompts=5, repeats=2, max_new_tokens=96)
@@ -123,7 +123,7 @@ def run(args) -> int:
             "--chat", str(p["n"]), "--k-max", str(args.vllm_k_max)]
     if args.vllm_profile:
         argv += ["--profile", str(Path(args.vllm_profile).expanduser().resolve())]
-    os.environ["RAKV_VLLM_STATS"] = str(out / "vllm-proposer.json")
+    set_env("RAKV_VLLM_STATS", str(out / "vllm-proposer.json"))
     print(f"[rakv] bench --peer vllm: {calls_one + calls_b} generate calls ({', '.join(p['arms'])}; mode "
           f"{p['mode']}) -> {out}" + ("" if exe is None else f" (vLLM in {exe})"), file=sys.stderr, flush=True)
     return run_in_vllm_python(argv, exe)

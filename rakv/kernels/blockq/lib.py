@@ -1,6 +1,6 @@
 """The compiled block kernel (``kernels/blockq.c``): built once per machine into the cache dir, loaded
 with ctypes, its entry points typed. The compiler is the environment's ``CC`` (a build setting read
-through ``rakv.paths``), else ``cc``, ``gcc`` or ``clang``."""
+through ``rakv.util.paths``), else ``cc``, ``gcc`` or ``clang``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ...paths import env_text
+from ...util.paths import env_text
 
 SOURCE = Path(__file__).parent.parent / "blockq.c"
 
@@ -34,7 +34,7 @@ def _compiler() -> str | None:
 
 
 def _build_dir() -> Path:
-    from ...paths import cache_dir
+    from ...util.paths import cache_dir
 
     return cache_dir() / "kernels"
 
@@ -45,11 +45,11 @@ def _ident(cc: str) -> str:
         ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.SubprocessError):
         ver = ""
-    from ...device import hardware_info
+    from ...util.device import hardware_info
 
     flags = ""
     try:
-        from ...device import isa_flags
+        from ...util.device import isa_flags
 
         flags = " ".join(isa_flags())
     except Exception:  # noqa: BLE001 - the flags only name the build
@@ -99,7 +99,7 @@ def library():
     if cc is None:
         _Lib.reason = "no C compiler (cc, gcc, clang) on PATH"
         return None
-    from ...filelock import file_lock
+    from ...util.filelock import file_lock
     from .. import trust
 
     ident = _ident(cc)

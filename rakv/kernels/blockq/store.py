@@ -17,7 +17,7 @@ from .weight import BlockWeight, encode
 
 # ----------------------------------------------------------------------------- a model's layers
 def _cache_path(key: str) -> Path:
-    from ...paths import cache_dir
+    from ...util.paths import cache_dir
 
     return cache_dir() / "blockq" / (hashlib.sha1(key.encode()).hexdigest()[:20] + ".safetensors")
 

@@ -10,6 +10,11 @@ import torch
 
 from .consts import BLK, TILE
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .weight import BlockWeight
+
 
 def _by_tiles(t: torch.Tensor) -> torch.Tensor:
     """[N, G] -> [T, G, 16]: per tile of 16 outputs, each column's 16 values together (zero past N)."""

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .ids import lcp
-from .prompts import EncodedPrompt, _as_ids, has_chat_template, raw_ids, template_prefix
+from ..util.ids import lcp
+from ..prompts import EncodedPrompt, _as_ids, has_chat_template, raw_ids, template_prefix
 
 RAW_SEPARATOR = "\n"     # raw conversations: each user message on a new line after the answer
 
@@ -89,7 +89,7 @@ class Conversation:
     # ------------------------------------------------------------------ one turn
     def prepare(self, text: str) -> EncodedPrompt:
         """The next turn's ids for the user message ``text`` (appended where the template allows)."""
-        from .text_in import checked_text
+        from ..util.text_in import checked_text
 
         if not checked_text(text, "message").strip():
             raise ValueError("empty message")

@@ -39,9 +39,22 @@ def env_on(name: str) -> bool:
 
 
 def env_text(name: str, default: str = "") -> str:
-    """The environment's value of ``name`` (``default`` when unset), for the one place that reads a
-    setting (``rakv.backends.switches``) and the kernel build's compiler (``CC``)."""
+    """The environment's value of ``name`` (``default`` when unset). The environment is read here and
+    in ``rakv.integrations`` only: every setting a user gives that way passes through this module."""
     return os.environ.get(name, default)
+
+
+def set_env(name: str, value: str, keep: bool = False) -> None:
+    """Set ``name`` for this process and its children (``keep``: only where it is not set yet)."""
+    if keep:
+        os.environ.setdefault(name, value)
+    else:
+        os.environ[name] = value
+
+
+def child_env(extra: dict | None = None) -> dict:
+    """The environment a child process gets: this process's, with ``extra``."""
+    return {**os.environ, **(extra or {})}
 
 
 def log(msg: str) -> None:
@@ -50,7 +63,7 @@ def log(msg: str) -> None:
 
 def cache_dir() -> Path:
     """Where converted models and cost profiles live (``RAKV_CACHE`` overrides)."""
-    env = os.environ.get("RAKV_CACHE")
+    env = env_text("RAKV_CACHE")
     if env:
         p = Path(env)
     else:

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from .backends import backend_of
-from .kernels.lean import crop
-from .device import clock
-from .prefix_cache import KV
+from ..backends import backend_of
+from ..kernels.lean import crop
+from ..util.device import clock
+from ..prefix_cache import KV
 from .sampling import accept_rejection, accept_seeded, sample_rows
 
 now = clock          # perf_counter, after synchronizing an asynchronous device (CUDA / MPS) in use

@@ -129,7 +129,7 @@ def versions_info() -> dict:
     import torch
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     return {"rakv": __version__, "python": sys.version.split()[0], "torch": torch.__version__,
             "transformers": transformers.__version__}

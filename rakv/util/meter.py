@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .device import clock
+from .paths import env_on
 
 SPREAD_RETRY = 0.25      # re-measure a term whose repeats differ by more than this (relative)
 SPREAD_HIGH = 0.5        # after re-measuring: a term this noisy counts against the whole profile
@@ -44,7 +45,7 @@ cpu_clock = time.thread_time      # the calling (main) thread's CPU time
 
 
 def check_enabled() -> bool:
-    return os.environ.get("RAKV_CONTENTION_CHECK", "1").strip() not in ("0", "false", "no", "off")
+    return env_on("RAKV_CONTENTION_CHECK")
 
 
 @dataclass

@@ -15,25 +15,25 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from . import decoding as dec
-from . import sampling as S
-from .device import clock, hardware_info, versions_info
-from .config import TREE_MAX_NODES, Policy, RakvConfig
-from .decide.learned import AlphaEWMA
-from .decide.controller import Choice, Controller, Situation
-from .decide.profile import CostProfile, quality_summary
-from .drafts.base import DraftSource
-from .drafts.ngram import MAX_MATCH, history_match
-from .drafts.none import NoDraft
-from .load.loaded import LoadedModel, model_info
-from .prefill import prefill_with_reuse
-from .decide.planner import RoundPlanner
-from .prefix_cache import PrefixCache
-from .prompts import EncodedPrompt, encode_prompt
-from .config import Sampling, draw_seed
-from .decide.gate import LOOKUP_ALPHA, AcceptMap
-from .tree import TokenTree, priced, verify_tree
-from .records import CacheLookup, Candidate, Decision, RequestEnd, RequestStart, Round, RunHeader
+from .. import decoding as dec
+from ..decoding import sampling as S
+from ..util.device import clock, hardware_info, versions_info
+from ..config import TREE_MAX_NODES, Policy, RakvConfig
+from ..decide.learned import AlphaEWMA
+from ..decide.controller import Choice, Controller, Situation
+from ..decide.profile import CostProfile, quality_summary
+from ..drafts.base import DraftSource
+from ..drafts.ngram import MAX_MATCH, history_match
+from ..drafts.none import NoDraft
+from ..load.loaded import LoadedModel, model_info
+from ..decoding.prefill import prefill_with_reuse
+from ..decide.planner import RoundPlanner
+from ..prefix_cache import PrefixCache
+from ..prompts import EncodedPrompt, encode_prompt
+from ..config import Sampling, draw_seed
+from ..decide.gate import LOOKUP_ALPHA, AcceptMap
+from ..decoding.tree import TokenTree, priced, verify_tree
+from ..records import CacheLookup, Candidate, Decision, RequestEnd, RequestStart, Round, RunHeader
 
 now = clock          # synchronizes CUDA / MPS before reading the time
 
@@ -173,7 +173,7 @@ class Engine:
 
     def lane(self) -> "Engine":
         """Another engine over this one's target, prefix cache, learned state and request ids, with
-        its own draft state, round planner and controls: one lane of ``rakv.batching.LanePool``."""
+        its own draft state, round planner and controls: one lane of ``rakv.engine.batch.LanePool``."""
         e = Engine(self.target, self.draft.fork(), self.config, self.callback, self.profile)
         e.store = e.planner.store = self.store
         if self.controller is not None:
@@ -236,7 +236,7 @@ class Engine:
 
     def set_sampling(self, s: Sampling) -> None:
         """Sampling for the next requests (a seed is drawn if it has none); bad values: EngineError."""
-        from .config import problem
+        from ..config import problem
 
         why = problem(s)
         if why:
@@ -372,7 +372,7 @@ class Engine:
         key = rq.sampling.key()
         if self.controller is None or key == self.controller.setting:
             return
-        from .decide.calibration import alpha_prior
+        from ..decide.calibration import alpha_prior
 
         prior = alpha_prior(self.profile, self.target, self.draft, rq.sampling)
         self.controller.use_setting(key, prior)
@@ -566,13 +566,14 @@ class Engine:
                          stopped=rq.stopped, forward_ms=round(rq.forward_ms, 3), bookkeeping_ms=round(rq.book_ms, 3),
                          explore_ms=round(rq.explore_ms, 3))
         self.planner.fold_plain()
+        self.planner.end_request(rq.rid)
         if self.controller is not None:
             self.controller.end_request(len(out), rq.N, rq.stopped)
         self._open_request = None
         self._emit(end)
         return end
 
-    # ------------------------------------------------------------------ conversations (rakv.chat)
+    # ------------------------------------------------------------------ conversations (rakv.engine.chat)
     def _store_answer(self, rq: "_Request") -> None:
         """A conversation's turn: store the KV of prompt + answer, so the next turn (these ids, then
         the new message) hits all of them. The request's cache holds every position but the last

@@ -80,9 +80,9 @@ import threading
 import torch
 from torch import Tensor
 
-from .config import VERIFY_MODES, Sampling
-from .ids import lcp
-from .paths import env_on
+from ..config import VERIFY_MODES, Sampling
+from ..util.ids import lcp
+from ..util.paths import env_on
 
 BLOCK = 64                        # noise block size: part of the noise's definition (changing it changes every sample)
 _LOG_BLOCK = math.log(BLOCK)
@@ -476,7 +476,7 @@ def _c_sampler():
     ``RAKV_C_SAMPLER=0`` keeps torch's ops (for comparison)."""
     if not env_on("RAKV_C_SAMPLER"):
         return None
-    from .kernels import blockq
+    from ..kernels import blockq
 
     return blockq.library()
 

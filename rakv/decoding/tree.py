@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import decoding as dec
+from .. import decoding as dec
 from . import sampling as S
-from .config import Sampling
+from ..config import Sampling
 
 
 @dataclass

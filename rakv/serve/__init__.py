@@ -1,7 +1,7 @@
 """``rakv serve``: an OpenAI-compatible HTTP server on localhost over one engine (standard library only).
 
 The engine, its prefix cache and its controller are those of ``rakv generate`` (``rakv.cli.Run``
-builds them from the same flags). ``--parallel N`` requests decode together (``rakv.batching``: a
+builds them from the same flags). ``--parallel N`` requests decode together (``rakv.engine.batch``: a
 lane each over the one engine's target, prefix cache and learned state; one forward a step carries
 every active request's rows); a request beyond them waits in a queue of at most ``--max-queue``,
 and one past that is refused with 429 and Retry-After. ``--api-key KEY``: every request must carry
@@ -13,7 +13,7 @@ and one past that is refused with 429 and Retry-After. ``--api-key KEY``: every 
     GET  /rakv/records?since=N       the engine's records after the first N (long-poll with wait=S)
 
 A chat request whose messages are a conversation this server answered (the same messages and
-then the answer it gave) continues that conversation (``rakv.chat``): its ids are the previous
+then the answer it gave) continues that conversation (``rakv.engine.chat``): its ids are the previous
 turn's prompt ids, the answer's own ids and the new message, so the prefix cache serves all of it
 but the new message. Other histories start a conversation of their own.
 """
@@ -26,276 +26,31 @@ import socket
 import sys
 import threading
 import time
-import uuid
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field, replace
+from collections import deque
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from itertools import islice
 from urllib.parse import parse_qs, urlsplit
 
 from . import api
-from . import argtypes as A
+from .. import argtypes as A
 from .api import ApiError, Ask
-from .chat import RAW_SEPARATOR, Conversation, Turn, run_turn
-from .common import CliError
-from .paths import log
-from .textstream import TextStream
+from ..engine.chat import RAW_SEPARATOR, Turn, run_turn
+from ..common import CliError
+from ..util.paths import log
+from .state import (MAX_PAGE, MAX_WAIT_S, StopText, TOKEN_FIELDS, RecordLog, ServerConversation, _history_key, Conversations, Current, RecordHook, forget, Result)  # noqa: F401 - (the server's face)
 
 DEFAULT_PARALLEL = 4         # requests decoded together (docs/serve.md: why 4)
 DEFAULT_MAX_QUEUE = 16       # requests waiting for a lane beyond those; more: 429
 
 MAX_BODY = 8 * 2**20         # bytes of a request body
-MAX_WAIT_S = 30.0            # the longest long-poll of /rakv/records
-MAX_PAGE = 5000              # records a poll returns at most
-RECORDS_KEPT = 20_000        # records the server keeps for /rakv/records (the header always)
-CONVERSATIONS_KEPT = 64      # conversations kept for continuing (least recently used dropped)
-
-
-# ----------------------------------------------------------------------------- stop strings
-class StopText:
-    """Text pieces in, the text before the first stop string out. A piece is held back while its
-    end could still begin a stop string, so a stream never shows part of one."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.buf = ""
-        self.out: list[str] = []
-        self.hit = False
-
-    def push(self, piece: str) -> str:
-        if self.hit or not piece:
-            return ""
-        self.buf += piece
-        at = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
-        if at:
-            self.hit = True
-            safe, self.buf = self.buf[: min(at)], ""
-        else:
-            cut = len(self.buf) - self._held(self.buf)
-            safe, self.buf = self.buf[:cut], self.buf[cut:]
-        self.out.append(safe)
-        return safe
-
-    def _held(self, s: str) -> int:
-        """The longest end of ``s`` that begins a stop string."""
-        best = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(s)), best, -1):
-                if s.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
-
-    def finish(self) -> str:
-        rest, self.buf = ("" if self.hit else self.buf), ""
-        self.out.append(rest)
-        return rest
-
-    def text(self) -> str:
-        return "".join(self.out)
-
-
-# ----------------------------------------------------------------------------- the records endpoint
-TOKEN_FIELDS = ("prompt_ids", "emitted", "tree_tokens")
-
-
-class RecordLog:
-    """The engine's records as dicts, numbered from 0 (the run header), for /rakv/records; with
-    each token id's text piece, so a viewer without the tokenizer shows text. Thread-safe; readers
-    may wait for new records (long-poll)."""
-
-    def __init__(self, keep: int = RECORDS_KEPT):
-        self.cond = threading.Condition()
-        self.keep = keep
-        self.header: dict | None = None
-        self.items: deque = deque()
-        self.base = 1                  # the index of items[0]
-        self.pieces: dict[int, str] = {}
-        self.closed = False
-        self.instance = uuid.uuid4().hex[:12]    # a restarted server numbers from 0 again
-
-    @property
-    def next(self) -> int:
-        return self.base + len(self.items)
-
-    def add(self, rec: dict, pieces: dict[int, str]) -> None:
-        with self.cond:
-            self.pieces.update(pieces)
-            if rec.get("type") == "header" and self.header is None:
-                self.header = rec
-            else:
-                self.items.append(rec)
-                if len(self.items) > self.keep:
-                    self.items.popleft()
-                    self.base += 1
-            self.cond.notify_all()
-
-    def read(self, since: int, wait: float = 0.0, limit: int = MAX_PAGE) -> dict:
-        """The records from index ``since`` on (at most ``limit``), waiting up to ``wait`` seconds
-        for one when there are none yet. ``next``: the ``since`` of the next poll; ``skipped``:
-        records no longer kept."""
-        with self.cond:
-            if wait > 0 and since >= self.next and not self.closed:
-                self.cond.wait_for(lambda: self.next > since or self.closed, timeout=wait)
-            out = [self.header] if since <= 0 and self.header is not None else []
-            start = max(since, self.base)
-            page = list(islice(self.items, start - self.base, start - self.base + limit))
-            out += page
-            ids = {int(t) for r in out for f in TOKEN_FIELDS for t in (r.get(f) or ())}
-            return {"records": out, "next": start + len(page), "first": self.base,
-                    "skipped": max(0, self.base - max(since, 1)), "server": self.instance,
-                    "pieces": {str(i): self.pieces[i] for i in sorted(ids) if i in self.pieces}}
-
-    def close(self) -> None:
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-
-
-# ----------------------------------------------------------------------------- the engine's side
-@dataclass
-class ServerConversation(Conversation):
-    """A conversation of the server: ``rakv.chat.Conversation`` with the request's system messages
-    in front of its turns."""
-
-    system: list = field(default_factory=list)
-
-    def messages(self, user: str | None = None) -> list[dict]:
-        return [dict(m) for m in self.system] + super().messages(user)
-
-    def _raw_text(self, text: str) -> str:
-        return "".join(m["content"] + RAW_SEPARATOR for m in self.system) + super()._raw_text(text)
-
-
-def _history_key(system: list[dict], pairs: list[tuple[str, str]]) -> str:
-    return json.dumps([[m["content"] for m in system], [[u.strip(), a.strip()] for u, a in pairs]])
-
-
-class Conversations:
-    """The conversations a later request may continue, by the messages that continue them."""
-
-    def __init__(self, keep: int = CONVERSATIONS_KEPT):
-        self.keep = keep
-        self.items: OrderedDict[str, ServerConversation] = OrderedDict()
-
-    def take(self, system, pairs) -> ServerConversation | None:
-        return self.items.pop(_history_key(system, pairs), None) if pairs else None
-
-    def put(self, system, pairs, conv: ServerConversation) -> None:
-        self.items[_history_key(system, pairs)] = conv
-        while len(self.items) > self.keep:
-            self.items.popitem(last=False)
-
-
-class Current:
-    """The running request's text as the engine commits it: decoded (``TextStream``), cut at a stop
-    string (which stops the engine), and sent on (``emit``) as it becomes certain."""
-
-    def __init__(self, engine, stops: list[str], begin=None, emit=None):
-        self.engine = engine
-        self.text = TextStream(engine.target.tokenizer)
-        self.stop = StopText(stops)
-        self.begin, self.emit = begin, emit
-        self.rid: int | None = None
-        self.decisions: list[dict] = []
-        self.gone = False              # the client went away: the engine was asked to stop
-
-    def see(self, rec) -> None:
-        from .records import Decision, RequestStart, Round
-
-        if isinstance(rec, RequestStart):
-            self.rid = rec.request_id
-            if self.begin is not None:
-                self._safely(self.begin)
-        elif isinstance(rec, Decision) and rec.request_id == self.rid:
-            self.decisions.append({"round": rec.round, "action": dict(rec.action), "reason": rec.reason,
-                                   "alpha": rec.alpha, "alpha_star": dict(rec.alpha_star),
-                                   "candidates": [dict(c) for c in rec.candidates]})
-        elif isinstance(rec, Round) and rec.request_id == self.rid:
-            self.send(self.stop.push(self.text.push(rec.emitted)))
-            if self.stop.hit:
-                self.engine.stop()     # the round ends the request
-
-    def send(self, piece: str) -> None:
-        if piece and self.emit is not None:
-            self._safely(lambda: self.emit(piece))
-
-    def _safely(self, fn) -> None:
-        if self.gone:
-            return
-        try:
-            fn()
-        except OSError:                # the client closed the connection: stop generating for it
-            self.gone = True
-            self.engine.stop()
-
-    def finish(self) -> None:
-        self.send(self.stop.push(self.text.finish()))
-        self.send(self.stop.finish())
-
-
-class RecordHook:
-    """What a server adds to its Run's callback (``Run(on_record=...)``): every record
-    kept for /rakv/records with its tokens' text, and passed to the running request."""
-
-    def __init__(self, records: RecordLog):
-        self.records = records
-        self.session = None            # set once the Run is built (its header came before)
-        self._local = threading.local()   # each request runs in its own thread: its Current there
-        self._seen: set[int] = set()
-
-    @property
-    def current(self) -> "Current | None":
-        return getattr(self._local, "current", None)
-
-    @current.setter
-    def current(self, cur: "Current | None") -> None:
-        self._local.current = cur
-
-    def __call__(self, rec) -> None:
-        from .records import to_dict
-
-        d = to_dict(rec)
-        self.records.add(d, self._new_pieces(d))
-        cur = self.current
-        if cur is not None:
-            cur.see(rec)
-
-    def _new_pieces(self, d: dict) -> dict[int, str]:
-        tok = getattr(getattr(getattr(self.session, "engine", None), "target", None), "tokenizer", None)
-        new = {int(t) for f in TOKEN_FIELDS for t in (d.get(f) or ())} - self._seen
-        if tok is None or not new:
-            return {}
-        self._seen |= new
-        out = {}
-        for t in new:
-            try:
-                out[t] = tok.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            except Exception:  # noqa: BLE001 - an id the tokenizer cannot show is shown as <id>
-                out[t] = f"<{t}>"
-        return out
-
-
-def forget(run, rid: int) -> None:
-    """Drop what the Run kept of a finished request (a server runs for long)."""
-    for kept in (run.starts, run.last_decision, run.gated):
-        kept.pop(rid, None)
-
-
-@dataclass
-class Result:
-    end: object
-    text: str
-    finish: str
-    rakv: dict
 
 
 class Service:
     """Runs the API's requests on the session's engine: up to ``parallel`` at once, each on a lane
-    of ``rakv.batching.LanePool`` (their forwards share a pass), at most ``max_queue`` waiting."""
+    of ``rakv.engine.batch.LanePool`` (their forwards share a pass), at most ``max_queue`` waiting."""
 
     def __init__(self, run, hook: RecordHook, model: str, parallel: int = 1, max_queue: int = DEFAULT_MAX_QUEUE):
-        from .batching import LanePool
+        from ..engine.batch import LanePool
 
         self.run = run                  # the rakv.cli.Run
         self.hook = hook
@@ -320,7 +75,7 @@ class Service:
 
     def _step(self, info) -> None:
         """A step several lanes shared: a record of who shared it (rakv.records.Step)."""
-        from .records import Step
+        from ..records import Step
 
         if len(info.rows) > 1:
             self.engine._emit(Step(step=info.index, requests=[[r, n] for r, n in info.rows], ms=info.ms,
@@ -377,7 +132,7 @@ class Service:
             lane.__exit__(*exc)
 
     def _complete(self, eng, ask: Ask, begin, emit) -> Result:
-        from .engine import EngineError
+        from ..engine import EngineError
 
         if self.closing:
             raise ApiError(503, "the server is shutting down", kind="server_error")
@@ -435,8 +190,8 @@ class Service:
         """The request's sampling: the server's flags, overridden by the request's fields. A seed
         the request gives is the one its tokens use (the engine adds the request's number to its
         seed, so it gets that seed less the number)."""
-        from .engine import EngineError
-        from .config import SEED_LIMIT, problem
+        from ..engine import EngineError
+        from ..config import SEED_LIMIT, problem
 
         d = self.default
         s = replace(d, temperature=d.temperature if ask.temperature is None else ask.temperature,
@@ -454,7 +209,7 @@ class Service:
             raise ApiError(400, _one_line(e)) from None
 
     def _completion(self, eng, ask: Ask):
-        from .prompts import EncodedPrompt, raw_ids
+        from ..prompts import EncodedPrompt, raw_ids
 
         if isinstance(ask.prompt, str):
             tok = eng.target.tokenizer
@@ -497,8 +252,8 @@ class Service:
         return conv
 
     def _one_prompt(self, eng, messages: list[dict]):
-        from .ids import lcp
-        from .prompts import EncodedPrompt, _as_ids, has_chat_template, raw_ids, template_prefix
+        from ..util.ids import lcp
+        from ..prompts import EncodedPrompt, _as_ids, has_chat_template, raw_ids, template_prefix
 
         tok = eng.target.tokenizer
         if eng.chat_template and has_chat_template(tok):
@@ -543,7 +298,7 @@ class Handler(BaseHTTPRequestHandler):
     timeout = 300                      # an idle kept-alive connection is closed after this
 
     def version_string(self) -> str:
-        from . import __version__
+        from .. import __version__
 
         return f"rakv-serve/{__version__}"
 
@@ -895,9 +650,9 @@ def add_serve_parser(sub, add_run_args) -> None:
 
 def cmd_serve(args, make_session) -> int:
     if args.api_key is None:
-        import os
+        from ..util.paths import env_text
 
-        args.api_key = os.environ.get("RAKV_API_KEY") or None
+        args.api_key = env_text("RAKV_API_KEY") or None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log(f"warning: listening on {args.host}: anyone who can reach it can use this server (no --api-key)")
     server = Server(args, make_session)

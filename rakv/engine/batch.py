@@ -24,9 +24,10 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from .backends import backend_of, set_backend
-from .device import clock as now
-from .kernels.segments import forward_segments, segments_ok
+from ..backends import backend_of, set_backend
+from ..decide.learned import BatchView
+from ..util.device import clock as now
+from ..kernels.segments import forward_segments, segments_ok
 
 PREFILL_CHUNK = 64        # prompt tokens a request feeds per step while others decode
 
@@ -202,6 +203,9 @@ class LanePool:
         self.base = engine
         self.batcher = Batcher(on_step)
         self.lanes = [engine] + [engine.lane() for _ in range(max(1, n) - 1)]
+        self.view = BatchView()                  # what each request puts in a step: its k is priced by it
+        for e in self.lanes:
+            e.planner.batch = self.view
         self._free = list(reversed(self.lanes))
         self._cv = threading.Condition()
         self._next_id = engine._next_id

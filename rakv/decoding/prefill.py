@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import decoding as dec
-from .load.loaded import LoadedModel
-from .prefix_cache import Hit, PrefixCache
+from .. import decoding as dec
+from ..load.loaded import LoadedModel
+from ..prefix_cache import Hit, PrefixCache
 
 now = dec.now
 
