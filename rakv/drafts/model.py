@@ -10,7 +10,7 @@ from .. import decoding as dec
 from ..decoding import sampling as S
 from ..backends import lean_of
 from ..load.loaded import LoadedModel
-from ..decoding.prefill import prefill_with_reuse
+from ..decoding.reuse import prefill_with_reuse
 from ..prefix_cache import PrefixCache
 from ..config import Sampling
 from .base import DraftSource, PrefillInfo, Proposal, now

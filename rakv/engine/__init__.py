@@ -26,7 +26,7 @@ from ..drafts.base import DraftSource
 from ..drafts.ngram import MAX_MATCH, history_match
 from ..drafts.none import NoDraft
 from ..load.loaded import LoadedModel, model_info
-from ..decoding.prefill import prefill_with_reuse
+from ..decoding.reuse import prefill_with_reuse
 from ..decide.planner import RoundPlanner
 from ..prefix_cache import PrefixCache
 from ..prompts import EncodedPrompt, encode_prompt

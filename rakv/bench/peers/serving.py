@@ -1,0 +1,113 @@
+"""Servers under concurrent load (``rakv bench --load``): `rakv serve --parallel N` and llama.cpp's
+`llama-server -np N` (with and without its draft ``-md``) started here on the same model files, each
+driven by N closed-loop clients (rakv/bench/load.py), the servers in turn and the client counts
+interleaved. Prints and writes (OUT/load.md, OUT/load.json) tokens/s, latency and TTFT p50 / p99
+per server and client count, and how many answers differ from the one-client answer."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rakv import argtypes as A
+
+from .base import Peer
+
+SERVERS = ("rakv", "rakv-ar", "llama", "llama-md")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        xs = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--clients {text!r}: expected comma-separated integers") from None
+    if not xs or any(x < 1 or x > 64 for x in xs):
+        raise ValueError(f"--clients {text!r}: each count between 1 and 64")
+    return xs
+
+
+def gguf_of(spec: str) -> Path | None:
+    """The GGUF file behind a --target / --draft: a preset's (fetched once) or a .gguf path."""
+    from rakv.load.presets import PRESETS, ensure_preset
+
+    if spec in PRESETS:
+        return ensure_preset(spec)
+    p = Path(spec).expanduser()
+    return p if p.suffix == ".gguf" and p.is_file() else None
+
+
+def load_prompts(workload: str, n: int) -> list[str]:
+    from rakv.workloads import CHAT_FILES
+
+    path = CHAT_FILES.get(workload, Path(workload))
+    if not Path(path).is_file():
+        raise ValueError(f"--load: workload {workload!r} is none of {', '.join(CHAT_FILES)} nor a prompts file")
+    lines = [x for x in Path(path).read_text(encoding="utf-8").splitlines() if x.strip()]
+    out = [json.loads(x)["prompt"] if str(path).endswith(".jsonl") else x for x in lines]
+    return out[:n]
+
+
+class ServingPeer(Peer):
+    name = "servers under load"
+
+    def add_args(self, ap) -> None:
+        g = ap.add_argument_group("servers under concurrent load (--load; docs/serve.md)")
+        g.add_argument("--load", default=None, metavar="LIST",
+                       help=f"measure servers instead of policies: comma-separated {', '.join(SERVERS)} (rakv: rakv serve "
+                            "with the first --policies or adaptive; llama: llama-server -np N on --target's GGUF; "
+                            "llama-md: with --draft's GGUF as its -md)")
+        g.add_argument("--clients", default="1,2,4,8", help="client counts (default 1,2,4,8)")
+        g.add_argument("--load-parallel", type=A.int_range(1, 64), default=None,
+                       help="requests each server decodes together (default: the largest --clients)")
+        g.add_argument("--load-requests", type=A.int_range(1, 100_000), default=32,
+                       help="requests per run (default 32)")
+        g.add_argument("--load-time-limit", type=A.finite_float(1), default=600.0,
+                       help="seconds a run may take at most (default 600)")
+
+    def check(self, args) -> None:
+        if not args.load:
+            return
+        bad = [s for s in args.load.split(",") if s not in SERVERS]
+        if bad:
+            raise ValueError(f"--load: unknown server {bad[0]!r} (choose from {', '.join(SERVERS)})")
+        _int_list(args.clients)
+
+    def takes_over(self, args) -> bool:
+        return bool(args.load)
+
+    def run_alone(self, args) -> int:
+        from ..load import llama_server, llama_server_binary, markdown, rakv_server, run_load, summary_rows
+
+        clients = _int_list(args.clients)
+        parallel = args.load_parallel or max(clients)
+        n_tokens = args.max_new_tokens or 64
+        prompts = load_prompts(args.workload.split(",")[0], max(8, args.n_prompts or 16))
+        policy = (args.policies or ["adaptive"])[0]
+        specs = []
+        for s in args.load.split(","):
+            if s in ("rakv", "rakv-ar"):
+                pol = "ar" if s == "rakv-ar" else policy
+                extra = ["--max-new-tokens", str(n_tokens), "--max-queue", str(max(clients) * 4)]
+                if args.threads:
+                    extra += ["--threads", str(args.threads)]
+                specs.append(rakv_server(args.target, args.draft or "none", parallel, pol, extra,
+                                         name=f"rakv {pol} --parallel {parallel}"))
+            else:
+                binary = llama_server_binary()
+                if binary is None:
+                    raise ValueError("--load llama: no llama-server (bash scripts/build_llama_cpp.sh builds it; "
+                                     "or set RAKV_LLAMA_SERVER)")
+                target = gguf_of(args.target)
+                if target is None:
+                    raise ValueError(f"--load llama: --target {args.target!r} is no preset nor .gguf file")
+                draft = gguf_of(args.draft) if s == "llama-md" else None
+                if s == "llama-md" and draft is None:
+                    raise ValueError(f"--load llama-md: --draft {args.draft!r} is no preset nor .gguf file")
+                specs.append(llama_server(binary, str(target), parallel, str(draft) if draft else None,
+                                          threads=args.threads or 2))
+        out = Path(args.out)
+        runs = run_load(specs, prompts, clients, args.load_requests, n_tokens, args.load_time_limit, out,
+                        repeats=args.repeats or 1, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        print(markdown(summary_rows(runs)))
+        return 0
