@@ -69,7 +69,7 @@ threads.__name__ = "integer"
 
 
 def policy(text: str) -> str:
-    from ..config import Policy
+    from .config import Policy
 
     try:
         return Policy.parse(text).name
