@@ -344,3 +344,17 @@ def test_the_adaptive_k_is_priced_by_the_batch_and_stays_exact():
         assert end.output_ids == _solo(t, p, rid, Sampling())
     priced = [x for x in decisions if x.batch]
     assert priced and all(x.batch["requests"] >= 1 and "k_alone" in x.batch for x in priced)
+
+
+def test_the_load_generator_against_rakv_serve(model_dir, tmp_path):
+    """rakv bench --load rakv: a real `rakv serve --parallel 2` started here, 1 and 2 closed-loop clients
+    over loopback; every answer of the two-client run equals the one-client answer to its prompt."""
+    from rakv.cli import main
+
+    out = tmp_path / "load"
+    assert main(["bench", "--load", "rakv", "--target", str(model_dir), "--draft", "ngram", "--clients", "1,2",
+                 "--load-requests", "4", "--max-new-tokens", "6", "--out", str(out)]) == 0
+    rows = json.loads((out / "load.json").read_text())["rows"]
+    assert [r["clients"] for r in rows] == [1, 2]
+    assert all(r["errors"] == 0 and r["tokens"] > 0 and r["differ_from_one_client"] == 0 for r in rows)
+    assert (out / "load.md").read_text().startswith("| server |")
