@@ -19,7 +19,7 @@ import torch
 from .. import decoding as dec
 from ..util.device import clock
 from ..util.meter import SHARE_QUIET, Meter, Timing, check_enabled, cpu_clock, is_quiet, time_reps
-from .policy import lookup_vs
+from .policy import batch_vs, lookup_vs
 from .profile import CostProfile, _usable, interp, pair_fingerprint, profile_path, save_profile
 
 now = clock          # synchronizes CUDA / MPS before reading the time
@@ -70,7 +70,7 @@ def calibration_grid(target, k_max: int, quick: bool) -> dict:
     maxpos = target.max_positions or 2048
     g["pf_ns"] = [n for n in g["pf_ns"] if n < maxpos // 2]
     g["ctxs"] = [c for c in g["ctxs"] if c + 16 < maxpos]
-    g["keys"] = list(range(0, k_max + 1)) + [k for k in lookup_vs(k_max) if k > k_max]
+    g["keys"] = list(range(0, k_max + 1)) + sorted({k for k in lookup_vs(k_max) + batch_vs(k_max) if k > k_max})
     return g
 
 
@@ -120,7 +120,7 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     meter = meter or Meter()
     g = calibration_grid(target, k_max, quick)
     reps, pf_ns, ctxs = g["reps"], g["pf_ns"], g["ctxs"]
-    ids = calibration_ids(target.tokenizer, max(pf_ns + ctxs) + k_max + 32, target.vocab_size)
+    ids = calibration_ids(target.tokenizer, max(pf_ns + ctxs) + max([k_max, *batch_vs(k_max)]) + 32, target.vocab_size)
     dmodel = draft.lm.model if draft.has_model else None
     steps = len(pf_ns) * (2 if dmodel is not None else 1) + len(ctxs) * (2 if dmodel is not None else 1) + 1 + 2
     done = 0
@@ -190,7 +190,7 @@ def calibrate(target, draft, k_max: int = 8, progress: Callable[[float, str], No
     # Verify costs and the draft step as *ratios to a target step*, measured interleaved in one
     # loop (rotated order) so that machine drift or a neighbour's load hits them all alike.
     ratios = interleaved_ratios(model, dmodel, ids, V_ctx, k_max, reps=g["v_reps"], tick=tick, meter=meter,
-                                extra=lookup_vs(k_max))
+                                extra=sorted(set(lookup_vs(k_max) + batch_vs(k_max))))
     phase("verify ratios")
     t_ref = interp(prof.t, V_ctx)
     # a verify of k+1 tokens does a step's work and more: a ratio below 1 is noise (docs/controller.md),

@@ -146,6 +146,15 @@ def overshoot(k: int, alpha: float) -> float:
     return (x2 + (k + 1) ** 2 * a ** k - m) / (2 * m * m)
 
 
+BATCH_ROWS = (32, 64)       # a pass's rows measured past the verifies (the batch's W(n), docs/serve.md)
+
+
+def batch_vs(k_max: int) -> list[int]:
+    """Verify lengths whose k + 1 rows are what a batch's pass carries (W(n) = V(n - 1)): measured
+    so a full batch's price is not an extrapolation."""
+    return [n - 1 for n in BATCH_ROWS if n - 1 > k_max]
+
+
 def lookup_vs(k_max: int) -> list[int]:
     """Verify lengths measured past k_max (no draft): a gated n-gram lookup may verify up to
     config.LOOKUP_K tokens, and V past the measured ones must not be a guess (V is not linear)."""
