@@ -11,7 +11,7 @@ import torch
 from rakv.kernels import fastpath
 from rakv.cli import main
 from rakv.config import RakvConfig
-from rakv.decide.policy import lookup_vs
+from rakv.decide.policy import batch_vs, lookup_vs
 from rakv.util.device import DeviceError, resolve
 from rakv.drafts.model import ModelDraft
 from rakv.engine import Engine
@@ -146,7 +146,7 @@ def test_cli_fast_and_plain_same_ids_and_calibrate_regime(tiny_dir, capsys):
     assert code == 0, err
     prof = json.loads(out)
     g = prof["regime"]
-    assert g["floor_ms"] > 0 and g["step_ms"] > 0 and set(g["V_over_t"]) == {"1", "2", "3"} | {str(k) for k in lookup_vs(3)}
+    assert g["floor_ms"] > 0 and g["step_ms"] > 0 and set(g["V_over_t"]) == {"1", "2", "3"} | {str(k) for k in lookup_vs(3) + batch_vs(3)}
     assert g["d_over_t"] > 0 and isinstance(g["isa"], list) and g["torch_threads"] >= 1
     assert prof["fingerprint"]["device"] == "cpu" and prof["fingerprint"]["fast"] == g["fast"]
     code = main(["calibrate", "--target", str(tiny_dir / "target"), "--draft", "int8", "--quick", "--k-max", "2"])

@@ -299,9 +299,12 @@ def test_calibration_measures_verify_lengths_for_lookups():
 
     target, _ = make_pair("llama", "mostly")
     prof = calibrate(target, NgramDraft(), k_max=2, quick=True)
-    measured = sorted(int(k) for k in prof.V)
+    from rakv.decide.policy import batch_vs
+
+    measured = sorted(int(k) for k in prof.V if int(k) not in batch_vs(2))   # (and a batch's passes: W(32), W(64))
     assert measured[:2] == [1, 2] and measured[-1] == LOOKUP_K and len(measured) == 4
     assert 2 < measured[2] < LOOKUP_K and all(v > 0 for v in prof.V.values())
+    assert {str(k) for k in batch_vs(2)} <= set(prof.V)
 
 
 def test_a_requests_failed_lookups_lower_its_trust():

@@ -10,10 +10,6 @@ import torch
 from .consts import ATTEND_ROWS
 from .lib import _Lib, library
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .weight import BlockWeight
 
 
 class DecoderLayerDesc(ctypes.Structure):

@@ -10,10 +10,6 @@ import torch
 
 from .consts import BLK, TILE
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .weight import BlockWeight
 
 
 def _by_tiles(t: torch.Tensor) -> torch.Tensor:
