@@ -1,8 +1,8 @@
 """Keep ``None`` alive under PySide6's reference leak (CPython before 3.12).
 
 PySide6 6.12 on CPython 3.11 drops one reference to ``None`` on every call of a Qt method that
-returns nothing (``QLabel.setText``, ``setVisible``, ...: measured 1000 references lost per 1000
-calls on 2026-12-04). ``None`` starts with ~60,000 references once the explorer is imported, so after
+returns nothing (``QLabel.setText``, ``setVisible``, ...: one reference lost a call, as measured in
+docs/gui.md). ``None`` starts with ~60,000 references once the explorer is imported, so after
 about that many calls its count reaches zero and the interpreter aborts with "Fatal Python error:
 none_dealloc: deallocating None" (a live session redraws dozens of labels a tick: minutes of
 generating; the GUI test suite reaches it too). CPython 3.12 made ``None`` immortal (PEP 683); here

@@ -227,7 +227,7 @@ def llama_server(binary: str, gguf: str, parallel: int, draft_gguf: str | None =
     argv = [binary, "-m", gguf, "-np", str(parallel), "-c", str(ctx_per_slot * parallel), "-t", str(threads),
             "--host", HOST, "--port", "{port}", "-cb", "--cache-reuse", "256"]
     if draft_gguf:
-        argv += ["-md", draft_gguf, "--draft-max", "8", "--draft-min", "1", "-td", str(threads)]
+        argv += ["-md", draft_gguf, "-td", str(threads)]          # (its own draft lengths)
     return ServerSpec(f"llama-server -np {parallel}" + (" -md" if draft_gguf else ""), argv)
 
 
@@ -264,29 +264,38 @@ def markdown(rows: list[dict]) -> str:
 
 def run_load(specs: list[ServerSpec], prompts: list[str], clients: list[int], n_requests: int, max_tokens: int,
              time_limit_s: float, out: Path, repeats: int = 1, progress=print) -> list[LoadRun]:
-    """Each server started once (in turn, never two at a time: they would share the cores), every
-    client count measured on it; with ``repeats`` > 1 the servers are started again in rotated
-    order, so a slow period of the machine does not fall on one server only. Writes OUT/load.json
-    and OUT/load.md."""
+    """Every (server, client count) on a server started afresh (never two at a time: they would
+    share the cores; fresh: a run never finds the prompts an earlier run left in its prefix cache),
+    the servers and counts in rotated order over ``repeats``, so a slow period of the machine does
+    not fall on one arm only. Writes OUT/load.json and OUT/load.md."""
     out.mkdir(parents=True, exist_ok=True)
     runs: list[LoadRun] = []
     for rep in range(repeats):
         order = specs[rep % len(specs):] + specs[: rep % len(specs)]
         for spec in order:
-            progress(f"[load] starting {spec.name} ...")
-            proc, url = spec.start(out / "logs")
-            try:
-                stream_completion(url, prompts[0], 4)                       # warm-up (not timed)
-                cs = clients if rep % 2 == 0 else list(reversed(clients))
-                for c in cs:
+            cs = clients if rep % 2 == 0 else list(reversed(clients))
+            for c in cs:
+                progress(f"[load] starting {spec.name} for {c} clients ...")
+                try:
+                    proc, url = spec.start(out / "logs")
+                except RuntimeError as e:               # (its log says why: OUT/logs/)
+                    progress(f"[load] {spec.name}: {e}; skipped (log in {out / 'logs'})")
+                    break
+                try:
+                    stream_completion(url, "Hello", 4)                        # warm-up (not timed)
                     r = closed_loop(url, prompts, c, n_requests, max_tokens, time_limit_s, server=spec.name)
-                    runs.append(r)
-                    progress(f"[load] {spec.name}: {c} clients, {len(r.answers)} requests, {r.tok_s:.1f} tok/s")
-            finally:
-                stop(proc)
+                finally:
+                    stop(proc)
+                runs.append(r)
+                progress(f"[load] {spec.name}: {c} clients, {len(r.answers)} requests, {r.tok_s:.1f} tok/s")
+                write_results(runs, out)                  # after every run: an interrupted bench keeps them
+    write_results(runs, out)
+    return runs
+
+
+def write_results(runs: list[LoadRun], out: Path) -> None:
     rows = summary_rows(runs)
     (out / "load.json").write_text(json.dumps({"rows": rows, "runs": [
         {"server": r.server, "clients": r.clients, "wall_s": r.wall_s,
          "answers": [a.__dict__ for a in r.answers]} for r in runs]}, indent=1))
     (out / "load.md").write_text(markdown(rows) + "\n")
-    return runs
