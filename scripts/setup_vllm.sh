@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vLLM's CPU build in its own virtual env, for tests/vllm/test_vllm.py's end-to-end test and
+# vLLM's CPU build in its own virtual env, for tests/with_vllm/test_vllm.py's end-to-end test and
 # rakv.integrations.vllm_proposer (docs/vllm.md#install). Idempotent: a stamp file records what was
 # installed, so a second run only checks that vLLM imports (seconds).
 #
@@ -17,7 +17,7 @@
 #      imports (`operator torchvision::nms does not exist`; pip cannot leave them out).
 #   4. Checks `from vllm import LLM` and rakv's proposer import (rakv from this checkout).
 # rakv itself is NOT installed into the venv: a test or a user puts the checkout on PYTHONPATH
-# (tests/vllm/test_vllm.py does), so one venv serves every clone of the repository, wherever it lies.
+# (tests/with_vllm/test_vllm.py does), so one venv serves every clone of the repository, wherever it lies.
 #
 # Progress lines go to stderr; on failure the last line says what failed, and it exits 1.
 # Environment: RAKV_VLLM_VENV (the venv's path), RAKV_VLLM_BASE_PYTHON (the python that makes it,

@@ -1,6 +1,6 @@
 """The explorer watching a vLLM server (app/vllm_watch.py, app/panels/vllm.py), offscreen.
 
-A real HTTP server on a free loopback port serves vLLM 0.32's /metrics text (tests/vllm/vllm_metrics.py:
+A real HTTP server on a free loopback port serves vLLM 0.32's /metrics text (tests/with_vllm/vllm_metrics.py:
 vLLM's metric names, HELP/TYPE lines and labels, prometheus_client's layout); the counters advance
 between polls, the server restarts, goes away and comes back. No vLLM runs here. Every request the
 explorer made is checked to be a GET of /metrics."""
@@ -15,7 +15,7 @@ import pytest
 from app.settings import Settings
 from app.window import MainWindow
 from rakv.integrations.vllm_watch import crossover
-from tests.vllm.vllm_metrics import MetricsServer, metrics_text, state
+from tests.with_vllm.vllm_metrics import MetricsServer, metrics_text, state
 
 T = 20000
 POLL = 0.1          # seconds between polls in these tests (the explorer's default is 1 s)

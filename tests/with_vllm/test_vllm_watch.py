@@ -1,6 +1,6 @@
 """rakv/integrations/vllm_watch.py: a vLLM server's /metrics scrapes turned into records and deltas.
 
-The texts are vLLM 0.32's /metrics as prometheus_client writes them (tests/vllm/vllm_metrics.py); no
+The texts are vLLM 0.32's /metrics as prometheus_client writes them (tests/with_vllm/vllm_metrics.py); no
 vLLM runs here. Qt-free."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from rakv.integrations import vllm_watch as VW
 from rakv.integrations.vllm_advise import acceptance, parse_prometheus, spec_counters
 from rakv.decide.policy import alpha_star
 from rakv.decide.profile import verify_costs
-from tests.vllm.vllm_metrics import MetricsServer, metrics_text, state
+from tests.with_vllm.vllm_metrics import MetricsServer, metrics_text, state
 
 pytestmark = pytest.mark.fast      # the whole file is in the fast subset (docs/contributing.md#tests)
 
