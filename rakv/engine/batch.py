@@ -208,11 +208,10 @@ class LanePool:
             e.planner.batch = self.view
         self._free = list(reversed(self.lanes))
         self._cv = threading.Condition()
+        self.busy = 0                            # lanes running a request
         self._next_id = engine._next_id
         for lm in {id(m): m for m in (engine.target, getattr(engine.draft, "lm", None)) if m is not None}.values():
             join_batcher(lm, self.batcher)
-
-    busy = 0
 
     @property
     def size(self) -> int:

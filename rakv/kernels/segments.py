@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import blockq
-from .lean.kv import _VIEWS, _reserve_layers, buffers_hold, views_of
+from .lean.kv import c_buffers, c_written
 from .lean.llama import weights_may_change
 
 
@@ -78,13 +78,7 @@ def forward_segments(lean, segs: list[tuple[list[int], object, int]]) -> list[to
     cs = [rope.at(p, m) for p, m in zip(pasts, ns)]                         # ([m, 1, D], [m, 1, D]) each
     cos = torch.cat([c for c, _ in cs]).contiguous()
     sin = torch.cat([s for _, s in cs]).contiguous()
-    all_views = []
-    for (s_ids, cache, _), p, m in zip(segs, pasts, ns):
-        layers = cache.layers[:nL]
-        views = views_of(cache)
-        if not buffers_hold(views, layers, p + m):
-            views = _reserve_layers(layers, m, views, cache)
-        all_views.append(views)
+    all_views = [c_buffers(cache, cache.layers[:nL], p + m, m) for (_, cache, _), p, m in zip(segs, pasts, ns)]
     I64 = ctypes.c_int64 * S
     r0s = [sum(ns[:s]) for s in range(S)]
     kptr = (ctypes.c_void_p * (nL * S))(*[all_views[s].K[l].data_ptr() for l in range(nL) for s in range(S)])
@@ -99,13 +93,7 @@ def forward_segments(lean, segs: list[tuple[list[int], object, int]]) -> list[to
     if rc:
         raise MemoryError("decode_segments: out of memory")
     for (_, cache, _), views, p, m in zip(segs, all_views, pasts, ns):
-        layers = cache.layers[:nL]
-        ks = views.K[:, :, :, : p + m].unbind(0)
-        vs = views.V[:, :, :, : p + m].unbind(0)
-        for L, k, v in zip(layers, ks, vs):
-            L.keys, L.values = k, v
-        views.ks, views.vs = ks, vs
-        _VIEWS[cache] = views
+        c_written(cache, cache.layers[:nL], views, p + m)
     rows = [r for (_, _, keep), r0, m in zip(segs, r0s, ns) for r in range(r0 + (m - keep if keep else 0), r0 + m)]
     h = x[:, rows]                                                          # [1, kept, H]
     if not lean._final_c:

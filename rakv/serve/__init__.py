@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections import deque
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
@@ -87,49 +88,38 @@ class Service:
         mean = sum(self._latency) / len(self._latency) if self._latency else 1.0
         return max(1, int(mean * (1 + self.waiting / max(1, self.pool.size)) + 0.999))
 
+    @contextmanager
     def admit(self):
-        """Count a request in (429 past the queue's limit); use as ``with service.admit():``."""
-        service = self
-
-        class _Admitted:
-            def __enter__(self):
-                with service._gate:
-                    if service.closing:
-                        raise ApiError(503, "the server is shutting down", kind="server_error")
-                    if service.pool.busy >= service.pool.size and service.waiting >= service.max_queue:
-                        raise ApiError(429, f"the server is busy: {service.pool.size} requests running and "
-                                            f"{service.waiting} waiting (--max-queue {service.max_queue})",
-                                       kind="server_error", code="rate_limit_exceeded",
-                                       headers={"Retry-After": str(service.retry_after())})
-                    service.open += 1
-
-            def __exit__(self, *exc):
-                with service._gate:
-                    service.open -= 1
-                    service._gate.notify_all()
-
-        return _Admitted()
+        """Count a request in while it is open; past the queue's limit, 429 with Retry-After."""
+        with self._gate:
+            if self.closing:
+                raise ApiError(503, "the server is shutting down", kind="server_error")
+            if self.pool.busy >= self.pool.size and self.waiting >= self.max_queue:
+                raise ApiError(429, f"the server is busy: {self.pool.size} requests running and "
+                                    f"{self.waiting} waiting (--max-queue {self.max_queue})",
+                               kind="server_error", code="rate_limit_exceeded",
+                               headers={"Retry-After": str(self.retry_after())})
+            self.open += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self.open -= 1
+                self._gate.notify_all()
 
     # ---------------------------------------------------------------- one request
     def complete(self, ask: Ask, begin=None, emit=None) -> Result:
         """Run ``ask`` on a free lane (waiting for one); ``begin()`` when it starts, ``emit(text)``
         per piece. Call inside ``admit()``."""
-        with self._gate:
-            self.waiting += 1
-        try:
-            lane = self.pool.lane()
-            eng = lane.__enter__()
-        finally:
+        with ExitStack() as stack:
             with self._gate:
-                self.waiting -= 1
-        exc = (None, None, None)
-        try:
+                self.waiting += 1
+            try:
+                eng = stack.enter_context(self.pool.lane())
+            finally:
+                with self._gate:
+                    self.waiting -= 1
             return self._complete(eng, ask, begin, emit)
-        except BaseException:
-            exc = sys.exc_info()
-            raise
-        finally:
-            lane.__exit__(*exc)
 
     def _complete(self, eng, ask: Ask, begin, emit) -> Result:
         from ..engine import EngineError

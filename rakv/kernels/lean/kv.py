@@ -216,3 +216,24 @@ def _reserve(L, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         bv[..., :n0, :] = L.values
         _BUFS[L] = buf = (bk, bv)
     return buf
+
+
+def c_buffers(cache, layers, length: int, n: int) -> "_Views":
+    """The buffers a C forward writes ``cache``'s next n positions into (``length`` held after it):
+    the ones it used last time where they still hold, else reserved anew."""
+    views = _VIEWS.get(cache)
+    if not buffers_hold(views, layers, length):
+        views = _reserve_layers(layers, n, views, cache)
+    return views
+
+
+def c_written(cache, layers, views: "_Views", length: int) -> None:
+    """After a C forward: every layer's KV is its buffer's first ``length`` positions (two ops for
+    all layers), and the cache remembers the buffers."""
+    ks = views.K[:, :, :, :length].unbind(0)
+    vs = views.V[:, :, :, :length].unbind(0)
+    for L, k, v in zip(layers, ks, vs):
+        L.keys, L.values = k, v
+    views.ks, views.vs = ks, vs
+    _VIEWS[cache] = views
+

@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .. import blockq
-from .kv import _VIEWS, _append, _reserve_layers, buffers_hold
+from .kv import _append, c_buffers, c_written
 from .ops import (_VERSION, FUSED_GATE_UP, FUSED_QKV, PART_FIELDS, _Coded, _coded_parts, _Fused, _Norm, _Op,
                   _Rope)
 from .support import _act_fn, _head_dim, _rope_sources, _windows, kind
@@ -304,9 +304,7 @@ class LeanLlama:
         layer's growing buffer (``_reserve``) and the layers' views moved past the new rows; then
         through the final norm too where ``_final_c`` (the caller then skips it)."""
         layers = cache.layers[: len(descs)]
-        views = _VIEWS.get(cache)
-        if not buffers_hold(views, layers, past + n):
-            views = _reserve_layers(layers, n, views, cache)
+        views = c_buffers(cache, layers, past + n, n)
         if self._bound is not views:         # new buffers, or the last call wrote another cache's
             for i, d in enumerate(descs):
                 d.k, d.v, d.cap = views.K[i].data_ptr(), views.V[i].data_ptr(), views.cap
@@ -317,12 +315,7 @@ class LeanLlama:
                              self._I, past, cos, sin, self._eps, self.scale,
                              None if tree is None else tree.path, None if tree is None else tree.depth,
                              self.final_norm.w if self._final_c else None)
-        ks = views.K[:, :, :, : past + n].unbind(0)                 # every layer's view in two ops
-        vs = views.V[:, :, :, : past + n].unbind(0)
-        for L, k, v in zip(layers, ks, vs):
-            L.keys, L.values = k, v
-        views.ks, views.vs = ks, vs
-        _VIEWS[cache] = views
+        c_written(cache, layers, views, past + n)
         return x
 
     # ---- the forward
