@@ -35,7 +35,10 @@ PROBE_STEPS = 4       # steps a probe runs: a median of a few, not one preempted
 KEEP_SHARE = 0.85     # more threads keep their place only below 0.85 of one thread's step: a small gain
                       # is not worth the stalls a co-tenant brings to a team
 WINDOW = 16           # recent steps remembered per (count, rows)
-WARM_STEPS = 8        # steps at the full count before the first probe of one thread
+WARM_STEPS = 2        # steps at the full count before the first probe of one thread: a co-tenant there
+                      # from the start costs a stalled step each (a second or more on 2 cores)
+IDLE_MIN = 0.6        # a probe of more threads runs only where the cores beyond ours sat this idle
+                      # (cores' worth, /proc/stat) since the last look: a busy one would stall the probe
 
 
 def stalled(ms: float, quiet_ms: float) -> bool:
@@ -48,16 +51,52 @@ def more_pay(more_ms: float, fewer_ms: float) -> bool:
     return more_ms < KEEP_SHARE * fewer_ms
 
 
+def room_for_more(idle_cores: float | None) -> bool:
+    """Worth probing more threads: the machine had a free core lately (unknown: probe and see)."""
+    return idle_cores is None or idle_cores >= IDLE_MIN
+
+
+class IdleMeter:
+    """The machine's idle cores since the previous call (Linux /proc/stat; None elsewhere or on
+    the first call)."""
+
+    def __init__(self, path: str = "/proc/stat", clock=time.monotonic):
+        self.path, self.clock = path, clock
+        self._last = None
+        try:
+            import os
+
+            self._tick = float(os.sysconf("SC_CLK_TCK"))
+        except (AttributeError, ValueError, OSError):
+            self._tick = 100.0
+
+    def _read(self) -> float | None:
+        try:
+            with open(self.path, encoding="ascii") as f:
+                cols = f.readline().split()
+            return (int(cols[4]) + int(cols[5])) / self._tick           # idle + iowait seconds, all cores
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def __call__(self) -> float | None:
+        idle, t = self._read(), self.clock()
+        last, self._last = self._last, (idle, t)
+        if idle is None or last is None or last[0] is None or t <= last[1]:
+            return None
+        return (idle - last[0]) / (t - last[1])
+
+
 class Threads:
     """The thread count of the engine's steps. ``pinned`` (``--threads N``): always ``top``.
     ``use()`` before a step sets torch's count (which the C kernels read at each call); ``step(ms,
     rows)`` after it reports the step; ``rest()`` puts back ``top`` (profiles and fingerprints key on
     it). Shared by an engine's lanes; safe from several threads."""
 
-    def __init__(self, top: int | None = None, pinned: bool = False, clock=time.monotonic):
+    def __init__(self, top: int | None = None, pinned: bool = False, clock=time.monotonic, idle=None):
         self.top = max(1, int(top or torch.get_num_threads()))
         self.pinned = pinned or self.top == 1
         self.clock = clock
+        self.idle = idle if idle is not None else IdleMeter()
         self.now = self.top
         self.switches = 0
         self._lock = threading.Lock()
@@ -122,9 +161,11 @@ class Threads:
             self._start_probe(t)
 
     def _start_probe(self, t: float) -> None:
+        self._next_probe = t + self._wait
+        if self.now < self.top and not room_for_more(self.idle()):
+            return                              # every core busy: a probe would only stall
         self._probe = 1 if self.now > 1 else self.top
         self._probe_ms = []
-        self._next_probe = t + self._wait
 
     def _probe_step(self, ms: float, rows: int, t: float) -> None:
         probe, cur = self._probe, self.now
@@ -163,6 +204,8 @@ class Threads:
         """Run ``n`` threads from now; what was learnt of ``n`` before is stale (a co-tenant came or went)."""
         if n != self.now:
             self.switches += 1
+        if n < self.top:
+            self.idle()                         # the idle count starts now
         self._recent = {key: v for key, v in self._recent.items() if key[0] != n}
         self.now, self._streak = n, 0
         if n == self.top:
