@@ -12,6 +12,9 @@ Rules (each a named function below): a step over ``SLOW_FACTOR`` x its count's q
 other count runs ``PROBE_STEPS`` steps and the faster keeps the place (more threads only by a margin,
 ``KEEP_SHARE``); a probe of more threads whose first step stalls ends at once, and the next probe
 waits twice as long (up to ``PROBE_MAX_S``). Steps are compared only with steps of as many rows.
+More threads are tried (the first step included) only where other processes left a core to each
+(``room_for_more``: /proc/stat's busy time less this process's CPU time, since the previous look;
+the first look spans the model's load), so a co-tenant costs no stalled step at all on Linux.
 
 Exact whatever the count: every kernel computes a row's arithmetic in an order that does not depend
 on the thread count (rakv/kernels/blockq.c's header; tests/unit/test_threads.py checks ids at 1 and 2
@@ -37,8 +40,10 @@ KEEP_SHARE = 0.85     # more threads keep their place only below 0.85 of one thr
 WINDOW = 16           # recent steps remembered per (count, rows)
 WARM_STEPS = 2        # steps at the full count before the first probe of one thread: a co-tenant there
                       # from the start costs a stalled step each (a second or more on 2 cores)
-IDLE_MIN = 0.6        # a probe of more threads runs only where the cores beyond ours sat this idle
-                      # (cores' worth, /proc/stat) since the last look: a busy one would stall the probe
+OTHERS_MAX = 0.4      # more threads are tried only where other processes kept at most 0.4 of a core
+                      # busy beyond the cores ours leave (/proc/stat less our own CPU time): a busy
+                      # core would stall the team
+START_S = 0.05        # the shortest look at the machine worth trusting (ticks are 10 ms)
 
 
 def stalled(ms: float, quiet_ms: float) -> bool:
@@ -51,39 +56,60 @@ def more_pay(more_ms: float, fewer_ms: float) -> bool:
     return more_ms < KEEP_SHARE * fewer_ms
 
 
-def room_for_more(idle_cores: float | None) -> bool:
-    """Worth probing more threads: the machine had a free core lately (unknown: probe and see)."""
-    return idle_cores is None or idle_cores >= IDLE_MIN
+def room_for_more(others_busy: float | None, cores: int, top: int) -> bool:
+    """Room for ``top`` threads: the other processes leave a core to each (unknown: try and see)."""
+    return others_busy is None or others_busy <= cores - top + OTHERS_MAX
 
 
-class IdleMeter:
-    """The machine's idle cores since the previous call (Linux /proc/stat; None elsewhere or on
-    the first call)."""
+class OthersMeter:
+    """The cores other processes kept busy since the previous call: the machine's busy time
+    (Linux /proc/stat) less this process's CPU time. None elsewhere, on the first call or after
+    less than ``START_S``."""
 
-    def __init__(self, path: str = "/proc/stat", clock=time.monotonic):
-        self.path, self.clock = path, clock
-        self._last = None
+    def __init__(self, path: str = "/proc/stat", clock=time.monotonic, own=time.process_time):
+        import os
+
+        self.path, self.clock, self.own = path, clock, own
         try:
-            import os
-
             self._tick = float(os.sysconf("SC_CLK_TCK"))
         except (AttributeError, ValueError, OSError):
             self._tick = 100.0
+        self._last = self._read()
 
-    def _read(self) -> float | None:
+    def _read(self):
         try:
             with open(self.path, encoding="ascii") as f:
-                cols = f.readline().split()
-            return (int(cols[4]) + int(cols[5])) / self._tick           # idle + iowait seconds, all cores
-        except (OSError, ValueError, IndexError):
+                cols = [int(x) for x in f.readline().split()[1:9]]
+        except (OSError, ValueError):
             return None
+        if len(cols) < 5:
+            return None
+        busy = (sum(cols) - cols[3] - cols[4]) / self._tick          # all but idle and iowait, seconds
+        return busy, self.own(), self.clock()
 
     def __call__(self) -> float | None:
-        idle, t = self._read(), self.clock()
-        last, self._last = self._last, (idle, t)
-        if idle is None or last is None or last[0] is None or t <= last[1]:
+        now = self._read()
+        if now is None or self._last is None or now[2] - self._last[2] < START_S:
+            if self._last is None:
+                self._last = now
             return None
-        return (idle - last[0]) / (t - last[1])
+        last, self._last = self._last, now
+        wall = now[2] - last[2]
+        return max(0.0, ((now[0] - last[0]) - (now[1] - last[1])) / wall)
+
+
+_METER: OthersMeter | None = None
+
+
+def process_meter() -> OthersMeter:
+    """One meter for the process, started at import: the first look spans the model's load."""
+    global _METER
+    if _METER is None:
+        _METER = OthersMeter()
+    return _METER
+
+
+process_meter()
 
 
 class Threads:
@@ -92,11 +118,16 @@ class Threads:
     rows)`` after it reports the step; ``rest()`` puts back ``top`` (profiles and fingerprints key on
     it). Shared by an engine's lanes; safe from several threads."""
 
-    def __init__(self, top: int | None = None, pinned: bool = False, clock=time.monotonic, idle=None):
+    def __init__(self, top: int | None = None, pinned: bool = False, clock=time.monotonic, others=None,
+                 cores: int | None = None):
+        import os
+
         self.top = max(1, int(top or torch.get_num_threads()))
         self.pinned = pinned or self.top == 1
         self.clock = clock
-        self.idle = idle if idle is not None else IdleMeter()
+        self.others = others if others is not None else process_meter()
+        self.cores = cores or os.cpu_count() or self.top
+        self._started = False
         self.now = self.top
         self.switches = 0
         self._lock = threading.Lock()
@@ -110,8 +141,18 @@ class Threads:
 
     # ---- what the engine calls
     def count(self) -> int:
-        """The thread count of the next step."""
-        return self.top if self.pinned else (self._probe or self.now)
+        """The thread count of the next step (the first: one thread where the machine is busy)."""
+        if self.pinned:
+            return self.top
+        if not self._started:
+            self._started = True
+            with self._lock:
+                if not self._room():
+                    self._switch(1, self.clock())
+        return self._probe or self.now
+
+    def _room(self) -> bool:
+        return room_for_more(self.others(), self.cores, self.top)
 
     def use(self) -> int:
         """Set torch's thread count to this step's; returns it."""
@@ -162,8 +203,8 @@ class Threads:
 
     def _start_probe(self, t: float) -> None:
         self._next_probe = t + self._wait
-        if self.now < self.top and not room_for_more(self.idle()):
-            return                              # every core busy: a probe would only stall
+        if self.now < self.top and not self._room():
+            return                              # no core for each thread: a probe would only stall
         self._probe = 1 if self.now > 1 else self.top
         self._probe_ms = []
 
@@ -205,7 +246,7 @@ class Threads:
         if n != self.now:
             self.switches += 1
         if n < self.top:
-            self.idle()                         # the idle count starts now
+            self.others()                       # the next look starts now
         self._recent = {key: v for key, v in self._recent.items() if key[0] != n}
         self.now, self._streak = n, 0
         if n == self.top:

@@ -41,7 +41,7 @@ def run(th: Threads, clock: Clock, ms_of, n: int, rows: int = 1) -> list[int]:
 
 
 def unknown():
-    return None                  # no idle count (not Linux): probes run on time alone
+    return None                  # no look at the machine (not Linux): probes run on time alone
 
 
 def quiet(c):
@@ -61,7 +61,7 @@ def test_rules_are_named_with_their_thresholds():
 @pytest.mark.fast
 def test_a_quiet_machine_keeps_every_thread():
     clock = Clock()
-    th = Threads(2, clock=clock, idle=unknown)
+    th = Threads(2, clock=clock, others=unknown, cores=2)
     counts = run(th, clock, quiet, 3000)
     assert th.now == 2 and th.switches == 0
     assert counts.count(1) < 0.02 * len(counts)         # the probes of one thread are a few steps
@@ -70,7 +70,7 @@ def test_a_quiet_machine_keeps_every_thread():
 @pytest.mark.fast
 def test_a_busy_core_drops_to_one_thread_and_probes_back_seldom():
     clock = Clock()
-    th = Threads(2, clock=clock, idle=unknown)
+    th = Threads(2, clock=clock, others=unknown, cores=2)
     run(th, clock, quiet, 20)
     counts = run(th, clock, busy, 40)
     assert counts[:T.SLOW_STREAK] == [2] * T.SLOW_STREAK and th.now == 1 and th.switches == 1
@@ -86,7 +86,7 @@ def test_a_busy_core_drops_to_one_thread_and_probes_back_seldom():
 @pytest.mark.fast
 def test_the_full_count_comes_back_when_the_co_tenant_leaves():
     clock = Clock()
-    th = Threads(2, clock=clock, idle=unknown)
+    th = Threads(2, clock=clock, others=unknown, cores=2)
     run(th, clock, quiet, 20)
     run(th, clock, busy, 400)
     assert th.now == 1
@@ -98,7 +98,7 @@ def test_the_full_count_comes_back_when_the_co_tenant_leaves():
 def test_a_co_tenant_from_the_start_is_found_by_the_first_probe():
     """No quiet step to compare with: the probe of one thread after the first steps finds it faster."""
     clock = Clock()
-    th = Threads(2, clock=clock, idle=unknown)
+    th = Threads(2, clock=clock, others=unknown, cores=2)
     counts = run(th, clock, busy, 40)
     assert th.now == 1 and counts.index(1) <= T.WARM_STEPS
 
@@ -107,7 +107,7 @@ def test_a_co_tenant_from_the_start_is_found_by_the_first_probe():
 def test_steps_compare_only_with_steps_of_as_many_rows():
     """A verify of 9 rows costs more than a decode step: it is no stall."""
     clock = Clock()
-    th = Threads(2, clock=clock, idle=unknown)
+    th = Threads(2, clock=clock, others=unknown, cores=2)
     for i in range(200):
         rows = 9 if i % 3 == 0 else 1
         ms = (4 if rows == 9 else 1) * quiet(th.count())
@@ -117,43 +117,59 @@ def test_steps_compare_only_with_steps_of_as_many_rows():
 
 
 @pytest.mark.fast
-def test_no_probe_of_more_threads_while_every_core_is_busy():
-    """The idle count says the other core is taken: no stalled probe steps at all; it frees: back."""
+def test_no_probe_of_more_threads_while_another_process_keeps_a_core_busy():
+    """The machine's load says the other core is taken: no stalled probe steps at all; it frees: back."""
     clock = Clock()
-    idle = [0.05]
-    th = Threads(2, clock=clock, idle=lambda: idle[0])
+    others = [0.0]
+    th = Threads(2, clock=clock, others=lambda: others[0], cores=2)
     run(th, clock, quiet, 20)
+    others[0] = 1.0
     run(th, clock, busy, 20)
     assert th.now == 1
     assert run(th, clock, busy, 8000).count(2) == 0
-    idle[0] = 1.0
+    others[0] = 0.1
     run(th, clock, quiet, int(2 * T.PROBE_S * 1e3 / ONE))
     assert th.now == 2
 
 
 @pytest.mark.fast
-def test_the_idle_meter_reads_proc_stat(tmp_path):
-    stat = tmp_path / "stat"
+def test_a_busy_machine_starts_at_one_thread():
+    """A co-tenant there before the first step (the meter's first look spans the model's load)
+    costs no stalled step."""
     clock = Clock()
-    meter = T.IdleMeter(str(stat), clock=clock)
+    th = Threads(2, clock=clock, others=lambda: 1.0, cores=2)
+    assert run(th, clock, busy, 400).count(2) == 0 and th.switches == 1
+    th = Threads(2, clock=clock, others=lambda: 0.05, cores=2)
+    assert run(th, clock, quiet, 3)[0] == 2
+
+
+@pytest.mark.fast
+def test_the_meter_counts_other_processes_cores(tmp_path):
+    stat = tmp_path / "stat"
+    clock, own = Clock(), [0.0]
+
+    def write(busy, idle, iowait):
+        stat.write_text(f"cpu  {busy} 0 0 {idle} {iowait} 0 0 0 0 0\ncpu0 1 2 3\n")
+
+    write(1000, 1000, 10)
+    meter = T.OthersMeter(str(stat), clock=clock, own=lambda: own[0])
     meter._tick = 100.0
-
-    def write(idle, iowait):
-        stat.write_text(f"cpu  100 0 50 {idle} {iowait} 0 0 0 0 0\ncpu0 1 2 3\n")
-
-    write(1000, 10)
-    assert meter() is None                                # the first look: nothing to compare
+    meter._last = meter._read()
     clock.t += 2.0
-    write(1150, 20)                                       # 160 ticks in 2 s at 100 a second
-    assert meter() == pytest.approx(0.8)
-    assert T.IdleMeter(str(tmp_path / "none"))() is None
-    assert T.room_for_more(None) and T.room_for_more(0.8) and not T.room_for_more(0.1)
+    own[0] += 1.0                                         # this process: half a core over 2 s
+    write(1000 + 300, 1000 + 90, 20)                      # the machine: 1.5 cores busy
+    assert meter() == pytest.approx(1.0)                  # others: 1.5 - 0.5
+    clock.t += 0.01
+    assert meter() is None                                # too short a look
+    assert T.OthersMeter(str(tmp_path / "none"))() is None
+    assert T.room_for_more(None, 2, 2) and T.room_for_more(0.3, 2, 2) and not T.room_for_more(0.9, 2, 2)
+    assert T.room_for_more(0.9, 16, 2)
 
 
 @pytest.mark.fast
 def test_pinned_never_changes():
     clock = Clock()
-    th = Threads(2, pinned=True, clock=clock, idle=unknown)
+    th = Threads(2, pinned=True, clock=clock, others=unknown, cores=2)
     assert run(th, clock, busy, 50) == [2] * 50 and th.state()["adaptive"] is False
     assert Threads(1).pinned                              # one core: nothing to adapt
 
