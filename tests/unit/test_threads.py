@@ -231,7 +231,6 @@ def test_ids_equal_at_one_and_two_threads_and_switching_mid_request(arch, numeri
         assert torch.get_num_threads() == 2                # the engine puts the full count back
 
 
-@pytest.mark.fast
 def test_records_carry_the_thread_count(two_threads):
     target, _ = make_pair("llama", "mostly")
     recs = []
