@@ -38,8 +38,9 @@ PROBE_STEPS = 4       # steps a probe runs: a median of a few, not one preempted
 KEEP_SHARE = 0.85     # more threads keep their place only below 0.85 of one thread's step: a small gain
                       # is not worth the stalls a co-tenant brings to a team
 WINDOW = 16           # recent steps remembered per (count, rows)
-WARM_STEPS = 2        # steps at the full count before the first probe of one thread: a co-tenant there
-                      # from the start costs a stalled step each (a second or more on 2 cores)
+WARM_STEPS = 8        # steps at the full count before the first probe of one thread: a median of
+                      # fewer is the first steps' warm-up (a co-tenant there from the start is seen
+                      # before the first step: room_for_more)
 OTHERS_MAX = 0.4      # more threads are tried only where other processes kept at most 0.4 of a core
                       # busy beyond the cores ours leave (/proc/stat less our own CPU time): a busy
                       # core would stall the team
