@@ -38,9 +38,8 @@ PROBE_STEPS = 4       # steps a probe runs: a median of a few, not one preempted
 KEEP_SHARE = 0.85     # more threads keep their place only below 0.85 of one thread's step: a small gain
                       # is not worth the stalls a co-tenant brings to a team
 WINDOW = 16           # recent steps remembered per (count, rows)
-WARM_STEPS = 8        # steps at the full count before the first probe of one thread: a median of
-                      # fewer is the first steps' warm-up (a co-tenant there from the start is seen
-                      # before the first step: room_for_more)
+WARM_STEPS = 8        # steps at the full count before the first probe of one thread where the machine
+                      # could not be seen (not Linux); a median of fewer is the first steps' warm-up
 OTHERS_MAX = 0.4      # more threads are tried only where other processes kept at most 0.4 of a core
                       # busy beyond the cores ours leave (/proc/stat less our own CPU time): a busy
                       # core would stall the team
@@ -148,8 +147,11 @@ class Threads:
         if not self._started:
             self._started = True
             with self._lock:
-                if not self._room():
+                seen = self.others()
+                if not room_for_more(seen, self.cores, self.top):
                     self._switch(1, self.clock())
+                elif seen is not None:          # a quiet machine seen: no warm-up probe, the first in PROBE_S
+                    self._next_probe = self.clock() + self._wait
         return self._probe or self.now
 
     def _room(self) -> bool:
