@@ -4,10 +4,12 @@ server's clients or the explorer's GUI thread would be, against the same decode 
     python scripts/cotenant.py --target demo --tokens 128 --repeats 3 [--arm NAME:VAR=VAL,threads=N ...]
 
 Arms: "adaptive" (the engine as shipped: no --threads, the count adapts, rakv/util/threads.py) and
-"pinned N" (--threads N, N = this machine's cores: the count before it adapted), then any --arm. Each
-arm runs `rakv generate --policy ar --json` in a fresh process (its environment as given), the
-quiet and the busy runs interleaved; prints tokens/s (the median over repeats) for each arm quiet and
-beside the spin loop, and their ratio. Run it on an otherwise quiet machine.
+"pinned N" (--threads N, N = this machine's cores: the count before it adapted), then any --arm
+("NAME:" alone is the adaptive count again: an A/A pair). Each arm runs `rakv generate --policy ar
+--json` in a fresh process (its environment as given), the quiet and the busy runs interleaved,
+each repeat starting with the next arm; prints tokens/s (the median over repeats) for each arm
+quiet and beside the spin loop, their ratio, and the thread switches. Run it on an otherwise quiet
+machine.
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ def main() -> int:
                 env[k] = v
         arms[name] = (env, threads)
     res = {name: {"quiet": [], "busy": [], "switches": []} for name in arms}
+    names = list(arms)
     for r in range(a.repeats):
-        for name, (env, threads) in arms.items():
+        for name in names[r % len(names):] + names[:r % len(names)]:      # each repeat starts with another arm
+            env, threads = arms[name]
             tok_s, sw = decode_tok_s(a.target, a.tokens, env, threads)
             res[name]["quiet"].append(tok_s)
             res[name]["switches"].append(sw)
