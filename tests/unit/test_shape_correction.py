@@ -75,3 +75,23 @@ def test_corrections_survive_a_save(tmp_path):
     save_profile(p, tmp_path / "p.json")
     q = load_profile(tmp_path / "p.json")
     assert q.corrections() == p.corrections()
+
+
+def test_the_engine_reports_its_corrections_and_stays_exact():
+    """Adaptive with the n-gram draft on copies, from a steep profile: every request's ids equal
+    target-only greedy decoding, and each request_end carries the corrections then in force."""
+    from rakv.config import RakvConfig
+    from rakv.drafts.ngram import NgramDraft
+    from rakv.engine import Engine
+    from tests.tiny import assert_exact, make_pair
+
+    target, _ = make_pair("llama", "mostly")
+    p = CostProfile(T_pf=[[8, 1.0], [64, 4.0]], D_pf=[], t=[[16, 1.0], [256, 1.0]], d=[[16, 0.0], [256, 0.0]],
+                    V={str(k): r for k, r in BUSY.items()}, alpha0=0.95)
+    eng = Engine(target, NgramDraft(), RakvConfig(policy="adaptive", chat_template=False), profile=p)
+    base = [3, 4, 5, 6, 7, 8, 9, 10] * 4
+    for i in range(4):
+        prompt = base + [11 + i]
+        end = eng.generate(prompt, 24)
+        assert_exact(end, target, prompt, 24)
+        assert end.cost_corrections == p.corrections()
