@@ -24,7 +24,8 @@ evidence for this design is in docs/controller.md.
 Where the round records disagree with the calibrated ratios themselves (a profile timed on a busy
 machine kept V(8)/t 2-3.6 on the demo, whose quiet rounds pay 1.3-1.6), the machine factor cannot
 mend it: each drafting length k also keeps its residual over base x machine (``S{k}`` in ``scale``),
-and once that is off by more than its noise it corrects V(k) (``shape_correction``; ``corrections``
+and once that is off by more than its noise it corrects V(k) (a length without rounds of its own
+borrows the longest corrected shorter length's; ``shape_correction``; ``corrections``
 says which are in force, and every request_end and the explorer's cost line show them).
 
 On disk a profile is a JSON file in the cache dir's ``profiles/``, named by a digest of its
@@ -158,8 +159,20 @@ class CostProfile(OnlineScales):
         a wrong V(k)/t, which the shared machine factor cannot mend and the argmin follows."""
         s = self.scale.get(f"S{k}")
         if s is None or self.samples.get(f"S{k}", 0) < SHAPE_MIN_ROUNDS:
-            return 1.0
+            return self._shorter_correction(k)
         return s if abs(math.log(s)) > math.log1p(self.shape_noise(k)) else 1.0
+
+    def _shorter_correction(self, k: int) -> float:
+        """A length with too few rounds of its own takes the correction of the longest shorter
+        length that has one (1 if none). Reason: an argmin that a steep profile stopped at k = 4
+        never runs the longer rounds that would correct them, and a busy calibration distorts
+        neighbouring lengths alike; trying a longer k then measures it, and its own rounds decide."""
+        for j in range(k - 1, 0, -1):
+            key = f"S{j}"
+            if key in self.scale and self.samples.get(key, 0) >= SHAPE_MIN_ROUNDS:
+                s = self.scale[key]
+                return s if abs(math.log(s)) > math.log1p(self.shape_noise(j)) else 1.0
+        return 1.0
 
     def shape_noise(self, k: int) -> float:
         """V(k)'s noise: twice its calibration spread between repeats, at least SHAPE_NOISE."""

@@ -95,3 +95,15 @@ def test_the_engine_reports_its_corrections_and_stays_exact():
         end = eng.generate(prompt, 24)
         assert_exact(end, target, prompt, 24)
         assert end.cost_corrections == p.corrections()
+
+
+def test_a_longer_length_without_rounds_takes_the_shorter_ones_correction():
+    """The argmin stopped short on a steep profile: the lengths it never ran borrow the longest
+    corrected shorter length's correction, so they get tried and then measured themselves."""
+    p = steep_profile()
+    feed(p, QUIET, 200, ks=(1, 2, 4, 6))
+    c6 = p.shape_correction(6)
+    assert c6 == pytest.approx(QUIET[6] / BUSY[6], rel=0.12)
+    assert p.samples.get("S8", 0) == 0 and p.shape_correction(8) == c6
+    feed(p, {**QUIET, 8: BUSY[8]}, 200, ks=(8,), seed=1)          # V(8) really is steep: its own rounds say so
+    assert p.verify(8, 128) / p.step(128) == pytest.approx(BUSY[8], rel=0.12)
