@@ -180,13 +180,15 @@ class CostProfile(OnlineScales):
         return max(SHAPE_NOISE, 2 * float(spread or 0.0))
 
     def corrections(self) -> dict[str, float]:
-        """The V(k) corrections in force, {"V(k)": factor} (the explorer and ``--json`` show them)."""
+        """The V(k) corrections in force (own or borrowed), {"V(k)": factor}: the explorer and
+        ``--json`` show them."""
         out = {}
-        for key in sorted(self.scale, key=lambda x: (len(x), x)):
-            if key.startswith("S") and key[1:].isdigit():
-                c = self.shape_correction(int(key[1:]))
-                if c != 1.0:
-                    out[f"V({key[1:]})"] = round(c, 3)
+        if not any(key[:1] == "S" for key in self.scale):
+            return out
+        for k in sorted(int(x) for x in self.V):
+            c = self.shape_correction(k) if _drafting_k(self, f"R{k}") else 1.0
+            if c != 1.0:
+                out[f"V({k})"] = round(c, 3)
         return out
 
     # --------------------------------------------------------------- the model's terms
