@@ -79,8 +79,8 @@ def resolve_draft(args):
     """``--draft`` left out: the target's default draft (``rakv.config.default_draft``). Returns args."""
     from .config import default_draft
 
-    if getattr(args, "draft", "") is None:
-        args.draft = default_draft(getattr(args, "target", None))
+    if getattr(args, "draft", "") is None:         # (bench --tiny runs a tiny model, not the demo)
+        args.draft = default_draft("tiny" if getattr(args, "tiny", False) else getattr(args, "target", None))
     return args
 
 

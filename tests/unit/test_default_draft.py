@@ -25,3 +25,10 @@ def test_the_cli_default_follows_the_target():
     assert resolve_draft(p.parse_args(["generate", "--target", "x.gguf", "--prompt", "x"])).draft == "int8"
     assert resolve_draft(p.parse_args(["generate", "--draft", "int8", "--prompt", "x"])).draft == "int8"
     assert p.parse_args(["calibrate"]).draft is None                 # unresolved, RakvConfig resolves it alike
+
+
+def test_the_tiny_bench_keeps_its_int8_default():
+    from rakv.bench import build_parser as bench_parser
+
+    assert resolve_draft(bench_parser().parse_args(["--tiny"])).draft == "int8"
+    assert resolve_draft(bench_parser().parse_args([])).draft == "ngram"
