@@ -9,8 +9,8 @@ import sys
 from dataclasses import asdict
 
 from . import argtypes as A
-from .common import (CliError, add_model_args, resolve_draft, add_sampling_args, device_kw, draft_vocab_of, quiet_libs,  # noqa: F401
-                     read_prompts, sampling_of)
+from .common import (CliError, add_model_args, add_sampling_args, device_kw, draft_vocab_of, quiet_libs,  # noqa: F401
+                     read_prompts, resolve_draft, sampling_of)
 from .config import DEFAULT_K_SET, POLICIES_HELP, Policy, RakvConfig, parse_k_set
 from .util.textstream import TextStream
 

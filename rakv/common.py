@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from . import argtypes as A
-from .config import DRAFT_VOCAB, env_fast
+from .config import DRAFT_VOCAB, default_draft, env_fast
 from .util.paths import set_env
 
 
@@ -77,8 +77,6 @@ def read_prompts(path: str) -> list[str]:
 
 def resolve_draft(args):
     """``--draft`` left out: the target's default draft (``rakv.config.default_draft``). Returns args."""
-    from .config import default_draft
-
     if getattr(args, "draft", "") is None:         # (bench --tiny runs a tiny model, not the demo)
         args.draft = default_draft("tiny" if getattr(args, "tiny", False) else getattr(args, "target", None))
     return args
