@@ -32,3 +32,19 @@ def test_the_tiny_bench_keeps_its_int8_default():
 
     assert resolve_draft(bench_parser().parse_args(["--tiny"])).draft == "int8"
     assert resolve_draft(bench_parser().parse_args([])).draft == "ngram"
+
+
+def test_demo_sh_runs_the_default_pair_on_a_copy_friendly_prompt():
+    """scripts/demo.sh: both of its commands run the demo with its default (n-gram) draft, and its
+    prompt holds the code its answer gives back (what the n-gram draft looks up)."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    sh = (Path(__file__).resolve().parents[2] / "scripts" / "demo.sh").read_text()
+    execs = [ln for ln in sh.splitlines() if ln.strip().startswith("exec ")]
+    assert len(execs) == 2 and all(f"--target demo --draft {DEMO_DRAFT}" in ln for ln in execs)
+    line = next(ln for ln in sh.splitlines() if ln.startswith("PROMPT="))
+    prompt = subprocess.run(["bash", "-c", line + '; printf %s "$PROMPT"'], capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin"}).stdout
+    assert "def is_prime(n):" in prompt and re.search(r"return the whole function", prompt)
