@@ -174,6 +174,9 @@ class RequestEnd:
     forward_ms: float = 0.0        # time inside model forwards
     bookkeeping_ms: float = 0.0    # everything else inside rounds
     explore_ms: float = 0.0        # what this request's probes cost beyond plain steps
+    # V(k) corrections the round records put in force (rakv.decide.profile.CostProfile.corrections):
+    # {"V(8)": 0.52}: the calibrated V(8) was off by more than its noise; {} when none
+    cost_corrections: dict = field(default_factory=dict)
 
 
 @dataclass

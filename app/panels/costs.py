@@ -56,6 +56,12 @@ def quality_text(state: SessionState) -> tuple[str, str]:
         if spread:
             tip.append("spread of the repeats per term: " + ", ".join(
                 f"{k} {v * 100:.0f}%" for k, v in sorted(spread.items(), key=lambda kv: -kv[1])))
+    fixes = corrections_of(state)
+    if fixes:
+        parts.append("corrected by rounds: " + ", ".join(f"{t} x{c:.2f}" for t, c in fixes.items()))
+        tip.append("the round records disagreed with the calibrated V(k) by more than its noise, so the learned "
+                   "scale corrects it (CostProfile.shape_correction): " + ", ".join(
+                       f"{t} x{c:.2f}" for t, c in fixes.items()))
     rows = state.prediction_errors()
     mape = state.prediction_mape()
     if mape is not None:
@@ -72,6 +78,13 @@ def quality_text(state: SessionState) -> tuple[str, str]:
     if p and (p.get("contended") or (mape is not None and mape > GOOD_ERROR and len(rows) >= 3)):
         parts.append("<i>Run → Recalibrate costs</i>")
     return "<b>Costs</b>: " + " · ".join(parts), "\n".join(tip)
+
+
+def corrections_of(state: SessionState) -> dict:
+    """The V(k) corrections in force after the latest finished request ({} before one, or in a
+    recording made before they were recorded)."""
+    end = getattr(state, "last_end", None)
+    return dict(getattr(end, "cost_corrections", None) or {})
 
 
 class CostsPanel(QWidget):

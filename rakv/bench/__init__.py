@@ -358,7 +358,9 @@ def peer_meta(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    from rakv.common import resolve_draft
+
+    args = resolve_draft(build_parser().parse_args(argv))
     return run(args, argv)
 
 

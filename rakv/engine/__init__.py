@@ -564,7 +564,8 @@ class Engine:
                          alpha_ewma=round(self.alpha.value, 5),
                          predicted_ms=None if choice is None else choice.predicted_ms,
                          stopped=rq.stopped, forward_ms=round(rq.forward_ms, 3), bookkeeping_ms=round(rq.book_ms, 3),
-                         explore_ms=round(rq.explore_ms, 3))
+                         explore_ms=round(rq.explore_ms, 3),
+                         cost_corrections=self.profile.corrections() if self.profile is not None else {})
         self.planner.fold_plain()
         self.planner.end_request(rq.rid)
         if self.controller is not None:
