@@ -128,21 +128,22 @@ class Service:
             raise ApiError(503, "the server is shutting down", kind="server_error")
         t0 = time.perf_counter()
         self._use_sampling(eng, ask)
-        fim = self._fim_tokens(eng) if ask.fim is not None else None
+        fim = self._fim_tokens(eng) if ask.fim is not None else self._built_fim(eng, ask)
         if fim is None:
             cur = Current(eng, ask.stop, begin, emit)
         else:
             from ..fim import LineRules
 
+            f = ask.fim
             cur = Current(eng, ask.stop, begin, emit, ends=fim.ends | eng.target.eos_ids,
-                          rules=LineRules(ask.fim.n_indent, ask.fim.t_max_ms))
+                          rules=LineRules(f.n_indent, f.t_max_ms) if f is not None else LineRules())
         self.hook.current = cur
         conv = history = None
         fill: dict = {}
         try:
             if ask.chat:
                 end, conv, history = self._chat(eng, ask)
-            elif fim is not None:
+            elif ask.fim is not None:
                 end, fill = self._fill(eng, ask)
             else:
                 end = self._completion(eng, ask)
@@ -232,6 +233,23 @@ class Service:
             return find_tokens(eng.target.tokenizer)
         except NoFim as e:
             raise ApiError(400, str(e), code="not_supported") from None
+
+    def _built_fim(self, eng, ask: Ask):
+        """A completion whose prompt is already a FIM prompt (Continue, Tabby and Twinny build one
+        from the model's FIM tokens) ends where the middle ends, as a fill does: its FIM tokens, or
+        None for any other request."""
+        from ..fim import NoFim, find_tokens
+
+        if ask.chat or ask.prompt is None:
+            return None
+        try:
+            fim = find_tokens(eng.target.tokenizer)
+        except NoFim:
+            return None
+        tok = eng.target.tokenizer
+        if isinstance(ask.prompt, str):
+            return fim if tok.convert_ids_to_tokens(fim.mid) in ask.prompt else None
+        return fim if fim.mid in ask.prompt else None
 
     def _fill(self, eng, ask: Ask):
         """Fill in the middle (/infill, or a completion's suffix): the FIM prompt in the model's

@@ -243,3 +243,71 @@ def test_line_rules_as_llama_cpp_applies_them():
     assert r.text == "xy\nz\n" and r.why == "time"
     r = LineRules()
     assert all(r.push(p, 1e9) for p in ["a\n", "b\n", "c"]) and r.text == "a\nb\nc"
+
+
+# ----------------------------------------------------------------------------- the explorer
+def test_explorer_attached_shows_completions_and_warm_ups(fim_server, qtbot, tmp_path, monkeypatch):
+    from PySide6.QtWidgets import QMessageBox
+
+    from app.settings import Settings
+    from app.window import MainWindow
+
+    monkeypatch.setattr(QMessageBox, "open", lambda self: None)
+    w = MainWindow(Settings(tmp_path / "s.ini"), tmp_path / "sessions")
+    qtbot.addWidget(w)
+    try:
+        assert w.attach_server(fim_server.url)
+        qtbot.waitUntil(lambda: w.state.header is not None, timeout=30000)
+        seen = len(w.state.ends)
+        warm = post(fim_server.url, vim_body(prompt="    re", n_predict=0, response_fields=None), "/infill")[1]
+        qtbot.waitUntil(lambda: any(e.request_id == warm["rakv"]["request_id"] for e in w.state.ends[seen:]),
+                        timeout=30000)
+        r = post(fim_server.url, vim_body(prompt="    re", response_fields=None), "/infill")[1]
+        rid = r["rakv"]["request_id"]
+        qtbot.waitUntil(lambda: any(e.request_id == rid for e in w.state.ends[seen:]), timeout=30000)
+        end = next(e for e in w.state.ends if e.request_id == rid)
+        assert end.hit_tokens == r["tokens_evaluated"] and end.exact_repeat        # the warm-up's KV, reused
+        snap = w.panel_snapshot()
+        assert w.state.request_id == rid and w.state.decision is not None and snap["costs"]["bars"]
+        assert not w.errors
+    finally:
+        w.shutdown()
+
+
+def test_a_prompt_built_by_the_client_ends_with_the_middle(fim_server, reference):
+    """Continue / Tabby / Twinny send the FIM prompt as text: it is read with its FIM tokens, and
+    the answer ends where the middle ends, as /infill's does."""
+    tok = reference[0]
+    _, _, _, ids = expected(reference, PREFIX + LINE, SUFFIX)
+    text = tok.decode(ids, skip_special_tokens=False)
+    status, r = post(fim_server.url, {"prompt": text, "max_tokens": N}, "/v1/completions")
+    assert status == 200
+    kept, content, _, _ = expected(reference, PREFIX + LINE, SUFFIX)
+    assert r["rakv"]["prompt_tokens"] == len(ids) and r["choices"][0]["text"] == content
+    assert r["rakv"]["output_ids"][: len(kept)] == kept
+
+
+@pytest.mark.fast
+def test_the_answer_ends_at_the_first_fim_end_token():
+    """Tokens after the middle's end (a FIM end token) in the same round are not the answer, and the
+    engine is asked to stop at the end of that round."""
+    from types import SimpleNamespace
+
+    from rakv.records import RequestStart, Round
+    from rakv.serve.state import Current
+    from tests.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer(fim=True)
+    f = find_tokens(tok)
+    stopped = []
+    eng = SimpleNamespace(target=SimpleNamespace(tokenizer=tok), stop=lambda: stopped.append(1))
+    sent = []
+    cur = Current(eng, [], emit=sent.append, ends=f.ends | {0}, rules=LineRules())
+    a, b = tok("a + b", add_special_tokens=False)["input_ids"][:2]
+    cur.see(RequestStart(request_id=3))
+    cur.see(Round(request_id=3, index=0, emitted=[a]))
+    assert not stopped
+    cur.see(Round(request_id=3, index=1, emitted=[b, f.pad, a, b]))
+    cur.finish()
+    assert cur.kept == [a, b] and cur.ended == "fim_end" and stopped
+    assert "".join(sent) == cur.rules.text == tok.decode([a, b])
