@@ -179,7 +179,9 @@ class Service:
             fill.update(ids=list(cur.kept), ended=cur.ended or ("stop_string" if cur.stop.hit else end.stopped),
                         predicted=len(cur.kept) + (cur.ended == "fim_end"))
             if ask.infill:
-                text = api.cut_at_stops(cur.rules.text, ask.stop)
+                from ..fim import heal
+
+                text = api.cut_at_stops(heal(cur.rules.text, fill.get("blanks", "")), ask.stop)
         return Result(end, text, api.finish_reason(end.stopped, cur.stop.hit), self._rakv(j, cur), fill)
 
     def _rakv(self, j: dict, cur: Current) -> dict:
@@ -259,14 +261,15 @@ class Service:
 
         f, tok, maxpos = ask.fim, eng.target.tokenizer, eng.target.max_positions
         N = eng.config.max_new_tokens if ask.max_tokens is None else ask.max_tokens
-        p = F.build(tok, f.prefix, f.suffix, f.line, f.extra, n_predict=N, n_ctx=maxpos)
+        line, blanks = F.split_blanks(f.line)
+        p = F.build(tok, f.prefix, f.suffix, line, f.extra, n_predict=N, n_ctx=maxpos)
         P, truncated = len(p.ids), False          # (llama.cpp's truncated: the context ran out, not its FIM cuts)
         if maxpos is not None and P + N > maxpos:
             if P >= maxpos:
                 raise ApiError(400, f"the FIM prompt ({P} tokens) does not fit the model's context of {maxpos}",
                                code="context_length_exceeded")
             N, truncated = maxpos - P, True
-        info = {"prompt_tokens": P, "truncated": truncated, "n_predict": N}
+        info = {"prompt_tokens": P, "truncated": truncated, "n_predict": N, "blanks": blanks}
         text = f.prefix + f.line
         if N == 0:
             return eng.warm(p.ids, prompt_text=text), info

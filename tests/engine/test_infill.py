@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from rakv.cli import Run
-from rakv.fim import LineRules, build, find_tokens
+from rakv.fim import LineRules, build, find_tokens, heal, split_blanks
 from rakv.serve import Server
 from rakv.util.textstream import TextStream
 from tests.engine.test_serve import post, get, serve_args
@@ -72,6 +72,7 @@ def expected(reference, prefix, suffix, line="", extra=(), n=N, rules=None, ms=l
     end token (or EOS) and where ``rules`` end it; the whole decoding's ids too."""
     tok, model = reference
     fim = find_tokens(tok)
+    line, blanks = split_blanks(line)
     ids = build(tok, prefix, suffix, line, [(c["filename"], c["text"]) for c in extra], n_predict=n,
                 n_ctx=model.config.max_position_embeddings).ids
     ends = fim.ends | {tok.eos_token_id}
@@ -86,7 +87,7 @@ def expected(reference, prefix, suffix, line="", extra=(), n=N, rules=None, ms=l
             break
     else:
         rules.push(text.finish(), 0.0)
-    return kept, rules.text, out, ids
+    return kept, heal(rules.text, blanks), out, ids
 
 
 # ----------------------------------------------------------------------------- /infill
@@ -122,6 +123,9 @@ def test_warm_up_fills_the_cache_and_a_keystroke_reuses_it(fim_server, reference
     assert status == 200 and r["rakv"]["exact_repeat"] and r["timings"]["cache_n"] == len(ids)
     kept, content, _, _ = expected(reference, PREFIX, SUFFIX, line, EXTRA)
     assert r["content"] == content
+
+    status, k = post(fim_server.url, vim_body(prompt=line + " ", response_fields=None), "/infill")   # a space:
+    assert status == 200 and k["rakv"]["exact_repeat"]                                                 # no new prompt
 
     status, k = post(fim_server.url, vim_body(prompt=line + "u", response_fields=None), "/infill")   # a keystroke
     _, content, _, ids2 = expected(reference, PREFIX, SUFFIX, line + "u", EXTRA)
@@ -223,6 +227,8 @@ def test_fim_prompt_order_and_truncation():
     assert ids[0] == f.rep and ids.count(f.sep) == 2                  # repository context first
     assert ids.index(f.pre) < ids.index(f.suf) < ids.index(f.mid)
     assert tok.decode(ids[ids.index(f.mid) + 1:]) == LINE              # the current line last
+    assert split_blanks("    return \t") == ("    return", " \t") and split_blanks("  ") == ("", "  ")
+    assert heal(" a + b", " ") == "a + b" and heal("(a)", " ") == "(a)" and heal("  x", "    ") == "x"
     assert not p.truncated
     long = build(tok, "a = 1\n" * 200, "b = 2\n" * 200, "", [("u.py", "c = 3\n" * 200)], n_predict=8, n_ctx=256)
     assert long.truncated and long.prefix_tokens == 48 and long.suffix_tokens == 14 == 64 // 4 - 2
