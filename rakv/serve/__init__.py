@@ -9,7 +9,8 @@ and one past that is refused with 429 and Retry-After. ``--api-key KEY``: every 
 
     GET  /v1/models                  the one model
     POST /v1/chat/completions        through the chat template; consecutive turns hit the cache
-    POST /v1/completions             raw text (or token ids)
+    POST /v1/completions             raw text (or token ids); with ``suffix``, the middle (rakv.fim)
+    POST /infill                     llama.cpp server's fill in the middle (llama.vim, llama.vscode)
     GET  /rakv/records?since=N       the engine's records after the first N (long-poll with wait=S)
 
 A chat request whose messages are a conversation this server answered (the same messages and
@@ -711,7 +712,7 @@ def add_serve_parser(sub, add_run_args) -> None:
     """``rakv serve``'s flags: ``add_run_args`` (generate's, from rakv.cli), --host, --port."""
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on localhost over the same engine",
                        description="An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
-                                   "/v1/models, streaming by server-sent events) on one engine, prefix cache and "
+                                   "/v1/models, streaming by server-sent events; llama.cpp's /infill for editors) on one engine, prefix cache and "
                                    "controller; each response carries a 'rakv' object; the explorer can attach "
                                    "(GET /rakv/records). See docs/serve.md.")
     add_run_args(s)
@@ -741,7 +742,7 @@ def cmd_serve(args, make_session) -> int:
         s = server.service
         log(f"serving {s.model} (policy {server.run.policy.name}, {s.pool.size} at once, queue {s.max_queue}"
             + (", API key required" if args.api_key else "") + f") on {server.url}: POST /v1/chat/completions, "
-            f"/v1/completions; GET /v1/models, /rakv/records" + (f"; recording to {args.record}" if args.record else "")
+            f"/v1/completions, /infill; GET /v1/models, /rakv/records" + (f"; recording to {args.record}" if args.record else "")
             + "; Ctrl-C stops")
         try:
             server.serve_forever()
