@@ -317,3 +317,18 @@ def test_the_answer_ends_at_the_first_fim_end_token():
     cur.finish()
     assert cur.kept == [a, b] and cur.ended == "fim_end" and stopped
     assert "".join(sent) == cur.rules.text == tok.decode([a, b])
+
+
+def test_a_seeded_fill_is_the_seeded_decoding_of_its_prompt(fim_server, reference):
+    """Sampled with a seed: the fill's ids are those of a plain completion of the same FIM prompt ids
+    with that seed (whose ids equal rakv generate --seed, tests/engine/test_serve.py)."""
+    body = vim_body(temperature=0.9, seed=77, response_fields=None)
+    a = post(fim_server.url, body, "/infill")[1]
+    b = post(fim_server.url, body, "/infill")[1]
+    assert a["content"] == b["content"] and a["rakv"]["output_ids"] == b["rakv"]["output_ids"]
+    _, _, _, ids = expected(reference, PREFIX, SUFFIX, LINE, EXTRA)
+    status, c = post(fim_server.url, {"prompt": ids, "max_tokens": N, "temperature": 0.9, "top_k": 40,
+                                      "top_p": 0.99, "seed": 77}, "/v1/completions")
+    assert status == 200
+    kept = a["rakv"]["output_ids"][: a["tokens_predicted"]]
+    assert c["rakv"]["output_ids"][: len(kept)] == kept
