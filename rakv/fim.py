@@ -9,8 +9,8 @@ with the current line last:
 
 so a keystroke (which changes the current line) changes only the end of the prompt, and the exact
 prefix cache reuses the rest. llama.cpp's server as vendored in llama-cpp-python 0.3.36 puts the
-line at the end of the prefix instead (``[PRE]prefix line [SUF]suffix [MID]``); its earlier servers,
-which llama.vim was written against, put it after ``[MID]`` as here. The prefix, suffix and extra
+line at the end of the prefix instead (``[PRE]prefix line [SUF]suffix [MID]``); earlier llama.cpp
+servers put it after ``[MID]`` as here. The prefix, suffix and extra
 chunks are cut to llama.cpp's shares of a batch (``build``).
 """
 
