@@ -154,7 +154,10 @@ def test_line_rules_through_the_server(fim_server, reference):
 
 
 @pytest.mark.parametrize("body, says", [
+    ([1, 2], "must be a JSON object"),
     ({"input_suffix": ""}, '"input_prefix" is required'),
+    ({"input_prefix": "", "input_suffix": "", "t_max_predict_ms": "soon"}, "t_max_predict_ms must be"),
+    ({"input_prefix": "", "input_suffix": "", "response_fields": "content"}, "response_fields must be"),
     ({"input_prefix": 1, "input_suffix": ""}, '"input_prefix" must be a string'),
     ({"input_prefix": "", "input_suffix": "", "prompt": 3}, '"prompt" must be a string'),
     ({"input_prefix": "", "input_suffix": "", "input_extra": "x"}, '"input_extra" must be an array'),
