@@ -3,7 +3,7 @@
 # `rakv serve`, sends the `add` example as llama.vim does (a warm-up, the fill, a keystroke), as a
 # completion with `suffix`, and with llama.vim's line rules, prints the answers, stops the server.
 # `--llama` sends the same requests to llama.cpp's llama-server on the same GGUF instead.
-#   bash scripts/fim_check.sh [--llama] [PORT]
+#   bash scripts/fim_check.sh [--llama] [PORT]      (TARGET / DRAFT: another pair for rakv serve)
 set -euo pipefail
 PEER=rakv
 if [ "${1:-}" = "--llama" ]; then PEER=llama; shift; fi
@@ -14,16 +14,16 @@ if [ "$PEER" = llama ]; then
     "$LS" -m "$HOME/.cache/rakv/models/presets/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf" --port "$PORT" \
         -t "${THREADS:-2}" --temp 0 > "$OUT/serve.out" 2> "$OUT/serve.err" &
 else
-    rakv serve --target qwen-coder-1.5b --draft qwen-coder-0.5b --port "$PORT" --parallel 1 \
+    rakv serve --target "${TARGET:-qwen-coder-1.5b}" --draft "${DRAFT:-qwen-coder-0.5b}" --port "$PORT" --parallel 1 \
         > "$OUT/serve.out" 2> "$OUT/serve.err" &
 fi
 PID=$!
-trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null; tail -8 "$OUT/serve.err"' EXIT
+trap 'kill $PID 2>/dev/null || true; wait $PID 2>/dev/null || true; tail -8 "$OUT/serve.err"' EXIT
 for _ in $(seq 1 600); do curl -sf "localhost:$PORT/v1/models" > /dev/null && break; sleep 1; done
 
 infill() {   # LINE N_PREDICT [extra JSON fields]
     curl -s "localhost:$PORT/infill" -d "{\"input_prefix\": \"def add(a, b):\\n\", \"input_suffix\": \"\\n\",
-        \"prompt\": \"$1\", \"n_predict\": $2, \"temperature\": 0, \"cache_prompt\": true $3}" | python3 -c '
+        \"prompt\": \"$1\", \"n_predict\": $2, \"temperature\": 0, \"cache_prompt\": true ${3:-}}" | python3 -c '
 import json, sys
 r = json.load(sys.stdin)
 t = r["timings"]
