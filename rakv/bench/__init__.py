@@ -272,7 +272,7 @@ def run(args, argv: list[str]) -> int:
 
     for peer in PEERS:
         peer.check(args)
-    if args.edits:                 # the edit trace against /infill servers (rakv/bench/edits.py)
+    if args.edits is not None:     # the edit trace against /infill servers (rakv/bench/edits.py)
         from .edits import check as check_edits, run_cli as run_edits
 
         check_edits(args)

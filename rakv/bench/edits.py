@@ -258,7 +258,7 @@ def add_args(ap) -> None:
 
 
 def check(args) -> None:
-    if args.edits:
+    if args.edits is not None:
         arm_names(args.edits)
         out = Path(args.out).expanduser()
         if out.exists() and not out.is_dir():
