@@ -573,6 +573,51 @@ class Engine:
         self._emit(end)
         return end
 
+    # ------------------------------------------------------------------ warm-up (an editor's n_predict: 0)
+    def warm(self, prompt, prompt_text: str | None = None) -> RequestEnd:
+        """Prefill ``prompt`` through the prefix cache and store its KV (the draft model's too),
+        decoding nothing: the next request that starts with these ids reuses them. Records a
+        request like any (start, cache lookups, end with ``stopped="warm"``)."""
+        with self._lock:
+            self._running = True
+            self._apply_budget()
+        try:
+            enc = self.encode_prompt(prompt)
+            ids, P = enc.ids, len(enc.ids)
+            if self.target.max_positions is not None and P > self.target.max_positions:
+                raise EngineError(f"prompt ({P} tokens) exceeds the model's context of {self.target.max_positions}")
+            rid = self._next_id
+            self._next_id += 1
+            self._open_request = rid
+            self._emit(RequestStart(request_id=rid, prompt=prompt_text or "", prompt_ids=ids, prompt_tokens=P,
+                                    max_new_tokens=0, policy=self.policy.name, templated=enc.templated,
+                                    template_prefix=enc.template_prefix))
+            t0 = now()
+            pf = prefill_with_reuse(self.target, ids, self.store)
+            self._emit_lookup(rid, "target", pf.hit, P, pf.stored, pf.lookup_ms, pf.forward_ms)
+            fwd = pf.forward_ms
+            if self.draft.has_model:
+                h = prefill_with_reuse(self.draft.lm, ids, self.store, need_logits=False)
+                self._emit_lookup(rid, "draft", h.hit, P, h.stored, h.lookup_ms, h.forward_ms)
+                fwd += h.forward_ms
+            ms = (now() - t0) * 1e3
+            end = RequestEnd(request_id=rid, prompt_tokens=P, hit_tokens=pf.hit.q, exact_repeat=bool(pf.hit.exact),
+                             action={"reuse": 1, "k": 0}, latency_ms=round(ms, 3), ttft_ms=round(ms, 3),
+                             alpha_ewma=round(self.alpha.value, 5), stopped="warm", forward_ms=round(fwd, 3))
+            self._open_request = None
+            self._emit(end)
+            return end
+        except Exception as e:
+            if self._open_request is not None:
+                self._emit(RequestEnd(request_id=self._open_request, stopped="error", text=f"{type(e).__name__}: {e}"))
+            raise
+        finally:
+            self._open_request = None
+            self._stop.clear()
+            with self._lock:
+                self._running = False
+                self._apply_budget()
+
     # ------------------------------------------------------------------ conversations (rakv.engine.chat)
     def _store_answer(self, rq: "_Request") -> None:
         """A conversation's turn: store the KV of prompt + answer, so the next turn (these ids, then
