@@ -28,10 +28,15 @@ from pathlib import Path
 
 from rakv import argtypes as A
 
-ARMS_HELP = ("rakv (rakv serve with the first --policies, else adaptive) | rakv-ar (target-only greedy: the "
-             "exactness reference) | rakv:POLICY (e.g. rakv:joint:4, rakv:kv) | llama (llama-server "
+ARMS_HELP = ("rakv (rakv serve with the first --policies, else adaptive) | rakv-ar (target-only greedy, no "
+             "reuse: the exactness reference) | rakv-kv (target-only greedy through the prefix cache: the "
+             "reference when rakv-ar is not run) | rakv:POLICY (e.g. rakv:joint:4) | llama (llama-server "
              "--cache-reuse 256 on --target's GGUF) | llama-md (with --draft's GGUF as -md)")
 REFERENCE = "rakv-ar"
+# the arms whose texts every other arm's are compared with, the first present: target-only greedy
+# decoding, without the prefix cache (ar) or through it (kv: the same ids, tests/engine/test_exactness.py)
+REFERENCES = (REFERENCE, "rakv-kv")
+FIXED = {REFERENCE: "ar", "rakv-kv": "kv"}
 
 
 @dataclass
@@ -47,6 +52,9 @@ class EditResult:
     reused_tokens: int | None      # of them, taken from its cache
     tokens_cached: int | None      # the server's own field, as it sent it
     predicted: int | None
+    action: str = ""               # rakv serve's decision for the request: "r1 k0 argmin" (its ``rakv`` object)
+    drafted: int | None = None
+    accepted: int | None = None
     ok: bool = True
     error: str = ""
 
@@ -73,6 +81,15 @@ def reuse_of(obj: dict) -> tuple[int | None, int | None]:
     return (int(n) if n is not None else None), None
 
 
+def decision_of(obj: dict) -> tuple[str, int | None, int | None]:
+    """(action, drafted, accepted) from rakv serve's ``rakv`` object; ("", None, None) elsewhere."""
+    r = obj.get("rakv") or {}
+    ds = r.get("decisions") or []
+    act = " / ".join(f"r{d['action'].get('reuse')} k{d['action'].get('k')} {d.get('reason', '')}".strip()
+                     for d in ds if isinstance(d, dict) and isinstance(d.get("action"), dict))
+    return act, r.get("drafted"), r.get("accepted")
+
+
 def infill(url: str, body: dict, timeout: float = 600.0) -> tuple[dict, float]:
     """One POST /infill; (the answer's JSON, latency s). An HTTP error: RuntimeError with its message."""
     req = urllib.request.Request(url + "/infill", data=json.dumps(body).encode(),
@@ -97,7 +114,7 @@ def replay(url: str, arm: str, requests, timeout: float = 600.0) -> list[EditRes
             p, c = reuse_of(obj)
             pred = (obj.get("timings") or {}).get("predicted_n", obj.get("tokens_predicted"))
             out.append(EditResult(arm, rq.file, rq.id, rq.kind, rq.key, obj.get("content", ""), lat, p, c,
-                                  obj.get("tokens_cached"), None if pred is None else int(pred)))
+                                  obj.get("tokens_cached"), None if pred is None else int(pred), *decision_of(obj)))
         except (OSError, RuntimeError, ValueError) as e:
             out.append(EditResult(arm, rq.file, rq.id, rq.kind, rq.key, "", 0.0, None, None, None, None,
                                   ok=False, error=f"{type(e).__name__}: {e}"[:200]))
@@ -114,7 +131,7 @@ def arm_names(text: str) -> list[str]:
     for n in names:
         if n.startswith("rakv:"):
             Policy.parse(n[5:])
-        elif n not in ("rakv", REFERENCE, "llama", "llama-md"):
+        elif n not in ("rakv", *FIXED, "llama", "llama-md"):
             raise ValueError(f"--edits: unknown arm {n!r} ({ARMS_HELP})")
     return names
 
@@ -128,7 +145,7 @@ def server_specs(args, names: list[str]) -> list:
     specs = []
     for n in names:
         if n.startswith("rakv"):
-            pol = "ar" if n == REFERENCE else (n[5:] if n.startswith("rakv:") else policy)
+            pol = FIXED.get(n) or (n[5:] if n.startswith("rakv:") else policy)
             extra = ["--threads", str(args.threads)] if args.threads else []
             spec = rakv_server(args.target, args.draft or "none", 1, pol, extra, name=n)
         else:
@@ -201,8 +218,16 @@ def quantile_ci(xs: list[float], q: float, n: int = 2000, seed: int = 0) -> tupl
     return round(float(np.quantile(qs, 0.025)), 3), round(float(np.quantile(qs, 0.975)), 3)
 
 
+def reference_arm(results: list[EditResult]) -> str | None:
+    arms = {r.arm for r in results}
+    return next((a for a in REFERENCES if a in arms), None)
+
+
 def summary_rows(results: list[EditResult]) -> list[dict]:
-    ref = {(r.id, r.kind): r.text for r in results if r.arm == REFERENCE and r.ok and r.kind == "key"}
+    """One row per arm; ``mismatches``: completions whose text differs from the reference arm's
+    (``reference_arm``) for the same request, of ``compared``; None without a reference arm."""
+    ref_arm = reference_arm(results)
+    ref = {(r.id, r.kind): r.text for r in results if r.arm == ref_arm and r.ok and r.kind == "key"}
     rows = []
     for arm in dict.fromkeys(r.arm for r in results):
         mine = [r for r in results if r.arm == arm]
@@ -219,11 +244,21 @@ def summary_rows(results: list[EditResult]) -> list[dict]:
                      "reused_p50": round(pct(shares, 0.5), 3), "reused_min": round(min(shares), 3) if shares else None,
                      "first_key_reused_min": round(min(first), 3) if first else None,
                      "mismatches": (sum(r.text != ref[(r.id, r.kind)] for r in compared) if ref else None),
-                     "compared": len(compared)})
+                     "compared": len(compared), "reference": ref_arm,
+                     "actions": actions_of(keys)})
     llama = [r["latency_p50_s"] for r in rows if r["arm"].startswith("llama") and r["completions"]]
     for r in rows:
         r["p50_vs_best_llama"] = round(r["latency_p50_s"] / min(llama), 3) if llama and r["completions"] else None
     return rows
+
+
+def actions_of(results: list[EditResult]) -> str | None:
+    """How often each first decision was taken ("r1 k0 argmin: 10, r1 k4 probe: 2"); None for a
+    server that does not say."""
+    from collections import Counter
+
+    c = Counter(r.action.split(" / ")[0] for r in results if r.action)
+    return ", ".join(f"{a}: {n}" for a, n in c.most_common()) or None
 
 
 def markdown(rows: list[dict]) -> str:
