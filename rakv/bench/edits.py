@@ -167,11 +167,13 @@ def server_specs(args, names: list[str]) -> list:
     return specs
 
 
-def run_edits(specs, trace: dict, out: Path, repeats: int = 1, progress=print) -> list[EditResult]:
-    """Every (file, arm) on a fresh server, arms rotated per file and repeat; OUT written after each."""
+def run_edits(specs, trace: dict, out: Path, repeats: int = 1, progress=print, meta: dict | None = None) -> list[EditResult]:
+    """Every (file, arm) on a fresh server, arms rotated per file and repeat; OUT written after each
+    (``meta``, the run's settings and machine, kept beside the results)."""
     from .load import stop
 
     out.mkdir(parents=True, exist_ok=True)
+    meta = {**(meta or {}), "servers": {s.name: s.argv for s in specs}}
     results: list[EditResult] = []
     files = list(trace)
     for rep in range(repeats):
@@ -194,8 +196,8 @@ def run_edits(specs, trace: dict, out: Path, repeats: int = 1, progress=print) -
                 progress(f"[edits] {f} ({fi + 1}/{len(files)}, repeat {rep + 1}) {spec.name}: {len(keys)} completions, "
                          f"p50 {pct([r.latency_s for r in keys], 0.5):.2f} s, reused p50 "
                          f"{pct(shares, 0.5):.0%}, errors {sum(not r.ok for r in rs)}, {time.perf_counter() - t0:.0f} s")
-                write_results(results, out)
-    write_results(results, out)
+                write_results(results, out, meta)
+    write_results(results, out, meta)
     return results
 
 
@@ -268,9 +270,10 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def write_results(results: list[EditResult], out: Path) -> None:
+def write_results(results: list[EditResult], out: Path, meta: dict | None = None) -> None:
     rows = summary_rows(results)
-    (out / "edits.json").write_text(json.dumps({"rows": rows, "results": [asdict(r) for r in results]}, indent=1))
+    (out / "edits.json").write_text(json.dumps({"meta": meta or {}, "rows": rows,
+                                                "results": [asdict(r) for r in results]}, indent=1))
     with open(out / "edits.csv", "w", newline="", encoding="utf-8") as fh:
         w = csv.DictWriter(fh, fieldnames=[*EditResult.__dataclass_fields__, "reused_share"])
         w.writeheader()
@@ -300,6 +303,22 @@ def check(args) -> None:
             raise ValueError(f"--out {args.out} is a file, not a folder")
 
 
+def run_meta(args, trace: dict) -> dict:
+    """What a figure from this run is tied to: the command, the date, the machine, the trace's settings."""
+    import shlex
+
+    from rakv.util.device import hardware_info
+    from rakv.workloads import edits as E
+
+    return {"command": shlex.join(["rakv", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else None,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hardware": hardware_info(), "set": args.edits_set,
+            "files": list(trace), "requests": sum(len(v) for v in trace.values()),
+            "client": {"n_prefix": E.N_PREFIX, "n_suffix": E.N_SUFFIX, "ring_chunks": E.RING_CHUNKS,
+                       "ring_chunk_lines": E.RING_CHUNK_LINES,
+                       "n_predict": next((r.n_predict for v in trace.values() for r in v if r.kind == "key"), None)},
+            "target": args.target, "draft": args.draft, "threads": args.threads}
+
+
 def run_cli(args) -> int:
     from rakv.workloads import edits as E
 
@@ -312,6 +331,6 @@ def run_cli(args) -> int:
           f"{args.repeats or 1} repeats", file=sys.stderr, flush=True)
     out = Path(args.out)
     results = run_edits(specs, trace, out, repeats=args.repeats or 1,
-                        progress=lambda m: print(m, file=sys.stderr, flush=True))
+                        progress=lambda m: print(m, file=sys.stderr, flush=True), meta=run_meta(args, trace))
     print(markdown(summary_rows(results)))
     return 0
