@@ -53,8 +53,10 @@ class EditResult:
     tokens_cached: int | None      # the server's own field, as it sent it
     predicted: int | None
     action: str = ""               # rakv serve's decision for the request: "r1 k0 argmin" (its ``rakv`` object)
-    drafted: int | None = None
+    drafted: int | None = None     # the model draft's tokens (rakv serve)
     accepted: int | None = None
+    copied: int | None = None      # n-gram copies from the prompt the gate verified in k = 0 rounds
+    copies_accepted: int | None = None
     ok: bool = True
     error: str = ""
 
@@ -81,13 +83,14 @@ def reuse_of(obj: dict) -> tuple[int | None, int | None]:
     return (int(n) if n is not None else None), None
 
 
-def decision_of(obj: dict) -> tuple[str, int | None, int | None]:
-    """(action, drafted, accepted) from rakv serve's ``rakv`` object; ("", None, None) elsewhere."""
+def decision_of(obj: dict) -> tuple:
+    """(action, drafted, accepted, copied, copies accepted) from rakv serve's ``rakv`` object
+    (("", None, ...) from another server)."""
     r = obj.get("rakv") or {}
     ds = r.get("decisions") or []
     act = " / ".join(f"r{d['action'].get('reuse')} k{d['action'].get('k')} {d.get('reason', '')}".strip()
                      for d in ds if isinstance(d, dict) and isinstance(d.get("action"), dict))
-    return act, r.get("drafted"), r.get("accepted")
+    return act, r.get("drafted"), r.get("accepted"), r.get("copied"), r.get("copies_accepted")
 
 
 def infill(url: str, body: dict, timeout: float = 600.0) -> tuple[dict, float]:
@@ -247,11 +250,17 @@ def summary_rows(results: list[EditResult]) -> list[dict]:
                      "first_key_reused_min": round(min(first), 3) if first else None,
                      "mismatches": (sum(r.text != ref[(r.id, r.kind)] for r in compared) if ref else None),
                      "compared": len(compared), "reference": ref_arm,
-                     "actions": actions_of(keys)})
+                     "actions": actions_of(keys), "drafted_accepted": _sums(keys, "drafted", "accepted"),
+                     "copied_accepted": _sums(keys, "copied", "copies_accepted")})
     llama = [r["latency_p50_s"] for r in rows if r["arm"].startswith("llama") and r["completions"]]
     for r in rows:
         r["p50_vs_best_llama"] = round(r["latency_p50_s"] / min(llama), 3) if llama and r["completions"] else None
     return rows
+
+
+def _sums(rs: list[EditResult], a: str, b: str) -> str | None:
+    xs = [(getattr(r, a), getattr(r, b)) for r in rs if getattr(r, a) is not None]
+    return f"{sum(x for x, _ in xs)}/{sum(y or 0 for _, y in xs)}" if xs else None
 
 
 def actions_of(results: list[EditResult]) -> str | None:
