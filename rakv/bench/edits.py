@@ -170,23 +170,38 @@ def server_specs(args, names: list[str]) -> list:
     return specs
 
 
-def run_edits(specs, trace: dict, out: Path, repeats: int = 1, progress=print, meta: dict | None = None) -> list[EditResult]:
+def run_edits(specs, trace: dict, out: Path, repeats: int = 1, progress=print, meta: dict | None = None,
+              together: bool = False) -> list[EditResult]:
     """Every (file, arm) on a fresh server, arms rotated per file and repeat; OUT written after each
-    (``meta``, the run's settings and machine, kept beside the results)."""
+    file (``meta``, the run's settings and machine, kept beside the results). ``together``: a file's
+    servers all started at once and each request sent to every arm in turn (rotated), so a slow
+    moment of the machine falls on every arm alike (the servers' memory at once)."""
     from .load import stop
 
     out.mkdir(parents=True, exist_ok=True)
-    meta = {**(meta or {}), "servers": {s.name: s.argv for s in specs}}
+    meta = {**(meta or {}), "servers": {s.name: s.argv for s in specs}, "interleave": "request" if together else "file"}
     results: list[EditResult] = []
     files = list(trace)
     for rep in range(repeats):
         for fi, f in enumerate(files):
             s = (fi + rep) % len(specs)
-            for spec in specs[s:] + specs[:s]:
-                try:
-                    proc, url = spec.start(out / "logs")
-                except RuntimeError as e:
-                    progress(f"[edits] {spec.name}: {e}; skipped (log in {out / 'logs'})")
+            order = specs[s:] + specs[:s]
+            t0 = time.perf_counter()
+            running = []
+            try:
+                for spec in (order if together else ()):
+                    running.append((spec, *_start(spec, out, progress)))
+                if together:
+                    rs = _replay_together([(sp, url) for sp, _, url in running if url], trace[f])
+                    results += rs
+                    _report(progress, f, fi, len(files), rep, rs, t0)
+            finally:
+                for _, proc, _ in running:
+                    if proc is not None:
+                        stop(proc)
+            for spec in (() if together else order):
+                proc, url = _start(spec, out, progress)
+                if proc is None:
                     continue
                 t0 = time.perf_counter()
                 try:
@@ -194,14 +209,39 @@ def run_edits(specs, trace: dict, out: Path, repeats: int = 1, progress=print, m
                 finally:
                     stop(proc)
                 results += rs
-                keys = [r for r in rs if r.ok and r.kind == "key"]
-                shares = [r.reused_share for r in keys if r.reused_share is not None]
-                progress(f"[edits] {f} ({fi + 1}/{len(files)}, repeat {rep + 1}) {spec.name}: {len(keys)} completions, "
-                         f"p50 {pct([r.latency_s for r in keys], 0.5):.2f} s, reused p50 "
-                         f"{pct(shares, 0.5):.0%}, errors {sum(not r.ok for r in rs)}, {time.perf_counter() - t0:.0f} s")
-                write_results(results, out, meta)
+                _report(progress, f, fi, len(files), rep, rs, t0)
+            write_results(results, out, meta)
     write_results(results, out, meta)
     return results
+
+
+def _start(spec, out: Path, progress):
+    """(process, url) of a started server; (None, None) where it did not start (its log says why)."""
+    try:
+        return spec.start(out / "logs")
+    except RuntimeError as e:
+        progress(f"[edits] {spec.name}: {e}; skipped (log in {out / 'logs'})")
+        return None, None
+
+
+def _replay_together(servers: list, requests) -> list[EditResult]:
+    """Each request to every server in turn, the order rotated per request."""
+    out = []
+    for i, rq in enumerate(requests):
+        s = i % max(1, len(servers))
+        for spec, url in servers[s:] + servers[:s]:
+            out += replay(url, spec.name, [rq])
+    return out
+
+
+def _report(progress, f: str, fi: int, n_files: int, rep: int, rs: list[EditResult], t0: float) -> None:
+    for arm in dict.fromkeys(r.arm for r in rs):
+        mine = [r for r in rs if r.arm == arm]
+        keys = [r for r in mine if r.ok and r.kind == "key"]
+        shares = [r.reused_share for r in keys if r.reused_share is not None]
+        progress(f"[edits] {f} ({fi + 1}/{n_files}, repeat {rep + 1}) {arm}: {len(keys)} completions, "
+                 f"p50 {pct([r.latency_s for r in keys], 0.5):.2f} s, reused p50 {pct(shares, 0.5):.0%}, "
+                 f"errors {sum(not r.ok for r in mine)}, {time.perf_counter() - t0:.0f} s")
 
 
 # ----------------------------------------------------------------------------- the table
@@ -302,6 +342,9 @@ def add_args(ap) -> None:
     g.add_argument("--edits-points", type=A.int_range(1, 100), default=None, help="cursor moves per file (default 3)")
     g.add_argument("--edits-keys", type=A.int_range(1, 100), default=None,
                    help="completion requests per typed line (default 4)")
+    g.add_argument("--edits-together", action="store_true",
+                   help="start a file's servers together and send each request to every arm in turn (the finest "
+                        "interleaving; every server's memory at once); default: one server at a time, per file")
 
 
 def check(args) -> None:
@@ -340,6 +383,7 @@ def run_cli(args) -> int:
           f"{args.repeats or 1} repeats", file=sys.stderr, flush=True)
     out = Path(args.out)
     results = run_edits(specs, trace, out, repeats=args.repeats or 1,
-                        progress=lambda m: print(m, file=sys.stderr, flush=True), meta=run_meta(args, trace))
+                        progress=lambda m: print(m, file=sys.stderr, flush=True), meta=run_meta(args, trace),
+                        together=args.edits_together)
     print(markdown(summary_rows(results)))
     return 0

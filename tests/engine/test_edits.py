@@ -165,6 +165,27 @@ def test_the_client_replays_a_file_and_reads_the_reuse(llama_like, root, tmp_pat
     assert (tmp_path / "edits.md").read_text().startswith("| arm |")
 
 
+def test_together_sends_each_request_to_every_arm_in_turn(llama_like, root, tmp_path):
+    """--edits-together: every arm's server up at once, each request to each in a rotated order."""
+    from rakv.bench.load import ServerSpec
+
+    reqs = E.edit_trace("tuning", root, points=1, keys=2, files=1)
+    calls = []
+
+    class Up(ServerSpec):
+        def start(self, log_dir):
+            calls.append(self.name)
+            return None, llama_like
+
+    rs = B.run_edits([Up("a", []), Up("b", [])], reqs, tmp_path, progress=lambda m: None, together=True,
+                     meta={"x": 1})
+    # (the stand-in's reuse is per connection order: only the arms and their order are checked)
+    assert calls == ["a", "b"] and [r.arm for r in rs][:4] == ["a", "b", "b", "a"]
+    assert len(rs) == 2 * len(reqs["shlex.py"]) and all(r.ok for r in rs)
+    saved = json.loads((tmp_path / "edits.json").read_text())["meta"]
+    assert saved["interleave"] == "request" and saved["x"] == 1 and set(saved["servers"]) == {"a", "b"}
+
+
 def test_a_server_error_is_kept_as_an_error_row(llama_like, root):
     reqs = E.edit_trace("tuning", root, points=1, keys=1, files=1)["shlex.py"]
     rs = B.replay(llama_like + "/nope", "llama", reqs)
