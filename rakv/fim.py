@@ -9,8 +9,8 @@ with the current line last:
 
 so a keystroke (which changes the current line) changes only the end of the prompt, and the exact
 prefix cache reuses the rest. llama.cpp's server as vendored in llama-cpp-python 0.3.36 puts the
-line at the end of the prefix instead (``[PRE]prefix line [SUF]suffix [MID]``); its earlier servers,
-which llama.vim was written against, put it after ``[MID]`` as here. The prefix, suffix and extra
+line at the end of the prefix instead (``[PRE]prefix line [SUF]suffix [MID]``); earlier llama.cpp
+servers put it after ``[MID]`` as here. The prefix, suffix and extra
 chunks are cut to llama.cpp's shares of a batch (``build``).
 """
 
@@ -66,26 +66,32 @@ _FOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def find_tokens(tokenizer) -> FimTokens:
     """The tokenizer's FIM tokens, by name; NoFim (one line naming what is missing) without them."""
-    try:
-        hit = _FOUND.get(tokenizer)
-    except TypeError:
-        hit = None
-    if hit is not None:
-        return hit
     if tokenizer is None:
         raise NoFim("fill-in-the-middle needs the model's tokenizer")
+    try:
+        out = _FOUND.get(tokenizer)
+    except TypeError:
+        out = None
+    if out is None:
+        out = _look_up(tokenizer)
+        try:
+            _FOUND[tokenizer] = out          # (the answer kept: the vocabulary is read once)
+        except TypeError:
+            pass
+    if isinstance(out, str):
+        raise NoFim(out)
+    return out
+
+
+def _look_up(tokenizer) -> "FimTokens | str":
+    """The FIM tokens in the tokenizer's vocabulary, or the line saying which are missing."""
     vocab = tokenizer.get_vocab()
     found = {role: next((vocab[n] for n in names if n in vocab), None) for role, names in NAMES.items()}
     missing = [role for role in ("pre", "suf", "mid") if found[role] is None]
     if missing:
         names = ", ".join(NAMES[r][0] for r in missing)
-        raise NoFim(f"this model cannot fill in the middle: its tokenizer has no {names} token")
-    out = FimTokens(**found)
-    try:
-        _FOUND[tokenizer] = out
-    except TypeError:
-        pass
-    return out
+        return f"this model cannot fill in the middle: its tokenizer has no {names} token"
+    return FimTokens(**found)
 
 
 def text_ids(tokenizer, text: str) -> list[int]:
@@ -144,6 +150,23 @@ def build(tokenizer, prefix: str, suffix: str, line: str = "", extra: list[tuple
     ids = (ext[len(ext) - n_ext:] + bos + [fim.pre] + pre[len(pre) - n_pre:] + [fim.suf] + suf[:n_suf]
            + [fim.mid] + cur)
     return FimPrompt(ids, n_pre, n_suf, n_ext, n_pre < len(pre) or n_suf < len(suf) or n_ext < len(ext))
+
+
+def split_blanks(line: str) -> tuple[str, str]:
+    """(the current line without its trailing spaces and tabs, those blanks). The blanks stay out of
+    the prompt: after the middle token the model never saw a lone space token (BPE joins a space to
+    the next word), so "    return " reads as a request for " a + b", not "a + b". The answer loses
+    as much of them from its start (``heal``); a keystroke that types a space changes no prompt."""
+    body = line.rstrip(" \t")
+    return body, line[len(body):]
+
+
+def heal(text: str, blanks: str) -> str:
+    """The answer without the blanks the line held back (as many of them as it starts with)."""
+    n = 0
+    while n < len(blanks) and n < len(text) and text[n] == blanks[n]:
+        n += 1
+    return text[n:]
 
 
 def suffix_share(n_batch: int) -> int:

@@ -9,7 +9,8 @@ and one past that is refused with 429 and Retry-After. ``--api-key KEY``: every 
 
     GET  /v1/models                  the one model
     POST /v1/chat/completions        through the chat template; consecutive turns hit the cache
-    POST /v1/completions             raw text (or token ids)
+    POST /v1/completions             raw text (or token ids); with ``suffix``, the middle (rakv.fim)
+    POST /infill                     llama.cpp server's fill in the middle (llama.vim, llama.vscode)
     GET  /rakv/records?since=N       the engine's records after the first N (long-poll with wait=S)
 
 A chat request whose messages are a conversation this server answered (the same messages and
@@ -179,7 +180,9 @@ class Service:
             fill.update(ids=list(cur.kept), ended=cur.ended or ("stop_string" if cur.stop.hit else end.stopped),
                         predicted=len(cur.kept) + (cur.ended == "fim_end"))
             if ask.infill:
-                text = api.cut_at_stops(cur.rules.text, ask.stop)
+                from ..fim import heal
+
+                text = api.cut_at_stops(heal(cur.rules.text, fill.get("blanks", "")), ask.stop)
         return Result(end, text, api.finish_reason(end.stopped, cur.stop.hit), self._rakv(j, cur), fill)
 
     def _rakv(self, j: dict, cur: Current) -> dict:
@@ -259,14 +262,15 @@ class Service:
 
         f, tok, maxpos = ask.fim, eng.target.tokenizer, eng.target.max_positions
         N = eng.config.max_new_tokens if ask.max_tokens is None else ask.max_tokens
-        p = F.build(tok, f.prefix, f.suffix, f.line, f.extra, n_predict=N, n_ctx=maxpos)
+        line, blanks = F.split_blanks(f.line)
+        p = F.build(tok, f.prefix, f.suffix, line, f.extra, n_predict=N, n_ctx=maxpos)
         P, truncated = len(p.ids), False          # (llama.cpp's truncated: the context ran out, not its FIM cuts)
         if maxpos is not None and P + N > maxpos:
             if P >= maxpos:
                 raise ApiError(400, f"the FIM prompt ({P} tokens) does not fit the model's context of {maxpos}",
                                code="context_length_exceeded")
             N, truncated = maxpos - P, True
-        info = {"prompt_tokens": P, "truncated": truncated, "n_predict": N}
+        info = {"prompt_tokens": P, "truncated": truncated, "n_predict": N, "blanks": blanks}
         text = f.prefix + f.line
         if N == 0:
             return eng.warm(p.ids, prompt_text=text), info
@@ -708,7 +712,7 @@ def add_serve_parser(sub, add_run_args) -> None:
     """``rakv serve``'s flags: ``add_run_args`` (generate's, from rakv.cli), --host, --port."""
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on localhost over the same engine",
                        description="An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
-                                   "/v1/models, streaming by server-sent events) on one engine, prefix cache and "
+                                   "/v1/models, streaming by server-sent events; llama.cpp's /infill for editors) on one engine, prefix cache and "
                                    "controller; each response carries a 'rakv' object; the explorer can attach "
                                    "(GET /rakv/records). See docs/serve.md.")
     add_run_args(s)
@@ -738,7 +742,7 @@ def cmd_serve(args, make_session) -> int:
         s = server.service
         log(f"serving {s.model} (policy {server.run.policy.name}, {s.pool.size} at once, queue {s.max_queue}"
             + (", API key required" if args.api_key else "") + f") on {server.url}: POST /v1/chat/completions, "
-            f"/v1/completions; GET /v1/models, /rakv/records" + (f"; recording to {args.record}" if args.record else "")
+            f"/v1/completions, /infill; GET /v1/models, /rakv/records" + (f"; recording to {args.record}" if args.record else "")
             + "; Ctrl-C stops")
         try:
             server.serve_forever()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from rakv.cli import Run
-from rakv.fim import LineRules, build, find_tokens
+from rakv.fim import LineRules, build, find_tokens, heal, split_blanks
 from rakv.serve import Server
 from rakv.util.textstream import TextStream
 from tests.engine.test_serve import post, get, serve_args
@@ -72,6 +72,7 @@ def expected(reference, prefix, suffix, line="", extra=(), n=N, rules=None, ms=l
     end token (or EOS) and where ``rules`` end it; the whole decoding's ids too."""
     tok, model = reference
     fim = find_tokens(tok)
+    line, blanks = split_blanks(line)
     ids = build(tok, prefix, suffix, line, [(c["filename"], c["text"]) for c in extra], n_predict=n,
                 n_ctx=model.config.max_position_embeddings).ids
     ends = fim.ends | {tok.eos_token_id}
@@ -86,7 +87,7 @@ def expected(reference, prefix, suffix, line="", extra=(), n=N, rules=None, ms=l
             break
     else:
         rules.push(text.finish(), 0.0)
-    return kept, rules.text, out, ids
+    return kept, heal(rules.text, blanks), out, ids
 
 
 # ----------------------------------------------------------------------------- /infill
@@ -123,6 +124,9 @@ def test_warm_up_fills_the_cache_and_a_keystroke_reuses_it(fim_server, reference
     kept, content, _, _ = expected(reference, PREFIX, SUFFIX, line, EXTRA)
     assert r["content"] == content
 
+    status, k = post(fim_server.url, vim_body(prompt=line + " ", response_fields=None), "/infill")   # a space:
+    assert status == 200 and k["rakv"]["exact_repeat"]                                                 # no new prompt
+
     status, k = post(fim_server.url, vim_body(prompt=line + "u", response_fields=None), "/infill")   # a keystroke
     _, content, _, ids2 = expected(reference, PREFIX, SUFFIX, line + "u", EXTRA)
     stable = ids.index(find_tokens(reference[0]).mid) + 1          # all up to the middle token
@@ -150,7 +154,10 @@ def test_line_rules_through_the_server(fim_server, reference):
 
 
 @pytest.mark.parametrize("body, says", [
+    ([1, 2], "must be a JSON object"),
     ({"input_suffix": ""}, '"input_prefix" is required'),
+    ({"input_prefix": "", "input_suffix": "", "t_max_predict_ms": "soon"}, "t_max_predict_ms must be"),
+    ({"input_prefix": "", "input_suffix": "", "response_fields": "content"}, "response_fields must be"),
     ({"input_prefix": 1, "input_suffix": ""}, '"input_prefix" must be a string'),
     ({"input_prefix": "", "input_suffix": "", "prompt": 3}, '"prompt" must be a string'),
     ({"input_prefix": "", "input_suffix": "", "input_extra": "x"}, '"input_extra" must be an array'),
@@ -223,6 +230,8 @@ def test_fim_prompt_order_and_truncation():
     assert ids[0] == f.rep and ids.count(f.sep) == 2                  # repository context first
     assert ids.index(f.pre) < ids.index(f.suf) < ids.index(f.mid)
     assert tok.decode(ids[ids.index(f.mid) + 1:]) == LINE              # the current line last
+    assert split_blanks("    return \t") == ("    return", " \t") and split_blanks("  ") == ("", "  ")
+    assert heal(" a + b", " ") == "a + b" and heal("(a)", " ") == "(a)" and heal("  x", "    ") == "x"
     assert not p.truncated
     long = build(tok, "a = 1\n" * 200, "b = 2\n" * 200, "", [("u.py", "c = 3\n" * 200)], n_predict=8, n_ctx=256)
     assert long.truncated and long.prefix_tokens == 48 and long.suffix_tokens == 14 == 64 // 4 - 2
@@ -311,3 +320,18 @@ def test_the_answer_ends_at_the_first_fim_end_token():
     cur.finish()
     assert cur.kept == [a, b] and cur.ended == "fim_end" and stopped
     assert "".join(sent) == cur.rules.text == tok.decode([a, b])
+
+
+def test_a_seeded_fill_is_the_seeded_decoding_of_its_prompt(fim_server, reference):
+    """Sampled with a seed: the fill's ids are those of a plain completion of the same FIM prompt ids
+    with that seed (whose ids equal rakv generate --seed, tests/engine/test_serve.py)."""
+    body = vim_body(temperature=0.9, seed=77, response_fields=None)
+    a = post(fim_server.url, body, "/infill")[1]
+    b = post(fim_server.url, body, "/infill")[1]
+    assert a["content"] == b["content"] and a["rakv"]["output_ids"] == b["rakv"]["output_ids"]
+    _, _, _, ids = expected(reference, PREFIX, SUFFIX, LINE, EXTRA)
+    status, c = post(fim_server.url, {"prompt": ids, "max_tokens": N, "temperature": 0.9, "top_k": 40,
+                                      "top_p": 0.99, "seed": 77}, "/v1/completions")
+    assert status == 200
+    kept = a["rakv"]["output_ids"][: a["tokens_predicted"]]
+    assert c["rakv"]["output_ids"][: len(kept)] == kept
