@@ -293,12 +293,19 @@ def rows_bucket(n: int) -> int:
     return max(1, int(n)).bit_length()
 
 
+def _bucket_at(b: int) -> float:
+    """Where bucket b's scale sits on log2(rows) (its rows' middle): scales are interpolated between
+    buckets, so W(n) has no step at a bucket's edge for the k that crosses it to exploit."""
+    return math.log2((2 ** (b - 1) + 2 ** b - 1) / 2)
+
+
 class BatchCosts:
     """W(n) as the batch's shared steps measured it: per bucket of total rows (``rows_bucket``), the
     measured ms of the target's pass over the profile's W(n) (a verify of n - 1 drafts, measured for
     one request) as a clipped log-space EWMA. Several requests' rows in one pass cost what one
     request's n rows do not (each attends to its own cache, the lanes' own Python), so the batch's
-    price follows the real steps. A bucket with no steps yet borrows its nearest measured one."""
+    price follows the real steps. Between measured buckets the scale is interpolated; past them
+    the nearest one's holds."""
 
     def __init__(self):
         self.scale: dict[int, float] = {}
@@ -309,21 +316,25 @@ class BatchCosts:
             return
         b = rows_bucket(rows)
         n = self.steps.get(b, 0)
-        r = min(BATCH_COST_CLIP, max(1.0 / BATCH_COST_CLIP, measured_ms / (predicted_ms * self.factor(rows))))
+        base = self.scale.get(b) or self.factor(rows)
+        r = min(BATCH_COST_CLIP, max(1.0 / BATCH_COST_CLIP, measured_ms / (predicted_ms * base)))
         w = 1.0 / (n + 1) if n < 1.0 / BATCH_COST_WEIGHT else BATCH_COST_WEIGHT
-        s = self.factor(rows) * r ** w
-        self.scale[b] = min(BATCH_COST_BOUND, max(1.0 / BATCH_COST_BOUND, s))
+        self.scale[b] = min(BATCH_COST_BOUND, max(1.0 / BATCH_COST_BOUND, base * r ** w))
         self.steps[b] = n + 1
 
     def factor(self, rows: int) -> float:
-        """The learned scale of a pass of ``rows`` rows (1.0 before any shared step)."""
+        """The learned scale of a pass of ``rows`` rows (1.0 before any shared step): its bucket's,
+        interpolated on log2(rows) between the measured buckets, the end ones' beyond them."""
         if not self.scale:
             return 1.0
-        b = rows_bucket(rows)
-        if b in self.scale:
-            return self.scale[b]
-        near = min(self.scale, key=lambda x: (abs(x - b), x))
-        return self.scale[near]
+        x = math.log2(max(1, rows))
+        pts = sorted((_bucket_at(b), s) for b, s in self.scale.items())
+        if x <= pts[0][0]:
+            return pts[0][1]
+        for (x0, s0), (x1, s1) in zip(pts, pts[1:]):
+            if x <= x1:
+                return s0 + (s1 - s0) * (x - x0) / (x1 - x0)
+        return pts[-1][1]
 
 
 class BatchView:
