@@ -410,7 +410,11 @@ class RoundPlanner:
         draft (its prompt, not read yet, or what k = 0 rounds skipped): one prefill, fed a chunk a step."""
         if not rq.draft_model or self.controller is None:
             return 0.0, 0.0
-        behind = self._draft_behind(rq.ids + rq.out, rq.reuse, rq.draft_model)
+        if rq.pf is None:                 # (deciding the request: the draft holds no state of it yet)
+            hd = self.store.peek(self.draft.key, rq.ids) if rq.reuse else None
+            behind = len(rq.ids) - (hd.usable if hd is not None else 0)
+        else:
+            behind = self._draft_behind(rq.ids + rq.out, rq.reuse, rq.draft_model)
         if behind <= 2:
             return 0.0, 0.0
         return self.controller.catchup_ms(behind, True, ctx), float(-(-behind // BATCH_PREFILL_CHUNK))
