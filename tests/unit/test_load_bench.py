@@ -1,5 +1,5 @@
 """The load bench's arms and its load that changes (rakv.bench.load, rakv.bench.peers.serving):
-fixed-k rakv arms (rakv-kN: rakv serve --policy joint:N), a trace of phases (clients over requests)
+fixed-k rakv arms (rakv-kN: rakv serve --policy joint:N, rakv-k0: kv), a trace of phases (clients over requests)
 parsed, refused with one line when malformed, and reported per phase and over the whole trace.
 No server is started here (tests/engine/test_batching.py runs one)."""
 
@@ -18,9 +18,10 @@ def test_the_rakv_arms_and_their_policies():
     assert rakv_policy("rakv-ar", "adaptive") == "ar"
     assert rakv_policy("rakv-k4", "adaptive") == "joint:4"
     assert rakv_policy("rakv-k12", "adaptive") == "joint:12"
+    assert rakv_policy("rakv-k0", "adaptive") == "kv"                  # reuse, no drafting
     assert rakv_policy("llama", "adaptive") is None
     assert all(known_server(s) for s in ("rakv", "rakv-ar", "rakv-k2", "llama", "llama-md"))
-    assert not any(known_server(s) for s in ("rakv-k0", "rakv-k", "rakv-kx", "rakv-k100", "vllm", "rakv-k2 "))
+    assert not any(known_server(s) for s in ("rakv-k01", "rakv-k", "rakv-kx", "rakv-k100", "vllm", "rakv-k2 "))
 
 
 def test_a_trace_parses_and_bad_ones_say_why():

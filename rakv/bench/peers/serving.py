@@ -16,17 +16,20 @@ from rakv import argtypes as A
 from .base import Peer
 
 SERVERS = ("rakv", "rakv-ar", "rakv-kN", "llama", "llama-md")
-FIXED_K = re.compile(r"rakv-k([1-9][0-9]?)")     # rakv serve --policy joint:N (reuse, a fixed k)
+FIXED_K = re.compile(r"rakv-k(0|[1-9][0-9]?)")     # rakv serve --policy joint:N (reuse, a fixed k; k0: kv)
 
 
 def rakv_policy(server: str, policy: str) -> str | None:
-    """The --policy a rakv arm serves with: rakv the given one, rakv-ar ar, rakv-kN joint:N; None: no rakv arm."""
+    """The --policy a rakv arm serves with: rakv the given one, rakv-ar ar, rakv-kN joint:N (rakv-k0: kv,
+    reuse without drafting); None: no rakv arm."""
     if server == "rakv":
         return policy
     if server == "rakv-ar":
         return "ar"
     m = FIXED_K.fullmatch(server)
-    return f"joint:{m.group(1)}" if m else None
+    if m is None:
+        return None
+    return "kv" if m.group(1) == "0" else f"joint:{m.group(1)}"
 
 
 def known_server(server: str) -> bool:
@@ -71,7 +74,7 @@ class ServingPeer(Peer):
         g = ap.add_argument_group("servers under concurrent load (--load; docs/serve.md)")
         g.add_argument("--load", default=None, metavar="LIST",
                        help=f"measure servers instead of policies: comma-separated {', '.join(SERVERS)} (rakv: rakv serve "
-                            "with the first --policies or adaptive; rakv-k4: rakv serve --policy joint:4 (a fixed k); "
+                            "with the first --policies or adaptive; rakv-k4: rakv serve --policy joint:4 (a fixed k; rakv-k0: kv); "
                             "llama: llama-server -np N on --target's GGUF; llama-md: with --draft's GGUF as its -md)")
         g.add_argument("--clients", default="1,2,4,8", help="client counts (default 1,2,4,8)")
         g.add_argument("--load-parallel", type=A.int_range(1, 64), default=None,
@@ -89,7 +92,7 @@ class ServingPeer(Peer):
             return
         bad = [s for s in args.load.split(",") if not known_server(s)]
         if bad:
-            raise ValueError(f"--load: unknown server {bad[0]!r} (choose from {', '.join(SERVERS)}; N from 1 to 99)")
+            raise ValueError(f"--load: unknown server {bad[0]!r} (choose from {', '.join(SERVERS)}; N from 0 to 99)")
         _int_list(args.clients)
         if args.load_trace:
             from ..load import parse_trace
