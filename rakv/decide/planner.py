@@ -261,7 +261,7 @@ class RoundPlanner:
              ctx: int) -> float:
         """Learn from the verified round; returns the exploration ms it spent (a probe's excess)."""
         m, a, gate, lookup = len(plan.drafts), accepted, plan.gate, plan.lookup
-        shared = self.shared(rq.rid)
+        shared = self.batch is not None and self.shared(rq.rid)
         if self.batch is not None:
             self.batch.told(rq.rid, m + 1, emitted)
         if plain_step(plan) and self.controller is not None:
