@@ -25,6 +25,7 @@ from ..prefix_cache import PrefixCache
 from ..records import Candidate, Decision
 from .gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, request_trust
 from .policy import E, batch_k, copies_win
+from ..config import PREFILL_CHUNK
 
 now = clock
 
@@ -35,7 +36,6 @@ COPY_GAIN_WEIGHT = 0.05     # a copy round's gain and dry planning: weight of ea
 COPY_SHARE_WEIGHT = 0.01    # ... the share of copy rounds that verify (matches come in bursts: a long window)
 COPY_RETRY = 8              # while copies do not pay, every 8th copy round still tries one
 COPY_EVIDENCE = 4           # verified copy rounds weighed before copies may be judged not to pay
-BATCH_PREFILL_CHUNK = 64    # prompt tokens a lane feeds a step beside others (rakv.engine.batch.PREFILL_CHUNK)
 PLAIN_BATCH = 16            # plain steps' times reach the profile this many at a time (and at a request's end)
 
 
@@ -417,7 +417,7 @@ class RoundPlanner:
             behind = self._draft_behind(rq.ids + rq.out, rq.reuse, rq.draft_model)
         if behind <= 2:
             return 0.0, 0.0
-        return self.controller.catchup_ms(behind, True, ctx), float(-(-behind // BATCH_PREFILL_CHUNK))
+        return self.controller.catchup_ms(behind, True, ctx), float(-(-behind // PREFILL_CHUNK))
 
     def join(self, rq, choice):
         """A request joins the batch (``self.batch``): it is counted among the requests from now on

@@ -25,12 +25,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..backends import backend_of, set_backend
+from ..config import PREFILL_CHUNK       # prompt tokens a request feeds per step while others decode
 from ..decide.learned import BatchView
 from ..decoding import cache_len
 from ..util.device import clock as now
 from ..kernels.segments import forward_segments, segments_ok
-
-PREFILL_CHUNK = 64        # prompt tokens a request feeds per step while others decode
 
 
 @dataclass
