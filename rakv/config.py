@@ -15,6 +15,7 @@ from .util.paths import env_on
 DEFAULT_K_SET: tuple[int, ...] = (0, 1, 2, 4, 6, 8)
 POLICIES_HELP = "adaptive | adaptive:gate | adaptive:nogate | adaptive:tree | ar | kv | spec:K | joint:K | tree:N"
 TREE_MAX_NODES = 16         # a tree verify of up to 17 rows keeps the block kernel's own attention
+PREFILL_CHUNK = 64        # prompt tokens a request feeds a step while others decode (rakv serve --parallel)
 LOOKUP_K = 16             # an n-gram lookup may verify up to this many tokens: drafting it is free, a verify of 17 costs ~1.7 steps
 HISTORY_TOKENS = 32768    # token ids of earlier requests an n-gram lookup may copy from (256 KiB; 0: off)
 DRAFT_VOCAB = 65536       # a separate draft model of a vocabulary of at least twice this drafts from its first this many ids

@@ -310,6 +310,7 @@ class Engine:
             return self._generate(prompt, max_new_tokens, prompt_text)
         except Exception as e:
             if self._open_request is not None:
+                self.planner.end_request(self._open_request)       # (it no longer shares the batch's steps)
                 self._emit(RequestEnd(request_id=self._open_request, stopped="error",
                                       text=f"{type(e).__name__}: {e}"))
             raise
@@ -395,16 +396,19 @@ class Engine:
                 ok, why = ctl.feasible(s, r, k)
                 stars = {str(k): ctl.request_alpha_star(s, r, k)} if k > 0 else {}
                 choice = Choice(r, k, c, [Candidate(r, k, c, ok, why)], self.alpha.value, stars, "fixed")
-            rq.reuse, rq.k = choice.reuse, choice.k
+            rq.reuse = choice.reuse
+            batch = self.planner.join(rq, choice)     # beside other requests: k priced by the batch it joins
+            rq.k = choice.k
             rq.explore = choice.reason == "probe" and choice.k > 0 and not policy.tree
             self._emit(Decision(request_id=rq.rid, candidates=[c.to_dict() for c in choice.candidates],
                                 action={"reuse": rq.reuse, "k": rq.k}, alpha=choice.alpha,
                                 alpha_star=choice.alpha_star, reason=choice.reason, decide_ms=choice.decide_ms,
                                 explore_balance_ms=round(ctl.explore_balance, 3), copy=choice.copy,
-                                explore_cost_ms=choice.explore_ms))
+                                explore_cost_ms=choice.explore_ms, batch=batch))
             rq.explore_ms += choice.explore_ms      # an explored request's predicted excess (its k = 0 is not run)
         else:
             rq.reuse, rq.k = int(policy.reuse), policy.k
+            self.planner.join(rq, None)
             self._emit(Decision(request_id=rq.rid, candidates=[Candidate(rq.reuse, rq.k, 0.0).to_dict()],
                                 action={"reuse": rq.reuse, "k": rq.k}, alpha=self.alpha.value, reason="fixed"))
         if rq.k > 0 and not rq.has_draft and not policy.tree:     # (a tree's source is the n-gram lookup)
@@ -422,7 +426,7 @@ class Engine:
         t1 = next_token(pf.logits, rq.sampling, 0)    # stored logits of an exact repeat: this request's seed
         rq.ttft = (now() - rq.t0) * 1e3
         self._emit_lookup(rq.rid, "target", pf.hit, P, pf.stored, pf.lookup_ms, pf.forward_ms)
-        if self.profile is not None and pf.forward_ms > 0:
+        if self.profile is not None and pf.forward_ms > 0 and not self.planner.shared(rq.rid):   # (shared: the batch's ms)
             self.profile.observe("T", self.profile.T(P - pf.hit.usable), pf.forward_ms)
         if self.controller is not None:
             self.controller.earn(rq.ttft)
