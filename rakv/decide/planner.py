@@ -421,6 +421,12 @@ class RoundPlanner:
         return RoundGate(amap, k, p.draft_step(ctx) if rq.draft_model else 0.0, p.verifies(k, ctx, over),
                          sunk=self.controller.catchup_ms(behind, rq.draft_model, ctx))
 
+    def copy_top(self, k_set) -> int:
+        """The longest copy a gated round verifies for a request of K = ``k_set`` (``_k_top`` of the
+        lookup, before the request begins): what the request-level prediction prices a copy round at."""
+        top = max(k_set)
+        return max(top, lookup_top(self.profile, self.lookup_k, top))
+
     def _k_top(self, rq, source) -> int:
         """The longest draft a gated round may verify: max(K), or lookup_top for n-gram lookup."""
         top = max(rq.k_set)
