@@ -72,6 +72,11 @@ def quality_text(state: SessionState) -> tuple[str, str]:
     else:
         parts.append("prediction error: —")
         tip.append("prediction error: none yet (no finished request with a prediction)")
+    moved = getattr(state.decision, "cost_scales", None) or {}
+    if moved:
+        parts.append("corrected online: " + ", ".join(f"{k} ×{v:.2f}" for k, v in moved.items()))
+        tip.append("the round records disagreed with the profile: these online cost scales (measured / "
+                   "calibrated) now correct its terms by more than 10% (machine: every term together)")
     if p and (p.get("contended") or (mape is not None and mape > GOOD_ERROR and len(rows) >= 3)):
         parts.append("<i>Run → Recalibrate costs</i>")
     return "<b>Costs</b>: " + " · ".join(parts), "\n".join(tip)
@@ -165,7 +170,7 @@ class CostsPanel(QWidget):
 
     def refresh(self, state: SessionState) -> None:
         self._state = state
-        qkey = (id(state), id(state.header), len(state.ends))
+        qkey = (id(state), id(state.header), len(state.ends), id(state.decision))
         if qkey != self._quality_key:
             self._quality_key = qkey
             text, tip = quality_text(state)

@@ -51,6 +51,19 @@ def copy_alpha(s: "Situation", alpha: float) -> float:
     return COPY_ALPHA if s.copy else alpha
 
 
+SCALE_NOTED = 0.1     # an online cost scale this far from 1 is shown: past a calibrated term's usual spread
+
+
+def moved_scales(profile: CostProfile, copy_scale: float = 1.0) -> dict:
+    """The online cost scales that now correct the profile's terms by more than SCALE_NOTED (the
+    round records disagreed with it): the machine factor, a term's own scale, and a copy verify's
+    learned cost; what the prediction stands on beside calibration, so the explorer shows it."""
+    out = {k: round(v, 3) for k, v in sorted(profile.scale.items()) if abs(math.log(max(v, 1e-9))) > math.log1p(SCALE_NOTED)}
+    if abs(math.log(max(copy_scale, 1e-9))) > math.log1p(SCALE_NOTED):
+        out["copy verify"] = round(copy_scale, 3)
+    return out
+
+
 def copy_length(s: "Situation", r: int, k: int) -> int:
     """How many tokens one round of action (r, k) copies on an exact repeat whose earlier output
     the history holds (0: the action does not copy): with r = 1 the lookup reads the history; a

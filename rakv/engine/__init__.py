@@ -20,7 +20,7 @@ from ..decoding import sampling as S
 from ..util.device import clock, hardware_info, versions_info
 from ..config import TREE_MAX_NODES, Policy, RakvConfig
 from ..decide.learned import AlphaEWMA
-from ..decide.controller import Choice, Controller, Situation, copy_length
+from ..decide.controller import Choice, Controller, Situation, copy_length, moved_scales
 from ..decide.profile import CostProfile, quality_summary
 from ..drafts.base import DraftSource
 from ..drafts.ngram import MAX_MATCH, history_match
@@ -404,7 +404,8 @@ class Engine:
                                 action={"reuse": rq.reuse, "k": rq.k}, alpha=choice.alpha,
                                 alpha_star=choice.alpha_star, reason=choice.reason, decide_ms=choice.decide_ms,
                                 explore_balance_ms=round(ctl.explore_balance, 3), copy=choice.copy,
-                                explore_cost_ms=choice.explore_ms, predicted_passes=choice.passes))
+                                explore_cost_ms=choice.explore_ms, predicted_passes=choice.passes,
+                                cost_scales=moved_scales(self.profile, self.planner.lookup_scale)))
             rq.explore_ms += choice.explore_ms      # an explored request's predicted excess (its k = 0 is not run)
         else:
             rq.reuse, rq.k = int(policy.reuse), policy.k

@@ -894,3 +894,13 @@ def test_an_ungated_ngram_draft_copies_k_a_round_on_an_exact_repeat():
     assert cands[1, 8] == pytest.approx(sum(prof.verify(8, ctx) for _ in range(7)) + prof.step(ctx), abs=1e-3)
     assert cands[1, 0] == pytest.approx(64 * prof.step(ctx) * c.out_frac, abs=1e-3)     # k = 0 copies nothing
     assert c.passes(s, 1, 8, 0.3) == 8.0
+
+
+def test_the_scales_that_correct_the_profile_are_named():
+    from rakv.decide.controller import moved_scales
+
+    prof = profile()
+    assert moved_scales(prof) == {}
+    prof.scale.update({"machine": 1.4, "T": 0.95, "R12": 0.5})
+    assert moved_scales(prof, copy_scale=1.05) == {"R12": 0.5, "machine": 1.4}
+    assert moved_scales(prof, copy_scale=1.3)["copy verify"] == 1.3
