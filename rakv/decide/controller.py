@@ -77,6 +77,16 @@ def copy_length(s: "Situation", r: int, k: int) -> int:
     return k if s.draft_copies else 0
 
 
+def copy_through_draft(best: Candidate, feas: list[Candidate], s: "Situation") -> Candidate:
+    """An n-gram draft copies through its own rounds at any k > 0, priced alike: take the largest
+    such k of the chosen r (its copies are then its drafts, as a fixed joint:k counts them);
+    a model draft's copy stays at k = 0 (the gate's lookup copies without waking the draft)."""
+    if not (s.copy and s.draft_copies and copy_length(s, best.reuse, best.k)):
+        return best
+    tied = [c for c in feas if c.reuse == best.reuse and c.k > 0 and c.predicted_ms <= best.predicted_ms]
+    return max(tied, key=lambda c: c.k) if tied else best
+
+
 def copy_rounds(L: int, run: int) -> list[int]:
     """The verify lengths of the rounds that copy an output of L tokens (the first comes from the
     prefill), ``run`` at most a round: each round verifies what it copies plus the pending token
@@ -249,6 +259,7 @@ class Controller(Acceptance):
             best = prefer_reuse(best, feas)
             if best.k > 0:
                 best = prefer_reuse(spec_or_plain(best, [c for c in feas if c.k == 0]), feas)
+            best = copy_through_draft(best, feas, s)
         reason, explore_ms = "argmin", 0.0
         self._explore = None
         if best is not None and best.k == 0 and force is None and s.has_draft and not s.copy:
@@ -419,6 +430,8 @@ class Controller(Acceptance):
         """Cheap test before pricing a probe (the engine then measures the draft's catch-up)."""
         lo, hi, quiet_ks = self._quiet
         if lo <= ctx < hi and k_set is quiet_ks:
+            return False
+        if self._copy:      # a copied repeat: its rounds copy as priced; a probe measures nothing it can use
             return False
         if not self.probe_due or remaining <= 2 or self.explore_balance <= 0:
             return False
