@@ -78,13 +78,21 @@ def copy_length(s: "Situation", r: int, k: int) -> int:
 
 
 def copy_through_draft(best: Candidate, feas: list[Candidate], s: "Situation") -> Candidate:
-    """An n-gram draft copies through its own rounds at any k > 0, priced alike: take the largest
-    such k of the chosen r (its copies are then its drafts, as a fixed joint:k counts them);
-    a model draft's copy stays at k = 0 (the gate's lookup copies without waking the draft)."""
-    if not (s.copy and s.draft_copies and copy_length(s, best.reuse, best.k)):
+    """An n-gram draft copies (an exact repeat, or gated copy rounds) through its own rounds at any
+    k > 0, priced alike: take the largest such k of the chosen r (its copies are then its drafts,
+    as a fixed joint:k counts them); a model draft's copy stays at k = 0 (the gate's lookup copies
+    without waking the draft)."""
+    if not (s.draft_copies and (copy_length(s, best.reuse, best.k) or gated_copies(s, best.k))):
         return best
     tied = [c for c in feas if c.reuse == best.reuse and c.k > 0 and c.predicted_ms <= best.predicted_ms]
     return max(tied, key=lambda c: c.k) if tied else best
+
+
+def gated_copies(s: "Situation", k: int) -> bool:
+    """Are action k's rounds on a new prompt gated copy rounds, priced from the copy ledger: a
+    k = 0 round under the gate looks up n-gram copies, and so does every round of an n-gram
+    draft (its k only bounds what the gate already bounds); only with measured evidence."""
+    return s.gate and s.copy_emit > 0 and (k == 0 or s.draft_copies)
 
 
 def copy_rounds(L: int, run: int) -> list[int]:
@@ -120,6 +128,8 @@ class Situation:
     copy_run: int = 0           # the longest copy a gated round verifies (the planner's lookup_top)
     copy_scale: float = 1.0     # a copy verify's learned ms over the profile's V(j) (the planner's lookup_scale)
     draft_copies: bool = False  # the draft itself is the n-gram lookup (its rounds of k copy)
+    copy_gain: float = 0.0      # a gated copy round's measured net gain over a plain step (ms; the copy ledger)
+    copy_emit: float = 0.0      # ... and the tokens it emits (0: no evidence, copies not priced)
 
 
 @dataclass
@@ -185,6 +195,10 @@ class Controller(Acceptance):
         c = p.T(s.P - hit)
         if r == 1 and not s.exact:
             c += p.clone_ms_per_token * s.P
+        if gated_copies(s, k):
+            # n plain steps, less each copy round's measured net gain over a step (n / copy_emit rounds)
+            c += n * p.step(ctx) - n / s.copy_emit * s.copy_gain
+            return lambda alpha: c
         if k == 0:
             c += n * p.step(ctx)
             return lambda alpha: c
@@ -218,6 +232,8 @@ class Controller(Acceptance):
         if j:
             return float(len(copy_rounds(self.copy_output(s), j)))
         n = max(0, s.N - 1) * self.out_frac
+        if gated_copies(s, k):
+            return n / s.copy_emit
         return n if k == 0 else n / E_shaped(k, alpha, self.shape) + min(1.0, n) * overshoot(k, alpha)
 
     def feasible(self, s: Situation, r: int, k: int) -> tuple[bool, str]:

@@ -61,6 +61,7 @@ class CopyLedger:
     dry_ms: float = 0.0        # planning of a copy round that verifies none (ms, weighted)
     n: int = 0                 # verified copy rounds seen
     rounds: int = 0            # copy rounds seen
+    accepted: float = 0.0      # copies the target accepted in a verified copy round (mean of the first, then weighted)
 
     def observe(self, m: int, accepted: int, t_ms: float, extra_ms: float, plan_ms: float) -> None:
         w = COPY_GAIN_WEIGHT
@@ -71,12 +72,23 @@ class CopyLedger:
             self.n += 1
             wg = max(w, 1.0 / self.n)
             self.gain = (1 - wg) * self.gain + wg * (accepted * t_ms - extra_ms - plan_ms)
+            self.accepted = (1 - wg) * self.accepted + wg * accepted
         else:
             self.dry_ms = (1 - w) * self.dry_ms + w * plan_ms
 
     def expected(self) -> float:
         """A copy round's expected net gain (ms)."""
         return self.verified * self.gain - (1 - self.verified) * self.dry_ms
+
+    def evidence(self) -> tuple[float, float] | None:
+        """What a request-level prediction takes from the copy rounds measured so far: a copy
+        round's expected net gain over a plain step (ms; where copies do not pay only every
+        COPY_RETRY-th round still tries one) and the tokens it emits; None before COPY_EVIDENCE
+        verified rounds (no evidence: copies are not priced)."""
+        if self.n < COPY_EVIDENCE:
+            return None
+        g = self.expected()
+        return (g if g >= 0 else g / COPY_RETRY), 1.0 + self.verified * self.accepted
 
 
 def copies_pay(expected_gain: float, skipped: int, evidence: int = COPY_EVIDENCE) -> bool:

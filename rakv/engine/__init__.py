@@ -623,7 +623,12 @@ class Engine:
                          copy=follow is not None, copy_tokens=len(follow or ()), gate=gate,
                          copy_run=self.planner.copy_top(k_set or self.k_set) if follow else 0,
                          copy_scale=self.planner.lookup_scale,
-                         draft_copies=self.draft.copies)
+                         draft_copies=self.draft.copies, **self._copy_evidence(gate))
+
+    def _copy_evidence(self, gate: bool) -> dict:
+        """The copy ledger's measured gain and tokens of a gated copy round (none without the gate)."""
+        ev = self.planner.copies.evidence() if gate else None
+        return {} if ev is None else {"copy_gain": ev[0], "copy_emit": ev[1]}
 
     def _copies_whole(self, ids, N: int) -> list[int] | None:
         """The earlier output of exactly this prompt the history holds, N tokens or up to EOS (None:

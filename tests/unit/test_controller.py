@@ -904,3 +904,41 @@ def test_the_scales_that_correct_the_profile_are_named():
     prof.scale.update({"machine": 1.4, "T": 0.95, "R12": 0.5})
     assert moved_scales(prof, copy_scale=1.05) == {"R12": 0.5, "machine": 1.4}
     assert moved_scales(prof, copy_scale=1.3)["copy verify"] == 1.3
+
+
+def test_gated_copy_rounds_on_a_new_prompt_are_priced_from_the_copy_ledger():
+    """Under the gate a k = 0 round looks up n-gram copies (and every round of an n-gram draft
+    does): with measured evidence (the copy ledger) such an action costs its plain steps less each
+    copy round's measured net gain, in n / tokens-a-round rounds; without evidence, as before."""
+    prof = profile()
+    c = Controller(prof, alpha_prior=0.5)
+    base = situation(q=50, gate=True)
+    ctx = base.P + base.N / 2
+    n = (base.N - 1) * c.out_frac
+    assert c.cost(base, 1, 0, 0.5) == pytest.approx(prof.T(51) + n * prof.step(ctx))      # no evidence
+    s = situation(q=50, gate=True, copy_gain=4.0, copy_emit=2.0)
+    assert c.cost(s, 1, 0, 0.5) == pytest.approx(prof.T(51) + n * prof.step(ctx) - n / 2.0 * 4.0)
+    assert c.passes(s, 1, 0, 0.5) == pytest.approx(n / 2.0)
+    assert c.cost(s, 1, 4, 0.5) == pytest.approx(c.cost(base, 1, 4, 0.5))     # a model draft's rounds: unchanged
+    ng = situation(q=50, gate=True, copy_gain=4.0, copy_emit=2.0, draft_model=False, draft_copies=True)
+    assert c.cost(ng, 1, 4, 0.5) == pytest.approx(c.cost(ng, 1, 0, 0.5))      # an n-gram draft's rounds copy alike
+    assert c.decide(ng).k == max(c.k_set)                                    # ... through its own rounds
+
+
+def test_the_copy_ledger_gives_evidence_only_after_verified_rounds():
+    from rakv.decide.planner import COPY_EVIDENCE, COPY_RETRY, CopyLedger
+
+    led = CopyLedger()
+    for _ in range(COPY_EVIDENCE - 1):
+        led.observe(4, 3, 10.0, 2.0, 0.1)
+    assert led.evidence() is None
+    led.observe(4, 3, 10.0, 2.0, 0.1)
+    gain, emit = led.evidence()
+    assert gain == pytest.approx(3 * 10.0 - 2.0 - 0.1) and emit == pytest.approx(4.0)
+    bad = CopyLedger()
+    for _ in range(COPY_EVIDENCE):
+        bad.observe(4, 0, 10.0, 5.0, 0.1)                  # copies that never hold: a loss, tried 1 in COPY_RETRY
+    assert bad.evidence()[0] == pytest.approx(-5.1 / COPY_RETRY) and bad.evidence()[1] == 1.0
+    c = Controller(profile(), alpha_prior=0.5)       # ... priced as such: a little over the plain steps
+    lose = situation(q=50, gate=True, copy_gain=bad.evidence()[0], copy_emit=1.0)
+    assert c.cost(lose, 1, 0, 0.5) > c.cost(situation(q=50, gate=True), 1, 0, 0.5)
