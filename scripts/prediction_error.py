@@ -7,6 +7,8 @@ requests and over exact repeats apart (issue 58: the median at most 25%).
     rakv generate --target qwen-coder-1.5b --draft qwen-coder-0.5b --json \\
         --prompts-file prompts.txt --record run.jsonl > run.json
     python scripts/prediction_error.py run.json
+    rakv bench --target qwen-coder-1.5b --draft qwen-coder-0.5b --workload code-heldout \
+        --policies adaptive --out out/pred && python scripts/prediction_error.py out/pred/executions.csv
 """
 
 from __future__ import annotations
@@ -30,12 +32,30 @@ def decisions(path: str | None) -> dict:
     return out
 
 
+def csv_rows(path: str) -> list[dict]:
+    """A bench's executions.csv as --json-like rows (the adaptive policies' requests)."""
+    import csv
+
+    out = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            if r["policy"].startswith("adaptive") and r["predicted_ms"] not in ("", None):
+                out.append({"request_id": f"{r['rep']}/{r['index']}", "predicted_ms": float(r["predicted_ms"]),
+                            "latency_ms": float(r["latency_ms"]), "exact_repeat": r["exact_repeat"] in ("1", "True", "true"),
+                            "action": {"reuse": r["reuse"], "k": r["k"]}, "rounds": r["rounds"]})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", nargs="?", help="rakv generate --json output (default: stdin)")
+    ap.add_argument("json", nargs="?", help="rakv generate --json output (default: stdin), or a bench's "
+                    "executions.csv (its adaptive requests)")
     ap.add_argument("--record", help="the run's --record file (copy flag, predicted passes)")
     a = ap.parse_args(argv)
-    lines = open(a.json).read().splitlines() if a.json else sys.stdin.read().splitlines()
+    if a.json and a.json.endswith(".csv"):
+        lines = [json.dumps(r) for r in csv_rows(a.json)]
+    else:
+        lines = open(a.json).read().splitlines() if a.json else sys.stdin.read().splitlines()
     dec = decisions(a.record)
     errs, rep = [], []
     print("req  exact  action   copy  predicted_ms  measured_ms  error  passes(pred/taken)")
@@ -53,7 +73,7 @@ def main(argv=None) -> int:
         d = dec.get(r["request_id"], r)
         pp = d.get("predicted_passes")
         act = f"({r['action']['reuse']},{r['action']['k']})"
-        print(f"{r['request_id']:>3}  {str(r['exact_repeat']):5}  {act:7}  {str(d.get('copy', '?')):5} "
+        print(f"{r['request_id']!s:>3}  {str(r['exact_repeat']):5}  {act:7}  {str(d.get('copy', '?')):5} "
               f"{pred:12.0f}  {meas:11.0f}  {e:5.0%}  {'?' if pp is None else f'{pp:.0f}'}/{r.get('rounds', '?')}")
     for name, xs in (("all requests", errs), ("exact repeats", rep)):
         if xs:
