@@ -73,6 +73,7 @@ class _Request:
     forward_ms: float = 0.0
     book_ms: float = 0.0
     explore_ms: float = 0.0
+    copied: bool = False         # priced as the copy of an exact repeat's earlier output (not copy-ledger evidence)
     explore: bool = False        # an explored request (drafts to learn alpha) ...
     dropped: bool = False        # ... that stopped drafting once its acceptance showed k does not pay
 
@@ -398,7 +399,7 @@ class Engine:
                 stars = {str(k): ctl.request_alpha_star(s, r, k)} if k > 0 else {}
                 choice = Choice(r, k, c, [Candidate(r, k, c, ok, why)], self.alpha.value, stars, "fixed",
                                 copy=bool(copy_length(s, r, k)), passes=round(ctl.passes(s, r, k, self.alpha.value), 2))
-            rq.reuse, rq.k = choice.reuse, choice.k
+            rq.reuse, rq.k, rq.copied = choice.reuse, choice.k, choice.copy
             rq.explore = choice.reason == "probe" and choice.k > 0 and not policy.tree
             self._emit(Decision(request_id=rq.rid, candidates=[c.to_dict() for c in choice.candidates],
                                 action={"reuse": rq.reuse, "k": rq.k}, alpha=choice.alpha,

@@ -408,9 +408,11 @@ def test_an_exact_repeat_is_predicted_as_the_copy_rounds_the_engine_then_runs(dr
                  lambda r: decisions.append(r) if isinstance(r, Decision) and r.round < 0 else None, profile())
     p = list(range(5, 45))
     first = eng.generate(p, 40)
+    ledger = (eng.planner.copies.n, eng.planner.copies.rounds)
     again = eng.generate(p, 40)
     assert_exact(first, target, p, 40)
     assert_exact(again, target, p, 40)
+    assert (eng.planner.copies.n, eng.planner.copies.rounds) == ledger     # a copy teaches the ledger nothing
     dec = decisions[1]
     assert dec.copy and dec.action["reuse"] == 1 and again.exact_repeat
     assert dec.predicted_passes <= 4 < first.rounds                 # 39 tokens after the first, 17 a copy round
