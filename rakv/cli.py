@@ -271,6 +271,9 @@ class Run:
             "rounds": end.rounds,
             "alpha_ewma": end.alpha_ewma, "alpha_star": dec.alpha_star if dec else {},
             "predicted_ms": end.predicted_ms, "stopped": end.stopped, "policy": self.policy.name,
+            # the chosen action priced as the copy of an exact repeat's earlier output, and the target
+            # passes after the prefill it predicted (beside "rounds": those taken)
+            "copy": bool(dec and dec.copy), "predicted_passes": dec.predicted_passes if dec else None,
             "numerics": self.engine.target.numerics,
             "backend": backend_name(self.engine.target),
             "templated": bool(start and start.templated),

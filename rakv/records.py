@@ -107,7 +107,9 @@ class Decision:
     decide_ms: float = 0.0
     explore_cost_ms: float = 0.0   # a probe's predicted cost beyond the plain steps it replaces
     explore_balance_ms: float = 0.0  # exploration budget left before this decision
-    copy: bool = False             # an exact repeat whose earlier output the n-gram lookup copies (alpha ~1)
+    copy: bool = False             # the chosen action copies an exact repeat's earlier output (its copy rounds priced)
+    predicted_passes: float | None = None   # target forwards after the prefill the chosen action is predicted to take
+    cost_scales: dict = field(default_factory=dict)   # online cost scales now correcting the profile by > 10% (term -> x)
     # the batch's price (rakv serve --parallel): the other requests' rows and expected tokens a step
     # when this k was chosen, and the k the single-request rule would have taken; {} alone
     batch: dict = field(default_factory=dict)

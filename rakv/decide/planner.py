@@ -71,6 +71,7 @@ class CopyLedger:
     dry_ms: float = 0.0        # planning of a copy round that verifies none (ms, weighted)
     n: int = 0                 # verified copy rounds seen
     rounds: int = 0            # copy rounds seen
+    accepted: float = 0.0      # copies the target accepted in a verified copy round (mean of the first, then weighted)
 
     def observe(self, m: int, accepted: int, t_ms: float, extra_ms: float, plan_ms: float) -> None:
         w = COPY_GAIN_WEIGHT
@@ -81,12 +82,23 @@ class CopyLedger:
             self.n += 1
             wg = max(w, 1.0 / self.n)
             self.gain = (1 - wg) * self.gain + wg * (accepted * t_ms - extra_ms - plan_ms)
+            self.accepted = (1 - wg) * self.accepted + wg * accepted
         else:
             self.dry_ms = (1 - w) * self.dry_ms + w * plan_ms
 
     def expected(self) -> float:
         """A copy round's expected net gain (ms)."""
         return self.verified * self.gain - (1 - self.verified) * self.dry_ms
+
+    def evidence(self) -> tuple[float, float] | None:
+        """What a request-level prediction takes from the copy rounds measured so far: a copy
+        round's expected net gain over a plain step (ms; where copies do not pay only every
+        COPY_RETRY-th round still tries one) and the tokens it emits; None before COPY_EVIDENCE
+        verified rounds (no evidence: copies are not priced)."""
+        if self.n < COPY_EVIDENCE:
+            return None
+        g = self.expected()
+        return (g if g >= 0 else g / COPY_RETRY), 1.0 + self.verified * self.accepted
 
 
 def copies_pay(expected_gain: float, skipped: int, evidence: int = COPY_EVIDENCE) -> bool:
@@ -210,7 +222,9 @@ class RoundPlanner:
         """This round's k, source and drafted tokens (a model draft is run here, gate and all)."""
         k = min(self._round_k(rq, seq, remaining), remaining - 1)
         copy = self._copy_round(rq, k, remaining)
-        if copy and not copies_pay(self.copies.expected(), self.copy_skipped, self.copies.n):
+        # (a copied repeat always looks up: its earlier output is known to be there)
+        if copy and not getattr(rq, "copied", False) and not copies_pay(self.copies.expected(), self.copy_skipped,
+                                                                        self.copies.n):
             self.copy_skipped += 1
             return RoundPlan(k=0)                 # a plain step
         tp = now()
@@ -265,7 +279,7 @@ class RoundPlanner:
         if self.batch is not None:
             self.batch.told(rq.rid, m + 1, emitted)
         if plain_step(plan) and self.controller is not None:
-            if plan.copy:                # (its lookup's cost, for the copy ledger)
+            if plan.copy and not getattr(rq, "copied", False):     # (its lookup's cost, for the copy ledger)
                 self.copies.observe(0, 0, 0.0, 0.0, plan.plan_ms)
             self.controller.observe_plain(round_ms)
             if not shared:
@@ -286,7 +300,8 @@ class RoundPlanner:
         v_m = p.verify(m, ctx) if copied and p is not None else 0.0      # (a copy round with drafts is copied)
         if copied and p is not None:                     # a copy's verify learns its own cost
             self.lookup_scale = lookup_cost_scale(self.lookup_scale, verify_ms, v_m)
-        if plan.copy and p is not None:
+        # (a copied repeat's copies were known in advance: they say nothing of a new prompt's)
+        if plan.copy and p is not None and not getattr(rq, "copied", False):
             t_ms = p.step(ctx)                           # (its verify at its learned cost, as the gate prices it)
             extra = v_m * self.lookup_scale - t_ms if m else 0.0
             self.copies.observe(m, a, t_ms, extra, plan.plan_ms)
@@ -482,6 +497,12 @@ class RoundPlanner:
         over = self.lookup_scale if self.lookup is self.draft else 1.0      # an n-gram draft verifies copies
         return RoundGate(amap, k, p.draft_step(ctx) if rq.draft_model else 0.0, p.verifies(k, ctx, over),
                          sunk=self.controller.catchup_ms(behind, rq.draft_model, ctx))
+
+    def copy_top(self, k_set) -> int:
+        """The longest copy a gated round verifies for a request of K = ``k_set`` (``_k_top`` of the
+        lookup, before the request begins): what the request-level prediction prices a copy round at."""
+        top = max(k_set)
+        return max(top, lookup_top(self.profile, self.lookup_k, top))
 
     def _k_top(self, rq, source) -> int:
         """The longest draft a gated round may verify: max(K), or lookup_top for n-gram lookup."""

@@ -20,7 +20,7 @@ from ..decoding import sampling as S
 from ..util.device import clock, hardware_info, versions_info
 from ..config import TREE_MAX_NODES, Policy, RakvConfig
 from ..decide.learned import AlphaEWMA
-from ..decide.controller import Choice, Controller, Situation
+from ..decide.controller import Choice, Controller, Situation, copy_length, moved_scales
 from ..decide.profile import CostProfile, quality_summary
 from ..drafts.base import DraftSource
 from ..drafts.ngram import MAX_MATCH, history_match
@@ -73,6 +73,7 @@ class _Request:
     forward_ms: float = 0.0
     book_ms: float = 0.0
     explore_ms: float = 0.0
+    copied: bool = False         # priced as the copy of an exact repeat's earlier output (not copy-ledger evidence)
     explore: bool = False        # an explored request (drafts to learn alpha) ...
     dropped: bool = False        # ... that stopped drafting once its acceptance showed k does not pay
 
@@ -385,7 +386,9 @@ class Engine:
         policy, ctl = rq.policy, self.controller
         choice = None
         if ctl is not None:
-            s = self._situation(rq.ids, rq.N, rq.budget, rq.has_draft, rq.draft_model, peek=policy.adaptive)
+            # (a fixed policy's prediction prices its real hit too: the oracle sets it beside its run)
+            s = self._situation(rq.ids, rq.N, rq.budget, rq.has_draft, rq.draft_model, peek=True,
+                                gate=policy.gate, k_set=rq.k_set)
             if policy.adaptive:
                 choice = ctl.decide(s, rq.k_set, rq.force)
                 if policy.tree:            # the controller's reuse; every round prices its own tree
@@ -395,8 +398,9 @@ class Engine:
                 c = round(ctl.cost(s, r, k, self.alpha.value), 3)
                 ok, why = ctl.feasible(s, r, k)
                 stars = {str(k): ctl.request_alpha_star(s, r, k)} if k > 0 else {}
-                choice = Choice(r, k, c, [Candidate(r, k, c, ok, why)], self.alpha.value, stars, "fixed")
-            rq.reuse = choice.reuse
+                choice = Choice(r, k, c, [Candidate(r, k, c, ok, why)], self.alpha.value, stars, "fixed",
+                                copy=bool(copy_length(s, r, k)), passes=round(ctl.passes(s, r, k, self.alpha.value), 2))
+            rq.reuse, rq.copied = choice.reuse, choice.copy
             batch = self.planner.join(rq, choice)     # beside other requests: k priced by the batch it joins
             rq.k = choice.k
             rq.explore = choice.reason == "probe" and choice.k > 0 and not policy.tree
@@ -404,7 +408,8 @@ class Engine:
                                 action={"reuse": rq.reuse, "k": rq.k}, alpha=choice.alpha,
                                 alpha_star=choice.alpha_star, reason=choice.reason, decide_ms=choice.decide_ms,
                                 explore_balance_ms=round(ctl.explore_balance, 3), copy=choice.copy,
-                                explore_cost_ms=choice.explore_ms, batch=batch))
+                                explore_cost_ms=choice.explore_ms, predicted_passes=choice.passes,
+                                cost_scales=moved_scales(self.profile, self.planner.lookup_scale), batch=batch))
             rq.explore_ms += choice.explore_ms      # an explored request's predicted excess (its k = 0 is not run)
         else:
             rq.reuse, rq.k = int(policy.reuse), policy.k
@@ -645,7 +650,8 @@ class Engine:
                                prefill_ms=round(prefill_ms, 3)))
 
     # ------------------------------------------------------------------ helpers
-    def _situation(self, ids, N, budget, has_draft, draft_model, peek: bool) -> Situation:
+    def _situation(self, ids, N, budget, has_draft, draft_model, peek: bool, gate: bool | None = None,
+                   k_set=None) -> Situation:
         P = len(ids)
         q = qd = 0
         exact = exact_d = False
@@ -657,20 +663,32 @@ class Engine:
                 qd, exact_d = hd.q, hd.q == P
         V = int(self.target.model.config.vocab_size)
         # (only greedy decoding repeats an earlier output: a sampled request has its own seed)
-        copy = (peek and exact and self.sampling.greedy and self.draft.copies
-                and self._copies_whole(ids, N))
+        # (the gate's lookup copies with any draft; without it only an n-gram draft copies)
+        gate = (self.policy.gate if gate is None else gate) and self.profile is not None
+        follow = (self._copies_whole(ids, N) if peek and exact and self.sampling.greedy
+                  and (gate or self.draft.copies) else None)
         entry = P * self.target.kv_bytes_per_token() + 4 * V
         dentry = P * self.draft.lm.kv_bytes_per_token() if draft_model else 0
         return Situation(P=P, N=N, q=q, exact=exact, qd=qd, exact_d=exact_d, entry_bytes=entry,
                          draft_entry_bytes=dentry, budget=budget, has_draft=has_draft, draft_model=draft_model,
-                         copy=copy)
+                         copy=follow is not None, copy_tokens=len(follow or ()), gate=gate,
+                         copy_run=self.planner.copy_top(k_set or self.k_set) if follow else 0,
+                         copy_scale=self.planner.lookup_scale,
+                         draft_copies=self.draft.copies, **self._copy_evidence(gate))
 
-    def _copies_whole(self, ids, N: int) -> bool:
-        """Does the history hold an earlier output of exactly this prompt, N tokens or up to EOS?"""
+    def _copy_evidence(self, gate: bool) -> dict:
+        """The copy ledger's measured gain and tokens of a gated copy round (none without the gate)."""
+        ev = self.planner.copies.evidence() if gate else None
+        return {} if ev is None else {"copy_gain": ev[0], "copy_emit": ev[1]}
+
+    def _copies_whole(self, ids, N: int) -> list[int] | None:
+        """The earlier output of exactly this prompt the history holds, N tokens or up to EOS (None:
+        none); the n-gram lookup that will copy it (the draft's, or the gate's side lookup) reads it."""
         h = self.store.history
         if not len(h):
-            return False
-        follow, m = history_match(ids, N, self.draft.sizes, h.tokens)
-        return m >= min(len(ids), MAX_MATCH) and bool(follow) and (
+            return None
+        follow, m = history_match(ids, N, self.lookup.sizes, h.tokens)
+        whole = m >= min(len(ids), MAX_MATCH) and bool(follow) and (
             len(follow) >= N or follow[-1] in self.target.eos_ids)
+        return list(follow[:N]) if whole else None
 
