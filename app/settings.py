@@ -13,7 +13,8 @@ from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings
 
-from rakv.config import DEFAULT_K_SET, Policy, parse_k_set
+from rakv.config import DEFAULT_K_SET, DEMO_DRAFT, Policy, parse_k_set
+from rakv.config import default_draft as rakv_default_draft
 
 MAX_RECENT = 8
 DEFAULT_PROMPT = ("Explain in two sentences why caching the key and value states of a prompt "
@@ -58,7 +59,7 @@ class Settings:
 
     DEFAULTS = {
         "models/target": "demo",
-        "models/draft": "int8",
+        "models/draft": DEMO_DRAFT,      # the demo target's default draft (rakv.config.default_draft)
         "run/prompt": DEFAULT_PROMPT,
         "run/policy": "adaptive",
         "run/max_new_tokens": 256,            # lets a code answer finish (issue 44)
@@ -182,11 +183,12 @@ GENERIC_DRAFTS = ("int8", "ngram", "none")     # drafts made for any target (its
 
 def default_draft(target: str) -> str:
     """The draft a target gets when none is named: a preset's own draft (qwen-coder-1.5b:
-    qwen-coder-0.5b), else the explorer's default (``Settings.DEFAULTS``)."""
+    qwen-coder-0.5b), else the engine's default for it (``rakv.config.default_draft``: the demo's
+    n-gram draft, int8 for any other target)."""
     from rakv.load.presets import PRESETS
 
     p = PRESETS.get(target.strip())
-    return p.draft if p is not None and p.draft else Settings.DEFAULTS["models/draft"]
+    return p.draft if p is not None and p.draft else rakv_default_draft(target)
 
 
 def command_line_pair(target: str | None, draft: str | None, shown_target: str,

@@ -560,6 +560,23 @@ class SessionState:
                 return e.latency_ms
         return None
 
+    def measured_passes(self, request_id: int) -> int | None:
+        """The target forwards a finished request took after its prefill (``RequestEnd.rounds``)."""
+        for e in reversed(self.ends):
+            if e.request_id == request_id:
+                return e.rounds
+        return None
+
+    def prediction_median(self) -> float | None:
+        """Median |predicted - measured| / measured over the finished requests (None before one):
+        the figure the controller is held to (a few cold first requests do not hide it)."""
+        rows = self.prediction_errors()
+        if not rows:
+            return None
+        errs = sorted(abs(p - m) / m for _, p, m in rows)
+        n = len(errs)
+        return errs[n // 2] if n % 2 else (errs[n // 2 - 1] + errs[n // 2]) / 2
+
     def prediction_errors(self) -> list[tuple[int, float, float]]:
         """(request id, predicted ms, measured ms) of every finished request the controller priced
         (``RequestEnd.predicted_ms``; fixed policies predict nothing)."""

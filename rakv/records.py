@@ -107,7 +107,9 @@ class Decision:
     decide_ms: float = 0.0
     explore_cost_ms: float = 0.0   # a probe's predicted cost beyond the plain steps it replaces
     explore_balance_ms: float = 0.0  # exploration budget left before this decision
-    copy: bool = False             # an exact repeat whose earlier output the n-gram lookup copies (alpha ~1)
+    copy: bool = False             # the chosen action copies an exact repeat's earlier output (its copy rounds priced)
+    predicted_passes: float | None = None   # target forwards after the prefill the chosen action is predicted to take
+    cost_scales: dict = field(default_factory=dict)   # online cost scales now correcting the profile by > 10% (term -> x)
     # the batch's price (rakv serve --parallel): the other requests' rows and expected tokens a step
     # when this k was chosen, and the k the single-request rule would have taken; {} alone
     batch: dict = field(default_factory=dict)
@@ -177,6 +179,9 @@ class RequestEnd:
     explore_ms: float = 0.0        # what this request's probes cost beyond plain steps
     threads: int = 0               # the thread count at its end (rakv.util.threads: adapts unless --threads)
     thread_switches: int = 0       # times the adaptive count changed so far in this engine
+    # V(k) corrections the round records put in force (rakv.decide.profile.CostProfile.corrections):
+    # {"V(8)": 0.52}: the calibrated V(8) was off by more than its noise; {} when none
+    cost_corrections: dict = field(default_factory=dict)
 
 
 @dataclass

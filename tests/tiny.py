@@ -26,14 +26,18 @@ CORPUS = [
 ]
 
 
-@lru_cache(maxsize=2)
-def _tokenizer_json(variant: int = 0) -> str:
+# Qwen2.5-Coder's fill-in-the-middle tokens (``tiny_tokenizer(fim=True)`` has them, as ids 2..7)
+FIM_TOKENS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+
+
+@lru_cache(maxsize=3)
+def _tokenizer_json(variant: int = 0, fim: bool = False) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 2, special_tokens=["<eos>", "<pad>"],
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 2, special_tokens=["<eos>", "<pad>"] + (FIM_TOKENS if fim else []),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     corpus = CORPUS if variant == 0 else [c[::-1] for c in CORPUS]   # variant 1: other merges/ids
     tok.train_from_iterator(corpus * 4, trainer)
@@ -46,12 +50,14 @@ CHAT_TEMPLATE = ("{{ '<pad>system: You answer briefly and exactly.\n' }}"
                  "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
 
 
-def tiny_tokenizer(variant: int = 0, chat: bool = False) -> PreTrainedTokenizerFast:
-    """The tiny tokenizer; ``chat=True`` gives it CHAT_TEMPLATE."""
+def tiny_tokenizer(variant: int = 0, chat: bool = False, fim: bool = False) -> PreTrainedTokenizerFast:
+    """The tiny tokenizer; ``chat=True`` gives it CHAT_TEMPLATE, ``fim=True`` FIM_TOKENS (a tokenizer
+    of its own: its other ids differ from the plain one's)."""
     from tokenizers import Tokenizer
 
-    t = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(variant)),
-                                eos_token="<eos>", pad_token="<pad>")
+    t = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(variant, fim)),
+                                eos_token="<eos>", pad_token="<pad>",
+                                **({"additional_special_tokens": FIM_TOKENS} if fim else {}))
     if chat:
         t.chat_template = CHAT_TEMPLATE
     return t
@@ -291,14 +297,14 @@ def synthetic_profile(V=None, d=0.3, alpha0=0.7):
 
 
 def save_tiny(path, arch: str = "llama", seed: int = 0, tokenizer_variant: int = 0, draft_of=None,
-              chat: bool = False):
+              chat: bool = False, fim: bool = False):
     """Write a tiny model + tokenizer to ``path`` (a local dir the CLI can load); ``chat``: with a
-    chat template."""
+    chat template; ``fim``: a tokenizer with FIM tokens."""
     import copy as _copy
 
     m = make_model(arch, seed=seed) if draft_of is None else perturbed(_copy.deepcopy(draft_of), 0.01)
     m.save_pretrained(path)
-    tiny_tokenizer(tokenizer_variant, chat=chat).save_pretrained(path)
+    tiny_tokenizer(tokenizer_variant, chat=chat, fim=fim).save_pretrained(path)
     return m
 
 

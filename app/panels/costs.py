@@ -1,7 +1,8 @@
 """Action costs: one bar per candidate (r, k) of a Decision; chosen highlighted, infeasible greyed
 (reason as tooltip); after the request, the measured latency beside the prediction. A chosen k = 0
 whose rounds the confidence gate filled with n-gram copies says so: "k=0 + copy n" (n copied tokens
-the target accepted), as the token stream and the acceptance panel count them.
+the target accepted), as the token stream and the acceptance panel count them; an exact repeat
+priced as the copy of its earlier output says so, and the target passes predicted beside those taken.
 
 Third view, "measured: every action" (an ``OracleResult``): every action's predicted bar with its
 measured median beside it (whisker: fastest to slowest run), the oracle (best measured feasible
@@ -56,22 +57,50 @@ def quality_text(state: SessionState) -> tuple[str, str]:
         if spread:
             tip.append("spread of the repeats per term: " + ", ".join(
                 f"{k} {v * 100:.0f}%" for k, v in sorted(spread.items(), key=lambda kv: -kv[1])))
+    fixes = corrections_of(state)
+    if fixes:
+        parts.append("corrected by rounds: " + ", ".join(f"{t} x{c:.2f}" for t, c in fixes.items()))
+        tip.append("the round records disagreed with the calibrated V(k) by more than its noise, so the learned "
+                   "scale corrects it (CostProfile.shape_correction): " + ", ".join(
+                       f"{t} x{c:.2f}" for t, c in fixes.items()))
     rows = state.prediction_errors()
     mape = state.prediction_mape()
     if mape is not None:
-        col = ORACLE if mape <= GOOD_ERROR else ("#d94801" if mape <= 2 * GOOD_ERROR else MEASURED)
+        med = state.prediction_median()
+        col = ORACLE if med <= GOOD_ERROR else ("#d94801" if med <= 2 * GOOD_ERROR else MEASURED)
         _, pr, me = rows[-1]
-        parts.append(f"prediction error <b style='color:{col}'>{mape * 100:.0f}%</b> ({len(rows)} "
-                     f"request{'s' if len(rows) != 1 else ''})")
-        tip.append(f"prediction error: mean of |predicted - measured| / measured over {len(rows)} finished "
-                   f"requests (RequestEnd.predicted_ms vs latency_ms); the last: predicted {pr:.0f} ms, "
-                   f"measured {me:.0f} ms (Show: predicted vs measured: every request)")
+        parts.append(f"prediction error <b style='color:{col}'>{med * 100:.0f}%</b> median, {mape * 100:.0f}% mean "
+                     f"({len(rows)} request{'s' if len(rows) != 1 else ''})")
+        tip.append(f"prediction error: median and mean of |predicted - measured| / measured over {len(rows)} "
+                   f"finished requests (RequestEnd.predicted_ms vs latency_ms; green: median within "
+                   f"{GOOD_ERROR * 100:.0f}%); the last: predicted {pr:.0f} ms, measured {me:.0f} ms "
+                   f"(Show: predicted vs measured: every request)")
     else:
         parts.append("prediction error: —")
         tip.append("prediction error: none yet (no finished request with a prediction)")
+    moved = getattr(state.decision, "cost_scales", None) or {}
+    if moved:
+        parts.append("corrected online: " + ", ".join(f"{k} ×{v:.2f}" for k, v in moved.items()))
+        tip.append("the round records disagreed with the profile: these online cost scales (measured / "
+                   "calibrated) now correct its terms by more than 10% (machine: every term together)")
     if p and (p.get("contended") or (mape is not None and mape > GOOD_ERROR and len(rows) >= 3)):
         parts.append("<i>Run → Recalibrate costs</i>")
     return "<b>Costs</b>: " + " · ".join(parts), "\n".join(tip)
+
+
+def corrections_of(state: SessionState) -> dict:
+    """The V(k) corrections in force after the latest finished request ({} before one, or in a
+    recording made before they were recorded)."""
+    end = getattr(state, "last_end", None)
+    return dict(getattr(end, "cost_corrections", None) or {})
+
+
+def passes_text(d, measured: int | None) -> str:
+    """The chosen action's predicted target passes after the prefill, and those the request took."""
+    pp = getattr(d, "predicted_passes", None)
+    if pp is None:
+        return ""
+    return f" · {pp:.0f} target passes predicted" + ("" if measured is None else f", {measured} taken")
 
 
 class CostsPanel(QWidget):
@@ -154,7 +183,7 @@ class CostsPanel(QWidget):
 
     def refresh(self, state: SessionState) -> None:
         self._state = state
-        qkey = (id(state), id(state.header), len(state.ends))
+        qkey = (id(state), id(state.header), len(state.ends), id(state.decision))
         if qkey != self._quality_key:
             self._quality_key = qkey
             text, tip = quality_text(state)
@@ -229,6 +258,9 @@ class CostsPanel(QWidget):
         if copies is not None and copies.copy_rounds:
             txt += (f" · the gate copied {copies.copies_accepted} of {copies.copied} verified tokens in "
                     f"{copies.copy_rounds} round{'s' if copies.copy_rounds != 1 else ''}")
+        if d.copy:
+            txt += " · priced as the copy of its earlier output"
+        txt += passes_text(d, None if per_round else state.measured_passes(d.request_id))
         if measured is not None:
             txt += f" · measured {measured:.0f} ms"
         n_inf = sum(1 for c in cands if not c.get("feasible", True))

@@ -11,7 +11,7 @@ from rakv.config import POLICIES_HELP, Policy
 from rakv.load.presets import PRESETS
 
 TARGETS = ["demo", *PRESETS]
-DRAFTS = ["int8", "ngram", "none", *PRESETS]
+DRAFTS = ["ngram", "int8", "none", *PRESETS]
 POLICIES = ["adaptive", "adaptive:gate", "adaptive:tree", "ar", "kv", "spec:4", "joint:4", "tree:8"]
 
 

@@ -3,6 +3,7 @@
     rakv bench [--target M] [--draft M]
                [--workload chat|chat-heldout|code|code-heldout|conversation|conversation-heldout|wikitext|humaneval|repetitive|mixed|FILE]
                [--policies ...] [--repeats R] [--out DIR] [--quick] [--raw] [--prompts WIKITEXT_FILE]
+    rakv bench --edits rakv,rakv-ar,llama,llama-md [--edits-set tuning|heldout] [--out DIR]
     rakv bench --peer vllm --vllm-target DIR [--vllm-profile FILE] [--vllm-mode one|batched|both] [--out DIR]
 
 Writes DIR/executions.csv (one row per timed execution), DIR/candidates.csv (the adaptive
@@ -82,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     for peer in PEERS:
         peer.add_args(ap)
+    from .edits import add_args as add_edit_args
+
+    add_edit_args(ap)
     ap.add_argument("--lookup-k", type=A.int_range(1, 64), default=None, help="prompt_lookup_num_tokens (default: max K)")
     ap.add_argument("--budget-mib", type=A.finite_float(0), default=512.0)
     ap.add_argument("--recalibrate", action="store_true", help="measure the cost profile again before running")
@@ -268,6 +272,11 @@ def run(args, argv: list[str]) -> int:
 
     for peer in PEERS:
         peer.check(args)
+    if args.edits is not None:     # the edit trace against /infill servers (rakv/bench/edits.py)
+        from .edits import check as check_edits, run_cli as run_edits
+
+        check_edits(args)
+        return run_edits(args)
     alone = next((p for p in PEERS if p.takes_over(args)), None)
     if alone is not None:
         return alone.run_alone(args)
@@ -358,7 +367,9 @@ def peer_meta(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    from rakv.common import resolve_draft
+
+    args = resolve_draft(build_parser().parse_args(argv))
     return run(args, argv)
 
 

@@ -109,9 +109,10 @@ def stream_completion(url: str, prompt: str, max_tokens: int, api_key: str | Non
 
 
 def closed_loop(url: str, prompts: list[str], clients: int, n_requests: int, max_tokens: int,
-                time_limit_s: float, api_key: str | None = None, server: str = "") -> LoadRun:
-    """``clients`` threads, each sending the next prompt (in order, round robin over ``prompts``)
-    when its last answer ended, until ``n_requests`` were sent or ``time_limit_s`` passed."""
+                time_limit_s: float, api_key: str | None = None, server: str = "", offset: int = 0) -> LoadRun:
+    """``clients`` threads, each sending the next prompt (in order, round robin over ``prompts``
+    from prompt ``offset`` on) when its last answer ended, until ``n_requests`` were sent or
+    ``time_limit_s`` passed."""
     lock = threading.Lock()
     sent = [0]
     answers: list[Answer] = []
@@ -124,7 +125,7 @@ def closed_loop(url: str, prompts: list[str], clients: int, n_requests: int, max
                     return
                 i = sent[0]
                 sent[0] += 1
-            p = i % len(prompts)
+            p = (i + offset) % len(prompts)
             try:
                 text, n, ttft, lat = stream_completion(url, prompts[p], max_tokens, api_key)
                 a = Answer(p, text, n, ttft, lat)
@@ -299,3 +300,84 @@ def write_results(runs: list[LoadRun], out: Path) -> None:
         {"server": r.server, "clients": r.clients, "wall_s": r.wall_s,
          "answers": [a.__dict__ for a in r.answers]} for r in runs]}, indent=1))
     (out / "load.md").write_text(markdown(rows) + "\n")
+
+
+# ----------------------------------------------------------------------------- a load that changes
+def parse_trace(text: str) -> list[tuple[int, int]]:
+    """``--load-trace 1:8,8:32,2:8``: phases of (clients, requests), run one after another on one server."""
+    phases = []
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            c, n = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(f"--load-trace {text!r}: expected clients:requests pairs, e.g. 1:8,8:32,2:8") from None
+        if not (1 <= c <= 64 and 1 <= n <= 100_000):
+            raise ValueError(f"--load-trace {text!r}: clients between 1 and 64, requests between 1 and 100000")
+        phases.append((c, n))
+    if not phases:
+        raise ValueError(f"--load-trace {text!r}: no phase")
+    return phases
+
+
+def trace_rows(runs: list[tuple[str, int, LoadRun]], phases: list[tuple[int, int]]) -> list[dict]:
+    """One row per (server, phase) and one per server over the whole trace (phase ``all``): tokens
+    over the phases' wall time summed over the repeats, and answers whose text differs from the
+    first server's answer to the same prompt (every server here decodes greedily: 0 for an exact one)."""
+    first: dict[int, str] = {}
+    for name, _, r in runs:
+        if name == runs[0][0]:
+            for a in r.answers:
+                if a.ok:
+                    first.setdefault(a.prompt, a.text)
+    rows = []
+    for name in dict.fromkeys(n for n, _, _ in runs):
+        mine = [(i, r) for n, i, r in runs if n == name]
+        for i in [*range(len(phases)), None]:
+            rs = [r for j, r in mine if i is None or j == i]
+            ok = [a for r in rs for a in r.answers if a.ok]
+            tokens, wall = sum(a.tokens for a in ok), sum(r.wall_s for r in rs)
+            rows.append({"server": name, "phase": "all" if i is None else i + 1,
+                         "clients": "-".join(str(c) for c, _ in phases) if i is None else phases[i][0],
+                         "requests": sum(len(r.answers) for r in rs), "errors": sum(len(r.answers) for r in rs) - len(ok),
+                         "tokens": tokens, "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 2) if wall > 0 else 0.0,
+                         "differ_from_first_server": sum(1 for a in ok if a.prompt in first and a.text != first[a.prompt])})
+    return rows
+
+
+def run_trace(specs: list[ServerSpec], prompts: list[str], phases: list[tuple[int, int]], max_tokens: int,
+              time_limit_s: float, out: Path, repeats: int = 1, progress=print) -> list[dict]:
+    """Each server started afresh once a repeat and driven through ``phases`` in order (each phase's
+    clients closed-loop over its requests, the prompts going on where the last phase stopped), the
+    servers in rotated order over ``repeats``. Writes OUT/trace.json and OUT/trace.md."""
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[tuple[str, int, LoadRun]] = []
+    for rep in range(repeats):
+        for spec in specs[rep % len(specs):] + specs[: rep % len(specs)]:
+            progress(f"[trace] starting {spec.name} ...")
+            try:
+                proc, url = spec.start(out / "logs")
+            except RuntimeError as e:
+                progress(f"[trace] {spec.name}: {e}; skipped (log in {out / 'logs'})")
+                continue
+            try:
+                stream_completion(url, "Hello", 4)                            # warm-up (not timed)
+                offset = 0
+                for i, (c, n) in enumerate(phases):
+                    r = closed_loop(url, prompts, c, n, max_tokens, time_limit_s, server=spec.name, offset=offset)
+                    offset += n
+                    runs.append((spec.name, i, r))
+                    progress(f"[trace] {spec.name}: phase {i + 1}, {c} clients, {len(r.answers)} requests, "
+                             f"{r.tok_s:.1f} tok/s")
+            finally:
+                stop(proc)
+            write_trace(runs, phases, out)
+    write_trace(runs, phases, out)
+    return trace_rows(runs, phases) if runs else []
+
+
+def write_trace(runs, phases, out: Path) -> None:
+    rows = trace_rows(runs, phases) if runs else []
+    (out / "trace.json").write_text(json.dumps({"phases": phases, "rows": rows, "runs": [
+        {"server": n, "phase": i + 1, "clients": r.clients, "wall_s": r.wall_s, "answers": [a.__dict__ for a in r.answers]}
+        for n, i, r in runs]}, indent=1))
+    (out / "trace.md").write_text(markdown(rows) + "\n")

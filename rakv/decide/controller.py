@@ -4,8 +4,10 @@
     C(0, r)    = T_pf(P - hit_r) + N * t
     C(k, r)    = T_pf(P - hit_r) + D_pf(P - hitd_r) + (N / E'_k(alpha) + eps_k(alpha)) * (k d + alpha^k (d2 - d) + V(k))
 
-E'_k takes acceptance by draft position (``E_shaped``), eps_k is the last round's cut
-(``overshoot``), d2 the draft's 2-token step. Where to find the rules:
+An action that copies an exact repeat's earlier output (``copy_length``: r = 1, the history holds
+it, the gate or an n-gram draft copies) is priced as the engine serves it (``copy_cost``): no prompt
+forward, one verify a copy round, no draft. E'_k takes acceptance by draft position (``E_shaped``),
+eps_k is the last round's cut (``overshoot``), d2 the draft's 2-token step. Where to find the rules:
 
   * when it reuses:  ``feasible`` (the budget), ``prefer_reuse`` (r = 1 wins a near-tie);
   * when it drafts:  ``Controller.decide`` (argmin), ``spec_or_plain`` (a margin over k = 0),
@@ -49,6 +51,62 @@ def copy_alpha(s: "Situation", alpha: float) -> float:
     return COPY_ALPHA if s.copy else alpha
 
 
+SCALE_NOTED = 0.1     # an online cost scale this far from 1 is shown: past a calibrated term's usual spread
+
+
+def moved_scales(profile: CostProfile, copy_scale: float = 1.0) -> dict:
+    """The online cost scales that now correct the profile's terms by more than SCALE_NOTED (the
+    round records disagreed with it): the machine factor, a term's own scale, and a copy verify's
+    learned cost; what the prediction stands on beside calibration, so the explorer shows it."""
+    out = {k: round(v, 3) for k, v in sorted(profile.scale.items()) if abs(math.log(max(v, 1e-9))) > math.log1p(SCALE_NOTED)}
+    if abs(math.log(max(copy_scale, 1e-9))) > math.log1p(SCALE_NOTED):
+        out["copy verify"] = round(copy_scale, 3)
+    return out
+
+
+def copy_length(s: "Situation", r: int, k: int) -> int:
+    """How many tokens one round of action (r, k) copies on an exact repeat whose earlier output
+    the history holds (0: the action does not copy): with r = 1 the lookup reads the history; a
+    gated round takes the whole copy the gate allows (a k = 0 round's lookup, and a drafting round's
+    lookup beats its model draft at the copy's acceptance), an ungated one its draft's k copies
+    only where the draft is the n-gram lookup."""
+    if not (s.copy and r == 1):
+        return 0
+    if s.gate:
+        return max(k, s.copy_run)
+    return k if s.draft_copies else 0
+
+
+def copy_through_draft(best: Candidate, feas: list[Candidate], s: "Situation") -> Candidate:
+    """An n-gram draft copies (an exact repeat, or gated copy rounds) through its own rounds at any
+    k > 0, priced alike: take the largest such k of the chosen r (its copies are then its drafts,
+    as a fixed joint:k counts them); a model draft's copy stays at k = 0 (the gate's lookup copies
+    without waking the draft)."""
+    if not (s.draft_copies and (copy_length(s, best.reuse, best.k) or gated_copies(s, best.k))):
+        return best
+    tied = [c for c in feas if c.reuse == best.reuse and c.k > 0 and c.predicted_ms <= best.predicted_ms]
+    return max(tied, key=lambda c: c.k) if tied else best
+
+
+def gated_copies(s: "Situation", k: int) -> bool:
+    """Are action k's rounds on a new prompt gated copy rounds, priced from the copy ledger: a
+    k = 0 round under the gate looks up n-gram copies, and so does every round of an n-gram
+    draft (its k only bounds what the gate already bounds); only with measured evidence."""
+    return s.gate and s.copy_emit > 0 and (k == 0 or s.draft_copies)
+
+
+def copy_rounds(L: int, run: int) -> list[int]:
+    """The verify lengths of the rounds that copy an output of L tokens (the first comes from the
+    prefill), ``run`` at most a round: each round verifies what it copies plus the pending token
+    and emits one more than it copies; the last copies what is left (0: a plain step)."""
+    out, left = [], L - 1
+    while left > 0:
+        j = min(run, left - 1)
+        out.append(j)
+        left -= j + 1
+    return out
+
+
 @dataclass
 class Situation:
     """What the controller knows when deciding for one request."""
@@ -65,6 +123,13 @@ class Situation:
     has_draft: bool = True
     draft_model: bool = True    # False for ngram (D_pf = 0)
     copy: bool = False          # an exact repeat whose whole earlier output the n-gram lookup will copy
+    copy_tokens: int = 0        # ... that output's length (capped at N; 0: unknown, take N)
+    gate: bool = False          # rounds are gated: a k = 0 round looks up n-gram copies, a drafting one may take them
+    copy_run: int = 0           # the longest copy a gated round verifies (the planner's lookup_top)
+    copy_scale: float = 1.0     # a copy verify's learned ms over the profile's V(j) (the planner's lookup_scale)
+    draft_copies: bool = False  # the draft itself is the n-gram lookup (its rounds of k copy)
+    copy_gain: float = 0.0      # a gated copy round's measured net gain over a plain step (ms; the copy ledger)
+    copy_emit: float = 0.0      # ... and the tokens it emits (0: no evidence, copies not priced)
 
 
 @dataclass
@@ -79,6 +144,7 @@ class Choice:
     decide_ms: float = 0.0
     copy: bool = False
     explore_ms: float = 0.0     # an explored request's expected cost over the best k = 0 action
+    passes: float | None = None  # the chosen action's predicted target forwards after the prefill
 
 
 class Controller(Acceptance):
@@ -121,11 +187,18 @@ class Controller(Acceptance):
         ``shape``: this decision's ``self.shape``, made once for all its actions."""
         p = self.profile
         hit, hitd = self.hit_tokens(s, r)
+        if copy_length(s, r, k):
+            c = self.copy_cost(s, r, k)
+            return lambda alpha: c
         n = max(0, s.N - 1) * self.out_frac
         ctx = s.P + s.N / 2
         c = p.T(s.P - hit)
         if r == 1 and not s.exact:
             c += p.clone_ms_per_token * s.P
+        if gated_copies(s, k):
+            # n plain steps, less each copy round's measured net gain over a step (n / copy_emit rounds)
+            c += n * p.step(ctx) - n / s.copy_emit * s.copy_gain
+            return lambda alpha: c
         if k == 0:
             c += n * p.step(ctx)
             return lambda alpha: c
@@ -135,6 +208,33 @@ class Controller(Acceptance):
         last = min(1.0, n)            # a request with decode rounds pays its last round's cut once
         sh = self.shape if shape is None else shape
         return lambda alpha: c + (n / E_shaped(k, alpha, sh) + last * overshoot(k, alpha)) * (round_draft_ms(k, alpha, d, d2x) + v)
+
+    def copy_cost(self, s: Situation, r: int, k: int) -> float:
+        """An action that copies an exact repeat's earlier output: the prompt costs nothing (stored
+        logits), each copy round one verify of what it copies at the copy's learned cost, and no
+        draft runs (no draft prefill): the engine's copy path, priced round by round."""
+        p = self.profile
+        hit, _ = self.hit_tokens(s, r)
+        ctx = s.P + s.N / 2
+        c = p.T(s.P - hit)
+        for j in copy_rounds(self.copy_output(s), copy_length(s, r, k)):
+            c += p.verify(j, ctx) * s.copy_scale if j else p.step(ctx)
+        return c
+
+    def copy_output(self, s: Situation) -> int:
+        """The tokens a copied exact repeat emits: its earlier output, as long as it was (to N)."""
+        return min(s.N, s.copy_tokens) if s.copy_tokens > 0 else s.N
+
+    def passes(self, s: Situation, r: int, k: int, alpha: float) -> float:
+        """Target forwards after the prefill that action (r, k) is predicted to take: a copy's rounds,
+        the plain steps of k = 0, or the rounds of k at the expected tokens a round."""
+        j = copy_length(s, r, k)
+        if j:
+            return float(len(copy_rounds(self.copy_output(s), j)))
+        n = max(0, s.N - 1) * self.out_frac
+        if gated_copies(s, k):
+            return n / s.copy_emit
+        return n if k == 0 else n / E_shaped(k, alpha, self.shape) + min(1.0, n) * overshoot(k, alpha)
 
     def feasible(self, s: Situation, r: int, k: int) -> tuple[bool, str]:
         if k > 0 and not s.has_draft:
@@ -157,7 +257,7 @@ class Controller(Acceptance):
     def decide(self, s: Situation, k_set=None, force: tuple[int, int] | None = None) -> Choice:
         t0 = now()
         ks = tuple(sorted(set(k_set if k_set is not None else self.k_set)))
-        a = copy_alpha(s, self.alpha_req)
+        a = self.alpha_req       # (a copying action is priced by its copy rounds, not at an acceptance)
         self._copy = s.copy
         cands: list[Candidate] = []
         best = None
@@ -175,6 +275,7 @@ class Controller(Acceptance):
             best = prefer_reuse(best, feas)
             if best.k > 0:
                 best = prefer_reuse(spec_or_plain(best, [c for c in feas if c.k == 0]), feas)
+            best = copy_through_draft(best, feas, s)
         reason, explore_ms = "argmin", 0.0
         self._explore = None
         if best is not None and best.k == 0 and force is None and s.has_draft and not s.copy:
@@ -194,8 +295,10 @@ class Controller(Acceptance):
             best = Candidate(0, 0, self.cost(s, 0, 0, a))
         r = best.reuse
         stars = {str(k): self.request_alpha_star(s, r, k, fns) for k in ks if k > 0}
-        return Choice(best.reuse, best.k, best.predicted_ms, cands, a, stars, reason, (now() - t0) * 1e3, s.copy,
-                      round(explore_ms, 3))
+        copying = bool(copy_length(s, best.reuse, best.k))
+        self._copy = copying      # a copied request's acceptance is known in advance: not alpha evidence
+        return Choice(best.reuse, best.k, best.predicted_ms, cands, copy_alpha(s, a) if copying else a, stars, reason,
+                      (now() - t0) * 1e3, copying, round(explore_ms, 3), round(self.passes(s, best.reuse, best.k, a), 2))
 
     def explore_request(self, feas: list[Candidate], best: Candidate, fns: dict, s_N: int) -> tuple[Candidate, float] | None:
         """Draft this request although the argmin says k = 0, when what it teaches is worth its
@@ -343,6 +446,8 @@ class Controller(Acceptance):
         """Cheap test before pricing a probe (the engine then measures the draft's catch-up)."""
         lo, hi, quiet_ks = self._quiet
         if lo <= ctx < hi and k_set is quiet_ks:
+            return False
+        if self._copy:      # a copied repeat: its rounds copy as priced; a probe measures nothing it can use
             return False
         if not self.probe_due or remaining <= 2 or self.explore_balance <= 0:
             return False

@@ -282,13 +282,76 @@ class OnlineScales:
         return 1.0 / (n + 2) if n < ONLINE_FIRST else ONLINE_WEIGHT
 
 
+BATCH_COST_WEIGHT = 0.1     # weight of one shared step in a row count's learned scale (log space)
+BATCH_COST_CLIP = 2.0       # one step moves that scale by at most this factor
+BATCH_COST_BOUND = 4.0      # a learned scale stays within this factor of the profile's W(n)
+
+
+def rows_bucket(n: int) -> int:
+    """The row counts that share a learned scale: 1, 2-3, 4-7, 8-15, ... (a pass's cost per row
+    changes slowly with the rows, and a bucket gets its steps' evidence sooner than a row count)."""
+    return max(1, int(n)).bit_length()
+
+
+def _bucket_at(b: int) -> float:
+    """Where bucket b's scale sits on log2(rows) (its rows' middle): scales are interpolated between
+    buckets, so W(n) has no step at a bucket's edge for the k that crosses it to exploit."""
+    return math.log2((2 ** (b - 1) + 2 ** b - 1) / 2)
+
+
+class BatchCosts:
+    """W(n) as the batch's shared steps measured it: per bucket of total rows (``rows_bucket``), the
+    measured ms of the target's pass over the profile's W(n) (a verify of n - 1 drafts, measured for
+    one request) as a clipped log-space EWMA. Several requests' rows in one pass cost what one
+    request's n rows do not (each attends to its own cache, the lanes' own Python), so the batch's
+    price follows the real steps. Between measured buckets the scale is interpolated; past them
+    the nearest one's holds."""
+
+    def __init__(self):
+        self.scale: dict[int, float] = {}
+        self.steps: dict[int, int] = {}
+
+    def observe(self, rows: int, predicted_ms: float, measured_ms: float) -> None:
+        if rows < 1 or predicted_ms <= 0 or measured_ms <= 0 or not math.isfinite(measured_ms):
+            return
+        b = rows_bucket(rows)
+        n = self.steps.get(b, 0)
+        base = self.scale.get(b) or self.factor(rows)
+        r = min(BATCH_COST_CLIP, max(1.0 / BATCH_COST_CLIP, measured_ms / (predicted_ms * base)))
+        w = 1.0 / (n + 1) if n < 1.0 / BATCH_COST_WEIGHT else BATCH_COST_WEIGHT
+        self.scale[b] = min(BATCH_COST_BOUND, max(1.0 / BATCH_COST_BOUND, base * r ** w))
+        self.steps[b] = n + 1
+
+    def factor(self, rows: int) -> float:
+        """The learned scale of a pass of ``rows`` rows (1.0 before any shared step): its bucket's,
+        interpolated on log2(rows) between the measured buckets, the end ones' beyond them."""
+        if not self.scale:
+            return 1.0
+        x = math.log2(max(1, rows))
+        pts = sorted((_bucket_at(b), s) for b, s in self.scale.items())
+        if x <= pts[0][0]:
+            return pts[0][1]
+        for (x0, s0), (x1, s1) in zip(pts, pts[1:]):
+            if x <= x1:
+                return s0 + (s1 - s0) * (x - x0) / (x1 - x0)
+        return pts[-1][1]
+
+
 class BatchView:
     """What each request of a batch put in its latest step: rows fed and tokens emitted (one view
-    for the lanes of a ``rakv.engine.batch.LanePool``). A request's k is priced against the others'."""
+    for the lanes of a ``rakv.engine.batch.LanePool``), and what the shared steps cost (``costs``).
+    A request's k is priced against the others'."""
 
     def __init__(self):
         self.rows: dict[int, int] = {}
         self.tokens: dict[int, float] = {}
+        self.costs = BatchCosts()
+
+    def join(self, rid: int) -> None:
+        """A request starts: until its first round it counts as one plain row a step (what it will
+        feed, its prompt aside), so requests that start together price their first k by each other."""
+        self.rows.setdefault(rid, 1)
+        self.tokens.setdefault(rid, 1.0)
 
     def told(self, rid: int, rows: int, tokens: float) -> None:
         self.rows[rid], self.tokens[rid] = int(rows), float(tokens)

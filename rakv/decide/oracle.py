@@ -17,7 +17,8 @@ measurement started:
 Runs are interleaved (repeat 1 of every action, then repeat 2, ...; each repeat rotates the order)
 so that a slow spell of a shared machine spreads over all actions instead of one. The controller's
 choice and its predicted costs come from the adaptive run's per-request ``Decision``, i.e. what
-the controller decides on this prompt in the original state. Every run must produce the same
+the controller decides on this prompt in the original state; beside each action's runs stands the
+prediction of that run itself (``predicted_of_run``). Every run must produce the same
 tokens (exact decoding); a difference is reported in ``exact`` / ``mismatch``.
 """
 
@@ -119,7 +120,7 @@ class Oracle:
             ms = [e.latency_ms for e in runs[(r, k)]]
             c = cands.get((r, k))
             measures.append(ActionMeasure(
-                reuse=r, k=k, predicted_ms=None if c is None else c["predicted_ms"],
+                reuse=r, k=k, predicted_ms=predicted_of_run(first.get((r, k), []), c),
                 feasible=True if c is None else bool(c.get("feasible", True)), runs_ms=ms,
                 median_ms=round(statistics.median(ms), 3), min_ms=round(min(ms), 3), max_ms=round(max(ms), 3),
                 output_tokens=len(runs[(r, k)][0].output_ids)))
@@ -153,6 +154,16 @@ class Oracle:
                             oracle={"reuse": best.reuse, "k": best.k}, regret=regret,
                             adaptive_ms=round(statistics.median(e.latency_ms for e in adaptive), 3) if adaptive else None,
                             output_tokens=measures[0].output_tokens, exact=exact, mismatch=mismatch)
+
+
+def predicted_of_run(recs: list, cand: dict | None) -> float | None:
+    """The prediction beside an action's measured runs: what the controller predicted for the run
+    itself (its fixed policy's Decision: an ungated ``kv`` steps where the adaptive gate would copy),
+    else the adaptive decision's candidate. Like is compared with like."""
+    own = next((r for r in recs if isinstance(r, Decision) and r.round < 0), None)
+    if own is not None and own.candidates and own.candidates[0].get("predicted_ms"):
+        return own.candidates[0]["predicted_ms"]
+    return None if cand is None else cand["predicted_ms"]
 
 
 def check_exact(runs: dict) -> tuple[bool, str]:

@@ -25,6 +25,7 @@ from ..prefix_cache import PrefixCache
 from ..records import Candidate, Decision
 from .gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, request_trust
 from .policy import E, batch_k, copies_win
+from ..config import PREFILL_CHUNK
 
 now = clock
 
@@ -36,6 +37,15 @@ COPY_SHARE_WEIGHT = 0.01    # ... the share of copy rounds that verify (matches 
 COPY_RETRY = 8              # while copies do not pay, every 8th copy round still tries one
 COPY_EVIDENCE = 4           # verified copy rounds weighed before copies may be judged not to pay
 PLAIN_BATCH = 16            # plain steps' times reach the profile this many at a time (and at a request's end)
+
+
+def batch_pass(profile: CostProfile, costs, ctx: float):
+    """W(n): a pass of n rows at context ctx, the profile's V(n - 1) (W(1) = t) times the scale the
+    batch's shared steps measured for n rows (``learned.BatchCosts``; 1 before any)."""
+    def W(n: int) -> float:
+        base = profile.verify(n - 1, ctx) if n > 1 else profile.step(ctx)
+        return base * (costs.factor(n) if costs is not None else 1.0)
+    return W
 
 
 def lookup_cost_scale(scale: float, measured_ms: float, predicted_ms: float) -> float:
@@ -61,6 +71,7 @@ class CopyLedger:
     dry_ms: float = 0.0        # planning of a copy round that verifies none (ms, weighted)
     n: int = 0                 # verified copy rounds seen
     rounds: int = 0            # copy rounds seen
+    accepted: float = 0.0      # copies the target accepted in a verified copy round (mean of the first, then weighted)
 
     def observe(self, m: int, accepted: int, t_ms: float, extra_ms: float, plan_ms: float) -> None:
         w = COPY_GAIN_WEIGHT
@@ -71,12 +82,23 @@ class CopyLedger:
             self.n += 1
             wg = max(w, 1.0 / self.n)
             self.gain = (1 - wg) * self.gain + wg * (accepted * t_ms - extra_ms - plan_ms)
+            self.accepted = (1 - wg) * self.accepted + wg * accepted
         else:
             self.dry_ms = (1 - w) * self.dry_ms + w * plan_ms
 
     def expected(self) -> float:
         """A copy round's expected net gain (ms)."""
         return self.verified * self.gain - (1 - self.verified) * self.dry_ms
+
+    def evidence(self) -> tuple[float, float] | None:
+        """What a request-level prediction takes from the copy rounds measured so far: a copy
+        round's expected net gain over a plain step (ms; where copies do not pay only every
+        COPY_RETRY-th round still tries one) and the tokens it emits; None before COPY_EVIDENCE
+        verified rounds (no evidence: copies are not priced)."""
+        if self.n < COPY_EVIDENCE:
+            return None
+        g = self.expected()
+        return (g if g >= 0 else g / COPY_RETRY), 1.0 + self.verified * self.accepted
 
 
 def copies_pay(expected_gain: float, skipped: int, evidence: int = COPY_EVIDENCE) -> bool:
@@ -166,6 +188,7 @@ class RoundPlanner:
         self.emit = emit                        # records out (the engine stamps and forwards them)
         self.k_set_now = k_set_now              # () -> the K allowed now (changes between rounds)
         self.batch = None                       # a lane's BatchView (rakv.engine.batch): the others' rows
+        self.k_alone = None                     # the request's own k where the batch it joined set another
         # draft confidence -> chance of acceptance, for the gate (prior: the calibration's counts)
         self.accept_map = AcceptMap(alpha.value, profile.accept_map if profile is not None else None)
         # the n-gram side draft of k = 0 rounds under the gate (its own map unless it is the draft)
@@ -199,7 +222,9 @@ class RoundPlanner:
         """This round's k, source and drafted tokens (a model draft is run here, gate and all)."""
         k = min(self._round_k(rq, seq, remaining), remaining - 1)
         copy = self._copy_round(rq, k, remaining)
-        if copy and not copies_pay(self.copies.expected(), self.copy_skipped, self.copies.n):
+        # (a copied repeat always looks up: its earlier output is known to be there)
+        if copy and not getattr(rq, "copied", False) and not copies_pay(self.copies.expected(), self.copy_skipped,
+                                                                        self.copies.n):
             self.copy_skipped += 1
             return RoundPlan(k=0)                 # a plain step
         tp = now()
@@ -233,7 +258,8 @@ class RoundPlanner:
                 plan.drafts = plan.drafts[: gate.verify_length(len(plan.drafts))]
                 if plan.q_logits is not None:
                     plan.q_logits = plan.q_logits[: len(plan.drafts)]
-            if prop.prefill is not None and self.profile is not None and prop.prefill.ms > 0:
+            if prop.prefill is not None and self.profile is not None and prop.prefill.ms > 0 \
+                    and not self.shared(rq.rid):
                 h = prop.prefill          # the draft's prompt prefill, as paid in a request
                 self.profile.observe("D", self.profile.D(len(rq.ids) - h.hit.usable), h.ms)
         plan.gate = gate
@@ -249,13 +275,15 @@ class RoundPlanner:
              ctx: int) -> float:
         """Learn from the verified round; returns the exploration ms it spent (a probe's excess)."""
         m, a, gate, lookup = len(plan.drafts), accepted, plan.gate, plan.lookup
+        shared = self.batch is not None and self.shared(rq.rid)
         if self.batch is not None:
             self.batch.told(rq.rid, m + 1, emitted)
         if plain_step(plan) and self.controller is not None:
-            if plan.copy:                # (its lookup's cost, for the copy ledger)
+            if plan.copy and not getattr(rq, "copied", False):     # (its lookup's cost, for the copy ledger)
                 self.copies.observe(0, 0, 0.0, 0.0, plan.plan_ms)
             self.controller.observe_plain(round_ms)
-            self._plain.append((ctx, verify_ms))
+            if not shared:
+                self._plain.append((ctx, verify_ms))
             if len(self._plain) >= PLAIN_BATCH:
                 self.fold_plain()
             return 0.0
@@ -272,7 +300,8 @@ class RoundPlanner:
         v_m = p.verify(m, ctx) if copied and p is not None else 0.0      # (a copy round with drafts is copied)
         if copied and p is not None:                     # a copy's verify learns its own cost
             self.lookup_scale = lookup_cost_scale(self.lookup_scale, verify_ms, v_m)
-        if plan.copy and p is not None:
+        # (a copied repeat's copies were known in advance: they say nothing of a new prompt's)
+        if plan.copy and p is not None and not getattr(rq, "copied", False):
             t_ms = p.step(ctx)                           # (its verify at its learned cost, as the gate prices it)
             extra = v_m * self.lookup_scale - t_ms if m else 0.0
             self.copies.observe(m, a, t_ms, extra, plan.plan_ms)
@@ -281,6 +310,8 @@ class RoundPlanner:
             return 0.0
         # a lookup's acceptance is not the model draft's alpha: the controller sees a k = 0 round
         explore = self.controller.observe_round(0 if lookup else m, a, round_ms, emitted, ctx)
+        if shared:
+            return explore
         self._observe_costs("spec" if m else "ar", m, ctx, verify_ms, plan.forward_ms, plan.catchup_tokens,
                             rq.draft_model and not lookup, plan.fed, plan.forwards, v_m)
         return explore
@@ -319,7 +350,7 @@ class RoundPlanner:
             self.emit(Decision(request_id=rq.rid, round=rq.rounds + 1, action={"reuse": int(rq.reuse), "k": 0},
                                alpha=self.alpha.value, reason="argmin",
                                alpha_star=ctl.round_alpha_star(len(seq), (rq.k,))))
-        k_req = 0 if rq.dropped else rq.k
+        k_req = 0 if rq.dropped else rq.k if self.k_alone is None else self.k_alone
         if rq.policy.adaptive and rq.has_draft and not rq.explore and self.batch is not None:
             k_b = self._batch_round(rq, seq, remaining, k_req)
             if k_b is not None:
@@ -349,8 +380,9 @@ class RoundPlanner:
         k_new, reason, costs = self.controller.decide_round(len(seq), remaining, ks_now, behind,
                                                             rq.has_draft, rq.draft_model)
         batch = {}
-        if reason == "argmin" and costs:
-            k_new, batch = self._batch_k(rq, len(seq), k_new, costs)
+        if costs and (reason == "argmin" or (reason == "probe" and self.shared(rq.rid))):
+            k_new, batch = self._batch_k(rq, len(seq), k_new, costs)      # (no probe in a batch)
+            reason = "argmin" if batch else reason
         dms = (now() - td) * 1e3
         self.decide_ms_total += dms
         if reason == "probe" or k_new != self.last_k:
@@ -363,25 +395,65 @@ class RoundPlanner:
         self.last_k = k_new
         return k_new
 
-    def _batch_k(self, rq, ctx: int, k_solo: int, costs: dict) -> tuple[int, dict]:
+    def _batch_k(self, rq, ctx: int, k_solo: int, costs: dict, remaining: int | None = None) -> tuple[int, dict]:
         """The round's k when other requests share its steps (``self.batch``, a lane's): the k among
         the controller's candidates at which the whole step emits the most tokens per ms
-        (``policy.batch_k``: a pass of all rows W(n) = V(n - 1), each request's expected tokens);
-        alone, the controller's own k."""
+        (``policy.batch_k``: a pass of all rows W(n), each request's expected tokens); alone, the
+        controller's own k. W(n) is the profile's V(n - 1) times what the shared steps measured
+        (``BatchView.costs``); a model draft that is behind (its prompt not read yet: it is read
+        only once a round drafts) pays that catch-up once over the request's remaining rounds."""
         if self.batch is None:
             return k_solo, {}
         rows_o, tokens_o, n_o = self.batch.others(rq.rid)
         if not n_o:
             return k_solo, {}
         p, a = self.profile, self.alpha.value
+        W = batch_pass(p, self.batch.costs, ctx)
+        remaining = rq.N - len(rq.out) if remaining is None else remaining
+        catch_ms, catch_fires = self._catchup_price(rq, ctx)
 
-        def W(n: int) -> float:
-            return p.verify(n - 1, ctx) if n > 1 else p.step(ctx)
+        def once(j: int) -> float:              # the share of a one-off cost a round of k = j carries
+            return E(j, a) / max(1, remaining)
 
         k = batch_k(list(costs), lambda j: E(j, a), W, rows_o, tokens_o,
-                    lambda j: p.draft_round(j, ctx, a) if rq.has_draft else 0.0,
-                    lambda j: j if rq.draft_model else 0)          # a model draft's forwards: steps of their own
+                    lambda j: (p.draft_round(j, ctx, a) + catch_ms * once(j)) if rq.has_draft else 0.0,
+                    lambda j: (j + catch_fires * once(j)) if rq.draft_model else 0)   # a model draft's forwards: steps of their own
         return k, {"requests": n_o, "rows": rows_o, "tokens": round(tokens_o, 3), "k_alone": k_solo}
+
+    def _catchup_price(self, rq, ctx: int) -> tuple[float, float]:
+        """(ms, steps) a model draft must spend reading what it is behind before its next round can
+        draft (its prompt, not read yet, or what k = 0 rounds skipped): one prefill, fed a chunk a step."""
+        if not rq.draft_model or self.controller is None:
+            return 0.0, 0.0
+        if rq.pf is None:                 # (deciding the request: the draft holds no state of it yet)
+            hd = self.store.peek(self.draft.key, rq.ids) if rq.reuse else None
+            behind = len(rq.ids) - (hd.usable if hd is not None else 0)
+        else:
+            behind = self._draft_behind(rq.ids + rq.out, rq.reuse, rq.draft_model)
+        if behind <= 2:
+            return 0.0, 0.0
+        return self.controller.catchup_ms(behind, True, ctx), float(-(-behind // PREFILL_CHUNK))
+
+    def join(self, rq, choice):
+        """A request joins the batch (``self.batch``): it is counted among the requests from now on
+        (its first k and the others' are priced by each other), and where others share the steps its
+        request-level k is the batch's (``_batch_k``, the same rule alone as the controller's): no
+        probe in a batch, where a request's rows are the others' tokens. Returns the batch dict
+        (empty when alone or unbatched); ``choice`` is changed in place."""
+        self.k_alone = None
+        if self.batch is None:
+            return {}
+        self.batch.join(rq.rid)
+        if choice is None or choice.reason == "forced" or not (rq.policy.adaptive and rq.has_draft) or rq.policy.tree:
+            return {}
+        if not self.batch.others(rq.rid)[2]:
+            return {}
+        ks = sorted({k for k in rq.k_set if k == 0 or k <= rq.N - 1})
+        k, batch = self._batch_k(rq, len(rq.ids), choice.k, dict.fromkeys(ks or [0], 0.0), rq.N)
+        if k != choice.k or choice.reason == "probe":
+            self.k_alone = 0 if choice.reason == "probe" else choice.k      # its k if the others leave
+            choice.k, choice.reason, choice.explore_ms = k, "argmin", 0.0
+        return batch
 
     def _batch_round(self, rq, seq: list[int], remaining: int, k_req: int) -> int | None:
         """Request granularity in a batch: the request's k re-priced every round while others share
@@ -402,6 +474,11 @@ class RoundPlanner:
             self.last_k = k
         return k
 
+    def shared(self, rid: int) -> bool:
+        """Do other requests share this request's steps now? (Its forwards then wait for theirs:
+        their ms are the batch's, learned as W(n) by the pool, not this request's t or V(k).)"""
+        return self.batch is not None and bool(self.batch.others(rid)[2])
+
     def end_request(self, rid: int) -> None:
         """A request left: its rows no longer share the batch's steps."""
         if self.batch is not None:
@@ -420,6 +497,12 @@ class RoundPlanner:
         over = self.lookup_scale if self.lookup is self.draft else 1.0      # an n-gram draft verifies copies
         return RoundGate(amap, k, p.draft_step(ctx) if rq.draft_model else 0.0, p.verifies(k, ctx, over),
                          sunk=self.controller.catchup_ms(behind, rq.draft_model, ctx))
+
+    def copy_top(self, k_set) -> int:
+        """The longest copy a gated round verifies for a request of K = ``k_set`` (``_k_top`` of the
+        lookup, before the request begins): what the request-level prediction prices a copy round at."""
+        top = max(k_set)
+        return max(top, lookup_top(self.profile, self.lookup_k, top))
 
     def _k_top(self, rq, source) -> int:
         """The longest draft a gated round may verify: max(K), or lookup_top for n-gram lookup."""

@@ -21,6 +21,13 @@ d/t) stay as calibrated. Terms calibration did not time as the engine pays them 
 verify lengths past k_max) learn an own scale, bounded, and never move the machine factor. The
 evidence for this design is in docs/controller.md.
 
+Where the round records disagree with the calibrated ratios themselves (a profile timed on a busy
+machine kept V(8)/t 2-3.6 on the demo, whose quiet rounds pay 1.3-1.6), the machine factor cannot
+mend it: each drafting length k also keeps its residual over base x machine (``S{k}`` in ``scale``),
+and once that is off by more than its noise it corrects V(k) (a length without rounds of its own
+borrows the longest corrected shorter length's; ``shape_correction``; ``corrections``
+says which are in force, and every request_end and the explorer's cost line show them).
+
 On disk a profile is a JSON file in the cache dir's ``profiles/``, named by a digest of its
 fingerprint (CPU model, threads, torch version, device and GPU name, fast path, the model pair,
 dtype, the target's numerics and the target's backend's own fingerprint: its kind, numerics,
@@ -48,6 +55,11 @@ from ..util.text_in import load_json
 from .learned import OnlineScales
 from .policy import round_draft_ms
 
+SHAPE_NOISE = 0.10       # a verify length's round records correct its V(k) only when they are off by more than
+                         # this (or twice the term's calibration spread, if larger) ...
+SHAPE_MIN_ROUNDS = 8     # ... over at least this many rounds of that length ...
+SHAPE_WEIGHT = 0.1       # ... averaged in log space (1/n for the first 1/SHAPE_WEIGHT rounds, then this weight) ...
+SHAPE_DRIFT = 4.0        # ... and by at most this factor either way (a busy calibration's V(8)/t 3.6 against 1.3)
 PROFILE_VERSION = 12         # 12: V(k) floored at the step it contains
                              # 11: rounds R{k} as one term; own scales only for prefills and lookup lengths
                              # 10: the draft's two-token step (d2_ratio)
@@ -116,6 +128,68 @@ class CostProfile(OnlineScales):
         self._seen: dict[str, int] = {}      # measurements per term in this session (not saved)
     # regime figures of this machine (measured at calibration; see regime_figures)
     regime: dict = field(default_factory=dict)
+
+    # --------------------------------------------------------------- V(k) corrected by round records
+    def factor(self, term: str) -> float:
+        """The online scale of a term (``OnlineScales.factor``), times a drafting round's shape
+        correction (``shape_correction``) for R{k}."""
+        f = super().factor(term)
+        k = _drafting_k(self, term)
+        return f * self.shape_correction(k) if k else f
+
+    def observe(self, term: str, predicted: float, measured: float) -> None:
+        """``OnlineScales.observe``, and for a drafting round of k its residual over base x machine
+        factor (what the shared factor cannot explain: V(k)'s shape against t) into ``S{k}``."""
+        k = _drafting_k(self, term)
+        if k and predicted > 0 and measured > 0 and math.isfinite(measured):
+            resid = measured * self.shape_correction(k) / predicted        # measured / (base x machine)
+            key = f"S{k}"
+            n = self.samples.get(key, 0)
+            w = max(SHAPE_WEIGHT, 1.0 / (n + 1))
+            old = self.scale.get(key, 1.0)
+            new = math.exp((1 - w) * math.log(old) + w * math.log(min(SHAPE_DRIFT, max(1 / SHAPE_DRIFT, resid))))
+            self.scale[key] = round(new, 5)
+            self.samples[key] = n + 1
+        super().observe(term, predicted, measured)
+
+    def shape_correction(self, k: int) -> float:
+        """V(k)'s correction from this pair's round records: their mean residual ``S{k}`` once it is
+        off by more than its noise (``shape_noise``) over SHAPE_MIN_ROUNDS rounds, else 1. Reason: a
+        profile timed on a busy machine (or a verify that costs other than calibration saw) keeps
+        a wrong V(k)/t, which the shared machine factor cannot mend and the argmin follows."""
+        s = self.scale.get(f"S{k}")
+        if s is None or self.samples.get(f"S{k}", 0) < SHAPE_MIN_ROUNDS:
+            return self._shorter_correction(k)
+        return s if abs(math.log(s)) > math.log1p(self.shape_noise(k)) else 1.0
+
+    def _shorter_correction(self, k: int) -> float:
+        """A length with too few rounds of its own takes the correction of the longest shorter
+        length that has one (1 if none). Reason: an argmin that a steep profile stopped at k = 4
+        never runs the longer rounds that would correct them, and a busy calibration distorts
+        neighbouring lengths alike; trying a longer k then measures it, and its own rounds decide."""
+        for j in range(k - 1, 0, -1):
+            key = f"S{j}"
+            if key in self.scale and self.samples.get(key, 0) >= SHAPE_MIN_ROUNDS:
+                s = self.scale[key]
+                return s if abs(math.log(s)) > math.log1p(self.shape_noise(j)) else 1.0
+        return 1.0
+
+    def shape_noise(self, k: int) -> float:
+        """V(k)'s noise: twice its calibration spread between repeats, at least SHAPE_NOISE."""
+        spread = (self.quality or {}).get("spread", {}).get(f"V{k}", 0.0)
+        return max(SHAPE_NOISE, 2 * float(spread or 0.0))
+
+    def corrections(self) -> dict[str, float]:
+        """The V(k) corrections in force (own or borrowed), {"V(k)": factor}: the explorer and
+        ``--json`` show them."""
+        out = {}
+        if not any(key[:1] == "S" for key in self.scale):
+            return out
+        for k in sorted(int(x) for x in self.V):
+            c = self.shape_correction(k) if _drafting_k(self, f"R{k}") else 1.0
+            if c != 1.0:
+                out[f"V({k})"] = round(c, 3)
+        return out
 
     # --------------------------------------------------------------- the model's terms
     def T(self, n: float) -> float:
@@ -195,6 +269,13 @@ class CostProfile(OnlineScales):
     def _v_ctx_scale(self, ctx: float) -> float:
         """How a verify scales from V_ctx to ctx: like a step."""
         return self._t_at(ctx) / max(1e-9, self._t_at(self.V_ctx))
+
+def _drafting_k(profile: "CostProfile", term: str) -> int:
+    """k of a drafting round's term R{k} (one calibration timed in the rounds loop), else 0."""
+    if term[:1] != "R" or not term[1:].isdigit() or profile.own_term(term):
+        return 0
+    return int(term[1:])
+
 
 class Verifies:
     """The sequence [V(0) = t, V(1), ..., V(k_max)] of one profile at one context, each value made

@@ -21,7 +21,7 @@ from ..util.device import clock, hardware_info, versions_info
 from ..util.threads import Threads
 from ..config import TREE_MAX_NODES, Policy, RakvConfig
 from ..decide.learned import AlphaEWMA
-from ..decide.controller import Choice, Controller, Situation
+from ..decide.controller import Choice, Controller, Situation, copy_length, moved_scales
 from ..decide.profile import CostProfile, quality_summary
 from ..drafts.base import DraftSource
 from ..drafts.ngram import MAX_MATCH, history_match
@@ -74,6 +74,7 @@ class _Request:
     forward_ms: float = 0.0
     book_ms: float = 0.0
     explore_ms: float = 0.0
+    copied: bool = False         # priced as the copy of an exact repeat's earlier output (not copy-ledger evidence)
     explore: bool = False        # an explored request (drafts to learn alpha) ...
     dropped: bool = False        # ... that stopped drafting once its acceptance showed k does not pay
 
@@ -314,6 +315,7 @@ class Engine:
             return self._generate(prompt, max_new_tokens, prompt_text)
         except Exception as e:
             if self._open_request is not None:
+                self.planner.end_request(self._open_request)       # (it no longer shares the batch's steps)
                 self._emit(RequestEnd(request_id=self._open_request, stopped="error",
                                       text=f"{type(e).__name__}: {e}"))
             raise
@@ -390,7 +392,9 @@ class Engine:
         policy, ctl = rq.policy, self.controller
         choice = None
         if ctl is not None:
-            s = self._situation(rq.ids, rq.N, rq.budget, rq.has_draft, rq.draft_model, peek=policy.adaptive)
+            # (a fixed policy's prediction prices its real hit too: the oracle sets it beside its run)
+            s = self._situation(rq.ids, rq.N, rq.budget, rq.has_draft, rq.draft_model, peek=True,
+                                gate=policy.gate, k_set=rq.k_set)
             if policy.adaptive:
                 choice = ctl.decide(s, rq.k_set, rq.force)
                 if policy.tree:            # the controller's reuse; every round prices its own tree
@@ -400,17 +404,22 @@ class Engine:
                 c = round(ctl.cost(s, r, k, self.alpha.value), 3)
                 ok, why = ctl.feasible(s, r, k)
                 stars = {str(k): ctl.request_alpha_star(s, r, k)} if k > 0 else {}
-                choice = Choice(r, k, c, [Candidate(r, k, c, ok, why)], self.alpha.value, stars, "fixed")
-            rq.reuse, rq.k = choice.reuse, choice.k
+                choice = Choice(r, k, c, [Candidate(r, k, c, ok, why)], self.alpha.value, stars, "fixed",
+                                copy=bool(copy_length(s, r, k)), passes=round(ctl.passes(s, r, k, self.alpha.value), 2))
+            rq.reuse, rq.copied = choice.reuse, choice.copy
+            batch = self.planner.join(rq, choice)     # beside other requests: k priced by the batch it joins
+            rq.k = choice.k
             rq.explore = choice.reason == "probe" and choice.k > 0 and not policy.tree
             self._emit(Decision(request_id=rq.rid, candidates=[c.to_dict() for c in choice.candidates],
                                 action={"reuse": rq.reuse, "k": rq.k}, alpha=choice.alpha,
                                 alpha_star=choice.alpha_star, reason=choice.reason, decide_ms=choice.decide_ms,
                                 explore_balance_ms=round(ctl.explore_balance, 3), copy=choice.copy,
-                                explore_cost_ms=choice.explore_ms))
+                                explore_cost_ms=choice.explore_ms, predicted_passes=choice.passes,
+                                cost_scales=moved_scales(self.profile, self.planner.lookup_scale), batch=batch))
             rq.explore_ms += choice.explore_ms      # an explored request's predicted excess (its k = 0 is not run)
         else:
             rq.reuse, rq.k = int(policy.reuse), policy.k
+            self.planner.join(rq, None)
             self._emit(Decision(request_id=rq.rid, candidates=[Candidate(rq.reuse, rq.k, 0.0).to_dict()],
                                 action={"reuse": rq.reuse, "k": rq.k}, alpha=self.alpha.value, reason="fixed"))
         if rq.k > 0 and not rq.has_draft and not policy.tree:     # (a tree's source is the n-gram lookup)
@@ -428,7 +437,7 @@ class Engine:
         t1 = next_token(pf.logits, rq.sampling, 0)    # stored logits of an exact repeat: this request's seed
         rq.ttft = (now() - rq.t0) * 1e3
         self._emit_lookup(rq.rid, "target", pf.hit, P, pf.stored, pf.lookup_ms, pf.forward_ms)
-        if self.profile is not None and pf.forward_ms > 0:
+        if self.profile is not None and pf.forward_ms > 0 and not self.planner.shared(rq.rid):   # (shared: the batch's ms)
             self.profile.observe("T", self.profile.T(P - pf.hit.usable), pf.forward_ms)
         if self.controller is not None:
             self.controller.earn(rq.ttft)
@@ -579,7 +588,8 @@ class Engine:
                          predicted_ms=None if choice is None else choice.predicted_ms,
                          stopped=rq.stopped, forward_ms=round(rq.forward_ms, 3), bookkeeping_ms=round(rq.book_ms, 3),
                          explore_ms=round(rq.explore_ms, 3), threads=torch.get_num_threads(),
-                         thread_switches=self.threads.switches)
+                         thread_switches=self.threads.switches,
+                         cost_corrections=self.profile.corrections() if self.profile is not None else {})
         self.planner.fold_plain()
         self.planner.end_request(rq.rid)
         if self.controller is not None:
@@ -587,6 +597,51 @@ class Engine:
         self._open_request = None
         self._emit(end)
         return end
+
+    # ------------------------------------------------------------------ warm-up (an editor's n_predict: 0)
+    def warm(self, prompt, prompt_text: str | None = None) -> RequestEnd:
+        """Prefill ``prompt`` through the prefix cache and store its KV (the draft model's too),
+        decoding nothing: the next request that starts with these ids reuses them. Records a
+        request like any (start, cache lookups, end with ``stopped="warm"``)."""
+        with self._lock:
+            self._running = True
+            self._apply_budget()
+        try:
+            enc = self.encode_prompt(prompt)
+            ids, P = enc.ids, len(enc.ids)
+            if self.target.max_positions is not None and P > self.target.max_positions:
+                raise EngineError(f"prompt ({P} tokens) exceeds the model's context of {self.target.max_positions}")
+            rid = self._next_id
+            self._next_id += 1
+            self._open_request = rid
+            self._emit(RequestStart(request_id=rid, prompt=prompt_text or "", prompt_ids=ids, prompt_tokens=P,
+                                    max_new_tokens=0, policy=self.policy.name, templated=enc.templated,
+                                    template_prefix=enc.template_prefix))
+            t0 = now()
+            pf = prefill_with_reuse(self.target, ids, self.store)
+            self._emit_lookup(rid, "target", pf.hit, P, pf.stored, pf.lookup_ms, pf.forward_ms)
+            fwd = pf.forward_ms
+            if self.draft.has_model:
+                h = prefill_with_reuse(self.draft.lm, ids, self.store, need_logits=False)
+                self._emit_lookup(rid, "draft", h.hit, P, h.stored, h.lookup_ms, h.forward_ms)
+                fwd += h.forward_ms
+            ms = (now() - t0) * 1e3
+            end = RequestEnd(request_id=rid, prompt_tokens=P, hit_tokens=pf.hit.q, exact_repeat=bool(pf.hit.exact),
+                             action={"reuse": 1, "k": 0}, latency_ms=round(ms, 3), ttft_ms=round(ms, 3),
+                             alpha_ewma=round(self.alpha.value, 5), stopped="warm", forward_ms=round(fwd, 3))
+            self._open_request = None
+            self._emit(end)
+            return end
+        except Exception as e:
+            if self._open_request is not None:
+                self._emit(RequestEnd(request_id=self._open_request, stopped="error", text=f"{type(e).__name__}: {e}"))
+            raise
+        finally:
+            self._open_request = None
+            self._stop.clear()
+            with self._lock:
+                self._running = False
+                self._apply_budget()
 
     # ------------------------------------------------------------------ conversations (rakv.engine.chat)
     def _store_answer(self, rq: "_Request") -> None:
@@ -610,7 +665,8 @@ class Engine:
                                prefill_ms=round(prefill_ms, 3)))
 
     # ------------------------------------------------------------------ helpers
-    def _situation(self, ids, N, budget, has_draft, draft_model, peek: bool) -> Situation:
+    def _situation(self, ids, N, budget, has_draft, draft_model, peek: bool, gate: bool | None = None,
+                   k_set=None) -> Situation:
         P = len(ids)
         q = qd = 0
         exact = exact_d = False
@@ -622,20 +678,32 @@ class Engine:
                 qd, exact_d = hd.q, hd.q == P
         V = int(self.target.model.config.vocab_size)
         # (only greedy decoding repeats an earlier output: a sampled request has its own seed)
-        copy = (peek and exact and self.sampling.greedy and self.draft.copies
-                and self._copies_whole(ids, N))
+        # (the gate's lookup copies with any draft; without it only an n-gram draft copies)
+        gate = (self.policy.gate if gate is None else gate) and self.profile is not None
+        follow = (self._copies_whole(ids, N) if peek and exact and self.sampling.greedy
+                  and (gate or self.draft.copies) else None)
         entry = P * self.target.kv_bytes_per_token() + 4 * V
         dentry = P * self.draft.lm.kv_bytes_per_token() if draft_model else 0
         return Situation(P=P, N=N, q=q, exact=exact, qd=qd, exact_d=exact_d, entry_bytes=entry,
                          draft_entry_bytes=dentry, budget=budget, has_draft=has_draft, draft_model=draft_model,
-                         copy=copy)
+                         copy=follow is not None, copy_tokens=len(follow or ()), gate=gate,
+                         copy_run=self.planner.copy_top(k_set or self.k_set) if follow else 0,
+                         copy_scale=self.planner.lookup_scale,
+                         draft_copies=self.draft.copies, **self._copy_evidence(gate))
 
-    def _copies_whole(self, ids, N: int) -> bool:
-        """Does the history hold an earlier output of exactly this prompt, N tokens or up to EOS?"""
+    def _copy_evidence(self, gate: bool) -> dict:
+        """The copy ledger's measured gain and tokens of a gated copy round (none without the gate)."""
+        ev = self.planner.copies.evidence() if gate else None
+        return {} if ev is None else {"copy_gain": ev[0], "copy_emit": ev[1]}
+
+    def _copies_whole(self, ids, N: int) -> list[int] | None:
+        """The earlier output of exactly this prompt the history holds, N tokens or up to EOS (None:
+        none); the n-gram lookup that will copy it (the draft's, or the gate's side lookup) reads it."""
         h = self.store.history
         if not len(h):
-            return False
-        follow, m = history_match(ids, N, self.draft.sizes, h.tokens)
-        return m >= min(len(ids), MAX_MATCH) and bool(follow) and (
+            return None
+        follow, m = history_match(ids, N, self.lookup.sizes, h.tokens)
+        whole = m >= min(len(ids), MAX_MATCH) and bool(follow) and (
             len(follow) >= N or follow[-1] in self.target.eos_ids)
+        return list(follow[:N]) if whole else None
 

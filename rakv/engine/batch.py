@@ -25,11 +25,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..backends import backend_of, set_backend
+from ..config import PREFILL_CHUNK       # prompt tokens a request feeds per step while others decode
 from ..decide.learned import BatchView
+from ..decoding import cache_len
 from ..util.device import clock as now
 from ..kernels.segments import forward_segments, segments_ok
-
-PREFILL_CHUNK = 64        # prompt tokens a request feeds per step while others decode
 
 
 @dataclass
@@ -61,7 +61,7 @@ class StepInfo:
 class Batcher:
     """The baton lanes pass and the step where their forwards meet."""
 
-    def __init__(self, on_step=None):
+    def __init__(self, on_step=None, on_pass=None):
         self._baton = threading.Lock()
         self._state = threading.Lock()
         self._local = threading.local()
@@ -70,6 +70,7 @@ class Batcher:
         self.joining = 0            # lanes waiting for the baton to start: the next step waits for them
         self.steps = 0
         self.on_step = on_step or (lambda info: None)
+        self.on_pass = on_pass or (lambda backend, rows, ctx, ms: None)   # one model's forwards of a step
 
     # ---- lanes
     def in_lane(self) -> bool:
@@ -129,7 +130,11 @@ class Batcher:
             for s in subs:
                 groups.setdefault(id(s.backend), []).append(s)
             for group in groups.values():
+                ctx = _mean_context(group)
+                tg = now()
                 shared |= self._run_group(group)
+                self.on_pass(group[0].backend, sum(len(s.tokens) for s in group if s.tree is None), ctx,
+                             (now() - tg) * 1e3)
         except BaseException as e:  # noqa: BLE001 - every waiting lane gets the failure
             for s in subs:
                 if s.logits is None:
@@ -155,6 +160,17 @@ class Batcher:
             if s.logits is None:
                 s.logits = be.forward(s.tokens, s.cache, s.keep, s.tree)
         return len(together) >= 2
+
+
+def _mean_context(group: list[_Rows]) -> float:
+    """The rows' mean context (each request's cache length before the step)."""
+    lens = []
+    for s in group:
+        try:
+            lens.append(cache_len(s.cache))
+        except (AttributeError, TypeError, ValueError):
+            pass
+    return sum(lens) / len(lens) if lens else 0.0
 
 
 class BatchedBackend:
@@ -201,7 +217,7 @@ class LanePool:
 
     def __init__(self, engine, n: int, on_step=None):
         self.base = engine
-        self.batcher = Batcher(on_step)
+        self.batcher = Batcher(on_step, self._learn_pass)
         self.lanes = [engine] + [engine.lane() for _ in range(max(1, n) - 1)]
         self.view = BatchView()                  # what each request puts in a step: its k is priced by it
         for e in self.lanes:
@@ -225,6 +241,15 @@ class LanePool:
     @property
     def size(self) -> int:
         return len(self.lanes)
+
+    def _learn_pass(self, backend, rows: int, ctx: float, ms: float) -> None:
+        """A step's pass of the target: its measured ms teaches the batch's W(n) (``BatchView.costs``)
+        against the profile's W(n) at the rows' mean context; the draft's passes are priced as its steps."""
+        p = self.base.profile
+        target = self.base.target.backend
+        if p is None or rows < 1 or backend is not getattr(target, "inner", target):
+            return
+        self.view.costs.observe(rows, p.verify(rows - 1, ctx), ms)
 
     def stop_all(self) -> None:
         """Every running request ends within its round."""

@@ -9,7 +9,8 @@ and one past that is refused with 429 and Retry-After. ``--api-key KEY``: every 
 
     GET  /v1/models                  the one model
     POST /v1/chat/completions        through the chat template; consecutive turns hit the cache
-    POST /v1/completions             raw text (or token ids)
+    POST /v1/completions             raw text (or token ids); with ``suffix``, the middle (rakv.fim)
+    POST /infill                     llama.cpp server's fill in the middle (llama.vim, llama.vscode)
     GET  /rakv/records?since=N       the engine's records after the first N (long-poll with wait=S)
 
 A chat request whose messages are a conversation this server answered (the same messages and
@@ -128,12 +129,23 @@ class Service:
             raise ApiError(503, "the server is shutting down", kind="server_error")
         t0 = time.perf_counter()
         self._use_sampling(eng, ask)
-        cur = Current(eng, ask.stop, begin, emit)
+        fim = self._fim_tokens(eng) if ask.fim is not None else self._built_fim(eng, ask)
+        if fim is None:
+            cur = Current(eng, ask.stop, begin, emit)
+        else:
+            from ..fim import LineRules
+
+            f = ask.fim
+            cur = Current(eng, ask.stop, begin, emit, ends=fim.ends | eng.target.eos_ids,
+                          rules=LineRules(f.n_indent, f.t_max_ms) if f is not None else LineRules())
         self.hook.current = cur
         conv = history = None
+        fill: dict = {}
         try:
             if ask.chat:
                 end, conv, history = self._chat(eng, ask)
+            elif ask.fim is not None:
+                end, fill = self._fill(eng, ask)
             else:
                 end = self._completion(eng, ask)
         except ApiError:
@@ -164,7 +176,14 @@ class Service:
         self._latency.append(time.perf_counter() - t0)
         if self.closing and end.stopped == "stop":
             raise ApiError(503, "the server is shutting down: this answer was cut short", kind="server_error")
-        return Result(end, text, api.finish_reason(end.stopped, cur.stop.hit), self._rakv(j, cur))
+        if fim is not None:
+            fill.update(ids=list(cur.kept), ended=cur.ended or ("stop_string" if cur.stop.hit else end.stopped),
+                        predicted=len(cur.kept) + (cur.ended == "fim_end"))
+            if ask.infill:
+                from ..fim import heal
+
+                text = api.cut_at_stops(heal(cur.rules.text, fill.get("blanks", "")), ask.stop)
+        return Result(end, text, api.finish_reason(end.stopped, cur.stop.hit), self._rakv(j, cur), fill)
 
     def _rakv(self, j: dict, cur: Current) -> dict:
         """The response's ``rakv`` object: generate's --json fields of the request (its text is the
@@ -208,6 +227,54 @@ class Service:
             enc = EncodedPrompt(raw_ids(tok, ask.prompt), False, 0)
             return eng.generate(enc, ask.max_tokens, prompt_text=ask.prompt)
         return eng.generate(ask.prompt, ask.max_tokens)
+
+    def _fim_tokens(self, eng):
+        """The target's FIM tokens; a model without them: 400, one line."""
+        from ..fim import NoFim, find_tokens
+
+        try:
+            return find_tokens(eng.target.tokenizer)
+        except NoFim as e:
+            raise ApiError(400, str(e), code="not_supported") from None
+
+    def _built_fim(self, eng, ask: Ask):
+        """A completion whose prompt is already a FIM prompt (Continue, Tabby and Twinny build one
+        from the model's FIM tokens) ends where the middle ends, as a fill does: its FIM tokens, or
+        None for any other request."""
+        from ..fim import NoFim, find_tokens
+
+        if ask.chat or ask.prompt is None:
+            return None
+        try:
+            fim = find_tokens(eng.target.tokenizer)
+        except NoFim:
+            return None
+        tok = eng.target.tokenizer
+        if isinstance(ask.prompt, str):
+            return fim if tok.convert_ids_to_tokens(fim.mid) in ask.prompt else None
+        return fim if fim.mid in ask.prompt else None
+
+    def _fill(self, eng, ask: Ask):
+        """Fill in the middle (/infill, or a completion's suffix): the FIM prompt in the model's
+        format (``rakv.fim.build``: the current line last, so a keystroke reuses the rest); 0 tokens
+        to predict: a warm-up that stores the prompt's KV and returns."""
+        from .. import fim as F
+
+        f, tok, maxpos = ask.fim, eng.target.tokenizer, eng.target.max_positions
+        N = eng.config.max_new_tokens if ask.max_tokens is None else ask.max_tokens
+        line, blanks = F.split_blanks(f.line)
+        p = F.build(tok, f.prefix, f.suffix, line, f.extra, n_predict=N, n_ctx=maxpos)
+        P, truncated = len(p.ids), False          # (llama.cpp's truncated: the context ran out, not its FIM cuts)
+        if maxpos is not None and P + N > maxpos:
+            if P >= maxpos:
+                raise ApiError(400, f"the FIM prompt ({P} tokens) does not fit the model's context of {maxpos}",
+                               code="context_length_exceeded")
+            N, truncated = maxpos - P, True
+        info = {"prompt_tokens": P, "truncated": truncated, "n_predict": N, "blanks": blanks}
+        text = f.prefix + f.line
+        if N == 0:
+            return eng.warm(p.ids, prompt_text=text), info
+        return eng.generate(p.ids, N, prompt_text=text), info
 
     def _chat(self, eng, ask: Ask):
         """A conversation's next turn (continued, or started here); messages that are no
@@ -323,7 +390,7 @@ class Handler(BaseHTTPRequestHandler):
                                       "--api-key)", kind="invalid_request_error", code="invalid_api_key"))
             return
         gets = {"/v1/models": self._models, "/rakv/records": lambda: self._records(url.query)}
-        posts = {"/v1/chat/completions": lambda: self._complete(True),
+        posts = {"/infill": self._infill, "/v1/chat/completions": lambda: self._complete(True),
                  "/v1/completions": lambda: self._complete(False)}
         try:
             if method == "GET" and path in gets:
@@ -389,6 +456,24 @@ class Handler(BaseHTTPRequestHandler):
         ask = api.parse_ask(body, chat)
         with self.service.admit():
             self._answer(chat, ask)
+
+    def _infill(self) -> None:
+        """llama.cpp server's /infill (llama.vim, llama.vscode): its answer's shape."""
+        ask = api.parse_infill(self._body())
+        s = self.service
+        with s.admit():
+            res = s.complete(ask)
+        e, f = res.end, res.fill
+        predicted_ms = max(0.0, e.latency_ms - e.ttft_ms) if e.stopped != "warm" else 0.0
+        settings = {"n_predict": f.get("n_predict"), "n_indent": ask.fim.n_indent,
+                    "t_max_predict_ms": ask.fim.t_max_ms, "temperature": ask.temperature, "top_k": ask.top_k,
+                    "top_p": ask.top_p, "seed": ask.seed}
+        self.note = ("warm-up; " if e.stopped == "warm" else "infill; ") + _summary(res)
+        self._json(200, api.infill_response(s.model, res.text, stopped=f.get("ended", e.stopped),
+                                            prompt_tokens=e.prompt_tokens, cache_n=_reused(e),
+                                            predicted_n=f.get("predicted", 0), prompt_ms=e.ttft_ms,
+                                            predicted_ms=predicted_ms, truncated=bool(f.get("truncated")),
+                                            settings=settings, rakv=res.rakv, fields=ask.fim.fields))
 
     def _answer(self, chat: bool, ask) -> None:
         rid = api.new_id(chat)
@@ -491,6 +576,12 @@ class Handler(BaseHTTPRequestHandler):
         req = "".join(c if c.isprintable() else "?" for c in (getattr(self, "requestline", "") or "-")[:200])
         print(f"[rakv] {self.client_address[0]} \"{req}\" {status} {ms:.0f} ms" + (f": {what}" if what else ""),
               file=sys.stderr, flush=True)
+
+
+def _reused(e) -> int:
+    """The prompt tokens a request took from the prefix cache (a partial hit recomputes its last)."""
+    q = e.hit_tokens if e.action.get("reuse") else 0
+    return q if e.exact_repeat or q == 0 else q - 1
 
 
 def _summary(res: Result) -> str:
@@ -621,7 +712,7 @@ def add_serve_parser(sub, add_run_args) -> None:
     """``rakv serve``'s flags: ``add_run_args`` (generate's, from rakv.cli), --host, --port."""
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on localhost over the same engine",
                        description="An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
-                                   "/v1/models, streaming by server-sent events) on one engine, prefix cache and "
+                                   "/v1/models, streaming by server-sent events; llama.cpp's /infill for editors) on one engine, prefix cache and "
                                    "controller; each response carries a 'rakv' object; the explorer can attach "
                                    "(GET /rakv/records). See docs/serve.md.")
     add_run_args(s)
@@ -651,7 +742,7 @@ def cmd_serve(args, make_session) -> int:
         s = server.service
         log(f"serving {s.model} (policy {server.run.policy.name}, {s.pool.size} at once, queue {s.max_queue}"
             + (", API key required" if args.api_key else "") + f") on {server.url}: POST /v1/chat/completions, "
-            f"/v1/completions; GET /v1/models, /rakv/records" + (f"; recording to {args.record}" if args.record else "")
+            f"/v1/completions, /infill; GET /v1/models, /rakv/records" + (f"; recording to {args.record}" if args.record else "")
             + "; Ctrl-C stops")
         try:
             server.serve_forever()

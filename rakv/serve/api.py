@@ -4,8 +4,14 @@ and the JSON objects of responses, stream chunks and errors.
 Only what changes the output is checked strictly: ``n`` (1 only), ``temperature``, ``top_p``,
 ``seed``, ``max_tokens`` (or ``max_completion_tokens``), ``stop``, ``stream``, and the messages or
 the prompt; ``top_k`` and ``min_p`` are taken as extensions. A field that asks for something the
-engine does not do (several choices, log-probabilities, ``echo``, a ``suffix``, tools) is refused
-with a 400; anything else a client sends (``user``, ``model``, penalties at 0, ...) is ignored.
+engine does not do (several choices, log-probabilities, ``echo``, tools) is refused with a 400;
+anything else a client sends (``user``, ``model``, penalties at 0, ...) is ignored. A completion's
+``suffix`` asks for the middle between the prompt and it (``rakv.fim``).
+
+``parse_infill`` reads llama.cpp server's ``POST /infill`` as editors send it (llama.vim,
+llama.vscode): ``input_prefix``, ``input_suffix``, ``input_extra``, ``prompt`` (the current line),
+``n_predict`` (0: only fill the cache), ``n_indent``, ``t_max_predict_ms``, ``response_fields``;
+``infill_response`` writes llama.cpp's answer (``content``, ``tokens_cached``, ``timings``, ...).
 """
 
 from __future__ import annotations
@@ -53,6 +59,22 @@ class Ask:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     model: str = ""
+    fim: "Fim | None" = None           # fill in the middle (/infill, or a completion's suffix)
+    infill: bool = False               # llama.cpp's /infill: its response shape
+
+
+@dataclass
+class Fim:
+    """What to fill: the text before the cursor, after it, the current line up to the cursor, the
+    repository's other chunks [(filename, text)], and llama.cpp's line rules."""
+
+    prefix: str
+    suffix: str
+    line: str = ""
+    extra: list[tuple[str, str]] = field(default_factory=list)
+    n_indent: int = 0
+    t_max_ms: float = 0.0
+    fields: list[str] = field(default_factory=list)     # response_fields: only these paths
 
 
 # ----------------------------------------------------------------------------- reading a request
@@ -73,8 +95,14 @@ def parse_ask(body, chat: bool) -> Ask:
         raise ApiError(400, "best_of must be 1", "best_of")
     if body.get("echo") not in (None, False):
         raise ApiError(400, "echo is not supported", "echo")
-    if body.get("suffix") not in (None, ""):
-        raise ApiError(400, "suffix is not supported", "suffix")
+    suffix = body.get("suffix")
+    if suffix is not None:
+        if chat or not isinstance(suffix, str):
+            raise ApiError(400, "suffix must be a string (on /v1/completions)", "suffix")
+        if not isinstance(a.prompt, str):
+            raise ApiError(400, "a suffix needs the prompt as text, not token ids", "prompt")
+        if suffix:
+            a.fim = Fim(prefix=a.prompt, suffix=suffix)
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
         raise ApiError(400, "log-probabilities are not supported", "logprobs")
     if body.get("tools") or body.get("functions"):
@@ -102,6 +130,71 @@ def parse_ask(body, chat: bool) -> Ask:
         a.top_k = int(tk)
     seed = body.get("seed")
     if seed is not None:
+        if not _is_int(seed):
+            raise ApiError(400, f"seed must be an integer, got {seed!r}", "seed")
+        a.seed = int(seed)
+    a.stop = _stops(body.get("stop"))
+    return a
+
+
+def parse_infill(body) -> Ask:
+    """llama.cpp server's /infill body -> Ask (``fim`` set, ``infill`` True); ApiError(400), one line.
+    ``n_predict`` (or ``max_tokens``) < 0: the server's --max-new-tokens; 0: a warm-up that only fills
+    the cache. Accepted and not used: ``cache_prompt`` (the prefix cache always keeps the prompt),
+    ``samplers``, ``t_max_prompt_ms``, ``id_slot``."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name in ("input_prefix", "input_suffix"):
+        if name not in body:
+            raise ApiError(400, f"\"{name}\" is required", name)
+        if not isinstance(body[name], str):
+            raise ApiError(400, f"\"{name}\" must be a string", name)
+    line = body.get("prompt", "")
+    if not isinstance(line, str):
+        raise ApiError(400, "\"prompt\" must be a string (the current line up to the cursor)", "prompt")
+    extra = body.get("input_extra", [])
+    if extra is None:
+        extra = []
+    if not isinstance(extra, list):
+        raise ApiError(400, "\"input_extra\" must be an array of {\"filename\": string, \"text\": string}", "input_extra")
+    chunks = []
+    for i, c in enumerate(extra):
+        if not isinstance(c, dict) or not isinstance(c.get("text"), str):
+            raise ApiError(400, f"input_extra[{i}] must have a \"text\" string", "input_extra")
+        if not isinstance(c.get("filename", ""), str):
+            raise ApiError(400, f"input_extra[{i}].filename must be a string", "input_extra")
+        chunks.append((c.get("filename") or "tmp", c["text"]))
+    fields = body.get("response_fields", [])
+    if fields is None:
+        fields = []
+    if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+        raise ApiError(400, "response_fields must be a list of strings", "response_fields")
+    if body.get("stream") not in (None, False):
+        raise ApiError(400, "stream is not supported on /infill (send \"stream\": false)", "stream")
+    a = Ask(chat=False, prompt=body["input_prefix"] + line, infill=True)
+    a.model = body.get("model") if isinstance(body.get("model"), str) else ""
+    n = body.get("n_predict", body.get("max_tokens"))
+    if n is not None:
+        if not _is_int(n):
+            raise ApiError(400, f"n_predict must be an integer, got {n!r}", "n_predict")
+        a.max_tokens = int(n) if n >= 0 else None
+    ind = body.get("n_indent", 0)
+    if ind is None:
+        ind = 0
+    if not _is_int(ind) or ind < 0:
+        raise ApiError(400, f"n_indent must be an integer >= 0, got {ind!r}", "n_indent")
+    t_max = _number(body, "t_max_predict_ms", lo=0.0) or 0.0
+    a.fim = Fim(body["input_prefix"], body["input_suffix"], line, chunks, int(ind), t_max, list(fields))
+    a.temperature = _number(body, "temperature", lo=0.0)
+    a.top_p = _number(body, "top_p", lo=0.0)
+    a.min_p = _number(body, "min_p", lo=0.0)
+    tk = body.get("top_k")
+    if tk is not None:
+        if not _is_int(tk) or tk < 0:
+            raise ApiError(400, f"top_k must be an integer >= 0, got {tk!r}", "top_k")
+        a.top_k = int(tk)
+    seed = body.get("seed")
+    if seed is not None and seed != -1:            # (llama.cpp's -1: a random seed)
         if not _is_int(seed):
             raise ApiError(400, f"seed must be an integer, got {seed!r}", "seed")
         a.seed = int(seed)
@@ -242,6 +335,51 @@ def chunk(ask: Ask, rid: str, model: str, text: str | None, finish: str | None =
         choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
     return {"id": rid, "object": "chat.completion.chunk" if ask.chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice], **extra}
+
+
+def cut_at_stops(text: str, stops: list[str]) -> str:
+    """``text`` before the first of ``stops`` (all of it when none occurs)."""
+    at = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return text[: min(at)] if at else text
+
+
+STOP_TYPE = {"eos": "eos", "fim_end": "eos", "stop_string": "word", "warm": "none"}
+
+
+def infill_response(model: str, content: str, *, stopped: str, prompt_tokens: int, cache_n: int,
+                    predicted_n: int, prompt_ms: float, predicted_ms: float, truncated: bool,
+                    settings: dict, rakv: dict, fields: list[str]) -> dict:
+    """llama.cpp server's answer to /infill (its non-OpenAI completion object); with
+    ``response_fields``, only those paths ("timings/prompt_n"), each under its path as the key.
+    ``tokens_cached``: the prompt tokens the prefix cache now holds for the next request."""
+    pn = prompt_tokens - cache_n
+    timings = {"cache_n": cache_n, "prompt_n": pn, "prompt_ms": prompt_ms,
+               "prompt_per_token_ms": prompt_ms / pn if pn else 0.0,
+               "prompt_per_second": 1e3 * pn / prompt_ms if prompt_ms > 0 else 0.0,
+               "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+               "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+               "predicted_per_second": 1e3 * predicted_n / predicted_ms if predicted_ms > 0 else 0.0}
+    out = {"index": 0, "content": content, "tokens": [], "id_slot": 0, "stop": True, "model": model,
+           "tokens_predicted": predicted_n, "tokens_evaluated": prompt_tokens, "generation_settings": settings,
+           "has_new_line": "\n" in content, "truncated": truncated, "stop_type": STOP_TYPE.get(stopped, "limit"),
+           "stopping_word": "", "tokens_cached": prompt_tokens, "timings": timings, "rakv": rakv}
+    return pick_fields(out, fields) if fields else out
+
+
+def pick_fields(obj: dict, paths: list[str]) -> dict:
+    """llama.cpp's response_fields: each path ("a/b") that exists, its value under the path."""
+    out = {}
+    for path in paths:
+        cur, ok = obj, True
+        for k in path.split("/"):
+            if isinstance(cur, dict) and k in cur:
+                cur = cur[k]
+            else:
+                ok = False
+                break
+        if ok:
+            out[path] = cur
+    return out
 
 
 def models_list(model: str, created: int) -> dict:

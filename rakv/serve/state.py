@@ -5,8 +5,9 @@ the engine commits it (``Current``, routed by the thread the request runs in: ``
 from __future__ import annotations
 
 import json
-import uuid
 import threading
+import time
+import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from itertools import islice
@@ -160,7 +161,7 @@ class Current:
     """The running request's text as the engine commits it: decoded (``TextStream``), cut at a stop
     string (which stops the engine), and sent on (``emit``) as it becomes certain."""
 
-    def __init__(self, engine, stops: list[str], begin=None, emit=None):
+    def __init__(self, engine, stops: list[str], begin=None, emit=None, ends=None, rules=None):
         self.engine = engine
         self.text = TextStream(engine.target.tokenizer)
         self.stop = StopText(stops)
@@ -168,6 +169,14 @@ class Current:
         self.rid: int | None = None
         self.decisions: list[dict] = []
         self.gone = False              # the client went away: the engine was asked to stop
+        # fill in the middle: the answer ends at the first of ``ends`` (the model's FIM end tokens and
+        # EOS, not part of it) or where ``rules`` (rakv.fim.LineRules) end it; ``kept`` its ids
+        self.ends = frozenset(ends or ())
+        self.rules = rules
+        self.kept: list[int] | None = [] if rules is not None else None
+        self.ended = ""                # "fim_end" | "indent" | "time"
+        self.fed = 0                   # of rules.text passed on
+        self.t_gen: float | None = None
 
     def see(self, rec) -> None:
         from ..records import Decision, RequestStart, Round
@@ -181,9 +190,35 @@ class Current:
                                    "alpha": rec.alpha, "alpha_star": dict(rec.alpha_star),
                                    "candidates": [dict(c) for c in rec.candidates]})
         elif isinstance(rec, Round) and rec.request_id == self.rid:
-            self.send(self.stop.push(self.text.push(rec.emitted)))
-            if self.stop.hit:
+            if self.rules is not None:
+                self._fim_round(rec.emitted)
+            else:
+                self.send(self.stop.push(self.text.push(rec.emitted)))
+            if self.stop.hit or self.ended:
                 self.engine.stop()     # the round ends the request
+
+    def _fim_round(self, emitted: list[int]) -> None:
+        """A round of a fill in the middle, token by token as llama.cpp's server takes them: the
+        tokens past the middle's end (or past where a line rule ended it) are not the answer."""
+        t = time.perf_counter()
+        if self.t_gen is None:         # (the prefill round: generation starts)
+            self.t_gen = t
+        ms = (t - self.t_gen) * 1e3
+        for tok in emitted:
+            if self.ended or self.stop.hit:
+                return
+            if tok in self.ends:
+                self.ended = "fim_end"
+                return
+            self.kept.append(int(tok))
+            if not self.rules.push(self.text.push([tok]), ms):
+                self.ended = self.rules.why
+            self._pass_on()
+
+    def _pass_on(self) -> None:
+        new = self.rules.text[self.fed:]
+        self.fed = max(self.fed, len(self.rules.text))
+        self.send(self.stop.push(new))
 
     def send(self, piece: str) -> None:
         if piece and self.emit is not None:
@@ -199,7 +234,13 @@ class Current:
             self.engine.stop()
 
     def finish(self) -> None:
-        self.send(self.stop.push(self.text.finish()))
+        if self.rules is not None:
+            rest = self.text.finish()
+            if not self.ended and not self.stop.hit:
+                self.rules.push(rest, 0.0)
+                self._pass_on()
+        else:
+            self.send(self.stop.push(self.text.finish()))
         self.send(self.stop.finish())
 
 
@@ -257,3 +298,4 @@ class Result:
     text: str
     finish: str
     rakv: dict
+    fill: dict = field(default_factory=dict)      # a fill in the middle's counts (the /infill answer)

@@ -54,10 +54,12 @@ def _solo(target, prompt, rid: int, s: Sampling, n: int = N) -> list[int]:
     return e.generate(prompt, n).output_ids
 
 
-def _serve_all(engine, prompts, lanes: int, seed: int, n: int = N, steps=None):
+def _serve_all(engine, prompts, lanes: int, seed: int, n: int = N, steps=None, pools=None):
     """Every prompt through a LanePool of ``lanes``, from ``lanes`` client threads in a random order;
-    {request_id: (prompt, RequestEnd)}."""
+    {request_id: (prompt, RequestEnd)} (the pool appended to ``pools``)."""
     pool = LanePool(engine, lanes, on_step=(steps.append if steps is not None else None))
+    if pools is not None:
+        pools.append(pool)
     rng = random.Random(seed)
     order = list(range(len(prompts)))
     rng.shuffle(order)
@@ -346,6 +348,55 @@ def test_the_adaptive_k_is_priced_by_the_batch_and_stays_exact():
     assert priced and all(x.batch["requests"] >= 1 and "k_alone" in x.batch for x in priced)
 
 
+@pytest.mark.parametrize("arch,numerics", [("llama", "q8"), ("llama", "fp32"), ("gpt2", "q8")])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_request_is_decided_by_the_batch_it_joins_and_its_draft_reads_the_prompt_only_to_draft(arch, numerics,
+                                                                                                  greedy):
+    """A request that joins others takes the batch's k from its start (its per-request Decision carries
+    the batch, never a probe beside others); a draft that never drafts for its request never reads
+    that prompt (no draft cache lookup); the pool learns the target's pass of n rows from the steps;
+    every request's tokens stay its solo run's, greedy and seeded."""
+    from rakv.records import CacheLookup, Decision
+
+    if numerics == "q8" and blockq.library() is None:
+        pytest.skip(f"no block kernel: {blockq.reason()}")
+    t, d = _pair(arch, numerics)
+    s = Sampling() if greedy else Sampling(temperature=0.8, top_p=0.95, seed=5)
+    recs, pools = [], []
+    eng = Engine(t, ModelDraft(d), RakvConfig(policy="adaptive", sampling=s),
+                 profile=synthetic_profile(d=0.05, alpha0=0.9), callback=recs.append)
+    prompts = _prompts(seed=4)
+    done = _serve_all(eng, prompts, 4, seed=4 + greedy, pools=pools)
+    for rid, (p, end) in done.items():
+        assert end.output_ids == _solo(t, p, rid, s), rid
+    first = [r for r in recs if isinstance(r, Decision) and r.round == -1]
+    joined = [r for r in first if r.batch]
+    assert joined and len(first) == len(prompts)
+    assert all(r.reason != "probe" and r.batch["requests"] >= 1 and "k_alone" in r.batch for r in joined)
+    read = {r.request_id for r in recs if isinstance(r, CacheLookup) and r.model == "draft"}
+    for rid, (_, end) in done.items():
+        if end.drafted == 0:
+            assert rid not in read, rid                  # its draft never prefilled the prompt
+    assert pools[0].view.costs.steps                     # W(n) learned from the shared passes
+    assert not pools[0].view.rows                        # every request left the view
+
+
+def test_a_failed_request_leaves_the_batch():
+    """A request that fails inside the engine no longer counts among the batch's requests."""
+    t, d = _pair("llama", "fp32")
+    eng = Engine(t, ModelDraft(d), RakvConfig(policy="adaptive"), profile=synthetic_profile())
+    pool = LanePool(eng, 2)
+
+    def boom(*a, **kw):
+        raise RuntimeError("a failing forward")
+
+    with pool.lane() as lane:
+        lane._prefill = boom
+        with pytest.raises(RuntimeError):
+            lane.generate([5, 6, 7], 4)
+    assert not pool.view.rows
+
+
 def test_the_load_generator_against_rakv_serve(model_dir, tmp_path):
     """rakv bench --load rakv: a real `rakv serve --parallel 2` started here, 1 and 2 closed-loop clients
     over loopback; every answer of the two-client run equals the one-client answer to its prompt."""
@@ -358,3 +409,17 @@ def test_the_load_generator_against_rakv_serve(model_dir, tmp_path):
     assert [r["clients"] for r in rows] == [1, 2]
     assert all(r["errors"] == 0 and r["tokens"] > 0 and r["differ_from_one_client"] == 0 for r in rows)
     assert (out / "load.md").read_text().startswith("| server |")
+
+
+def test_a_load_that_changes_against_a_fixed_k_arm(model_dir, tmp_path):
+    """rakv bench --load rakv-k2 --load-trace 1:2,2:3: one `rakv serve --policy joint:2` driven by 1 then
+    2 closed-loop clients; a row per phase and one over the trace (trace.json, trace.md)."""
+    from rakv.cli import main
+
+    out = tmp_path / "trace"
+    assert main(["bench", "--load", "rakv-k2", "--load-trace", "1:2,2:3", "--target", str(model_dir), "--draft",
+                 "ngram", "--max-new-tokens", "6", "--out", str(out)]) == 0
+    rows = json.loads((out / "trace.json").read_text())["rows"]
+    assert [(r["phase"], r["clients"], r["requests"]) for r in rows] == [(1, 1, 2), (2, 2, 3), ("all", "1-2", 5)]
+    assert all(r["errors"] == 0 and r["tokens"] > 0 and r["server"] == "rakv joint:2 --parallel 2" for r in rows)
+    assert (out / "trace.md").read_text().startswith("| server | phase |")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +47,14 @@ def test_generate_json_contract(saved_pair, capsys, tmp_path):
     ids = tok("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)["input_ids"]
     assert lines[0]["output_ids"] == oracle(t, ids, 12) == lines[1]["output_ids"]
     assert lines[1]["exact_repeat"] and lines[1]["hit_tokens"] == len(ids)
+    # the repeat is priced as the copy the gate then makes: its passes beside the rounds taken
+    assert lines[1]["copy"] and not lines[0]["copy"]
+    assert abs(lines[1]["predicted_passes"] - lines[1]["rounds"]) <= 1 < lines[0]["rounds"]
+    (tmp_path / "run.json").write_text(out)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "prediction_error.py"
+    rep = subprocess.run([sys.executable, str(script), str(tmp_path / "run.json")],
+                         capture_output=True, text=True)
+    assert rep.returncode == 0 and "exact repeats: median error" in rep.stdout, rep.stderr
     recs = read_recording(rec)
     assert recs[0].type == "header" and recs[-1].type == "request_end"
     csv_out = tmp_path / "t.csv"

@@ -124,6 +124,11 @@ def test_measure_every_action_leaves_state_and_reports(calibrated):
     ch = next(a for a in res.actions if (a["reuse"], a["k"]) == (d.reuse, d.k))
     assert res.regret == pytest.approx((ch["median_ms"] - best["median_ms"]) / best["median_ms"], abs=1e-4)
     assert res.regret >= 0 and res.adaptive_ms > 0
+    # like with like: the adaptive choice copies this exact repeat (gate), priced as its copy rounds;
+    # beside the measured kv runs (no gate: plain steps) stands the kv run's own prediction
+    kv_adaptive = next(c for c in d.candidates if (c.reuse, c.k) == (1, 0))
+    kv = next(a for a in res.actions if (a["reuse"], a["k"]) == (1, 0))
+    assert d.copy and kv["predicted_ms"] > kv_adaptive.predicted_ms
     # progress: one call per run (7 jobs x 2), then done
     assert progress[-1] == (14, 14, "done") and len(progress) == 15
     # the engine still works as before: the next request is request 1, an exact repeat

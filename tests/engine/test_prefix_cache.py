@@ -390,3 +390,32 @@ def test_the_indexed_history_match_is_the_numpy_one():
                 k = rng.randrange(1, 20)
                 sizes = rng.choice(((3, 2), (2,), (4, 3, 2)))
                 assert history_match_indexed(ids, k, sizes, h) == history_match(ids, k, sizes, h.tokens), trial
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+def test_an_exact_repeat_is_predicted_as_the_copy_rounds_the_engine_then_runs(draft):
+    """The gate copies an exact repeat's earlier output (with a model draft too): the chosen action
+    is priced as that copy (predicted target passes, not model rounds) and the engine then takes
+    about those passes; exact either way."""
+    from rakv.drafts.ngram import NgramDraft
+    from rakv.records import Decision
+    from tests.unit.test_gate import profile
+
+    target, d = make_pair("llama", "mostly")
+    decisions = []
+    src = ModelDraft(d) if draft == "model" else NgramDraft()
+    eng = Engine(target, src, RakvConfig(policy="adaptive"),
+                 lambda r: decisions.append(r) if isinstance(r, Decision) and r.round < 0 else None, profile())
+    p = list(range(5, 45))
+    first = eng.generate(p, 40)
+    ledger = (eng.planner.copies.n, eng.planner.copies.rounds)
+    again = eng.generate(p, 40)
+    assert_exact(first, target, p, 40)
+    assert_exact(again, target, p, 40)
+    assert (eng.planner.copies.n, eng.planner.copies.rounds) == ledger     # a copy teaches the ledger nothing
+    dec = decisions[1]
+    assert dec.copy and dec.action["reuse"] == 1 and again.exact_repeat
+    assert dec.predicted_passes <= 4 < first.rounds                 # 39 tokens after the first, 17 a copy round
+    assert abs(again.rounds - dec.predicted_passes) <= 1             # a loose bound: the passes the engine took
+    assert again.predicted_ms == dec.candidates[[(c["reuse"], c["k"]) for c in dec.candidates].index(
+        (1, dec.action["k"]))]["predicted_ms"]

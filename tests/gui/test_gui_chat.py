@@ -148,6 +148,16 @@ def test_quality_line_says_contended():
     assert "not in this recording" in quality_text(_header_only())[0]
 
 
+def test_quality_line_says_which_v_of_k_the_rounds_corrected():
+    st = SessionState()
+    st.apply(RunHeader(profile={"contended": False, "spread": {"V8": 0.05}, "calibrated_at": "x"}))
+    st.apply(RequestEnd(request_id=0, predicted_ms=100.0, latency_ms=100.0))
+    assert "corrected" not in quality_text(st)[0]
+    st.apply(RequestEnd(request_id=1, predicted_ms=100.0, latency_ms=100.0, cost_corrections={"V(8)": 0.45}))
+    text, tip = quality_text(st)
+    assert "corrected by rounds: V(8) x0.45" in text and "shape_correction" in tip
+
+
 def _header_only():
     st = SessionState()
     st.apply(RunHeader())

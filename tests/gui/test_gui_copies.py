@@ -91,6 +91,10 @@ def test_k0_copies_are_copies_in_every_panel(qtbot, win, tmp_path):
     assert f"the gate copied {copied} of {counts['copied']} verified tokens in {len(copy_rounds)} round" in \
         snap["costs"]["info"]
     assert f"chosen k=0 + copy {copied}" in snap["acceptance"]["info"]
+    # ... priced as that copy: the passes it predicted beside those the request took (issue 58)
+    assert "priced as the copy of its earlier output" in snap["costs"]["info"]
+    assert f"target passes predicted, {end.rounds} taken" in snap["costs"]["info"]
+    assert re.search(r"prediction error .*%</b> median, \d+% mean \(2 requests\)", snap["costs"]["quality"])
     assert f"{copied} of them gate copies" in snap["timeline"]["info"]
     # hovering a copied token tells the copy round, not a draft's acceptance
     st = win.live

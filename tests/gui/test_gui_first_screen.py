@@ -93,9 +93,9 @@ def test_the_window_opens_with_the_left_docks_readable(qtbot, window):
 
 # ----------------------------------------------------------------------------- --target over a restored pair
 def test_command_line_pair_rules():
-    assert default_draft("demo") == Settings.DEFAULTS["models/draft"]
+    assert default_draft("demo") == Settings.DEFAULTS["models/draft"] == "ngram"    # pays on the demo's copies
     assert default_draft("qwen-coder-1.5b") == "qwen-coder-0.5b"
-    assert default_draft("qwen-coder-0.5b") == Settings.DEFAULTS["models/draft"]
+    assert default_draft("qwen-coder-0.5b") == "int8"
     # another pair's model draft gives way to the target's default draft, with a notice
     t, d, note = command_line_pair("demo", None, "qwen-coder-1.5b", "qwen-coder-0.5b")
     assert (t, d) == ("demo", default_draft("demo"))

@@ -60,3 +60,69 @@ def test_the_view_counts_the_others_only():
     assert v.others(2) == (8, 5.5, 2)
     v.leave(1)
     assert v.others(2) == (3, 2.5, 1) and v.others(9) == (4, 3.5, 2)
+
+
+def test_a_starting_request_counts_as_one_plain_row_until_its_first_round():
+    v = BatchView()
+    v.join(1)
+    v.join(2)
+    assert v.others(1) == (1, 1.0, 1)              # request 2 is in its prompt: priced as a plain row
+    v.told(2, 5, 3.0)
+    v.join(2)                                      # (joining again changes nothing it told)
+    assert v.others(1) == (5, 3.0, 1)
+
+
+def test_the_batch_learns_a_pass_of_n_rows_from_its_steps():
+    from rakv.decide.learned import BATCH_COST_BOUND, BatchCosts, rows_bucket
+
+    c = BatchCosts()
+    assert c.factor(8) == 1.0                      # before any step: the profile's W(n)
+    for _ in range(40):
+        c.observe(8, 10.0, 15.0)                   # 8 rows of 8 requests: 1.5x one request's 8-row verify
+    assert c.factor(8) == pytest.approx(1.5, rel=0.02)
+    assert c.factor(40) == c.factor(2) == c.factor(8)      # one bucket measured: its scale everywhere
+    c.observe(1, 4.0, 4.0)
+    assert c.factor(1) == pytest.approx(1.0) and c.factor(64) == c.factor(12)
+    xs = [c.factor(n) for n in range(1, 12)]
+    assert xs == sorted(xs) and 1.0 < c.factor(4) < c.factor(8)    # between buckets: no step at an edge
+    assert rows_bucket(1) != rows_bucket(2) == rows_bucket(3) != rows_bucket(4)
+    for _ in range(200):
+        c.observe(64, 1.0, 1000.0)                 # a wild step moves it by a clipped factor, within bounds
+    assert c.scale[rows_bucket(64)] == pytest.approx(BATCH_COST_BOUND)
+    c.observe(8, 10.0, float("nan"))
+    c.observe(8, 0.0, 5.0)
+    assert c.scale[rows_bucket(8)] == pytest.approx(1.5, rel=0.02)   # (bad measurements: ignored)
+
+
+def test_the_batch_price_uses_the_measured_pass():
+    """W(n) is the profile's V(n - 1) times the learned scale: a batch whose passes grow dear with
+    rows (what the steps measured) gives a long shot's rows back where the profile alone would not."""
+    from rakv.decide.learned import BatchCosts
+    from rakv.decide.planner import batch_pass
+    from tests.tiny import synthetic_profile
+
+    p = synthetic_profile(V={str(k): 1.0 + 0.01 * k for k in range(1, 64)}, d=0.0)
+    costs = BatchCosts()
+    W = batch_pass(p, costs, 32)
+    assert W(1) == pytest.approx(p.step(32)) and W(5) == pytest.approx(p.verify(4, 32))
+    E_of = lambda k: E(k, 0.5)                     # noqa: E731
+    free = lambda k: 0.0                           # noqa: E731 - copies: nothing to draft
+    assert batch_k(KS, E_of, W, 6, 6.0, free) > 0                  # the profile: rows nearly free
+    for _ in range(40):
+        for n in (8, 16):                          # the steps: a pass past 7 rows costs twice as much
+            costs.observe(n, p.verify(n - 1, 32), 2.0 * p.verify(n - 1, 32))
+        costs.observe(4, p.verify(3, 32), p.verify(3, 32))
+    assert batch_k(KS, E_of, W, 6, 6.0, free) == 0                 # 6 others + 1 plain row: 7
+
+
+def test_a_draft_that_has_not_read_its_prompt_pays_that_to_draft():
+    """The catch-up a model draft owes (its prompt, read only once a round drafts) is priced into
+    the rounds that would draft: a one-off spread over the request's rounds, steps of its own."""
+    W = _W(0.02)
+    E_of = lambda k: E(k, 0.8)                     # noqa: E731
+    d = lambda k: 0.05 * k                         # noqa: E731
+    assert batch_k(KS, E_of, W, 1, 1.0, d, lambda k: 0.2 * k) > 0            # a cheap draft beside one other
+    owe, steps, remaining = 30.0, 3, 16                                       # its prompt: 30 ms, 3 chunks
+    once = lambda k: E_of(k) / remaining           # noqa: E731
+    assert batch_k(KS, E_of, W, 1, 1.0, lambda k: d(k) + owe * once(k),
+                   lambda k: 0.2 * k + steps * once(k)) == 0

@@ -646,7 +646,7 @@ def test_an_exact_repeat_copied_from_the_history_drafts_the_most_and_teaches_not
     c = Controller(profile(d=0.0, D=None), alpha_prior=0.3)     # n-gram-like: free drafts, low acceptance
     s = situation(exact=True, q=100, draft_model=False)
     assert c.decide(s).k < 8
-    ch = c.decide(situation(exact=True, q=100, draft_model=False, copy=True))
+    ch = c.decide(situation(exact=True, q=100, draft_model=False, copy=True, draft_copies=True))
     assert (ch.k, ch.alpha, ch.copy) == (8, 0.99, True)
     before = (c.alpha_long, c.alpha_recent)
     c.observe_round(8, 8)                     # the copied request accepts everything ...
@@ -854,3 +854,91 @@ def test_exploration_finds_a_high_acceptance_draft_and_costs_little_where_it_doe
     assert sum(r == "probe" for _, r, _ in lo) == 1 and all(k == 0 for k, _, _ in lo[1:])
     plain = prof.T(66) + 63 * prof.step(100)
     assert sum(ms for _, _, ms in lo) <= 1.02 * 6 * plain
+
+
+def test_copy_rounds_cover_the_output_one_verify_a_run():
+    from rakv.decide.controller import copy_rounds
+
+    assert copy_rounds(64, 16) == [16, 16, 16, 11]       # 63 tokens after the first: 17 + 17 + 17 + 12
+    assert sum(j + 1 for j in copy_rounds(64, 16)) == 63
+    assert copy_rounds(2, 16) == [0] and copy_rounds(1, 16) == []      # the last token: a plain step; none left
+    assert copy_rounds(10, 8) == [8]
+
+
+def test_a_gated_exact_repeat_is_priced_as_its_copy_rounds_with_a_model_draft():
+    """A model draft under the gate: the exact repeat's earlier output is copied by the lookup in a
+    few verifies (no prompt forward, no draft prefill, no model rounds), whatever k the action names;
+    r = 0 reads no history and keeps its plain / drafting price."""
+    prof = profile()
+    c = Controller(prof, alpha_prior=0.5)
+    s = situation(exact=True, q=100, copy=True, copy_tokens=40, gate=True, copy_run=16, copy_scale=1.5)
+    ch = c.decide(s)
+    ctx = s.P + s.N / 2
+    want = sum(prof.verify(j, ctx) * 1.5 for j in (16, 16, 4))          # 39 tokens after the first: 17 + 17 + 5
+    cands = {(x.reuse, x.k): x.predicted_ms for x in ch.candidates}
+    assert all(cands[1, k] == pytest.approx(want, abs=1e-3) for k in c.k_set)
+    assert cands[0, 0] == pytest.approx(c.cost(situation(), 0, 0, 0.5), abs=1e-3)
+    assert (ch.reuse, ch.copy, ch.passes) == (1, True, 3.0) and ch.predicted_ms == pytest.approx(want, abs=1e-3)
+    assert ch.alpha == 0.99
+    # without the gate a model draft's rounds are model rounds: no copy price
+    plain = c.decide(situation(exact=True, q=100, copy=True, copy_tokens=40, gate=False, copy_run=16))
+    assert not plain.copy and plain.passes > 3
+
+
+def test_an_ungated_ngram_draft_copies_k_a_round_on_an_exact_repeat():
+    prof = profile(d=0.0, D=None)
+    c = Controller(prof, alpha_prior=0.3)
+    s = situation(exact=True, q=100, draft_model=False, copy=True, draft_copies=True, copy_tokens=65)
+    ctx = s.P + s.N / 2
+    cands = {(x.reuse, x.k): x.predicted_ms for x in c.decide(s).candidates}
+    assert cands[1, 8] == pytest.approx(sum(prof.verify(8, ctx) for _ in range(7)) + prof.step(ctx), abs=1e-3)
+    assert cands[1, 0] == pytest.approx(64 * prof.step(ctx) * c.out_frac, abs=1e-3)     # k = 0 copies nothing
+    assert c.passes(s, 1, 8, 0.3) == 8.0
+
+
+def test_the_scales_that_correct_the_profile_are_named():
+    from rakv.decide.controller import moved_scales
+
+    prof = profile()
+    assert moved_scales(prof) == {}
+    prof.scale.update({"machine": 1.4, "T": 0.95, "R12": 0.5})
+    assert moved_scales(prof, copy_scale=1.05) == {"R12": 0.5, "machine": 1.4}
+    assert moved_scales(prof, copy_scale=1.3)["copy verify"] == 1.3
+
+
+def test_gated_copy_rounds_on_a_new_prompt_are_priced_from_the_copy_ledger():
+    """Under the gate a k = 0 round looks up n-gram copies (and every round of an n-gram draft
+    does): with measured evidence (the copy ledger) such an action costs its plain steps less each
+    copy round's measured net gain, in n / tokens-a-round rounds; without evidence, as before."""
+    prof = profile()
+    c = Controller(prof, alpha_prior=0.5)
+    base = situation(q=50, gate=True)
+    ctx = base.P + base.N / 2
+    n = (base.N - 1) * c.out_frac
+    assert c.cost(base, 1, 0, 0.5) == pytest.approx(prof.T(51) + n * prof.step(ctx))      # no evidence
+    s = situation(q=50, gate=True, copy_gain=4.0, copy_emit=2.0)
+    assert c.cost(s, 1, 0, 0.5) == pytest.approx(prof.T(51) + n * prof.step(ctx) - n / 2.0 * 4.0)
+    assert c.passes(s, 1, 0, 0.5) == pytest.approx(n / 2.0)
+    assert c.cost(s, 1, 4, 0.5) == pytest.approx(c.cost(base, 1, 4, 0.5))     # a model draft's rounds: unchanged
+    ng = situation(q=50, gate=True, copy_gain=4.0, copy_emit=2.0, draft_model=False, draft_copies=True)
+    assert c.cost(ng, 1, 4, 0.5) == pytest.approx(c.cost(ng, 1, 0, 0.5))      # an n-gram draft's rounds copy alike
+    assert c.decide(ng).k == max(c.k_set)                                    # ... through its own rounds
+
+
+def test_the_copy_ledger_gives_evidence_only_after_verified_rounds():
+    from rakv.decide.planner import COPY_EVIDENCE, COPY_RETRY, CopyLedger
+
+    led = CopyLedger()
+    for _ in range(COPY_EVIDENCE - 1):
+        led.observe(4, 3, 10.0, 2.0, 0.1)
+    assert led.evidence() is None
+    led.observe(4, 3, 10.0, 2.0, 0.1)
+    gain, emit = led.evidence()
+    assert gain == pytest.approx(3 * 10.0 - 2.0 - 0.1) and emit == pytest.approx(4.0)
+    bad = CopyLedger()
+    for _ in range(COPY_EVIDENCE):
+        bad.observe(4, 0, 10.0, 5.0, 0.1)                  # copies that never hold: a loss, tried 1 in COPY_RETRY
+    assert bad.evidence()[0] == pytest.approx(-5.1 / COPY_RETRY) and bad.evidence()[1] == 1.0
+    c = Controller(profile(), alpha_prior=0.5)       # ... priced as such: a little over the plain steps
+    lose = situation(q=50, gate=True, copy_gain=bad.evidence()[0], copy_emit=1.0)
+    assert c.cost(lose, 1, 0, 0.5) > c.cost(situation(q=50, gate=True), 1, 0, 0.5)

@@ -7,6 +7,7 @@ per server and client count, and how many answers differ from the one-client ans
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -14,7 +15,25 @@ from rakv import argtypes as A
 
 from .base import Peer
 
-SERVERS = ("rakv", "rakv-ar", "llama", "llama-md")
+SERVERS = ("rakv", "rakv-ar", "rakv-kN", "llama", "llama-md")
+FIXED_K = re.compile(r"rakv-k(0|[1-9][0-9]?)")     # rakv serve --policy joint:N (reuse, a fixed k; k0: kv)
+
+
+def rakv_policy(server: str, policy: str) -> str | None:
+    """The --policy a rakv arm serves with: rakv the given one, rakv-ar ar, rakv-kN joint:N (rakv-k0: kv,
+    reuse without drafting); None: no rakv arm."""
+    if server == "rakv":
+        return policy
+    if server == "rakv-ar":
+        return "ar"
+    m = FIXED_K.fullmatch(server)
+    if m is None:
+        return None
+    return "kv" if m.group(1) == "0" else f"joint:{m.group(1)}"
+
+
+def known_server(server: str) -> bool:
+    return server in ("llama", "llama-md") or rakv_policy(server, "adaptive") is not None
 
 
 def _int_list(text: str) -> list[int]:
@@ -55,39 +74,49 @@ class ServingPeer(Peer):
         g = ap.add_argument_group("servers under concurrent load (--load; docs/serve.md)")
         g.add_argument("--load", default=None, metavar="LIST",
                        help=f"measure servers instead of policies: comma-separated {', '.join(SERVERS)} (rakv: rakv serve "
-                            "with the first --policies or adaptive; llama: llama-server -np N on --target's GGUF; "
-                            "llama-md: with --draft's GGUF as its -md)")
+                            "with the first --policies or adaptive; rakv-k4: rakv serve --policy joint:4 (a fixed k; rakv-k0: kv); "
+                            "llama: llama-server -np N on --target's GGUF; llama-md: with --draft's GGUF as its -md)")
         g.add_argument("--clients", default="1,2,4,8", help="client counts (default 1,2,4,8)")
         g.add_argument("--load-parallel", type=A.int_range(1, 64), default=None,
                        help="requests each server decodes together (default: the largest --clients)")
         g.add_argument("--load-requests", type=A.int_range(1, 100_000), default=32,
                        help="requests per run (default 32)")
+        g.add_argument("--load-trace", default=None, metavar="C:R,...",
+                       help="a load that changes instead of --clients: phases of C clients over R requests, in "
+                            "order on one server (e.g. 1:8,8:32,2:8); tokens/s per phase and overall")
         g.add_argument("--load-time-limit", type=A.finite_float(1), default=600.0,
                        help="seconds a run may take at most (default 600)")
 
     def check(self, args) -> None:
         if not args.load:
             return
-        bad = [s for s in args.load.split(",") if s not in SERVERS]
+        bad = [s for s in args.load.split(",") if not known_server(s)]
         if bad:
-            raise ValueError(f"--load: unknown server {bad[0]!r} (choose from {', '.join(SERVERS)})")
+            raise ValueError(f"--load: unknown server {bad[0]!r} (choose from {', '.join(SERVERS)}; N from 0 to 99)")
         _int_list(args.clients)
+        if args.load_trace:
+            from ..load import parse_trace
+
+            parse_trace(args.load_trace)
 
     def takes_over(self, args) -> bool:
         return bool(args.load)
 
     def run_alone(self, args) -> int:
-        from ..load import llama_server, llama_server_binary, markdown, rakv_server, run_load, summary_rows
+        from ..load import (llama_server, llama_server_binary, markdown, parse_trace, rakv_server, run_load,
+                            run_trace, summary_rows)
 
-        clients = _int_list(args.clients)
+        trace = parse_trace(args.load_trace) if args.load_trace else None
+        clients = [c for c, _ in trace] if trace else _int_list(args.clients)
         parallel = args.load_parallel or max(clients)
         n_tokens = args.max_new_tokens or 64
-        prompts = load_prompts(args.workload.split(",")[0], max(8, args.n_prompts or 16))
+        wanted = sum(n for _, n in trace) if trace else 16      # (a trace's phases: no prompt twice where the file allows)
+        prompts = load_prompts(args.workload.split(",")[0], max(8, args.n_prompts or wanted))
         policy = (args.policies or ["adaptive"])[0]
         specs = []
         for s in args.load.split(","):
-            if s in ("rakv", "rakv-ar"):
-                pol = "ar" if s == "rakv-ar" else policy
+            pol = rakv_policy(s, policy)
+            if pol is not None:
                 extra = ["--max-new-tokens", str(n_tokens), "--max-queue", str(max(clients) * 4)]
                 if args.threads:
                     extra += ["--threads", str(args.threads)]
@@ -107,7 +136,12 @@ class ServingPeer(Peer):
                 specs.append(llama_server(binary, str(target), parallel, str(draft) if draft else None,
                                           threads=args.threads or 2))
         out = Path(args.out)
+        progress = lambda m: print(m, file=sys.stderr, flush=True)       # noqa: E731
+        if trace:
+            print(markdown(run_trace(specs, prompts, trace, n_tokens, args.load_time_limit, out,
+                                     repeats=args.repeats or 1, progress=progress)))
+            return 0
         runs = run_load(specs, prompts, clients, args.load_requests, n_tokens, args.load_time_limit, out,
-                        repeats=args.repeats or 1, progress=lambda m: print(m, file=sys.stderr, flush=True))
+                        repeats=args.repeats or 1, progress=progress)
         print(markdown(summary_rows(runs)))
         return 0

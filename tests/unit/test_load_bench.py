@@ -1,0 +1,60 @@
+"""The load bench's arms and its load that changes (rakv.bench.load, rakv.bench.peers.serving):
+fixed-k rakv arms (rakv-kN: rakv serve --policy joint:N, rakv-k0: kv), a trace of phases (clients over requests)
+parsed, refused with one line when malformed, and reported per phase and over the whole trace.
+No server is started here (tests/engine/test_batching.py runs one)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rakv.bench.load import Answer, LoadRun, parse_trace, trace_rows
+from rakv.bench.peers.serving import known_server, rakv_policy
+
+pytestmark = pytest.mark.fast
+
+
+def test_the_rakv_arms_and_their_policies():
+    assert rakv_policy("rakv", "adaptive") == "adaptive"
+    assert rakv_policy("rakv-ar", "adaptive") == "ar"
+    assert rakv_policy("rakv-k4", "adaptive") == "joint:4"
+    assert rakv_policy("rakv-k12", "adaptive") == "joint:12"
+    assert rakv_policy("rakv-k0", "adaptive") == "kv"                  # reuse, no drafting
+    assert rakv_policy("llama", "adaptive") is None
+    assert all(known_server(s) for s in ("rakv", "rakv-ar", "rakv-k2", "llama", "llama-md"))
+    assert not any(known_server(s) for s in ("rakv-k01", "rakv-k", "rakv-kx", "rakv-k100", "vllm", "rakv-k2 "))
+
+
+def test_a_trace_parses_and_bad_ones_say_why():
+    assert parse_trace("1:8,8:32,2:8") == [(1, 8), (8, 32), (2, 8)]
+    assert parse_trace(" 4:2 ") == [(4, 2)]
+    for bad in ("", "1", "1:2:3", "a:b", "0:4", "65:4", "2:0", ","):
+        with pytest.raises(ValueError, match="--load-trace"):
+            parse_trace(bad)
+
+
+def test_the_cli_refuses_a_bad_arm_or_trace_in_one_line(capsys):
+    from rakv.cli import main
+
+    assert main(["bench", "--load", "rakv-kq", "--target", "demo"]) == 2
+    assert main(["bench", "--load", "rakv", "--load-trace", "8", "--target", "demo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "rakv-kq" in err[0] and "--load-trace" in err[1]
+    assert "Traceback" not in "".join(err)
+
+
+def _run(clients, answers, wall):
+    return LoadRun("x", clients, wall, [Answer(p, t, n, 0.1, 1.0) for p, t, n in answers])
+
+
+def test_trace_rows_per_phase_and_over_the_trace():
+    phases = [(1, 2), (4, 4)]
+    runs = [("a", 0, _run(1, [(0, "x", 10), (1, "y", 10)], 2.0)),
+            ("a", 1, _run(4, [(2, "z", 10), (3, "w", 10), (4, "v", 10), (5, "u", 10)], 1.0)),
+            ("b", 0, _run(1, [(0, "x", 10), (1, "Y", 10)], 4.0)),
+            ("b", 1, _run(4, [(2, "z", 10), (3, "w", 10), (4, "v", 10), (5, "u", 10)], 4.0))]
+    rows = {(r["server"], r["phase"]): r for r in trace_rows(runs, phases)}
+    assert rows["a", 1]["tok_s"] == 10.0 and rows["a", 2]["tok_s"] == 40.0
+    assert rows["a", "all"]["tok_s"] == pytest.approx(60 / 3, abs=0.01) and rows["a", "all"]["clients"] == "1-4"
+    assert rows["b", "all"]["tok_s"] == pytest.approx(60 / 8, abs=0.01)
+    assert rows["a", "all"]["differ_from_first_server"] == 0
+    assert rows["b", 1]["differ_from_first_server"] == 1 and rows["b", "all"]["differ_from_first_server"] == 1
