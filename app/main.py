@@ -227,6 +227,7 @@ def run_main(argv: list[str], splash) -> int:
 
     win = MainWindow()
     win.worker.device, win.worker.fast = device, args.fast
+    win.worker.threads = args.threads
     rp = win.run_panel
     if args.numerics:
         rp.numerics.setCurrentText(args.numerics)

@@ -660,8 +660,11 @@ class MainWindow(QMainWindow):
             tps = st.live_tokens_per_s()
             ttft = st.ttft_ms()
             ex_ms, ex_share = st.exploration()
+            rb = st.rounds_by_index
+            threads = getattr(rb[max(rb)], "threads", 0) if rb else 0    # the latest step's (rakv.util.threads)
             self.stats.setText(f"{tps:.1f} tok/s · TTFT " + (f"{ttft:.0f} ms" if ttft is not None else "—")
-                               + f" · exploration {ex_ms:.0f} ms ({ex_share * 100:.2f}% of session)")
+                               + f" · exploration {ex_ms:.0f} ms ({ex_share * 100:.2f}% of session)"
+                               + (f" · {threads} thread{'s' if threads > 1 else ''}" if threads else ""))
             self.redraw_ms_max = max(self.redraw_ms_max, (time.perf_counter() - t0) * 1e3)
         n = len(self.plots)
         for i in range(n):

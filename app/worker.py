@@ -58,6 +58,7 @@ class Worker(QObject):
         self.device = "auto"              # --device (resolved by rakv.load.load_model)
         self.fast: bool | None = None     # --fast / --no-fast; None: RAKV_FAST, default on
         self.numerics = "auto"            # --numerics / the run panel's choice: auto | q8 | fp32
+        self.threads: int | None = None   # --threads: pinned; None: the engine's count adapts
         self.target = None
         self.draft = None
         self.profile = None
@@ -81,6 +82,7 @@ class Worker(QObject):
         try:
             self.busy.emit(f"loading {target} + {draft} ...")
             config = RakvConfig(target=target, draft=draft, device=self.device, numerics=self.numerics,
+                                threads=self.threads,
                                 **({} if self.fast is None else {"fast": self.fast}))
             # the draft made at once; no collection on this thread (collections run on the GUI thread:
             # app.gcguard); the engine is made by _install, with the controls' config
@@ -147,7 +149,7 @@ class Worker(QObject):
                                 device=str(next(target.model.parameters()).device), fast=bool(target.fast),
                                 granularity=c.granularity, force_action=c.force,
                                 chat_template=c.chat_template, sampling=c.sampling,
-                                policy="adaptive" if profile is not None else "ar")
+                                policy="adaptive" if profile is not None else "ar", threads=self.threads)
             self.engine = Session(config, target, draft, profile).new_engine(self._on_record)
         self.conversation = None
         if self.sessions is not None:

@@ -280,6 +280,7 @@ class Run:
             "sampling": start.sampling if start else {},
             "template_prefix": start.template_prefix if start else 0,
             "explore_ms": end.explore_ms,
+            "threads": end.threads, "thread_switches": end.thread_switches,
             "cost_corrections": dict(end.cost_corrections),     # V(k) the round records corrected
             **({"gate": self.gated.pop(end.request_id)} if end.request_id in self.gated else {}),
         }

@@ -151,6 +151,7 @@ class Round:
     tree_verify: str = ""
     tree_expected: float | None = None      # adaptive:tree: the chosen tree's expected accepted tokens
     tree_predicted_ms: float | None = None  # ... and its measured verify cost V(n) (n = 0: a plain step)
+    threads: int = 0            # the thread count its forwards ran at (rakv.util.threads; 0: not recorded)
 
 
 @dataclass
@@ -176,6 +177,8 @@ class RequestEnd:
     forward_ms: float = 0.0        # time inside model forwards
     bookkeeping_ms: float = 0.0    # everything else inside rounds
     explore_ms: float = 0.0        # what this request's probes cost beyond plain steps
+    threads: int = 0               # the thread count at its end (rakv.util.threads: adapts unless --threads)
+    thread_switches: int = 0       # times the adaptive count changed so far in this engine
     # V(k) corrections the round records put in force (rakv.decide.profile.CostProfile.corrections):
     # {"V(8)": 0.52}: the calibrated V(8) was off by more than its noise; {} when none
     cost_corrections: dict = field(default_factory=dict)

@@ -86,7 +86,9 @@ def load(config: RakvConfig, *, recalibrate: bool = False, eager_draft: bool = F
 
     from .drafts.registry import make_draft
     from .load.hub import load_model
+    from .util.threads import process_meter
 
+    process_meter()          # the adaptive thread count's first look at the machine spans the load
     if config.threads:
         torch.set_num_threads(config.threads)      # range checked by the flags' parser
     target = load_model(config.target, config.dtype, config.revision, config.device, fast=config.fast,

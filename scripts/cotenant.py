@@ -1,11 +1,15 @@
 """Decode speed with and without a co-tenant: one busy core elsewhere (a Python spin loop), as a
 server's clients or the explorer's GUI thread would be, against the same decode on a quiet machine.
 
-    python scripts/cotenant.py --target demo --tokens 128 --repeats 3 [--env GOMP_SPINCOUNT=10000 ...]
+    python scripts/cotenant.py --target demo --tokens 128 --repeats 3 [--arm NAME:VAR=VAL,threads=N ...]
 
-Each arm runs `rakv generate --policy ar --json` in a fresh process (its environment as given), the
-quiet and the busy runs interleaved; prints tokens/s (the median over repeats) for each arm quiet and
-beside the spin loop, and their ratio. Run it on an otherwise quiet machine.
+Arms: "adaptive" (the engine as shipped: no --threads, the count adapts, rakv/util/threads.py) and
+"pinned N" (--threads N, N = this machine's cores: the count before it adapted), then any --arm
+("NAME:" alone is the adaptive count again: an A/A pair). Each arm runs `rakv generate --policy ar
+--json` in a fresh process (its environment as given), the quiet and the busy runs interleaved,
+each repeat starting with the next arm; prints tokens/s (the median over repeats) for each arm
+quiet and beside the spin loop, their ratio, and the thread switches. Run it on an otherwise quiet
+machine.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
 
-def decode_tok_s(target: str, tokens: int, env: dict, threads: int | None) -> float:
+def decode_tok_s(target: str, tokens: int, env: dict, threads: int | None) -> tuple[float, int]:
+    """One fresh process's decode speed (tokens after the first over the time after it) and how many
+    times its thread count switched."""
     argv = [sys.executable, "-m", "rakv", "generate", "--target", target, "--draft", "none", "--policy", "ar",
             "--max-new-tokens", str(tokens), "--json", "--prompt", PROMPT]
     if threads:
@@ -32,7 +38,7 @@ def decode_tok_s(target: str, tokens: int, env: dict, threads: int | None) -> fl
         raise SystemExit(f"rakv generate failed: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
     j = json.loads(p.stdout.strip().splitlines()[-1])
     n = len(j["output_ids"]) - 1
-    return n / ((j["latency_ms"] - j["ttft_ms"]) / 1e3)
+    return n / ((j["latency_ms"] - j["ttft_ms"]) / 1e3), int(j.get("thread_switches", 0))
 
 
 def spin() -> subprocess.Popen:
@@ -47,7 +53,8 @@ def main() -> int:
     ap.add_argument("--arm", action="append", default=[],
                     help="NAME:VAR=VAL,VAR=VAL or NAME:threads=1 (repeatable; default: the engine as shipped)")
     a = ap.parse_args()
-    arms = {"as shipped": ({}, None)}
+    cores = len(os.sched_getaffinity(0))
+    arms = {"adaptive": ({}, None), f"pinned {cores}": ({}, cores)}
     for spec in a.arm:
         name, _, kv = spec.partition(":")
         env, threads = {}, None
@@ -58,24 +65,32 @@ def main() -> int:
             else:
                 env[k] = v
         arms[name] = (env, threads)
-    res = {name: {"quiet": [], "busy": []} for name in arms}
+    res = {name: {"quiet": [], "busy": [], "switches": []} for name in arms}
+    names = list(arms)
     for r in range(a.repeats):
-        for name, (env, threads) in arms.items():
-            res[name]["quiet"].append(decode_tok_s(a.target, a.tokens, env, threads))
+        for name in names[r % len(names):] + names[:r % len(names)]:      # each repeat starts with another arm
+            env, threads = arms[name]
+            tok_s, sw = decode_tok_s(a.target, a.tokens, env, threads)
+            res[name]["quiet"].append(tok_s)
+            res[name]["switches"].append(sw)
             s = spin()
             try:
-                res[name]["busy"].append(decode_tok_s(a.target, a.tokens, env, threads))
+                tok_s, sw = decode_tok_s(a.target, a.tokens, env, threads)
+                res[name]["busy"].append(tok_s)
+                res[name]["switches"].append(sw)
             finally:
                 s.kill()
                 s.wait()
             print(f"[cotenant] repeat {r + 1}: {name}: quiet {res[name]['quiet'][-1]:.1f}, "
-                  f"busy {res[name]['busy'][-1]:.1f} tok/s", file=sys.stderr, flush=True)
-    base = statistics.median(res["as shipped"]["quiet"])
-    print("| arm | quiet tok/s | beside a busy core | busy / quiet | busy / shipped quiet |")
-    print("|---|---|---|---|---|")
+                  f"busy {res[name]['busy'][-1]:.1f} tok/s (thread switches {res[name]['switches'][-2]}, "
+                  f"{res[name]['switches'][-1]})", file=sys.stderr, flush=True)
+    base = statistics.median(res[f"pinned {cores}"]["quiet"])
+    print(f"| arm | quiet tok/s | beside a busy core | busy / quiet | busy / pinned {cores} quiet | switches quiet, busy |")
+    print("|---|---|---|---|---|---|")
     for name, r in res.items():
         q, b = statistics.median(r["quiet"]), statistics.median(r["busy"])
-        print(f"| {name} | {q:.1f} | {b:.1f} | {b / q:.2f} | {b / base:.2f} |")
+        sw = f"{statistics.median(r['switches'][0::2]):g}, {statistics.median(r['switches'][1::2]):g}"
+        print(f"| {name} | {q:.1f} | {b:.1f} | {b / q:.2f} | {b / base:.2f} | {sw} |")
     return 0
 
 

@@ -18,6 +18,7 @@ import torch
 from .. import decoding as dec
 from ..decoding import sampling as S
 from ..util.device import clock, hardware_info, versions_info
+from ..util.threads import Threads
 from ..config import TREE_MAX_NODES, Policy, RakvConfig
 from ..decide.learned import AlphaEWMA
 from ..decide.controller import Choice, Controller, Situation, copy_length, moved_scales
@@ -168,6 +169,8 @@ class Engine:
         self._running = False
         self._pending_budget: int | None = None
         self._open_request: int | None = None
+        self.threads = Threads(config.threads, pinned=bool(config.threads))   # the steps' thread count (adapts unless --threads)
+        self.step_reports = True         # a lane of a LanePool: its batcher reports the shared steps instead
         self.t0 = now()
 
     _next_id = property(lambda self: self._ids.next, lambda self, v: setattr(self._ids, "next", int(v)))
@@ -182,6 +185,7 @@ class Engine:
         e.profile, e.alpha, e._ids, e.t0 = self.profile, self.alpha, self._ids, self.t0
         e.policy, e.k_set, e.granularity, e.force = self.policy, self.k_set, self.granularity, self.force
         e.sampling, e.chat_template = self.sampling, self.chat_template
+        e.threads = self.threads
         return e
 
     # what the planner shares with the engine: swapping one (the oracle's measuring does) swaps both
@@ -318,6 +322,7 @@ class Engine:
         finally:
             self._open_request = None
             self._stop.clear()
+            self.threads.rest()
             with self._lock:
                 self._running = False
                 self._apply_budget()
@@ -325,6 +330,7 @@ class Engine:
     def _generate(self, prompt, max_new_tokens, prompt_text) -> RequestEnd:
         rq = self._start(prompt, max_new_tokens, prompt_text)
         choice = self._decide(rq)
+        self.threads.use()
         self._prefill(rq)
         try:
             while not rq.stopped:
@@ -455,6 +461,7 @@ class Engine:
 
     def _round(self, rq: "_Request") -> None:
         """One round: ask the planner (k, source, drafts), verify, accept, tell it the outcome."""
+        threads = self.threads.use()
         t_round = now()
         seq = rq.ids + rq.out
         remaining = rq.N - len(rq.out)
@@ -473,6 +480,8 @@ class Engine:
             emitted, a = [next_token(logits, rq.sampling, len(rq.out))], 0
             prov = ["target"]
         verify_ms = (now() - tv) * 1e3
+        if self.step_reports:
+            self.threads.step(verify_ms, len(drafts) + 1)
         emitted, prov, eos = cut_at_eos(emitted, prov, self.target.eos_ids, remaining)
         rq.out.extend(emitted)
         if eos:
@@ -498,12 +507,14 @@ class Engine:
                          draft_pred=[round(c, 4) for c in gate.preds] if gate else [],
                          draft_stop=gate.stop if gate else "",
                          draft_source="lookup" if plan.lookup and gate else "",
-                         verify="" if rq.sampling.greedy or not drafts else rq.sampling.verify))
+                         verify="" if rq.sampling.greedy or not drafts else rq.sampling.verify,
+                         threads=threads))
         self._check_end(rq)
 
     def _tree_round(self, rq: "_Request") -> None:
         """One round of policy tree:N: the n-gram lookup's token tree (at most N nodes, no deeper
         than the tokens left), verified in one forward; the accepted path and a target token."""
+        threads = self.threads.use()
         t_round = now()
         seq = rq.ids + rq.out
         remaining = rq.N - len(rq.out)
@@ -520,6 +531,8 @@ class Engine:
             logits = dec.decode_one(self.target.model, seq[-1], rq.cache)
             emitted, path = [next_token(logits, rq.sampling, len(rq.out))], []
         verify_ms = (now() - tv) * 1e3
+        if self.step_reports:
+            self.threads.step(verify_ms, len(tree) + 1)
         a = len(path)
         if expected is not None:
             self._observe_tree(tree, path, how)
@@ -541,7 +554,8 @@ class Engine:
                          verify="" if rq.sampling.greedy or not tree.tokens else rq.sampling.verify,
                          tree_tokens=list(tree.tokens), tree_parents=list(tree.parents), tree_path=path,
                          tree_verify=how, tree_expected=None if expected is None else round(expected, 4),
-                         tree_predicted_ms=None if predicted is None else round(predicted, 3)))
+                         tree_predicted_ms=None if predicted is None else round(predicted, 3),
+                         threads=threads))
         self._check_end(rq)
 
     def _price_tree(self, tree: TokenTree, ctx: int) -> tuple[TokenTree, float, float]:
@@ -573,7 +587,8 @@ class Engine:
                          alpha_ewma=round(self.alpha.value, 5),
                          predicted_ms=None if choice is None else choice.predicted_ms,
                          stopped=rq.stopped, forward_ms=round(rq.forward_ms, 3), bookkeeping_ms=round(rq.book_ms, 3),
-                         explore_ms=round(rq.explore_ms, 3),
+                         explore_ms=round(rq.explore_ms, 3), threads=torch.get_num_threads(),
+                         thread_switches=self.threads.switches,
                          cost_corrections=self.profile.corrections() if self.profile is not None else {})
         self.planner.fold_plain()
         self.planner.end_request(rq.rid)

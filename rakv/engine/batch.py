@@ -222,12 +222,21 @@ class LanePool:
         self.view = BatchView()                  # what each request puts in a step: its k is priced by it
         for e in self.lanes:
             e.planner.batch = self.view
+            e.step_reports = False               # a lane's forward waits for the others: the step is timed here
+        self.batcher.on_step = self._step_done(self.batcher.on_step)
         self._free = list(reversed(self.lanes))
         self._cv = threading.Condition()
         self.busy = 0                            # lanes running a request
         self._next_id = engine._next_id
         for lm in {id(m): m for m in (engine.target, getattr(engine.draft, "lm", None)) if m is not None}.values():
             join_batcher(lm, self.batcher)
+
+    def _step_done(self, on_step):
+        """The shared step's time to the engine's thread count (rakv.util.threads), then ``on_step``."""
+        def done(info: StepInfo) -> None:
+            self.base.threads.step(info.ms, sum(n for _, n in info.rows))
+            on_step(info)
+        return done
 
     @property
     def size(self) -> int:

@@ -90,7 +90,7 @@ def test_run_updates_every_panel(qtbot, win, tmp_path):
     # acceptance + timeline
     assert snap["acceptance"]["n"] == end.rounds == snap["timeline"]["n"]
     assert snap["acceptance"]["stars"] == decisions(win, end.request_id)[-1].alpha_star
-    assert "tok/s" in win.stats.text() and "TTFT" in win.stats.text()
+    assert "tok/s" in win.stats.text() and "TTFT" in win.stats.text() and "1 thread" in win.stats.text()
     # hover text of a generated token names its round, k and timing
     tip = win.tokens.tooltip(st.prompt_tokens + 1)
     assert re.search(r"round \d+ \(\w+, k=\d+\)", tip) and "ms" in tip
