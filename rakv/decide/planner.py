@@ -57,6 +57,12 @@ def lookup_cost_scale(scale: float, measured_ms: float, predicted_ms: float) -> 
     return math.exp((1 - LOOKUP_COST_WEIGHT) * math.log(scale) + LOOKUP_COST_WEIGHT * math.log(r))
 
 
+def follows_copy(rq) -> bool:
+    """A copied exact repeat keeps its request's action every round: its earlier output is known to
+    be there, and a k re-decided per round (or a probe) would trade those copies for model drafts."""
+    return bool(getattr(rq, "copied", False))
+
+
 @dataclass
 class CopyLedger:
     """What copy rounds earn under one sampling setting: the average net gain of a round that
@@ -342,6 +348,8 @@ class RoundPlanner:
 
     def _round_k(self, rq, seq: list[int], remaining: int) -> int:
         """This round's k: the request's, a per-round decision, or a priced probe at k = 0."""
+        if follows_copy(rq):
+            return rq.k
         if rq.per_round:
             return self._decide_round(rq, seq, remaining)
         ctl = self.controller

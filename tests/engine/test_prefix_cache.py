@@ -392,11 +392,13 @@ def test_the_indexed_history_match_is_the_numpy_one():
                 assert history_match_indexed(ids, k, sizes, h) == history_match(ids, k, sizes, h.tokens), trial
 
 
+@pytest.mark.parametrize("granularity", ["request", "round"])
 @pytest.mark.parametrize("draft", ["model", "ngram"])
-def test_an_exact_repeat_is_predicted_as_the_copy_rounds_the_engine_then_runs(draft):
+def test_an_exact_repeat_is_predicted_as_the_copy_rounds_the_engine_then_runs(draft, granularity):
     """The gate copies an exact repeat's earlier output (with a model draft too): the chosen action
     is priced as that copy (predicted target passes, not model rounds) and the engine then takes
-    about those passes; exact either way."""
+    about those passes, deciding per request or per round (a round's k does not trade the known
+    copy for model drafts); exact either way."""
     from rakv.drafts.ngram import NgramDraft
     from rakv.records import Decision
     from tests.unit.test_gate import profile
@@ -404,7 +406,7 @@ def test_an_exact_repeat_is_predicted_as_the_copy_rounds_the_engine_then_runs(dr
     target, d = make_pair("llama", "mostly")
     decisions = []
     src = ModelDraft(d) if draft == "model" else NgramDraft()
-    eng = Engine(target, src, RakvConfig(policy="adaptive"),
+    eng = Engine(target, src, RakvConfig(policy="adaptive", granularity=granularity),
                  lambda r: decisions.append(r) if isinstance(r, Decision) and r.round < 0 else None, profile())
     p = list(range(5, 45))
     first = eng.generate(p, 40)
