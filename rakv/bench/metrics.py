@@ -329,6 +329,30 @@ def held_out(q: list[dict], rows: list[dict]) -> dict:
                 spearman_ceiling=statistics.fmean(ceil) if ceil else None)
 
 
+def _ape(x: dict) -> float | None:
+    """A decision's mean absolute percentage error over its measured actions."""
+    e = [abs(p - m) / m for p, m in zip(x["pred"], x["meas"]) if m]
+    return statistics.fmean(e) if e else None
+
+
+_CI_OF = {        # the per-decision value behind each metric that gets a confidence interval
+    "spec_acc": lambda x: float(x["spec_ok"]), "k_acc": lambda x: float(x["k_ok"]),
+    "action_acc": lambda x: float(x["action_ok"]), "mape": _ape,
+    "spearman": lambda x: spearman(x["pred"], x["meas"]),
+}
+
+
+def request_means(q: list[dict], value) -> list[float]:
+    """``value`` of each decision, averaged within its request (its repeats): a request is the unit
+    a confidence interval resamples, since its repeats' decisions are not independent."""
+    by: dict = defaultdict(list)
+    for x in q:
+        v = value(x)
+        if v is not None:
+            by[x["request"]].append(v)
+    return [statistics.fmean(v) for v in by.values()]
+
+
 def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0, level: float = 0.95) -> tuple | None:
     """Percentile bootstrap CI of the mean (resampling ``values`` with replacement; seeded)."""
     import numpy as np
@@ -404,6 +428,8 @@ def controller_quality(cands: list[dict], rows: list[dict], policy: str) -> dict
                 mape=statistics.fmean(ape) if ape else None,
                 mape_full=statistics.fmean(ape_full) if ape_full else None,
                 spearman=statistics.fmean(rho) if rho else None,
+                **{f"{name}_ci": bootstrap_ci(request_means(judged if name.endswith("acc") else q, f))
+                   for name, f in _CI_OF.items()},
                 regret=statistics.fmean(reg) if reg else None, regret_ci=bootstrap_ci(reg),
                 regret_ms=statistics.fmean(reg_ms) if reg_ms else None,
                 realized=statistics.fmean(real) if real else None, realized_ci=bootstrap_ci(real),

@@ -134,6 +134,13 @@ def ci(v, c, nd: int = 1) -> str:
     return f"{v * 100:.{nd}f}% [{c[0] * 100:.{nd}f}, {c[1] * 100:.{nd}f}]"
 
 
+def ci_only(c, pct: bool = False, nd: int = 1) -> str:
+    """A 95% CI alone, e.g. ' [70.0, 90.0]' (shares in percent), '' without one."""
+    if not c:
+        return ""
+    return f" [{c[0] * 100:.{nd}f}, {c[1] * 100:.{nd}f}]" if pct else f" [{c[0]:.2f}, {c[1]:.2f}]"
+
+
 def signed(v, nd: int = 1) -> str:
     """A relative change with its sign, e.g. '+0.45%' / '-64.0%'."""
     return "-" if v is None else f"{v * 100:+.{nd}f}%"
@@ -255,7 +262,8 @@ def paper_rows(rows: list[dict], cands: list[dict], policy: str, pred_star: dict
                       for k, xy in pts.items()) or "-"
     n_bad = sum(1 for r in rows if not r["match"])
     free = f" ({q['k_free']} one-token decisions left out)" if q and q.get("k_free") else ""
-    sp = lambda a, b: f"{fmt(q.get(a), 1, pct=True)} / {fmt(q.get(b), 1, pct=True)}{tag}{free}" if q else "-"  # noqa: E731
+    sp = lambda a, b: (f"{fmt(q.get(a), 1, pct=True)}{ci_only(q.get(a + '_ci'), pct=True)} / "  # noqa: E731
+                       f"{fmt(q.get(b), 1, pct=True)}{tag}{free}") if q else "-"
     return {
         "latency vs kv (total)": signed(kv and kv["latency"], 2),
         "latency vs joint:4 (total)": signed(j4 and j4["latency"], 1),
@@ -263,9 +271,9 @@ def paper_rows(rows: list[dict], cands: list[dict], policy: str, pred_star: dict
         "k accuracy: speculate or not, strict / within spread": sp("spec_acc", "spec_acc_spread"),
         "k accuracy: exact k, strict / within spread": sp("k_acc", "k_acc_spread"),
         "action accuracy, strict / within spread": sp("action_acc", "action_acc_spread"),
-        "MAPE (full-N requests)": (f"{fmt(q.get('mape'), 1, pct=True)} ({fmt(q.get('mape_full'), 1, pct=True)})"
-                                   if q else "-"),
-        "Spearman": fmt(q.get("spearman"), 3) if q else "-",
+        "MAPE (full-N requests)": (f"{fmt(q.get('mape'), 1, pct=True)}{ci_only(q.get('mape_ci'), pct=True)} "
+                                   f"({fmt(q.get('mape_full'), 1, pct=True)})" if q else "-"),
+        "Spearman": (fmt(q.get("spearman"), 3) + ci_only(q.get("spearman_ci"))) if q else "-",
         "regret, own executions [95% CI]": ci(q.get("realized"), q.get("realized_ci"), 2) + tag if q else "-",
         "action regret [95% CI]": ci(q.get("regret"), q.get("regret_ci"), 2) + tag if q else "-",
         "held-out regret: own / action [95% CI]": (f"{ci(q.get('realized_ho'), q.get('realized_ho_ci'), 2)} / "
