@@ -141,8 +141,8 @@ def arm_names(text: str) -> list[str]:
 
 def server_specs(args, names: list[str]) -> list:
     """A ServerSpec per arm, on the same model files (one request at a time: -np 1 / --parallel 1)."""
-    from .load import llama_server, llama_server_binary, rakv_server
-    from .peers.serving import gguf_of
+    from .load import rakv_server
+    from .peers.serving import llama_arm
 
     policy = (args.policies or ["adaptive"])[0]
     specs = []
@@ -152,19 +152,8 @@ def server_specs(args, names: list[str]) -> list:
             extra = ["--threads", str(args.threads)] if args.threads else []
             spec = rakv_server(args.target, args.draft or "none", 1, pol, extra, name=n)
         else:
-            binary = llama_server_binary()
-            if binary is None:
-                raise ValueError("--edits llama: no llama-server (bash scripts/build_llama_cpp.sh builds it; "
-                                 "or set RAKV_LLAMA_SERVER)")
-            target = gguf_of(args.target)
-            if target is None:
-                raise ValueError(f"--edits {n}: --target {args.target!r} is no preset nor .gguf file")
-            draft = gguf_of(args.draft) if n == "llama-md" else None
-            if n == "llama-md" and draft is None:
-                raise ValueError(f"--edits llama-md: --draft {args.draft!r} is no preset nor .gguf file")
             # 8192 context: llama-server keeps input_extra only within n_ctx - n_batch - 2 n_predict
-            spec = llama_server(binary, str(target), 1, str(draft) if draft else None,
-                                threads=args.threads or 2, ctx_per_slot=8192)
+            spec = llama_arm(args, n, "--edits", 1, ctx_per_slot=8192)
             spec.name = n
         specs.append(spec)
     return specs

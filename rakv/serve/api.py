@@ -120,19 +120,7 @@ def parse_ask(body, chat: bool) -> Ask:
         if not _is_int(mt) or mt < 1:
             raise ApiError(400, f"max_tokens must be an integer >= 1, got {mt!r}", "max_tokens")
         a.max_tokens = int(mt)
-    a.temperature = _number(body, "temperature", lo=0.0)
-    a.top_p = _number(body, "top_p", lo=0.0)
-    a.min_p = _number(body, "min_p", lo=0.0)
-    tk = body.get("top_k")
-    if tk is not None:
-        if not _is_int(tk) or tk < 0:
-            raise ApiError(400, f"top_k must be an integer >= 0, got {tk!r}", "top_k")
-        a.top_k = int(tk)
-    seed = body.get("seed")
-    if seed is not None:
-        if not _is_int(seed):
-            raise ApiError(400, f"seed must be an integer, got {seed!r}", "seed")
-        a.seed = int(seed)
+    _sampling_fields(body, a)
     a.stop = _stops(body.get("stop"))
     return a
 
@@ -185,6 +173,15 @@ def parse_infill(body) -> Ask:
         raise ApiError(400, f"n_indent must be an integer >= 0, got {ind!r}", "n_indent")
     t_max = _number(body, "t_max_predict_ms", lo=0.0) or 0.0
     a.fim = Fim(body["input_prefix"], body["input_suffix"], line, chunks, int(ind), t_max, list(fields))
+    _sampling_fields(body, a, random_seed=-1)        # (llama.cpp's seed -1: a random seed)
+    a.stop = _stops(body.get("stop"))
+    return a
+
+
+
+def _sampling_fields(body: dict, a: Ask, random_seed: int | None = None) -> None:
+    """The sampling fields both request kinds take into ``a``; a seed equal to ``random_seed`` is
+    none (the server's flags draw one)."""
     a.temperature = _number(body, "temperature", lo=0.0)
     a.top_p = _number(body, "top_p", lo=0.0)
     a.min_p = _number(body, "min_p", lo=0.0)
@@ -194,13 +191,10 @@ def parse_infill(body) -> Ask:
             raise ApiError(400, f"top_k must be an integer >= 0, got {tk!r}", "top_k")
         a.top_k = int(tk)
     seed = body.get("seed")
-    if seed is not None and seed != -1:            # (llama.cpp's -1: a random seed)
+    if seed is not None and (random_seed is None or seed != random_seed):
         if not _is_int(seed):
             raise ApiError(400, f"seed must be an integer, got {seed!r}", "seed")
         a.seed = int(seed)
-    a.stop = _stops(body.get("stop"))
-    return a
-
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)

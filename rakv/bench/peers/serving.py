@@ -56,6 +56,26 @@ def gguf_of(spec: str) -> Path | None:
     return p if p.suffix == ".gguf" and p.is_file() else None
 
 
+def llama_arm(args, arm: str, flag: str, parallel: int, ctx_per_slot: int = 2048):
+    """llama-server on the target's GGUF file (``llama-md``: with the draft's as ``-md``) for the
+    bench's ``flag`` (--load, --edits): its ServerSpec; a missing binary or file is a ValueError of
+    one line."""
+    from ..load import llama_server, llama_server_binary
+
+    binary = llama_server_binary()
+    if binary is None:
+        raise ValueError(f"{flag} llama: no llama-server (bash scripts/build_llama_cpp.sh builds it; "
+                         "or set RAKV_LLAMA_SERVER)")
+    target = gguf_of(args.target)
+    if target is None:
+        raise ValueError(f"{flag} {arm}: --target {args.target!r} is no preset nor .gguf file")
+    draft = gguf_of(args.draft) if arm == "llama-md" else None
+    if arm == "llama-md" and draft is None:
+        raise ValueError(f"{flag} llama-md: --draft {args.draft!r} is no preset nor .gguf file")
+    return llama_server(binary, str(target), parallel, str(draft) if draft else None,
+                        threads=args.threads or 2, ctx_per_slot=ctx_per_slot)
+
+
 def load_prompts(workload: str, n: int) -> list[str]:
     from rakv.workloads import CHAT_FILES
 
@@ -103,8 +123,7 @@ class ServingPeer(Peer):
         return bool(args.load)
 
     def run_alone(self, args) -> int:
-        from ..load import (llama_server, llama_server_binary, markdown, parse_trace, rakv_server, run_load,
-                            run_trace, summary_rows)
+        from ..load import markdown, parse_trace, rakv_server, run_load, run_trace, summary_rows
 
         trace = parse_trace(args.load_trace) if args.load_trace else None
         clients = [c for c, _ in trace] if trace else _int_list(args.clients)
@@ -123,18 +142,7 @@ class ServingPeer(Peer):
                 specs.append(rakv_server(args.target, args.draft or "none", parallel, pol, extra,
                                          name=f"rakv {pol} --parallel {parallel}"))
             else:
-                binary = llama_server_binary()
-                if binary is None:
-                    raise ValueError("--load llama: no llama-server (bash scripts/build_llama_cpp.sh builds it; "
-                                     "or set RAKV_LLAMA_SERVER)")
-                target = gguf_of(args.target)
-                if target is None:
-                    raise ValueError(f"--load llama: --target {args.target!r} is no preset nor .gguf file")
-                draft = gguf_of(args.draft) if s == "llama-md" else None
-                if s == "llama-md" and draft is None:
-                    raise ValueError(f"--load llama-md: --draft {args.draft!r} is no preset nor .gguf file")
-                specs.append(llama_server(binary, str(target), parallel, str(draft) if draft else None,
-                                          threads=args.threads or 2))
+                specs.append(llama_arm(args, s, "--load", parallel))
         out = Path(args.out)
         progress = lambda m: print(m, file=sys.stderr, flush=True)       # noqa: E731
         if trace:
