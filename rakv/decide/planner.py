@@ -229,7 +229,7 @@ class RoundPlanner:
         k = min(self._round_k(rq, seq, remaining), remaining - 1)
         copy = self._copy_round(rq, k, remaining)
         # (a copied repeat always looks up: its earlier output is known to be there)
-        if copy and not getattr(rq, "copied", False) and not copies_pay(self.copies.expected(), self.copy_skipped,
+        if copy and not follows_copy(rq) and not copies_pay(self.copies.expected(), self.copy_skipped,
                                                                         self.copies.n):
             self.copy_skipped += 1
             return RoundPlan(k=0)                 # a plain step
@@ -285,7 +285,7 @@ class RoundPlanner:
         if self.batch is not None:
             self.batch.told(rq.rid, m + 1, emitted)
         if plain_step(plan) and self.controller is not None:
-            if plan.copy and not getattr(rq, "copied", False):     # (its lookup's cost, for the copy ledger)
+            if plan.copy and not follows_copy(rq):     # (its lookup's cost, for the copy ledger)
                 self.copies.observe(0, 0, 0.0, 0.0, plan.plan_ms)
             self.controller.observe_plain(round_ms)
             if not shared:
@@ -307,7 +307,7 @@ class RoundPlanner:
         if copied and p is not None:                     # a copy's verify learns its own cost
             self.lookup_scale = lookup_cost_scale(self.lookup_scale, verify_ms, v_m)
         # (a copied repeat's copies were known in advance: they say nothing of a new prompt's)
-        if plan.copy and p is not None and not getattr(rq, "copied", False):
+        if plan.copy and p is not None and not follows_copy(rq):
             t_ms = p.step(ctx)                           # (its verify at its learned cost, as the gate prices it)
             extra = v_m * self.lookup_scale - t_ms if m else 0.0
             self.copies.observe(m, a, t_ms, extra, plan.plan_ms)
