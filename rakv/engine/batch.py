@@ -58,6 +58,88 @@ class StepInfo:
     shared: bool
 
 
+class StepRunner:
+    """The one thread that runs every shared step: the thread that calls ``drive()`` (``rakv serve``:
+    the main thread, which loaded the models) or, without one, a thread of its own.
+
+    Why one: the kernels' OpenMP runtime (libgomp, shared with torch) keeps a team of threads for
+    every thread that starts a parallel region, and once it manages more threads than there are
+    cores it stops spinning between regions and puts its workers to sleep at every one of a step's
+    hundreds. Steps started from whichever lane arrived last (a thread per connection), beside the
+    main thread's team, ran a 4-row step of the Qwen 1.5B in 84 ms instead of 59 on the 2-core VM
+    (docs/serve.md, "One thread runs the steps")."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._job = None
+        self._owner: threading.Thread | None = None     # the thread running jobs now
+        self._driven = False
+
+    def run(self, fn) -> None:
+        """Run ``fn()`` on the step thread and wait for it (``fn`` keeps its own exceptions)."""
+        if threading.current_thread() is self._owner:
+            fn()
+            return
+        done = threading.Event()
+        failed: list[BaseException] = []
+        with self._cv:
+            self._cv.wait_for(lambda: self._job is None)
+            self._job = (fn, done, failed)
+            self._cv.notify_all()
+            if not self._driven:
+                self._ensure_thread()
+        done.wait()
+        if failed:
+            raise failed[0]
+
+    def drive(self, stop: threading.Event, poll_s: float = 0.25) -> None:
+        """Run the steps on this thread until ``stop`` is set (then a thread of its own takes over)."""
+        with self._cv:
+            self._driven, self._owner = True, threading.current_thread()
+        try:
+            while not stop.is_set():
+                with self._cv:
+                    if not self._cv.wait_for(lambda: self._job is not None or stop.is_set(), poll_s):
+                        continue
+                    if self._job is None:
+                        break
+                    job, self._job = self._job, None
+                    self._cv.notify_all()
+                self._do(job)
+        finally:
+            with self._cv:
+                self._driven, self._owner = False, None
+                if self._job is not None:
+                    self._ensure_thread()
+
+    def _ensure_thread(self) -> None:
+        """(under the lock) a thread of its own, unless one runs."""
+        if self._owner is None or not self._owner.is_alive():
+            self._owner = threading.Thread(target=self._loop, name="rakv-step", daemon=True)
+            self._owner.start()
+
+    def _loop(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._job is not None or self._owner is not me)
+                if self._owner is not me:
+                    return
+                job, self._job = self._job, None
+                self._cv.notify_all()
+            self._do(job)
+
+    @staticmethod
+    def _do(job) -> None:
+        fn, done, failed = job
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - raised again in the thread that asked
+            failed.append(e)
+        finally:
+            done.set()
+
+
 class Batcher:
     """The baton lanes pass and the step where their forwards meet."""
 
@@ -71,6 +153,7 @@ class Batcher:
         self.steps = 0
         self.on_step = on_step or (lambda info: None)
         self.on_pass = on_pass or (lambda backend, rows, ctx, ms: None)   # one model's forwards of a step
+        self.runner = StepRunner()      # every step runs on one thread (StepRunner: why)
 
     # ---- lanes
     def in_lane(self) -> bool:
@@ -123,6 +206,10 @@ class Batcher:
         return sub.logits
 
     def _run(self, subs: list[_Rows]) -> None:
+        """The step, on the step thread (the lane that called holds the baton while it runs)."""
+        self.runner.run(lambda: self._run_here(subs))
+
+    def _run_here(self, subs: list[_Rows]) -> None:
         t0 = now()
         shared = False
         try:

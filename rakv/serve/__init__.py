@@ -737,30 +737,39 @@ def cmd_serve(args, make_session) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log(f"warning: listening on {args.host}: anyone who can reach it can use this server (no --api-key)")
     server = Server(args, make_session)
-    restore = _sigterm_as_interrupt()
+    stop = threading.Event()
+    restore = _signals_set(stop)
     try:
         s = server.service
         log(f"serving {s.model} (policy {server.run.policy.name}, {s.pool.size} at once, queue {s.max_queue}"
             + (", API key required" if args.api_key else "") + f") on {server.url}: POST /v1/chat/completions, "
             f"/v1/completions, /infill; GET /v1/models, /rakv/records" + (f"; recording to {args.record}" if args.record else "")
             + "; Ctrl-C stops")
-        try:
-            server.serve_forever()
-        except KeyboardInterrupt:
-            log(f"shutting down after {s.requests} requests")
+        server.start()
+        s.pool.batcher.runner.drive(stop)       # this thread, which loaded the models, runs every step
+        log(f"shutting down after {s.requests} requests")
     finally:
         server.close()
         restore()
     return 0
 
 
-def _sigterm_as_interrupt():
-    """SIGTERM ends the server like Ctrl-C (the recording closed, the learning saved)."""
+def _signals_set(stop: threading.Event):
+    """Ctrl-C and SIGTERM set ``stop`` (the server then closes: open streams end with an error
+    event, the recording is closed, the learning saved); a second Ctrl-C interrupts as usual."""
     def handler(signum, frame):
-        raise KeyboardInterrupt
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
 
+    old = {}
     try:
-        old = signal.signal(signal.SIGTERM, handler)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old[sig] = signal.signal(sig, handler)
     except ValueError:               # not the main thread
-        return lambda: None
-    return lambda: signal.signal(signal.SIGTERM, old)
+        pass
+
+    def restore() -> None:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    return restore

@@ -423,3 +423,66 @@ def test_a_load_that_changes_against_a_fixed_k_arm(model_dir, tmp_path):
     assert [(r["phase"], r["clients"], r["requests"]) for r in rows] == [(1, 1, 2), (2, 2, 3), ("all", "1-2", 5)]
     assert all(r["errors"] == 0 and r["tokens"] > 0 and r["server"] == "rakv joint:2 --parallel 2" for r in rows)
     assert (out / "trace.md").read_text().startswith("| server | phase |")
+
+
+def test_every_step_runs_on_one_thread_the_driver_s_when_one_drives():
+    """The steps' forwards start on one thread only (the OpenMP runtime keeps a team per thread that
+    starts a region): without a driver a thread of the runner's own, with one (``rakv serve``'s main
+    thread) that thread; a lane's tokens are the same either way."""
+    t, _ = _pair("llama", "q8")
+    eng = Engine(t, None, RakvConfig(policy="ar"), profile=synthetic_profile())
+    prompts = _prompts(seed=3)[:6]
+    idents: list[int] = []
+    pools: list = []
+    first = _serve_all(eng, prompts, 3, seed=1, steps=[], pools=pools)
+    own = pools[0].batcher.runner
+
+    stop = threading.Event()
+    eng2 = Engine(t, None, RakvConfig(policy="ar"), profile=synthetic_profile())
+    pool = LanePool(eng2, 3, on_step=lambda info: idents.append(threading.get_ident()))
+    driver = threading.Thread(target=pool.batcher.runner.drive, args=(stop,))
+    driver.start()
+    try:
+        done = {}
+
+        def client(i):
+            with pool.lane() as lane:
+                end = lane.generate(prompts[i], N)
+            done[i] = end.output_ids
+
+        cs = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+        for c in cs:
+            c.start()
+        for c in cs:
+            c.join(300)
+    finally:
+        stop.set()
+        driver.join(30)
+    assert idents and set(idents) == {driver.ident}
+    assert sorted(done.values()) == sorted(end.output_ids for _, end in first.values())
+    assert own._owner is not None and own._owner.name == "rakv-step"
+
+
+def test_the_runner_hands_over_when_its_driver_stops():
+    """A step asked for after the driver stopped runs on a thread of the runner's own (a server's
+    open requests finish while it shuts down); a step asked for from the runner's thread runs at once."""
+    from rakv.engine.batch import StepRunner
+
+    r = StepRunner()
+    stop = threading.Event()
+    seen = []
+    d = threading.Thread(target=r.drive, args=(stop,))
+    d.start()
+    r.run(lambda: seen.append(threading.current_thread()))
+    stop.set()
+    d.join(10)
+    r.run(lambda: seen.append(threading.current_thread()))
+    r.run(lambda: r.run(lambda: seen.append(threading.current_thread())))    # nested: no deadlock
+    assert seen[0] is d and seen[1].name == "rakv-step" and seen[2] is seen[1]
+    def boom():
+        raise ValueError("in the step")
+
+    with pytest.raises(ValueError, match="in the step"):
+        r.run(boom)
+    r.run(lambda: seen.append(threading.current_thread()))     # the runner's thread lives on
+    assert seen[3] is seen[1]
