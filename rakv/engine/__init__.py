@@ -587,7 +587,7 @@ class Engine:
                          alpha_ewma=round(self.alpha.value, 5),
                          predicted_ms=None if choice is None else choice.predicted_ms,
                          stopped=rq.stopped, forward_ms=round(rq.forward_ms, 3), bookkeeping_ms=round(rq.book_ms, 3),
-                         explore_ms=round(rq.explore_ms, 3), threads=torch.get_num_threads(),
+                         explore_ms=round(rq.explore_ms, 3), threads=self.threads.count(),
                          thread_switches=self.threads.switches,
                          cost_corrections=self.profile.corrections() if self.profile is not None else {})
         self.planner.fold_plain()

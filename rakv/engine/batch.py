@@ -29,6 +29,7 @@ from ..config import PREFILL_CHUNK       # prompt tokens a request feeds per ste
 from ..decide.learned import BatchView
 from ..decoding import cache_len
 from ..util.device import clock as now
+from ..util.threads import serial_here
 from ..kernels.segments import forward_segments, segments_ok
 
 
@@ -153,6 +154,7 @@ class Batcher:
         self.steps = 0
         self.on_step = on_step or (lambda info: None)
         self.on_pass = on_pass or (lambda backend, rows, ctx, ms: None)   # one model's forwards of a step
+        self.before_step = lambda: None                                    # on the step's thread, first
         self.runner = StepRunner()      # every step runs on one thread (StepRunner: why)
 
     # ---- lanes
@@ -170,6 +172,7 @@ class Batcher:
             self.joining -= 1
             self.live += 1
         self._local.lane, self._local.rid_of = True, rid_of
+        serial_here()                 # a lane's own torch work starts no OpenMP team (StepRunner: why)
         try:
             yield
         finally:
@@ -210,6 +213,7 @@ class Batcher:
         self.runner.run(lambda: self._run_here(subs))
 
     def _run_here(self, subs: list[_Rows]) -> None:
+        self.before_step()
         t0 = now()
         shared = False
         try:
@@ -311,6 +315,7 @@ class LanePool:
             e.planner.batch = self.view
             e.step_reports = False               # a lane's forward waits for the others: the step is timed here
         self.batcher.on_step = self._step_done(self.batcher.on_step)
+        self.batcher.before_step = engine.threads.use        # the step's thread count, on its thread
         self._free = list(reversed(self.lanes))
         self._cv = threading.Condition()
         self.busy = 0                            # lanes running a request

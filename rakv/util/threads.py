@@ -101,6 +101,38 @@ class OthersMeter:
 _METER: OthersMeter | None = None
 
 
+_HERE = threading.local()
+
+
+def serial_here() -> None:
+    """This thread's torch operations run on it alone, starting no OpenMP team of their own: a
+    serving lane's small tensors, while one other thread runs every step's kernels. (libgomp keeps a
+    team for each thread that starts a parallel region; with more of its threads than cores it
+    stops spinning between regions, and a step's hundreds of regions each wait for a wake-up.)"""
+    if getattr(_HERE, "serial", False):
+        return
+    torch.get_num_threads()              # torch's own first-call setting of this thread's count, first
+    lib = _openmp()
+    if lib is not None:
+        lib.omp_set_num_threads(1)
+    _HERE.serial = True
+
+
+def is_serial_here() -> bool:
+    return getattr(_HERE, "serial", False)
+
+
+def _openmp():
+    """The OpenMP runtime torch loaded (libgomp; None where it is another)."""
+    import ctypes
+    import os
+
+    try:                                 # (already loaded by torch: never a second copy)
+        return ctypes.CDLL("libgomp.so.1", mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)
+    except OSError:
+        return None
+
+
 def process_meter() -> OthersMeter:
     """One meter for the process, started at import: the first look spans the model's load."""
     global _METER
@@ -158,14 +190,15 @@ class Threads:
         return room_for_more(self.others(), self.cores, self.top)
 
     def use(self) -> int:
-        """Set torch's thread count to this step's; returns it."""
+        """Set torch's thread count to this step's; returns it. (On a serial lane thread only returns
+        it: the thread that runs the step sets it.)"""
         n = self.count()
-        if torch.get_num_threads() != n:
+        if not is_serial_here() and torch.get_num_threads() != n:
             torch.set_num_threads(n)
         return n
 
     def rest(self) -> None:
-        if torch.get_num_threads() != self.top:
+        if not is_serial_here() and torch.get_num_threads() != self.top:
             torch.set_num_threads(self.top)
 
     def step(self, ms: float, rows: int = 1) -> None:

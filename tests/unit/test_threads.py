@@ -270,3 +270,35 @@ def test_a_lane_pool_reports_its_shared_steps(two_threads):
     assert eng.threads._steps >= 12
     solo = Engine(target, None, RakvConfig(policy="ar", threads=1))
     assert [out[0], out[1]] == [solo.generate(p, 12).output_ids for p in PROMPTS]
+
+
+def test_a_serial_thread_starts_no_openmp_team_and_leaves_others_alone():
+    """serial_here: this thread's torch work runs on it alone (no OpenMP worker threads appear), the
+    count other threads see is untouched, and Threads.use() there sets nothing."""
+    import os
+    import threading
+
+    import torch
+
+    from rakv.util.threads import Threads, is_serial_here, serial_here
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("no /proc: threads cannot be counted")
+    before = torch.get_num_threads()
+    x = torch.randn(200_000)
+    seen = {}
+
+    def lane():
+        serial_here()
+        n0 = len(os.listdir("/proc/self/task"))
+        (x * 2).max()
+        seen["extra"] = len(os.listdir("/proc/self/task")) - n0
+        seen["count"] = torch.get_num_threads()
+        seen["serial"] = is_serial_here()
+        seen["use"] = Threads(top=2, pinned=True).use()
+
+    t = threading.Thread(target=lane)
+    t.start()
+    t.join()
+    assert seen == {"extra": 0, "count": 1, "serial": True, "use": 2}
+    assert torch.get_num_threads() == before and not is_serial_here()
