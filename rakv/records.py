@@ -197,6 +197,7 @@ class Step:
     requests: list = field(default_factory=list)     # [[request_id, rows], ...]
     ms: float = 0.0
     shared: bool = True
+    predicted_ms: float | None = None    # its passes' price before they ran (the batch's W(n); None: not priced)
 
 
 @dataclass

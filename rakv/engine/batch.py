@@ -57,6 +57,7 @@ class StepInfo:
     rows: list[tuple[int | None, int]]
     ms: float
     shared: bool
+    predicted_ms: float | None = None       # what the step's passes were priced at (None: not priced)
 
 
 class StepRunner:
@@ -155,6 +156,7 @@ class Batcher:
         self.on_step = on_step or (lambda info: None)
         self.on_pass = on_pass or (lambda backend, rows, ctx, ms: None)   # one model's forwards of a step
         self.before_step = lambda: None                                    # on the step's thread, first
+        self.predict = lambda backend, rows, ctx: None                     # a pass's price before it runs
         self.runner = StepRunner()      # every step runs on one thread (StepRunner: why)
 
     # ---- lanes
@@ -216,23 +218,26 @@ class Batcher:
         self.before_step()
         t0 = now()
         shared = False
+        priced: list[float | None] = []
         try:
             groups: dict[int, list[_Rows]] = {}
             for s in subs:
                 groups.setdefault(id(s.backend), []).append(s)
             for group in groups.values():
                 ctx = _mean_context(group)
+                rows = sum(len(s.tokens) for s in group if s.tree is None)
+                priced.append(self.predict(group[0].backend, rows, ctx))
                 tg = now()
                 shared |= self._run_group(group)
-                self.on_pass(group[0].backend, sum(len(s.tokens) for s in group if s.tree is None), ctx,
-                             (now() - tg) * 1e3)
+                self.on_pass(group[0].backend, rows, ctx, (now() - tg) * 1e3)
         except BaseException as e:  # noqa: BLE001 - every waiting lane gets the failure
             for s in subs:
                 if s.logits is None:
                     s.error = e
         ms = (now() - t0) * 1e3
         self.steps += 1
-        info = StepInfo(self.steps, [(s.rid, len(s.tokens)) for s in subs], round(ms, 3), shared)
+        pred = None if not priced or None in priced else round(sum(priced), 3)
+        info = StepInfo(self.steps, [(s.rid, len(s.tokens)) for s in subs], round(ms, 3), shared, pred)
         for s in subs:
             s.done.set()
         self.on_step(info)
@@ -316,6 +321,7 @@ class LanePool:
             e.step_reports = False               # a lane's forward waits for the others: the step is timed here
         self.batcher.on_step = self._step_done(self.batcher.on_step)
         self.batcher.before_step = engine.threads.use        # the step's thread count, on its thread
+        self.batcher.predict = self._price_pass
         self._free = list(reversed(self.lanes))
         self._cv = threading.Condition()
         self.busy = 0                            # lanes running a request
@@ -342,6 +348,20 @@ class LanePool:
         if p is None or rows < 1 or backend is not getattr(target, "inner", target):
             return
         self.view.costs.observe(rows, p.verify(rows - 1, ctx), ms)
+
+    def _price_pass(self, backend, rows: int, ctx: float) -> float | None:
+        """A pass's predicted ms before it runs: the target's W(rows) (the profile's verify of
+        rows - 1 drafts at the rows' mean context, times the batch's learned scale); the draft's, its
+        step times the same rows-over-one ratio of the target's verify (its own W(n) is not measured)."""
+        p = self.base.profile
+        if p is None or rows < 1:
+            return None
+        target = self.base.target.backend
+        w = p.verify(rows - 1, ctx)
+        if backend is getattr(target, "inner", target):
+            return w * self.view.costs.factor(rows)
+        t = p.step(ctx)
+        return p.draft_step(ctx) * (w / t) if t > 0 and p.d else None
 
     def stop_all(self) -> None:
         """Every running request ends within its round."""

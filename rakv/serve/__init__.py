@@ -81,7 +81,7 @@ class Service:
 
         if len(info.rows) > 1:
             self.engine._emit(Step(step=info.index, requests=[[r, n] for r, n in info.rows], ms=info.ms,
-                                   shared=info.shared))
+                                   shared=info.shared, predicted_ms=info.predicted_ms))
 
     def retry_after(self) -> int:
         """Seconds a refused client should wait: the queue ahead of it over the lanes, at the

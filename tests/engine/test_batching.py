@@ -486,3 +486,22 @@ def test_the_runner_hands_over_when_its_driver_stops():
         r.run(boom)
     r.run(lambda: seen.append(threading.current_thread()))     # the runner's thread lives on
     assert seen[3] is seen[1]
+
+
+def test_a_shared_step_carries_its_predicted_ms_and_the_records_keep_it():
+    """Each step is priced before it runs (the target's W(n) at the batch's learned scale, the
+    draft's passes as its steps), and the Step record round-trips the price."""
+    t, d = _pair("llama", "q8")
+    eng = Engine(t, ModelDraft(d), RakvConfig(policy="joint:2"), profile=synthetic_profile())
+    steps = []
+    _serve_all(eng, _prompts(seed=4)[:4], 2, seed=2, steps=steps)
+    assert steps and all(st.predicted_ms is not None and st.predicted_ms > 0 for st in steps)
+    st = max(steps, key=lambda s: len(s.rows))
+    rec = Step(step=st.index, requests=[list(x) for x in st.rows], ms=st.ms, shared=st.shared,
+               predicted_ms=st.predicted_ms)
+    back = from_dict(json.loads(json.dumps(to_dict(rec))))
+    assert back.predicted_ms == st.predicted_ms
+    no_profile = Engine(t, None, RakvConfig(policy="ar"))
+    steps2 = []
+    _serve_all(no_profile, _prompts(seed=4)[:2], 2, seed=2, steps=steps2)
+    assert all(st.predicted_ms is None for st in steps2)
