@@ -108,7 +108,10 @@ class Trusted:
 @dataclass
 class RoundGate:
     """One drafting round's stopping rule. ``V[j]`` for j = 0..k_max (V[0] = t), ``d`` a draft
-    step, ``sunk`` what the round has already cost before its first draft (a catch-up)."""
+    step, ``sunk`` what the round has already cost before its first draft (a catch-up). In a batch
+    (``batch_gate``) V[j] is the whole step's pass with j drafts and ``base`` the tokens that step
+    gives without them (1 + the other requests'): a draft row must beat the batch's rate, not a
+    lone step's."""
 
     amap: AcceptMap
     k_max: int
@@ -119,9 +122,10 @@ class RoundGate:
     preds: list[float] = field(default_factory=list)
     S: list[float] = field(default_factory=list)      # S_j, j = 1..drafted
     stop: str = ""
+    base: float = 1.0                                  # tokens the pass gives without drafts
 
     def E(self, j: int) -> float:
-        return 1.0 + sum(self.S[:j])
+        return self.base + sum(self.S[:j])
 
     def C(self, j: int) -> float:
         return self.sunk + len(self.S) * self.d + self.V[j]
@@ -136,14 +140,14 @@ class RoundGate:
         if j >= self.k_max:
             self.stop = "k_max"
             return False
-        if not worth_more(self.S, c, self.d, self.V, self.sunk, self.k_max):
+        if not worth_more(self.S, c, self.d, self.V, self.sunk, self.k_max, self.base):
             self.stop = "gate"
             return False
         return True
 
     def expected_rate(self, alpha: float) -> float:
         """Tokens per ms this round can expect before drafting, at i.i.d. acceptance alpha (its best j)."""
-        best, e, s = 1.0 / self.V[0], 1.0, 1.0
+        best, e, s = self.base / self.V[0], self.base, 1.0
         for j in range(1, self.k_max + 1):
             s *= alpha
             e += s
@@ -158,7 +162,7 @@ class RoundGate:
         """How many of the drafted tokens to verify (0: none, a plain step instead)."""
         if not self.stop:
             self.stop = "source"     # the source offered fewer than the gate would take
-        j = best_verify_length(self.S[:drafted], self.V, self.sunk + drafted * self.d)
+        j = best_verify_length(self.S[:drafted], self.V, self.sunk + drafted * self.d, self.base)
         if j < drafted:
             self.stop = "cut"
         return j

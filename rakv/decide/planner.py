@@ -41,11 +41,38 @@ PLAIN_BATCH = 16            # plain steps' times reach the profile this many at 
 
 def batch_pass(profile: CostProfile, costs, ctx: float):
     """W(n): a pass of n rows at context ctx, the profile's V(n - 1) (W(1) = t) times the scale the
-    batch's shared steps measured for n rows (``learned.BatchCosts``; 1 before any)."""
+    batch's shared steps measured for n rows (``learned.BatchCosts``; 1 before any). Each n is
+    priced once (a round asks for the same few many times): make a new W for each round."""
+    seen: dict[int, float] = {}
+
     def W(n: int) -> float:
-        base = profile.verify(n - 1, ctx) if n > 1 else profile.step(ctx)
-        return base * (costs.factor(n) if costs is not None else 1.0)
+        w = seen.get(n)
+        if w is None:
+            base = profile.verify(n - 1, ctx) if n > 1 else profile.step(ctx)
+            w = seen[n] = base * (costs.factor(n) if costs is not None else 1.0)
+        return w
     return W
+
+
+class BatchVerifies:
+    """[W(rows + 1 + j) for j = 0..k_max], each made on first read (``Verifies``' shape): the step's
+    pass with j drafts of this request beside the others' ``rows``."""
+
+    __slots__ = ("_W", "_rows", "_n")
+
+    def __init__(self, W, rows: int, k_max: int):
+        self._W, self._rows, self._n = W, rows, max(0, int(k_max)) + 1
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, j: int) -> float:
+        if not 0 <= j < self._n:
+            raise IndexError(j)
+        return self._W(self._rows + 1 + j)
+
+    def __iter__(self):
+        return (self[j] for j in range(self._n))
 
 
 def lookup_cost_scale(scale: float, measured_ms: float, predicted_ms: float) -> float:
@@ -524,12 +551,24 @@ class RoundPlanner:
         k_max = min(self._k_top(rq, self.lookup), remaining - 1)
         if not (rq.policy.gate and p is not None and rq.force is None and k_max >= 1):
             return [], 0.0, None
-        gate = RoundGate(Trusted(self.lookup_map, request_trust(rq.lk_hits, rq.lk_pred)), k_max, 0.0,
-                         p.verifies(k_max, len(seq), self.lookup_scale))
+        amap = Trusted(self.lookup_map, request_trust(rq.lk_hits, rq.lk_pred))
+        gate = self._batch_gate(rq, amap, k_max, len(seq)) if self.shared(rq.rid) else None
+        if gate is None:
+            gate = RoundGate(amap, k_max, 0.0, p.verifies(k_max, len(seq), self.lookup_scale))
         prop = self.lookup.propose(seq, k_max, gate)
         if not prop.tokens:
             return [], prop.ms, None
         return prop.tokens[: gate.verify_length(len(prop.tokens))], prop.ms, gate
+
+    def _batch_gate(self, rq, amap, k_max: int, ctx: int) -> RoundGate | None:
+        """A k = 0 round's lookup gate beside other requests: V[j] the whole step's pass W(rows_o +
+        1 + j), base the tokens that step gives without the copies (``RoundGate``): a copied row must
+        earn the batch's rate (4 lanes of 1 row: about 3x a lone step's), not a lone step's."""
+        rows_o, tokens_o, n_o = self.batch.others(rq.rid)
+        if not n_o:
+            return None
+        W = batch_pass(self.profile, self.batch.costs, ctx)
+        return RoundGate(amap, k_max, 0.0, BatchVerifies(W, rows_o, k_max), base=1.0 + tokens_o)
 
     def _draft_behind(self, seq, reuse, draft_model) -> int:
         """Tokens a model draft must read before it can draft after ``seq`` (its catch-up)."""

@@ -228,14 +228,15 @@ def worth_starting(prefill_ms: float, ms_tok_model: float, ms_tok_other: float, 
     return remaining * (ms_tok_other - ms_tok_model) > prefill_ms
 
 
-def worth_more(S: list[float], c: float, d: float, V: list[float], sunk: float, k_max: int) -> bool:
+def worth_more(S: list[float], c: float, d: float, V: list[float], sunk: float, k_max: int, base: float = 1.0) -> bool:
     """Draft on only if some longer draft (its next tokens as likely as this one, c) has a better
-    expected rate E/C than the best verify length now: one step ahead is myopic, V is not monotone."""
+    expected rate E/C than the best verify length now: one step ahead is myopic, V is not monotone.
+    ``base``: the tokens the pass gives without any draft (1; in a batch, 1 + the others')."""
     j = len(S)
     spent = sunk + j * d
-    b = best_verify_length(S, V, spent)
-    best_e, best_c = 1.0 + sum(S[:b]), spent + V[b]
-    e, s = 1.0 + sum(S), S[-1] if S else 1.0
+    b = best_verify_length(S, V, spent, base)
+    best_e, best_c = base + sum(S[:b]), spent + V[b]
+    e, s = base + sum(S), S[-1] if S else 1.0
     for jj in range(j + 1, k_max + 1):
         s *= c
         e += s
@@ -245,10 +246,11 @@ def worth_more(S: list[float], c: float, d: float, V: list[float], sunk: float, 
     return False
 
 
-def best_verify_length(S: list[float], V: list[float], spent: float) -> int:
-    """The verify length j <= len(S) with the most expected tokens per ms (V is not monotone on CPU)."""
-    best_j, best_e, best_c = 0, 1.0, spent + V[0]
-    e = 1.0
+def best_verify_length(S: list[float], V: list[float], spent: float, base: float = 1.0) -> int:
+    """The verify length j <= len(S) with the most expected tokens per ms (V is not monotone on CPU);
+    ``base`` tokens come with the pass whatever j is (1 alone; in a batch, 1 + the others')."""
+    best_j, best_e, best_c = 0, base, spent + V[0]
+    e = base
     for j, s in enumerate(S, start=1):
         e += s
         if e * best_c > best_e * (spent + V[j]):

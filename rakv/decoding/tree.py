@@ -129,7 +129,7 @@ def target_tokens(logits, s: Sampling | None, position: int):
     """(row, depth) -> the target's token after that row: its argmax, or its seeded sample at
     output position ``position + depth`` (``position``: the output position after the pending token)."""
     if s is None or s.greedy:
-        pred = logits.argmax(dim=-1).tolist()
+        pred = S.first_max(logits)
         return lambda row, depth: pred[row]
     return lambda row, depth: S.sample(logits[row], s, position + depth)
 

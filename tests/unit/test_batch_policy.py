@@ -112,6 +112,8 @@ def test_the_batch_price_uses_the_measured_pass():
         for n in (8, 16):                          # the steps: a pass past 7 rows costs twice as much
             costs.observe(n, p.verify(n - 1, 32), 2.0 * p.verify(n - 1, 32))
         costs.observe(4, p.verify(3, 32), p.verify(3, 32))
+    assert batch_k(KS, E_of, W, 6, 6.0, free) > 0                  # (W prices each n once: a round's snapshot)
+    W = batch_pass(p, costs, 32)
     assert batch_k(KS, E_of, W, 6, 6.0, free) == 0                 # 6 others + 1 plain row: 7
 
 
@@ -126,3 +128,26 @@ def test_a_draft_that_has_not_read_its_prompt_pays_that_to_draft():
     once = lambda k: E_of(k) / remaining           # noqa: E731
     assert batch_k(KS, E_of, W, 1, 1.0, lambda k: d(k) + owe * once(k),
                    lambda k: 0.2 * k + steps * once(k)) == 0
+
+
+def test_a_copy_in_a_batch_must_earn_the_batch_s_rate():
+    """The lookup gate beside others (RoundGate base = 1 + their tokens, V = the whole step's
+    passes): copies a lone step would verify are cut where each row must earn what the batch's rows
+    earn; alone (base 1) the same copies are verified."""
+    from rakv.decide.gate import RoundGate
+    from rakv.decide.planner import BatchVerifies
+
+    class Map:
+        def p(self, conf):
+            return conf
+
+    W = lambda n: 10.0 * (1.0 + 0.1 * (n - 1))          # noqa: E731 - each row 10% of a step
+    alone = RoundGate(Map(), 4, 0.0, [W(1 + j) for j in range(5)])
+    batch = RoundGate(Map(), 4, 0.0, BatchVerifies(W, 3, 4), base=4.0)
+    for g in (alone, batch):
+        for _ in range(4):
+            if not g.keep_going(0.3):
+                break
+    assert alone.verify_length(len(alone.S)) >= 1        # 1.3 tokens for 1.1 steps: worth it alone
+    assert batch.verify_length(len(batch.S)) == 0        # 4.3 for 1.077x the pass of 4: not in the batch
+    assert list(BatchVerifies(W, 3, 2)) == [W(4), W(5), W(6)] and len(BatchVerifies(W, 3, 2)) == 3
