@@ -174,9 +174,9 @@ class Batcher:
             self.joining -= 1
             self.live += 1
         self._local.lane, self._local.rid_of = True, rid_of
-        serial_here()                 # a lane's own torch work starts no OpenMP team (StepRunner: why)
         try:
-            yield
+            with serial_here():       # a lane's own torch work starts no OpenMP team (StepRunner: why)
+                yield
         finally:
             self._local.lane = False
             with self._state:

@@ -27,6 +27,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 
 import torch
 
@@ -104,18 +105,27 @@ _METER: OthersMeter | None = None
 _HERE = threading.local()
 
 
-def serial_here() -> None:
-    """This thread's torch operations run on it alone, starting no OpenMP team of their own: a
-    serving lane's small tensors, while one other thread runs every step's kernels. (libgomp keeps a
-    team for each thread that starts a parallel region; with more of its threads than cores it
-    stops spinning between regions, and a step's hundreds of regions each wait for a wake-up.)"""
+@contextmanager
+def serial_here():
+    """Inside it, this thread's torch operations run on it alone, starting no OpenMP team of their
+    own: a serving lane's small tensors, while one other thread runs every step's kernels. (libgomp
+    keeps a team for each thread that starts a parallel region; with more of its threads than cores
+    it stops spinning between regions, and a step's hundreds of regions each wait for a wake-up.)
+    On leaving, the thread's count is what it was (a lane run on a thread that goes on computing)."""
     if getattr(_HERE, "serial", False):
+        yield
         return
-    torch.get_num_threads()              # torch's own first-call setting of this thread's count, first
+    n = torch.get_num_threads()          # torch's own first-call setting of this thread's count, first
     lib = _openmp()
     if lib is not None:
         lib.omp_set_num_threads(1)
     _HERE.serial = True
+    try:
+        yield
+    finally:
+        _HERE.serial = False
+        if lib is not None:
+            lib.omp_set_num_threads(n)
 
 
 def is_serial_here() -> bool:

@@ -289,16 +289,19 @@ def test_a_serial_thread_starts_no_openmp_team_and_leaves_others_alone():
     seen = {}
 
     def lane():
-        serial_here()
-        n0 = len(os.listdir("/proc/self/task"))
-        (x * 2).max()
-        seen["extra"] = len(os.listdir("/proc/self/task")) - n0
-        seen["count"] = torch.get_num_threads()
-        seen["serial"] = is_serial_here()
-        seen["use"] = Threads(top=2, pinned=True).use()
+        with serial_here():
+            n0 = len(os.listdir("/proc/self/task"))
+            (x * 2).max()
+            seen["extra"] = len(os.listdir("/proc/self/task")) - n0
+            seen["count"] = torch.get_num_threads()
+            seen["serial"] = is_serial_here()
+            seen["use"] = Threads(top=2, pinned=True).use()
 
     t = threading.Thread(target=lane)
     t.start()
     t.join()
     assert seen == {"extra": 0, "count": 1, "serial": True, "use": 2}
+    assert torch.get_num_threads() == before and not is_serial_here()
+    with serial_here():                  # a lane run on this thread: its count comes back after
+        assert torch.get_num_threads() == 1 and is_serial_here()
     assert torch.get_num_threads() == before and not is_serial_here()
