@@ -116,9 +116,10 @@ def serial_here():
         yield
         return
     n = torch.get_num_threads()          # torch's own first-call setting of this thread's count, first
-    lib = _openmp()
+    lib, mkl = _openmp(), _mkl()
     if lib is not None:
         lib.omp_set_num_threads(1)
+    mkl_before = mkl.MKL_Set_Num_Threads_Local(1) if mkl is not None else None   # MKL's own (exp, BLAS)
     _HERE.serial = True
     try:
         yield
@@ -126,6 +127,8 @@ def serial_here():
         _HERE.serial = False
         if lib is not None:
             lib.omp_set_num_threads(n)
+        if mkl is not None:
+            mkl.MKL_Set_Num_Threads_Local(mkl_before)
 
 
 def is_serial_here() -> bool:
@@ -141,6 +144,22 @@ def _openmp():
         return ctypes.CDLL("libgomp.so.1", mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)
     except OSError:
         return None
+
+
+def _mkl():
+    """torch's MKL (inside libtorch_cpu; None where it has none): its vector maths (exp over a
+    vocabulary) and BLAS start their own OpenMP teams at MKL's count, not the thread's."""
+    import ctypes
+    import os
+
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)
+        fn = lib.MKL_Set_Num_Threads_Local      # (the C call; the lower-case name takes a pointer)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return lib
 
 
 def process_meter() -> OthersMeter:
