@@ -342,10 +342,12 @@ class BatchView:
     for the lanes of a ``rakv.engine.batch.LanePool``), and what the shared steps cost (``costs``).
     A request's k is priced against the others'."""
 
-    def __init__(self):
+    def __init__(self, lockstep: bool = False):
         self.rows: dict[int, int] = {}
         self.tokens: dict[int, float] = {}
+        self.drafted: dict[int, int] = {}       # model-drafted tokens of each one's latest round
         self.costs = BatchCosts()
+        self.lockstep = lockstep                # the steps run a draft's passes first (engine.batch.lockstep)
 
     def join(self, rid: int) -> None:
         """A request starts: until its first round it counts as one plain row a step (what it will
@@ -353,12 +355,19 @@ class BatchView:
         self.rows.setdefault(rid, 1)
         self.tokens.setdefault(rid, 1.0)
 
-    def told(self, rid: int, rows: int, tokens: float) -> None:
+    def told(self, rid: int, rows: int, tokens: float, drafted: int = 0) -> None:
         self.rows[rid], self.tokens[rid] = int(rows), float(tokens)
+        self.drafted[rid] = int(drafted)
 
     def leave(self, rid: int) -> None:
         self.rows.pop(rid, None)
         self.tokens.pop(rid, None)
+        self.drafted.pop(rid, None)
+
+    def others_drafting(self, rid: int) -> int:
+        """The most tokens another request's latest round drafted with the model (in lockstep, the
+        draft passes every round of the batch waits for)."""
+        return max((n for q, n in self.drafted.items() if q != rid), default=0)
 
     def others(self, rid: int) -> tuple[int, float, int]:
         """(rows, tokens, requests) of the batch's other requests in their latest steps."""

@@ -310,7 +310,7 @@ class RoundPlanner:
         m, a, gate, lookup = len(plan.drafts), accepted, plan.gate, plan.lookup
         shared = self.batch is not None and self.shared(rq.rid)
         if self.batch is not None:
-            self.batch.told(rq.rid, m + 1, emitted)
+            self.batch.told(rq.rid, m + 1, emitted, m if m and rq.draft_model and not (lookup or plan.copy) else 0)
         if plain_step(plan) and self.controller is not None:
             if plan.copy and not follows_copy(rq):     # (its lookup's cost, for the copy ledger)
                 self.copies.observe(0, 0, 0.0, 0.0, plan.plan_ms)
@@ -450,10 +450,15 @@ class RoundPlanner:
         def once(j: int) -> float:              # the share of a one-off cost a round of k = j carries
             return E(j, a) / max(1, remaining)
 
+        lockstep = getattr(self.batch, "lockstep", False)
+        k_o = self.batch.others_drafting(rq.rid) if lockstep and rq.draft_model else 0
+        drafting_o = p.draft_round(k_o, ctx, a) if k_o else 0.0      # (in lockstep: passes this round waits for)
         k = batch_k(list(costs), lambda j: E(j, a), W, rows_o, tokens_o,
                     lambda j: (p.draft_round(j, ctx, a) + catch_ms * once(j)) if rq.has_draft else 0.0,
-                    lambda j: (j + catch_fires * once(j)) if rq.draft_model else 0)   # a model draft's forwards: steps of their own
-        return k, {"requests": n_o, "rows": rows_o, "tokens": round(tokens_o, 3), "k_alone": k_solo}
+                    lambda j: (j + catch_fires * once(j)) if rq.draft_model and not lockstep else 0,
+                    drafting_o)   # a model draft's forwards: steps of their own, unless the steps run in lockstep
+        return k, {"requests": n_o, "rows": rows_o, "tokens": round(tokens_o, 3), "k_alone": k_solo,
+                   **({"drafting_o": k_o} if k_o else {})}
 
     def _catchup_price(self, rq, ctx: int) -> tuple[float, float]:
         """(ms, steps) a model draft must spend reading what it is behind before its next round can

@@ -259,24 +259,29 @@ def best_verify_length(S: list[float], V: list[float], spent: float, base: float
 
 
 # ----------------------------------------------------------------------------- the batch's price
-def batch_rate(k: int, E_k: float, W, rows_o: int, tokens_o: float, draft_ms: float, fires: int = 0) -> float:
+def batch_rate(k: int, E_k: float, W, rows_o: int, tokens_o: float, draft_ms: float, fires: int = 0,
+               drafting_o: float = 0.0) -> float:
     """Tokens per ms of the batch over one round of this request, beside others feeding rows_o rows
     a step for tokens_o tokens: its round takes ``fires`` steps of drafting (a model draft's forwards,
     each a step the others go on in: rows_o rows and this request's draft pass) and one verify of
-    k + 1 rows among the others' (W(n): a pass of n rows, W(0) = 0). Alone (rows_o = 0) this is the
-    single request's E_k / (drafting + V(k))."""
+    k + 1 rows among the others' (W(n): a pass of n rows, W(0) = 0). In lockstep (``fires`` 0) the
+    round waits for the longest drafting, this request's or the others' (``drafting_o``: their
+    draft passes are this one's). Alone (rows_o = 0) this is the single request's
+    E_k / (drafting + V(k))."""
     others = W(rows_o) if rows_o else 0.0
-    return ((fires + 1) * tokens_o + E_k) / (fires * others + draft_ms + W(rows_o + k + 1))
+    return ((fires + 1) * tokens_o + E_k) / (fires * others + max(draft_ms, drafting_o) + W(rows_o + k + 1))
 
 
-def batch_k(ks, E_of, W, rows_o: int, tokens_o: float, draft_ms_of, fires_of=lambda k: 0) -> int:
+def batch_k(ks, E_of, W, rows_o: int, tokens_o: float, draft_ms_of, fires_of=lambda k: 0,
+            drafting_o: float = 0.0) -> int:
     """The k (0 allowed) at which the batch emits the most tokens per ms, the others' rows and
     tokens as they are: a row spent on a long shot in a full batch costs the others' tokens, and a
-    model draft's forwards are steps its request emits nothing in. With no others this is the
-    single request's rule."""
+    model draft's forwards are steps its request emits nothing in (or, in lockstep, steps the
+    others wait for unless they draft too). With no others this is the single request's rule."""
     best, best_rate = 0, -1.0
     for k in sorted(set(ks)):
-        r = batch_rate(k, E_of(k), W, rows_o, tokens_o, draft_ms_of(k) if k else 0.0, fires_of(k) if k else 0)
+        r = batch_rate(k, E_of(k), W, rows_o, tokens_o, draft_ms_of(k) if k else 0.0, fires_of(k) if k else 0,
+                       drafting_o)
         if r > best_rate * (1 + 1e-9):
             best, best_rate = k, r
     return best

@@ -158,6 +158,7 @@ class Batcher:
         self.before_step = lambda: None                                    # on the step's thread, first
         self.predict = lambda backend, rows, ctx: None                     # a pass's price before it runs
         self.runner = StepRunner()      # every step runs on one thread (StepRunner: why)
+        self.last = None                # a backend whose rows wait while another model's wait too (lockstep)
 
     # ---- lanes
     def in_lane(self) -> bool:
@@ -188,7 +189,8 @@ class Batcher:
             self._baton.release()
 
     def _take(self) -> list[_Rows]:
-        subs, self._waiting = self._waiting, []
+        """The rows this step runs (``lockstep``); the rest stay waiting for a later step."""
+        subs, self._waiting = lockstep(self._waiting, self.last)
         return subs
 
     # ---- the step
@@ -202,7 +204,7 @@ class Batcher:
             subs = self._take() if ready else []
         if subs:                                  # the last lane to arrive runs the step
             self._run(subs)
-        else:
+        if not sub.done.is_set():                 # (another's step, or this one held its rows: lockstep)
             self._baton.release()
             sub.done.wait()
             self._baton.acquire()
@@ -256,6 +258,15 @@ class Batcher:
             if s.logits is None:
                 s.logits = be.forward(s.tokens, s.cache, s.keep, s.tree)
         return len(together) >= 2
+
+
+def lockstep(waiting: list, last) -> tuple[list, list]:
+    """(now, later): while a model draft's rows wait, the target's (``last``) wait for the next
+    step: the lanes' rounds fall into step, their draft tokens share the draft's passes and their
+    verifies one pass of the target, instead of every step paying a pass of each model."""
+    if last is None or all(s.backend is last for s in waiting) or all(s.backend is not last for s in waiting):
+        return waiting, []
+    return [s for s in waiting if s.backend is not last], [s for s in waiting if s.backend is last]
 
 
 def _mean_context(group: list[_Rows]) -> float:
@@ -315,13 +326,15 @@ class LanePool:
         self.base = engine
         self.batcher = Batcher(on_step, self._learn_pass)
         self.lanes = [engine] + [engine.lane() for _ in range(max(1, n) - 1)]
-        self.view = BatchView()                  # what each request puts in a step: its k is priced by it
+        self.view = BatchView(lockstep=True)     # what each request puts in a step: its k is priced by it
         for e in self.lanes:
             e.planner.batch = self.view
             e.step_reports = False               # a lane's forward waits for the others: the step is timed here
         self.batcher.on_step = self._step_done(self.batcher.on_step)
         self.batcher.before_step = engine.threads.use        # the step's thread count, on its thread
         self.batcher.predict = self._price_pass
+        target = engine.target.backend
+        self.batcher.last = getattr(target, "inner", target)     # a draft's passes first (lockstep)
         self._free = list(reversed(self.lanes))
         self._cv = threading.Condition()
         self.busy = 0                            # lanes running a request

@@ -56,9 +56,12 @@ def _solo(target, prompt, rid: int, s: Sampling, n: int = N) -> list[int]:
 
 def _serve_all(engine, prompts, lanes: int, seed: int, n: int = N, steps=None, pools=None):
     """Every prompt through a LanePool of ``lanes``, from ``lanes`` client threads in a random order;
-    {request_id: (prompt, RequestEnd)} (the pool appended to ``pools``)."""
+    {request_id: (prompt, RequestEnd)} (the pool appended to ``pools``, or handed to it first where
+    it is a function)."""
     pool = LanePool(engine, lanes, on_step=(steps.append if steps is not None else None))
-    if pools is not None:
+    if callable(pools):
+        pools(pool)
+    elif pools is not None:
         pools.append(pool)
     rng = random.Random(seed)
     order = list(range(len(prompts)))
@@ -505,3 +508,54 @@ def test_a_shared_step_carries_its_predicted_ms_and_the_records_keep_it():
     steps2 = []
     _serve_all(no_profile, _prompts(seed=4)[:2], 2, seed=2, steps=steps2)
     assert all(st.predicted_ms is None for st in steps2)
+
+
+def test_lockstep_holds_the_target_s_rows_while_a_draft_s_wait():
+    """The rule: a step with a model draft's rows and the target's runs the draft's, and the target's
+    wait for the next (any order of arrival; one model's rows alone run at once)."""
+    from rakv.engine.batch import lockstep
+
+    class R:
+        def __init__(self, backend):
+            self.backend = backend
+
+    T, D = object(), object()
+    mixed = [R(T), R(D), R(T), R(D)]
+    now, later = lockstep(mixed, T)
+    assert [r.backend for r in now] == [D, D] and [r.backend for r in later] == [T, T]
+    for alone in ([R(T), R(T)], [R(D)]):
+        assert lockstep(alone, T) == (alone, [])
+    assert lockstep(mixed, None) == (mixed, [])
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_in_lockstep_no_step_pays_both_models_and_drafts_share_passes(greedy):
+    """Requests with a model draft: no step runs a pass of the draft and one of the target (the
+    target's rows wait while a draft's do), the lanes' draft tokens share the draft's passes and
+    their verifies one pass; every request still its solo run's tokens."""
+    if blockq.library() is None:
+        pytest.skip(f"no block kernel: {blockq.reason()}")
+    t, d = _pair("llama", "q8")
+    s = Sampling() if greedy else Sampling(temperature=0.8, top_p=0.95, seed=5)
+    eng = Engine(t, ModelDraft(d), RakvConfig(policy="spec:3", sampling=s), profile=synthetic_profile())
+    passes = []
+
+    def hook(pool):
+        learn = pool.batcher.on_pass
+
+        def on_pass(backend, rows, ctx, ms):
+            passes.append((pool.batcher.steps, backend is pool.batcher.last, rows))
+            learn(backend, rows, ctx, ms)
+        pool.batcher.on_pass = on_pass
+
+    prompts = _prompts(seed=9)[:6]
+    steps = []
+    done = _serve_all(eng, prompts, 3, seed=3, steps=steps, pools=hook)
+    for rid, (p, end) in done.items():
+        assert end.output_ids == _solo(t, p, rid, s), rid
+    by_step = {}
+    for step, is_target, rows in passes:
+        by_step.setdefault(step, set()).add(is_target)
+    assert all(len(models) == 1 for models in by_step.values())          # one model a step
+    assert any(not is_target and rows >= 2 for _, is_target, rows in passes)   # drafts shared a pass
+    assert any(len(st.rows) >= 2 and all(n == 4 for _, n in st.rows) for st in steps)   # verifies in one pass

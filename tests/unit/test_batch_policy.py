@@ -52,6 +52,26 @@ def test_a_model_draft_stops_paying_once_others_share_the_steps():
     assert batch_k(KS, E_of, W, 3, 3.0, d, lambda k: k) == 0         # beside 3 requests: k forwards emit nothing
 
 
+def test_in_lockstep_a_model_draft_pays_beside_others_and_more_so_beside_drafting_ones():
+    """In lockstep (the target's rows wait while a draft's do) a model draft's forwards are no steps
+    of their own: beside plain requests its drafting holds them, beside drafting ones it rides their
+    passes (the round waits for the longest drafting either way)."""
+    W = _W(0.01)
+    E_of = lambda k: E(k, 0.8)                         # noqa: E731
+    d = lambda k: 0.15 * k                             # noqa: E731
+    assert batch_k(KS, E_of, W, 3, 3.0, d) > 0                          # beside 3 plain rows: still pays
+    assert batch_k(KS, E_of, _W(0.25), 12, 12.0, d) == 0                # a full batch of dear rows: not
+    plain = batch_rate(0, 1.0, W, 3, 3.0, 0.0, 0, d(4))                 # others drafting 4: k = 0 waits too
+    assert batch_rate(4, E_of(4), W, 3, 3.0, d(4), 0, d(4)) > plain
+    assert batch_k(KS, E_of, W, 3, 3.0, d, drafting_o=d(4)) >= batch_k(KS, E_of, W, 3, 3.0, d)
+    v = BatchView(lockstep=True)
+    v.told(1, 5, 3.0, 4)
+    v.told(2, 1, 1.0, 0)
+    assert v.others_drafting(2) == 4 and v.others_drafting(1) == 0
+    v.leave(1)
+    assert v.others_drafting(2) == 0
+
+
 def test_the_view_counts_the_others_only():
     v = BatchView()
     v.told(1, 5, 3.0)
