@@ -287,20 +287,29 @@ BATCH_COST_CLIP = 2.0       # one step moves that scale by at most this factor
 BATCH_COST_BOUND = 4.0      # a learned scale stays within this factor of the profile's W(n)
 
 
+EXACT_ROWS = 16             # row counts up to this learn a scale each (docs/serve.md: why)
+
+
 def rows_bucket(n: int) -> int:
-    """The row counts that share a learned scale: 1, 2-3, 4-7, 8-15, ... (a pass's cost per row
-    changes slowly with the rows, and a bucket gets its steps' evidence sooner than a row count)."""
-    return max(1, int(n)).bit_length()
+    """The row counts that share a learned scale: each count up to EXACT_ROWS (a pass's cost per
+    row changes fast there, where the kernel streams the codes once for a few rows and again past
+    them), then 17-31, 32-63, ... (keyed -bit_length)."""
+    n = max(1, int(n))
+    return n if n <= EXACT_ROWS else -n.bit_length()
 
 
 def _bucket_at(b: int) -> float:
-    """Where bucket b's scale sits on log2(rows) (its rows' middle): scales are interpolated between
-    buckets, so W(n) has no step at a bucket's edge for the k that crosses it to exploit."""
+    """Where bucket b's scale sits on log2(rows) (a count's own, a range's middle): scales are
+    interpolated between buckets, so W(n) has no step at a bucket's edge for the k that crosses it
+    to exploit."""
+    if b > 0:
+        return math.log2(b)
+    b = -b
     return math.log2((2 ** (b - 1) + 2 ** b - 1) / 2)
 
 
 class BatchCosts:
-    """W(n) as the batch's shared steps measured it: per bucket of total rows (``rows_bucket``), the
+    """W(n) as the batch's shared steps measured it: per count (or range) of total rows (``rows_bucket``), the
     measured ms of the target's pass over the profile's W(n) (a verify of n - 1 drafts, measured for
     one request) as a clipped log-space EWMA. Several requests' rows in one pass cost what one
     request's n rows do not (each attends to its own cache, the lanes' own Python), so the batch's

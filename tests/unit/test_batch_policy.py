@@ -105,7 +105,8 @@ def test_the_batch_learns_a_pass_of_n_rows_from_its_steps():
     assert c.factor(1) == pytest.approx(1.0) and c.factor(64) == c.factor(12)
     xs = [c.factor(n) for n in range(1, 12)]
     assert xs == sorted(xs) and 1.0 < c.factor(4) < c.factor(8)    # between buckets: no step at an edge
-    assert rows_bucket(1) != rows_bucket(2) == rows_bucket(3) != rows_bucket(4)
+    assert len({rows_bucket(n) for n in range(1, 17)}) == 16          # each count to 16 its own
+    assert rows_bucket(17) == rows_bucket(31) != rows_bucket(32) == rows_bucket(63)
     for _ in range(200):
         c.observe(64, 1.0, 1000.0)                 # a wild step moves it by a clipped factor, within bounds
     assert c.scale[rows_bucket(64)] == pytest.approx(BATCH_COST_BOUND)
