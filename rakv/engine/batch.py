@@ -263,10 +263,18 @@ class Batcher:
 def lockstep(waiting: list, last) -> tuple[list, list]:
     """(now, later): while a model draft's rows wait, the target's (``last``) wait for the next
     step: the lanes' rounds fall into step, their draft tokens share the draft's passes and their
-    verifies one pass of the target, instead of every step paying a pass of each model."""
+    verifies one pass of the target, instead of every step paying a pass of each model. A new
+    prompt's chunk never waits (``prompt_chunk``): it is paid once either way, and its request's
+    first token comes sooner."""
     if last is None or all(s.backend is last for s in waiting) or all(s.backend is not last for s in waiting):
         return waiting, []
-    return [s for s in waiting if s.backend is not last], [s for s in waiting if s.backend is last]
+    held = [s for s in waiting if s.backend is last and not prompt_chunk(s)]
+    return [s for s in waiting if not (s.backend is last and not prompt_chunk(s))], held
+
+
+def prompt_chunk(s) -> bool:
+    """Rows of a prompt (several tokens, the last one's logits kept), not a decode step or a verify."""
+    return s.tree is None and s.keep == 1 and len(s.tokens) > 1
 
 
 def _mean_context(group: list[_Rows]) -> float:

@@ -516,23 +516,26 @@ def test_lockstep_holds_the_target_s_rows_while_a_draft_s_wait():
     from rakv.engine.batch import lockstep
 
     class R:
-        def __init__(self, backend):
-            self.backend = backend
+        def __init__(self, backend, tokens=(7,), keep=1):
+            self.backend, self.tokens, self.keep, self.tree = backend, list(tokens), keep, None
 
     T, D = object(), object()
-    mixed = [R(T), R(D), R(T), R(D)]
+    mixed = [R(T), R(D), R(T, (1, 2, 3), keep=0), R(D)]          # a decode step, a verify
     now, later = lockstep(mixed, T)
     assert [r.backend for r in now] == [D, D] and [r.backend for r in later] == [T, T]
     for alone in ([R(T), R(T)], [R(D)]):
         assert lockstep(alone, T) == (alone, [])
     assert lockstep(mixed, None) == (mixed, [])
+    chunk = R(T, range(64))                                        # a new prompt's chunk runs at once
+    now, later = lockstep([R(D), chunk, R(T)], T)
+    assert chunk in now and len(now) == 2 and len(later) == 1
 
 
 @pytest.mark.parametrize("greedy", [True, False])
 def test_in_lockstep_no_step_pays_both_models_and_drafts_share_passes(greedy):
     """Requests with a model draft: no step runs a pass of the draft and one of the target (the
-    target's rows wait while a draft's do), the lanes' draft tokens share the draft's passes and
-    their verifies one pass; every request still its solo run's tokens."""
+    target's rows wait while a draft's do) but beside a new prompt's chunk, the lanes' draft tokens
+    share the draft's passes and their verifies one pass; every request still its solo run's tokens."""
     if blockq.library() is None:
         pytest.skip(f"no block kernel: {blockq.reason()}")
     t, d = _pair("llama", "q8")
@@ -556,6 +559,10 @@ def test_in_lockstep_no_step_pays_both_models_and_drafts_share_passes(greedy):
     by_step = {}
     for step, is_target, rows in passes:
         by_step.setdefault(step, set()).add(is_target)
-    assert all(len(models) == 1 for models in by_step.values())          # one model a step
+    from rakv.engine.batch import PREFILL_CHUNK
+
+    chunks = sum(-(-len(p) // PREFILL_CHUNK) for p in prompts)
+    both = sum(len(models) == 2 for models in by_step.values())
+    assert both <= chunks < len(by_step) // 4     # both models in a step only beside a new prompt's chunk
     assert any(not is_target and rows >= 2 for _, is_target, rows in passes)   # drafts shared a pass
     assert any(len(st.rows) >= 2 and all(n == 4 for _, n in st.rows) for st in steps)   # verifies in one pass
