@@ -450,7 +450,7 @@ class RoundPlanner:
         def once(j: int) -> float:              # the share of a one-off cost a round of k = j carries
             return E(j, a) / max(1, remaining)
 
-        lockstep = getattr(self.batch, "lockstep", False)
+        lockstep = self.batch.lockstep
         k_o = self.batch.others_drafting(rq.rid) if lockstep and rq.draft_model else 0
         drafting_o = p.draft_round(k_o, ctx, a) if k_o else 0.0      # (in lockstep: passes this round waits for)
         k = batch_k(list(costs), lambda j: E(j, a), W, rows_o, tokens_o,

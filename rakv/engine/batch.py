@@ -266,10 +266,10 @@ def lockstep(waiting: list, last) -> tuple[list, list]:
     verifies one pass of the target, instead of every step paying a pass of each model. A new
     prompt's chunk never waits (``prompt_chunk``): it is paid once either way, and its request's
     first token comes sooner."""
-    if last is None or all(s.backend is last for s in waiting) or all(s.backend is not last for s in waiting):
+    if last is None or all(s.backend is last for s in waiting):
         return waiting, []
-    held = [s for s in waiting if s.backend is last and not prompt_chunk(s)]
-    return [s for s in waiting if not (s.backend is last and not prompt_chunk(s))], held
+    held = [s.backend is last and not prompt_chunk(s) for s in waiting]
+    return [s for s, h in zip(waiting, held) if not h], [s for s, h in zip(waiting, held) if h]
 
 
 def prompt_chunk(s) -> bool:

@@ -28,6 +28,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
+from functools import lru_cache
 
 import torch
 
@@ -135,6 +136,7 @@ def is_serial_here() -> bool:
     return getattr(_HERE, "serial", False)
 
 
+@lru_cache(maxsize=None)
 def _openmp():
     """The OpenMP runtime torch loaded (libgomp; None where it is another)."""
     import ctypes
@@ -146,6 +148,7 @@ def _openmp():
         return None
 
 
+@lru_cache(maxsize=None)
 def _mkl():
     """torch's MKL (inside libtorch_cpu; None where it has none): its vector maths (exp over a
     vocabulary) and BLAS start their own OpenMP teams at MKL's count, not the thread's."""
