@@ -346,6 +346,42 @@ class BatchCosts:
         return pts[-1][1]
 
 
+MOVE_WEIGHT = 0.05      # one round's weight in a joint K's delivered / priced rate (log space)
+MOVE_CLIP = 3.0         # one round moves it by at most this factor
+
+
+class MoveScales:
+    """Per joint K (``policy.joint_move``): the tokens per ms its rounds delivered over what the
+    move priced them at, a clipped log-space EWMA per request-round. The price is right about the
+    shape (rows, passes) and wrong in ways only rounds show (acceptance falling with depth, the
+    lanes' own Python, a catch-up): a K whose rounds deliver less than its price loses to one
+    that delivers what it says. A K never tried takes the nearest tried K's (``of``): the price's
+    error is mostly shared (the lanes' Python, the steps' own noise), so an untried K is not
+    favoured for being untried."""
+
+    def __init__(self):
+        self.scale: dict[int, float] = {}
+        self.rounds: dict[int, int] = {}
+
+    def observe(self, K: int, priced: float, delivered: float) -> None:
+        if priced <= 0 or delivered < 0 or not math.isfinite(delivered):
+            return
+        n = self.rounds.get(K, 0)
+        r = min(MOVE_CLIP, max(1.0 / MOVE_CLIP, max(delivered, 1e-9) / priced))
+        w = max(MOVE_WEIGHT, 1.0 / (n + 1))
+        self.scale[K] = math.exp((1 - w) * math.log(self.of(K)) + w * math.log(r))
+        self.rounds[K] = n + 1
+
+    def of(self, K: int) -> float:
+        """K's scale: its own, else the nearest tried K's (the smaller on a tie), else 1."""
+        if K in self.scale or not self.scale:
+            return self.scale.get(K, 1.0)
+        return self.scale[min(self.scale, key=lambda j: (abs(j - K), j))]
+
+    def table(self, ks) -> dict[int, float]:
+        return {K: self.of(K) for K in set(ks) | {0}}
+
+
 class BatchView:
     """What each request of a batch put in its latest step: rows fed and tokens emitted (one view
     for the lanes of a ``rakv.engine.batch.LanePool``), and what the shared steps cost (``costs``).
@@ -355,6 +391,11 @@ class BatchView:
         self.rows: dict[int, int] = {}
         self.tokens: dict[int, float] = {}
         self.drafted: dict[int, int] = {}       # model-drafted tokens of each one's latest round
+        self.alpha: dict[int, float] = {}       # acceptance of each request whose k is the batch's joint move
+        self.sunk: dict[int, float] = {}        # ... its draft's catch-up, ms per token left
+        self.steps = 0                          # shared steps so far (``tick``)
+        self.move: tuple[int, int, frozenset, float] | None = None  # (step, K, drafting requests, round ms)
+        self.moves = MoveScales()               # what each K's rounds delivered against their price
         self.costs = BatchCosts()
         self.lockstep = lockstep                # the steps run a draft's passes first (engine.batch.lockstep)
 
@@ -368,10 +409,28 @@ class BatchView:
         self.rows[rid], self.tokens[rid] = int(rows), float(tokens)
         self.drafted[rid] = int(drafted)
 
+    def joins(self, rid: int, alpha: float, sunk: float = 0.0) -> None:
+        """A request whose k is priced as part of the batch's joint move (``policy.joint_move``), at
+        acceptance alpha, its draft's catch-up ``sunk`` ms per token it has left (told again as it
+        learns)."""
+        self.alpha[rid] = float(alpha)
+        self.sunk[rid] = float(sunk)
+
+    def tick(self) -> None:
+        """A shared step ran: the joint move is made again at the next round that asks."""
+        self.steps += 1
+
     def leave(self, rid: int) -> None:
         self.rows.pop(rid, None)
         self.tokens.pop(rid, None)
         self.drafted.pop(rid, None)
+        self.alpha.pop(rid, None)
+        self.sunk.pop(rid, None)
+
+    def apart(self, rid: int | None) -> tuple[int, float]:
+        """(rows, tokens) of the other requests not in the joint move (``joins``), as they are."""
+        ids = [q for q in self.rows if q != rid and q not in self.alpha]
+        return sum(self.rows[q] for q in ids), sum(self.tokens[q] for q in ids)
 
     def others_drafting(self, rid: int) -> int:
         """The most tokens another request's latest round drafted with the model (in lockstep, the

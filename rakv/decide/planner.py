@@ -24,7 +24,7 @@ from ..drafts.ngram import NgramDraft
 from ..prefix_cache import PrefixCache
 from ..records import Candidate, Decision
 from .gate import LOOKUP_ALPHA, AcceptMap, RoundGate, Trusted, request_trust
-from .policy import E, batch_k, copies_win
+from .policy import E, batch_k, copies_win, joint_move
 from ..config import PREFILL_CHUNK
 
 now = clock
@@ -52,6 +52,13 @@ def batch_pass(profile: CostProfile, costs, ctx: float):
             w = seen[n] = base * (costs.factor(n) if costs is not None else 1.0)
         return w
     return W
+
+
+def joins_batch_move(rq, batch) -> bool:
+    """Is this request's k part of the batch's joint move (``policy.joint_k``)? An adaptive
+    request with a model draft, in lockstep (where drafts share passes), not forced or a tree."""
+    return bool(batch.lockstep and rq.policy.adaptive and rq.has_draft and rq.draft_model
+                and not rq.policy.tree and rq.force is None)
 
 
 class BatchVerifies:
@@ -262,7 +269,8 @@ class RoundPlanner:
             return RoundPlan(k=0)                 # a plain step
         tp = now()
         plan = RoundPlan(k=k, copy=copy)
-        k_gate = gate_k_max(k, rq, remaining, self._k_top(rq, self.draft)) if k > 0 else 0
+        moving = self.in_joint_move(rq)
+        k_gate = (k if moving else gate_k_max(k, rq, remaining, self._k_top(rq, self.draft))) if k > 0 else 0
         match = None
         if copy and k > 0 and self.lookup is self.draft:
             match = self.draft.match(seq, k_gate)         # nothing to copy (most rounds): no gate to make
@@ -273,7 +281,7 @@ class RoundPlanner:
         gate = self._gate(rq, seq, k_gate) if k > 0 else None
         lookup = k == 0 and rq.policy.gate
         # (a probe keeps the model draft: it is there to measure the model draft's acceptance)
-        if lookup or (gate is not None and rq.k > 0 and self.lookup is not self.draft):
+        if lookup or (gate is not None and rq.k > 0 and self.lookup is not self.draft and not moving):
             lk, lk_ms, lk_gate = self._lookup(rq, seq, remaining)
             lookup = lookup or use_lookup(lk, lk_gate, gate, self.alpha.value)
             if lookup:
@@ -311,6 +319,9 @@ class RoundPlanner:
         shared = self.batch is not None and self.shared(rq.rid)
         if self.batch is not None:
             self.batch.told(rq.rid, m + 1, emitted, m if m and rq.draft_model and not (lookup or plan.copy) else 0)
+            if rq.rid in self.batch.alpha:
+                self._delivered(rq, m, emitted, round_ms)
+                self._joins(rq, ctx)
         if plain_step(plan) and self.controller is not None:
             if plan.copy and not follows_copy(rq):     # (its lookup's cost, for the copy ledger)
                 self.copies.observe(0, 0, 0.0, 0.0, plan.plan_ms)
@@ -457,8 +468,53 @@ class RoundPlanner:
                     lambda j: (p.draft_round(j, ctx, a) + catch_ms * once(j)) if rq.has_draft else 0.0,
                     lambda j: (j + catch_fires * once(j)) if rq.draft_model and not lockstep else 0,
                     drafting_o)   # a model draft's forwards: steps of their own, unless the steps run in lockstep
+        joint = {}
+        if lockstep and len(self.batch.alpha) > 1 and rq.rid in self.batch.alpha:
+            K, drafting = self._joint_move(list(costs), ctx, W)
+            k = K if rq.rid in drafting else 0
+            joint = {"joint": len(self.batch.alpha), "K": K}
         return k, {"requests": n_o, "rows": rows_o, "tokens": round(tokens_o, 3), "k_alone": k_solo,
-                   **({"drafting_o": k_o} if k_o else {})}
+                   **({"drafting_o": k_o} if k_o else {}), **joint}
+
+    def in_joint_move(self, rq) -> bool:
+        """Is this request's k the batch's joint move now (``_joint_move``)? Then its round drafts
+        the move's K, no more (in lockstep every round waits for the longest drafting) and no copy
+        replaces the draft."""
+        return (self.batch is not None and self.batch.lockstep and rq.rid in self.batch.alpha
+                and len(self.batch.alpha) > 1)
+
+    def _delivered(self, rq, m: int, emitted: int, round_ms: float) -> None:
+        """A round under the joint move in force: its tokens per ms against the move's price (its
+        share: E(K) at its acceptance, or 1 plain, over the move's round) teach ``MoveScales``."""
+        v = self.batch
+        if v.move is None or len(v.alpha) < 2 or round_ms <= 0:
+            return
+        _, K, drafting, T = v.move
+        share = E(K, v.alpha[rq.rid]) if rq.rid in drafting else 1.0
+        if (m > 0) == (rq.rid in drafting and K > 0) and T > 0:     # (a round of another move says nothing)
+            v.moves.observe(K, share / T, emitted / round_ms)
+
+    def _joins(self, rq, ctx: int) -> None:
+        """Tell the batch this request's part in the joint move: its acceptance and what its draft
+        must read before it can draft (its prompt, or what plain rounds skipped), per token left."""
+        catch_ms, _ = self._catchup_price(rq, ctx)
+        self.batch.joins(rq.rid, self.alpha.value, catch_ms / max(1, rq.N - len(rq.out)))
+
+    def _joint_move(self, ks, ctx: int, W) -> tuple[int, frozenset]:
+        """The batch's joint move (``policy.joint_move``), made once a shared step by the first
+        round that asks and kept by the others: every request of the move reads the same one."""
+        v, p = self.batch, self.profile
+        if v.move is not None and v.move[0] == v.steps and set(v.move[2]) <= set(v.alpha):
+            return v.move[1], v.move[2]
+        rows_n, tokens_n = v.apart(None)
+        a = sum(v.alpha.values()) / len(v.alpha)
+        t1 = W(1)
+        K, drafting, _, T = joint_move(ks, v.alpha, W, rows_n, tokens_n,
+                                       lambda j, m: p.draft_round(j, ctx, a) * W(m) / t1,
+                                       keep=v.move[1] if v.move is not None else None, sunk=v.sunk,
+                                       measured=v.moves.table(ks))
+        v.move = (v.steps, K, drafting, T)
+        return K, drafting
 
     def _catchup_price(self, rq, ctx: int) -> tuple[float, float]:
         """(ms, steps) a model draft must spend reading what it is behind before its next round can
@@ -484,6 +540,8 @@ class RoundPlanner:
         if self.batch is None:
             return {}
         self.batch.join(rq.rid)
+        if joins_batch_move(rq, self.batch):
+            self._joins(rq, len(rq.ids))
         if choice is None or choice.reason == "forced" or not (rq.policy.adaptive and rq.has_draft) or rq.policy.tree:
             return {}
         if not self.batch.others(rq.rid)[2]:

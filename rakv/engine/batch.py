@@ -353,6 +353,7 @@ class LanePool:
     def _step_done(self, on_step):
         """The shared step's time to the engine's thread count (rakv.util.threads), then ``on_step``."""
         def done(info: StepInfo) -> None:
+            self.view.tick()
             self.base.threads.step(info.ms, sum(n for _, n in info.rows))
             on_step(info)
         return done

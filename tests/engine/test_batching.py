@@ -349,6 +349,8 @@ def test_the_adaptive_k_is_priced_by_the_batch_and_stays_exact():
         assert end.output_ids == _solo(t, p, rid, Sampling())
     priced = [x for x in decisions if x.batch]
     assert priced and all(x.batch["requests"] >= 1 and "k_alone" in x.batch for x in priced)
+    moved = [x for x in priced if x.batch.get("joint")]     # in lockstep: the batch's joint move
+    assert moved and all(x.batch["joint"] >= 2 and x.action["k"] in (0, x.batch["K"]) for x in moved)
 
 
 @pytest.mark.parametrize("arch,numerics", [("llama", "q8"), ("llama", "fp32"), ("gpt2", "q8")])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from rakv.decide.learned import BatchView
-from rakv.decide.policy import E, batch_k, batch_rate
+from rakv.decide.policy import E, batch_k, batch_rate, joint_move
 
 pytestmark = pytest.mark.fast
 KS = [0, 1, 2, 4, 6, 8]
@@ -70,6 +70,78 @@ def test_in_lockstep_a_model_draft_pays_beside_others_and_more_so_beside_draftin
     assert v.others_drafting(2) == 4 and v.others_drafting(1) == 0
     v.leave(1)
     assert v.others_drafting(2) == 0
+
+
+def test_the_joint_move_escapes_the_plain_equilibrium_of_best_answers():
+    """Two requests in lockstep, each at k = 0: each one's best answer is k = 0 (drafting alone
+    holds the other for its passes), yet both drafting together emits more per ms; the joint move
+    (``joint_move``) finds it: one K for both."""
+    W = _W(0.03)
+    d = lambda K, m=1: 0.35 * K * W(m)                 # noqa: E731 - K draft passes of m rows
+    a = {1: 0.7, 2: 0.7}
+    assert batch_k(KS, lambda k: E(k, 0.7), W, 1, 1.0, d) == 0           # the best answer to k = 0
+    K, drafting, rate, T = joint_move(KS, a, W, 0, 0.0, d)
+    assert K > 0 and drafting == {1, 2} and T == pytest.approx(d(K, 2) + W(2 * (K + 1)))
+    assert rate > 2.0 / W(2) * 1.1                     # more than both plain (2 tokens a pass of 2)
+    assert rate == pytest.approx(2 * E(K, 0.7) / (d(K, 2) + W(2 * (K + 1))))
+
+
+def test_the_joint_move_drafts_the_likely_requests_only_and_none_when_nothing_pays():
+    W = _W(0.03)
+    d = lambda K, m=1: 0.27 * K * W(m)                 # noqa: E731
+    K, drafting, _, _ = joint_move(KS, {1: 0.9, 2: 0.05, 3: 0.85}, W, 0, 0.0, d)
+    assert K > 0 and drafting == {1, 3}                # the unlikely one stays plain; the others draft together
+    assert joint_move(KS, {1: 0.1, 2: 0.15}, W, 0, 0.0, d)[:2] == (0, frozenset())
+    dear = _W(0.25)                                    # rows that cost: beside 12 plain rows nobody drafts
+    assert joint_move(KS, {1: 0.6, 2: 0.6}, dear, 12, 12.0, lambda K, m=1: 0.27 * K * dear(m))[0] == 0
+
+
+def test_the_joint_move_holds_its_k_against_a_near_equal_one():
+    W = _W(0.03)
+    d = lambda K, m=1: 0.35 * K * W(m)                 # noqa: E731
+    a = {1: 0.7, 2: 0.7}
+    K, _, rate, _ = joint_move(KS, a, W, 0, 0.0, d)
+    rates = {j: joint_move([j], a, W, 0, 0.0, d)[2] for j in KS if j}
+    near = max((j for j in rates if j != K), key=lambda j: rates[j])
+    assert rates[near] * 1.05 >= rate                  # a runner-up within the margin ...
+    assert joint_move(KS, a, W, 0, 0.0, d, keep=near)[0] == near          # ... is kept while in force
+    assert joint_move(KS, a, W, 0, 0.0, d, keep=near, margin=0.0)[0] == K
+
+
+def test_a_k_whose_rounds_deliver_less_than_its_price_loses_the_move():
+    """``MoveScales``: rounds of the K in force that deliver half their price make the move
+    change K; an untried K takes the nearest tried one's scale (not favoured for being untried),
+    and a round's ratio is clipped."""
+    from rakv.decide.learned import MOVE_CLIP, MoveScales
+
+    W = _W(0.03)
+    d = lambda K, m=1: 0.35 * K * W(m)                 # noqa: E731
+    a = {1: 0.7, 2: 0.7}
+    K, _, rate, _ = joint_move(KS, a, W, 0, 0.0, d)
+    s = MoveScales()
+    for _ in range(60):
+        s.observe(K, rate, 0.5 * rate)
+    assert s.of(K) == pytest.approx(0.5, rel=0.05)
+    assert s.of(K + 1) == s.of(K) and s.of(0) == s.of(K)          # (nearest tried)
+    s.observe(0, 1.0, 1.0)
+    assert joint_move(KS, a, W, 0, 0.0, d, keep=K, measured=s.table(KS))[0] != K
+    one = MoveScales()
+    one.observe(2, 1.0, 100.0)
+    assert one.of(2) == pytest.approx(MOVE_CLIP)
+
+
+def test_the_view_keeps_the_joint_requests_and_the_rest_apart():
+    v = BatchView(lockstep=True)
+    for q in (1, 2, 3):
+        v.told(q, 1, 1.0)
+    v.joins(1, 0.8)
+    v.joins(3, 0.7)
+    assert v.apart(None) == (1, 1.0) and v.alpha == {1: 0.8, 3: 0.7}
+    v.leave(3)
+    assert v.alpha == {1: 0.8} and v.apart(None) == (1, 1.0)
+    s = v.steps
+    v.tick()
+    assert v.steps == s + 1
 
 
 def test_the_view_counts_the_others_only():
