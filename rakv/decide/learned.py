@@ -351,35 +351,41 @@ MOVE_CLIP = 3.0         # one round moves it by at most this factor
 
 
 class MoveScales:
-    """Per joint K (``policy.joint_move``): the tokens per ms its rounds delivered over what the
-    move priced them at, a clipped log-space EWMA per request-round. The price is right about the
-    shape (rows, passes) and wrong in ways only rounds show (acceptance falling with depth, the
-    lanes' own Python, a catch-up): a K whose rounds deliver less than its price loses to one
-    that delivers what it says. A K never tried takes the nearest tried K's (``of``): the price's
-    error is mostly shared (the lanes' Python, the steps' own noise), so an untried K is not
-    favoured for being untried."""
+    """Per joint K and number of requests in the move (``policy.joint_move``): the tokens per ms
+    its rounds delivered over what the move priced them at, a clipped log-space EWMA per
+    request-round. The price is right about the shape (rows, passes) and wrong in ways only rounds
+    show (acceptance falling with depth, the lanes' Python, a catch-up), and differently for 2
+    requests than for 8: a K whose rounds deliver less than its price loses to one that delivers
+    what it says. A K never tried at n takes the nearest tried K's at n (the price's error is
+    mostly shared there: the lanes' Python, the steps' noise), so it is not favoured for being
+    untried; with none tried at n, 1."""
 
     def __init__(self):
-        self.scale: dict[int, float] = {}
-        self.rounds: dict[int, int] = {}
+        self.scale: dict[tuple[int, int], float] = {}
+        self.rounds: dict[tuple[int, int], int] = {}
 
-    def observe(self, K: int, priced: float, delivered: float) -> None:
+    def observe(self, n: int, K: int, priced: float, delivered: float) -> None:
         if priced <= 0 or delivered < 0 or not math.isfinite(delivered):
             return
-        n = self.rounds.get(K, 0)
+        key = (n, K)
+        c = self.rounds.get(key, 0)
         r = min(MOVE_CLIP, max(1.0 / MOVE_CLIP, max(delivered, 1e-9) / priced))
-        w = max(MOVE_WEIGHT, 1.0 / (n + 1))
-        self.scale[K] = math.exp((1 - w) * math.log(self.of(K)) + w * math.log(r))
-        self.rounds[K] = n + 1
+        w = max(MOVE_WEIGHT, 1.0 / (c + 1))
+        self.scale[key] = math.exp((1 - w) * math.log(self.of(n, K)) + w * math.log(r))
+        self.rounds[key] = c + 1
 
-    def of(self, K: int) -> float:
-        """K's scale: its own, else the nearest tried K's (the smaller on a tie), else 1."""
-        if K in self.scale or not self.scale:
-            return self.scale.get(K, 1.0)
-        return self.scale[min(self.scale, key=lambda j: (abs(j - K), j))]
+    def of(self, n: int, K: int) -> float:
+        """K's scale at n requests: its own, else the nearest tried K's at n (the smaller on a
+        tie), else 1."""
+        if (n, K) in self.scale:
+            return self.scale[(n, K)]
+        tried = [j for (m, j) in self.scale if m == n]
+        if not tried:
+            return 1.0
+        return self.scale[(n, min(tried, key=lambda j: (abs(j - K), j)))]
 
-    def table(self, ks) -> dict[int, float]:
-        return {K: self.of(K) for K in set(ks) | {0}}
+    def table(self, n: int, ks) -> dict[int, float]:
+        return {K: self.of(n, K) for K in set(ks) | {0}}
 
 
 class BatchView:

@@ -492,7 +492,7 @@ class RoundPlanner:
         _, K, drafting, T = v.move
         share = E(K, v.alpha[rq.rid]) if rq.rid in drafting else 1.0
         if (m > 0) == (rq.rid in drafting and K > 0) and T > 0:     # (a round of another move says nothing)
-            v.moves.observe(K, share / T, emitted / round_ms)
+            v.moves.observe(len(v.alpha), K, share / T, emitted / round_ms)
 
     def _joins(self, rq, ctx: int) -> None:
         """Tell the batch this request's part in the joint move: its acceptance and what its draft
@@ -512,7 +512,7 @@ class RoundPlanner:
         K, drafting, _, T = joint_move(ks, v.alpha, W, rows_n, tokens_n,
                                        lambda j, m: p.draft_round(j, ctx, a) * W(m) / t1,
                                        keep=v.move[1] if v.move is not None else None, sunk=v.sunk,
-                                       measured=v.moves.table(ks))
+                                       measured=v.moves.table(len(v.alpha), ks))
         v.move = (v.steps, K, drafting, T)
         return K, drafting
 

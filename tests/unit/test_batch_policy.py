@@ -120,14 +120,15 @@ def test_a_k_whose_rounds_deliver_less_than_its_price_loses_the_move():
     K, _, rate, _ = joint_move(KS, a, W, 0, 0.0, d)
     s = MoveScales()
     for _ in range(60):
-        s.observe(K, rate, 0.5 * rate)
-    assert s.of(K) == pytest.approx(0.5, rel=0.05)
-    assert s.of(K + 1) == s.of(K) and s.of(0) == s.of(K)          # (nearest tried)
-    s.observe(0, 1.0, 1.0)
-    assert joint_move(KS, a, W, 0, 0.0, d, keep=K, measured=s.table(KS))[0] != K
+        s.observe(2, K, rate, 0.5 * rate)
+    assert s.of(2, K) == pytest.approx(0.5, rel=0.05)
+    assert s.of(2, K + 1) == s.of(2, K) and s.of(2, 0) == s.of(2, K)    # (nearest tried at 2 requests)
+    assert s.of(8, K) == 1.0                                         # (another batch size: its own)
+    s.observe(2, 0, 1.0, 1.0)
+    assert joint_move(KS, a, W, 0, 0.0, d, keep=K, measured=s.table(2, KS))[0] != K
     one = MoveScales()
-    one.observe(2, 1.0, 100.0)
-    assert one.of(2) == pytest.approx(MOVE_CLIP)
+    one.observe(2, 2, 1.0, 100.0)
+    assert one.of(2, 2) == pytest.approx(MOVE_CLIP)
 
 
 def test_the_view_keeps_the_joint_requests_and_the_rest_apart():
