@@ -252,6 +252,7 @@ class SessionState:
     hits: list[tuple[int, int, int, bool]] = field(default_factory=list)   # (rid, q, P, exact)
     # decisions
     decisions: int = 0
+    move: tuple[int, int, int] | None = None     # the batch's joint move: (K, requests in it, deciding request)
     # acceptance + timeline
     rounds: list[RoundPoint] = field(default_factory=list)
     request_x: list[tuple[int, int]] = field(default_factory=list)        # (x where request starts, rid)
@@ -447,6 +448,9 @@ class SessionState:
         k = (r.action or {}).get("k")
         if isinstance(k, int):
             v.k = k
+        b = r.batch or {}
+        if isinstance(b.get("K"), int) and isinstance(b.get("joint"), int):
+            self.move = (b["K"], b["joint"], r.request_id)
 
     def _round(self, r: Round) -> None:
         v = self._view(r.request_id, r.t)

@@ -400,7 +400,7 @@ class BatchView:
         self.alpha: dict[int, float] = {}       # acceptance of each request whose k is the batch's joint move
         self.sunk: dict[int, float] = {}        # ... its draft's catch-up, ms per token left
         self.steps = 0                          # shared steps so far (``tick``)
-        self.move: tuple[int, int, frozenset, float] | None = None  # (step, K, drafting requests, round ms)
+        self.move: tuple | None = None          # ((step, requests), K, drafting requests, round ms): the joint move
         self.moves = MoveScales()               # what each K's rounds delivered against their price
         self.costs = BatchCosts()
         self.lockstep = lockstep                # the steps run a draft's passes first (engine.batch.lockstep)

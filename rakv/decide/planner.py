@@ -501,11 +501,12 @@ class RoundPlanner:
         self.batch.joins(rq.rid, self.alpha.value, catch_ms / max(1, rq.N - len(rq.out)))
 
     def _joint_move(self, ks, ctx: int, W) -> tuple[int, frozenset]:
-        """The batch's joint move (``policy.joint_move``), made once a shared step by the first
-        round that asks and kept by the others: every request of the move reads the same one."""
+        """The batch's joint move (``policy.joint_move``), made once a shared step (and again when a
+        request joins or leaves) by the first round that asks and kept by the others: every
+        request of the move reads the same one."""
         v, p = self.batch, self.profile
-        if v.move is not None and v.move[0] == v.steps and set(v.move[2]) <= set(v.alpha):
-            return v.move[1], v.move[2]
+        if v.move is not None and v.move[0] == (v.steps, len(v.alpha)) and set(v.move[2]) <= set(v.alpha):
+            return v.move[1], v.move[2]         # (made this step for the same requests)
         rows_n, tokens_n = v.apart(None)
         a = sum(v.alpha.values()) / len(v.alpha)
         t1 = W(1)
@@ -513,7 +514,7 @@ class RoundPlanner:
                                        lambda j, m: p.draft_round(j, ctx, a) * W(m) / t1,
                                        keep=v.move[1] if v.move is not None else None, sunk=v.sunk,
                                        measured=v.moves.table(len(v.alpha), ks))
-        v.move = (v.steps, K, drafting, T)
+        v.move = ((v.steps, len(v.alpha)), K, drafting, T)
         return K, drafting
 
     def _catchup_price(self, rq, ctx: int) -> tuple[float, float]:

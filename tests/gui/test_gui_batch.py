@@ -198,7 +198,11 @@ def test_batch_plot_with_predictions_and_gaps(qtbot):
     snap = panel.snapshot()
     assert not snap["empty"] and snap["steps"] == 6 and snap["predicted"] == 5 and snap["bars"] == 12
     assert snap["rows"] == {1: "1", 2: "5"} and snap["outlined"] == 6    # request 2, the newest, outlined
-    assert "predicted 23.0 ms" in snap["info"]
+    assert "predicted 23.0 ms" in snap["info"] and "joint move" not in snap["info"]
+    st.apply(Decision(request_id=2, round=4, action={"reuse": 1, "k": 2}, reason="argmin",
+                      batch={"requests": 1, "rows": 1, "tokens": 1.0, "k_alone": 4, "joint": 2, "K": 2}))
+    panel.refresh(st)
+    assert "joint move of 2 requests: K = 2" in panel.snapshot()["info"]       # the batch's one K, said
 
 
 def test_one_request_at_a_time_is_shown_as_before():
