@@ -346,48 +346,6 @@ class BatchCosts:
         return pts[-1][1]
 
 
-MOVE_WEIGHT = 0.05      # one round's weight in a joint K's delivered / priced rate (log space)
-MOVE_CLIP = 3.0         # one round moves it by at most this factor
-
-
-class MoveScales:
-    """Per joint K and number of requests in the move (``policy.joint_move``): the tokens per ms
-    its rounds delivered over what the move priced them at, a clipped log-space EWMA per
-    request-round. The price is right about the shape (rows, passes) and wrong in ways only rounds
-    show (acceptance falling with depth, the lanes' Python, a catch-up), and differently for 2
-    requests than for 8: a K whose rounds deliver less than its price loses to one that delivers
-    what it says. A K never tried at n takes the nearest tried K's at n (the price's error is
-    mostly shared there: the lanes' Python, the steps' noise), so it is not favoured for being
-    untried; with none tried at n, 1."""
-
-    def __init__(self):
-        self.scale: dict[tuple[int, int], float] = {}
-        self.rounds: dict[tuple[int, int], int] = {}
-
-    def observe(self, n: int, K: int, priced: float, delivered: float) -> None:
-        if priced <= 0 or delivered < 0 or not math.isfinite(delivered):
-            return
-        key = (n, K)
-        c = self.rounds.get(key, 0)
-        r = min(MOVE_CLIP, max(1.0 / MOVE_CLIP, max(delivered, 1e-9) / priced))
-        w = max(MOVE_WEIGHT, 1.0 / (c + 1))
-        self.scale[key] = math.exp((1 - w) * math.log(self.of(n, K)) + w * math.log(r))
-        self.rounds[key] = c + 1
-
-    def of(self, n: int, K: int) -> float:
-        """K's scale at n requests: its own, else the nearest tried K's at n (the smaller on a
-        tie), else 1."""
-        if (n, K) in self.scale:
-            return self.scale[(n, K)]
-        tried = [j for (m, j) in self.scale if m == n]
-        if not tried:
-            return 1.0
-        return self.scale[(n, min(tried, key=lambda j: (abs(j - K), j)))]
-
-    def table(self, n: int, ks) -> dict[int, float]:
-        return {K: self.of(n, K) for K in set(ks) | {0}}
-
-
 class BatchView:
     """What each request of a batch put in its latest step: rows fed and tokens emitted (one view
     for the lanes of a ``rakv.engine.batch.LanePool``), and what the shared steps cost (``costs``).
@@ -401,7 +359,6 @@ class BatchView:
         self.sunk: dict[int, float] = {}        # ... its draft's catch-up, ms per token left
         self.steps = 0                          # shared steps so far (``tick``)
         self.move: tuple | None = None          # ((step, requests), K, drafting requests, round ms): the joint move
-        self.moves = MoveScales()               # what each K's rounds delivered against their price
         self.costs = BatchCosts()
         self.lockstep = lockstep                # the steps run a draft's passes first (engine.batch.lockstep)
 

@@ -320,7 +320,6 @@ class RoundPlanner:
         if self.batch is not None:
             self.batch.told(rq.rid, m + 1, emitted, m if m and rq.draft_model and not (lookup or plan.copy) else 0)
             if rq.rid in self.batch.alpha:
-                self._delivered(rq, m, emitted, round_ms)
                 self._joins(rq, ctx)
         if plain_step(plan) and self.controller is not None:
             if plan.copy and not follows_copy(rq):     # (its lookup's cost, for the copy ledger)
@@ -483,17 +482,6 @@ class RoundPlanner:
         return (self.batch is not None and self.batch.lockstep and rq.rid in self.batch.alpha
                 and len(self.batch.alpha) > 1)
 
-    def _delivered(self, rq, m: int, emitted: int, round_ms: float) -> None:
-        """A round under the joint move in force: its tokens per ms against the move's price (its
-        share: E(K) at its acceptance, or 1 plain, over the move's round) teach ``MoveScales``."""
-        v = self.batch
-        if v.move is None or len(v.alpha) < 2 or round_ms <= 0:
-            return
-        _, K, drafting, T = v.move
-        share = E(K, v.alpha[rq.rid]) if rq.rid in drafting else 1.0
-        if (m > 0) == (rq.rid in drafting and K > 0) and T > 0:     # (a round of another move says nothing)
-            v.moves.observe(len(v.alpha), K, share / T, emitted / round_ms)
-
     def _joins(self, rq, ctx: int) -> None:
         """Tell the batch this request's part in the joint move: its acceptance and what its draft
         must read before it can draft (its prompt, or what plain rounds skipped), per token left."""
@@ -512,8 +500,7 @@ class RoundPlanner:
         t1 = W(1)
         K, drafting, _, T = joint_move(ks, v.alpha, W, rows_n, tokens_n,
                                        lambda j, m: p.draft_round(j, ctx, a) * W(m) / t1,
-                                       keep=v.move[1] if v.move is not None else None, sunk=v.sunk,
-                                       measured=v.moves.table(len(v.alpha), ks))
+                                       keep=v.move[1] if v.move is not None else None, sunk=v.sunk)
         v.move = ((v.steps, len(v.alpha)), K, drafting, T)
         return K, drafting
 

@@ -293,8 +293,7 @@ JOINT_MARGIN = 0.05     # the batch's joint K changes only for a rate this much 
 
 def joint_move(ks, alphas: dict[int, float], W, rows_n: int, tokens_n: float, draft_ms_of,
                keep: int | None = None, margin: float = JOINT_MARGIN,
-               sunk: dict[int, float] | None = None,
-               measured: dict[int, float] | None = None) -> tuple[int, frozenset, float, float]:
+               sunk: dict[int, float] | None = None) -> tuple[int, frozenset, float, float]:
     """The batch's best joint move in lockstep: the requests whose k is priced this way
     (``alphas``: each one's acceptance) draft a common K, the m most likely of them (the rest
     plain), at the most tokens per ms of the whole step, beside others feeding rows_n rows for
@@ -304,14 +303,12 @@ def joint_move(ks, alphas: dict[int, float], W, rows_n: int, tokens_n: float, dr
     one move for all does neither. ``draft_ms_of(K, m)``: K draft passes of m rows. ``keep``: the
     K in force, kept unless another K's rate beats its best by ``margin`` (no flapping between
     near-equal moves). ``sunk``: each request's one-off cost of starting to draft (its draft's
-    catch-up, ms per token it has left), a round carrying its tokens' share. ``measured``: what
-    each K's rounds delivered against this price (``learned.MoveScales``; 1 for a K not tried).
-    Returns (K, the requests that draft it, the step's predicted rate, its round's ms)."""
+    catch-up, ms per token it has left), a round carrying its tokens' share. Returns (K, the
+    requests that draft it, the step's predicted rate, its round's ms)."""
     order = sorted(alphas, key=lambda q: (-alphas[q], q))
     n = len(order)
-    seen = measured or {}
     T0 = W(n + rows_n)
-    best: dict[int, tuple[float, int, float]] = {0: ((n + tokens_n) / T0 * seen.get(0, 1.0), 0, T0)}
+    best: dict[int, tuple[float, int, float]] = {0: ((n + tokens_n) / T0, 0, T0)}
     for K in sorted(k for k in set(ks) if k > 0):
         e, once, top = 0.0, 0.0, best[0]
         for m in range(1, n + 1):
@@ -320,7 +317,7 @@ def joint_move(ks, alphas: dict[int, float], W, rows_n: int, tokens_n: float, dr
             e += e_q
             once += e_q * (sunk or {}).get(q, 0.0)
             T = draft_ms_of(K, m) + once + W(rows_n + m * (K + 1) + n - m)
-            rate = (e + (n - m) + tokens_n) / T * seen.get(K, 1.0)
+            rate = (e + (n - m) + tokens_n) / T
             if rate > top[0] * (1 + 1e-9):
                 top = (rate, m, T)
         best[K] = top

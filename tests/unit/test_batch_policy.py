@@ -108,29 +108,6 @@ def test_the_joint_move_holds_its_k_against_a_near_equal_one():
     assert joint_move(KS, a, W, 0, 0.0, d, keep=near, margin=0.0)[0] == K
 
 
-def test_a_k_whose_rounds_deliver_less_than_its_price_loses_the_move():
-    """``MoveScales``: rounds of the K in force that deliver half their price make the move
-    change K; an untried K takes the nearest tried one's scale (not favoured for being untried),
-    and a round's ratio is clipped."""
-    from rakv.decide.learned import MOVE_CLIP, MoveScales
-
-    W = _W(0.03)
-    d = lambda K, m=1: 0.35 * K * W(m)                 # noqa: E731
-    a = {1: 0.7, 2: 0.7}
-    K, _, rate, _ = joint_move(KS, a, W, 0, 0.0, d)
-    s = MoveScales()
-    for _ in range(60):
-        s.observe(2, K, rate, 0.5 * rate)
-    assert s.of(2, K) == pytest.approx(0.5, rel=0.05)
-    assert s.of(2, K + 1) == s.of(2, K) and s.of(2, 0) == s.of(2, K)    # (nearest tried at 2 requests)
-    assert s.of(8, K) == 1.0                                         # (another batch size: its own)
-    s.observe(2, 0, 1.0, 1.0)
-    assert joint_move(KS, a, W, 0, 0.0, d, keep=K, measured=s.table(2, KS))[0] != K
-    one = MoveScales()
-    one.observe(2, 2, 1.0, 100.0)
-    assert one.of(2, 2) == pytest.approx(MOVE_CLIP)
-
-
 def test_the_view_keeps_the_joint_requests_and_the_rest_apart():
     v = BatchView(lockstep=True)
     for q in (1, 2, 3):
