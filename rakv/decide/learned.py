@@ -358,7 +358,7 @@ class BatchView:
         self.alpha: dict[int, float] = {}       # acceptance of each request whose k is the batch's joint move
         self.sunk: dict[int, float] = {}        # ... its draft's catch-up, ms per token left
         self.steps = 0                          # shared steps so far (``tick``)
-        self.move: tuple | None = None          # ((step, requests), K, drafting requests, round ms): the joint move
+        self.move: tuple | None = None          # ((step, requests), K, drafting requests): the joint move
         self.costs = BatchCosts()
         self.lockstep = lockstep                # the steps run a draft's passes first (engine.batch.lockstep)
 

@@ -55,7 +55,7 @@ def batch_pass(profile: CostProfile, costs, ctx: float):
 
 
 def joins_batch_move(rq, batch) -> bool:
-    """Is this request's k part of the batch's joint move (``policy.joint_k``)? An adaptive
+    """Is this request's k part of the batch's joint move (``policy.joint_move``)? An adaptive
     request with a model draft, in lockstep (where drafts share passes), not forced or a tree."""
     return bool(batch.lockstep and rq.policy.adaptive and rq.has_draft and rq.draft_model
                 and not rq.policy.tree and rq.force is None)
@@ -498,10 +498,10 @@ class RoundPlanner:
         rows_n, tokens_n = v.apart(None)
         a = sum(v.alpha.values()) / len(v.alpha)
         t1 = W(1)
-        K, drafting, _, T = joint_move(ks, v.alpha, W, rows_n, tokens_n,
+        K, drafting, _, _ = joint_move(ks, v.alpha, W, rows_n, tokens_n,
                                        lambda j, m: p.draft_round(j, ctx, a) * W(m) / t1,
                                        keep=v.move[1] if v.move is not None else None, sunk=v.sunk)
-        v.move = ((v.steps, len(v.alpha)), K, drafting, T)
+        v.move = ((v.steps, len(v.alpha)), K, drafting)
         return K, drafting
 
     def _catchup_price(self, rq, ctx: int) -> tuple[float, float]:

@@ -287,7 +287,6 @@ def batch_k(ks, E_of, W, rows_o: int, tokens_o: float, draft_ms_of, fires_of=lam
     return best
 
 
-
 JOINT_MARGIN = 0.05     # the batch's joint K changes only for a rate this much better (docs/serve.md: why)
 
 
