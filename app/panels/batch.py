@@ -226,7 +226,7 @@ class BatchPanel(QWidget):
             txt += f" (predicted {s.predicted_ms:.1f} ms" + (f", {err:+.0%})" if err is not None else ")")
         if not s.shared:
             txt += " · each request's forward ran alone inside the step"
-        if state.move is not None:
+        if state.move is not None and n > 1:          # (the move of requests still running)
             K, n_move, _ = state.move
             txt += (f" · joint move of {n_move} requests: K = {K}" if K else
                     f" · joint move of {n_move} requests: plain steps")

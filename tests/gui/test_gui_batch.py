@@ -203,6 +203,9 @@ def test_batch_plot_with_predictions_and_gaps(qtbot):
                       batch={"requests": 1, "rows": 1, "tokens": 1.0, "k_alone": 4, "joint": 2, "K": 2}))
     panel.refresh(st)
     assert "joint move of 2 requests: K = 2" in panel.snapshot()["info"]       # the batch's one K, said
+    st.apply(RequestEnd(request_id=1, output_ids=[7]))
+    panel.refresh(st)
+    assert "joint move" not in panel.snapshot()["info"]                         # (one request left: no move)
 
 
 def test_one_request_at_a_time_is_shown_as_before():
