@@ -468,7 +468,7 @@ class RoundPlanner:
                     lambda j: (j + catch_fires * once(j)) if rq.draft_model and not lockstep else 0,
                     drafting_o)   # a model draft's forwards: steps of their own, unless the steps run in lockstep
         joint = {}
-        if lockstep and len(self.batch.alpha) > 1 and rq.rid in self.batch.alpha:
+        if self.in_joint_move(rq):
             K, drafting = self._joint_move(list(costs), ctx, W)
             k = K if rq.rid in drafting else 0
             joint = {"joint": len(self.batch.alpha), "K": K}
