@@ -30,6 +30,7 @@ PERSIST_PRIOR = 4.0   # the persistence of request acceptance starts as this man
 PERSIST_SD = 0.05     # ... each with this deviation from the long run (its weight against evidence)
 PERSIST_DECAY = 0.05  # per-request ageing of the persistence evidence (~20 requests)
 PERSIST_MIN_TRIALS = 4  # a request counts toward persistence with at least this many trials
+AHEAD_PRIOR = 40.0    # the rounds-ahead acceptance: a request's own trials plus this many at the request-level rate
 SHAPE_PRIOR = 16.0    # pseudo-trials per draft position at the pooled rate (the i.i.d. model) before any round
 SHAPE_DECAY = 0.005   # per-round ageing of the position counts (about the last 200 rounds)
 ONLINE_WEIGHT = 0.1          # weight of one new measurement in the online (log-space) EWMA
@@ -190,6 +191,14 @@ class Acceptance:
         """Request-level acceptance: the long run plus the measured-persistent part of the recent deviation."""
         a = self.alpha_long
         return a + self.persistence * (self.alpha_recent - a)
+
+    @property
+    def alpha_ahead(self) -> float:
+        """The acceptance of a request's rounds ahead, as a batch's joint move prices them: the
+        request's own trials so far shrunk toward ``alpha_req`` by AHEAD_PRIOR pseudo-trials. Not
+        the recent rounds' EWMA (``alpha``): within a request it chases noise and predicts the next
+        round worse than this does (docs/serve.md), and a move that follows it flips K."""
+        return (self._req_S + AHEAD_PRIOR * self.alpha_req) / (self._req_T + AHEAD_PRIOR)
 
     def end_request(self, produced: int, max_new: int, stopped: str) -> None:
         """Fold a finished request into the request-level estimates and the profile."""

@@ -454,26 +454,25 @@ class RoundPlanner:
             return k_solo, {}
         p, a = self.profile, self.alpha.value
         W = batch_pass(p, self.batch.costs, ctx)
+        lockstep = self.batch.lockstep
+        k_o = self.batch.others_drafting(rq.rid) if lockstep and rq.draft_model else 0
+        said = {"requests": n_o, "rows": rows_o, "tokens": round(tokens_o, 3), "k_alone": k_solo,
+                **({"drafting_o": k_o} if k_o else {})}
+        if self.in_joint_move(rq):        # (the move decides: its own price is not asked, every round)
+            K, drafting = self._joint_move(list(costs), ctx, W)
+            return (K if rq.rid in drafting else 0), {**said, "joint": len(self.batch.alpha), "K": K}
         remaining = rq.N - len(rq.out) if remaining is None else remaining
         catch_ms, catch_fires = self._catchup_price(rq, ctx)
 
         def once(j: int) -> float:              # the share of a one-off cost a round of k = j carries
             return E(j, a) / max(1, remaining)
 
-        lockstep = self.batch.lockstep
-        k_o = self.batch.others_drafting(rq.rid) if lockstep and rq.draft_model else 0
         drafting_o = p.draft_round(k_o, ctx, a) if k_o else 0.0      # (in lockstep: passes this round waits for)
         k = batch_k(list(costs), lambda j: E(j, a), W, rows_o, tokens_o,
                     lambda j: (p.draft_round(j, ctx, a) + catch_ms * once(j)) if rq.has_draft else 0.0,
                     lambda j: (j + catch_fires * once(j)) if rq.draft_model and not lockstep else 0,
                     drafting_o)   # a model draft's forwards: steps of their own, unless the steps run in lockstep
-        joint = {}
-        if self.in_joint_move(rq):
-            K, drafting = self._joint_move(list(costs), ctx, W)
-            k = K if rq.rid in drafting else 0
-            joint = {"joint": len(self.batch.alpha), "K": K}
-        return k, {"requests": n_o, "rows": rows_o, "tokens": round(tokens_o, 3), "k_alone": k_solo,
-                   **({"drafting_o": k_o} if k_o else {}), **joint}
+        return k, said
 
     def in_joint_move(self, rq) -> bool:
         """Is this request's k the batch's joint move now (``_joint_move``)? Then its round drafts
@@ -486,7 +485,8 @@ class RoundPlanner:
         """Tell the batch this request's part in the joint move: its acceptance and what its draft
         must read before it can draft (its prompt, or what plain rounds skipped), per token left."""
         catch_ms, _ = self._catchup_price(rq, ctx)
-        self.batch.joins(rq.rid, self.alpha.value, catch_ms / max(1, rq.N - len(rq.out)))
+        a = self.controller.alpha_ahead if self.controller is not None else self.alpha.value
+        self.batch.joins(rq.rid, a, catch_ms / max(1, rq.N - len(rq.out)))
 
     def _joint_move(self, ks, ctx: int, W) -> tuple[int, frozenset]:
         """The batch's joint move (``policy.joint_move``), made once a shared step (and again when a
@@ -580,9 +580,22 @@ class RoundPlanner:
         amap = self.accept_map
         if self.lookup is self.draft:      # an n-gram draft: this request's judged copies scale the map
             amap = Trusted(amap, request_trust(rq.lk_hits, rq.lk_pred))
+        if self.in_joint_move(rq) and rq.draft_model:
+            return self._move_gate(rq, amap, k, ctx)
         over = self.lookup_scale if self.lookup is self.draft else 1.0      # an n-gram draft verifies copies
         return RoundGate(amap, k, p.draft_step(ctx) if rq.draft_model else 0.0, p.verifies(k, ctx, over),
                          sunk=self.controller.catchup_ms(behind, rq.draft_model, ctx))
+
+    def _move_gate(self, rq, amap, k: int, ctx: int) -> RoundGate:
+        """A round of the joint move's gate, priced by the batch's step as ``_batch_gate``: a drafted
+        row must earn the batch's rate, V[j] = W(rows_o + 1 + j) against the tokens the step gives
+        without it; and beside the move's other drafting requests its draft passes run anyway (a row
+        in them costs ~nothing: d = 0), where a lone step's gate would stop it for their price."""
+        rows_o, tokens_o, _ = self.batch.others(rq.rid)
+        W = batch_pass(self.profile, self.batch.costs, ctx)
+        drafting = self.batch.move[2] if self.batch.move is not None else frozenset()
+        d = 0.0 if drafting - {rq.rid} else self.profile.draft_step(ctx)
+        return RoundGate(amap, k, d, BatchVerifies(W, rows_o, k), base=1.0 + tokens_o)
 
     def copy_top(self, k_set) -> int:
         """The longest copy a gated round verifies for a request of K = ``k_set`` (``_k_top`` of the

@@ -16,6 +16,9 @@ Shapes: ids [1, n]; logits [n, V] (batch 1 squeezed); KV per layer [1, heads, n,
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -88,9 +91,23 @@ def argmax(logits: torch.Tensor) -> int:
     return first_max(logits.reshape(-1))
 
 
+_scratch = threading.local()         # top_prob's buffer, one a thread
+
+
 def top_prob(logits: torch.Tensor) -> float:
-    """Softmax probability of the argmax token ([V] logits): the draft's confidence."""
-    return float(torch.exp(logits.max() - torch.logsumexp(logits, dim=-1)))
+    """Softmax probability of the argmax token ([V] logits): the draft's confidence, 1 / sum exp(x - max).
+    In numpy, on the calling thread: torch's reduction of a vocabulary splits over its thread pool,
+    which waits for cores the kernels' team holds (0.5 ms in a server's round, 0.04 ms alone)."""
+    if logits.device.type != "cpu":
+        return float(torch.exp(logits.max() - torch.logsumexp(logits.float(), dim=-1)))
+    x = logits.detach().reshape(-1).float().numpy()
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.shape[0] < x.shape[0]:
+        buf = _scratch.buf = np.empty(x.shape[0], np.float32)
+    y = buf[: x.shape[0]]                 # (no new vocabulary-sized array a call: those are fresh pages)
+    np.subtract(x, x.max(), out=y)
+    np.exp(y, out=y)
+    return float(1.0 / y.sum())
 
 
 # ----------------------------------------------------------------------------- cache helpers

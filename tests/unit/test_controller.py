@@ -942,3 +942,20 @@ def test_the_copy_ledger_gives_evidence_only_after_verified_rounds():
     c = Controller(profile(), alpha_prior=0.5)       # ... priced as such: a little over the plain steps
     lose = situation(q=50, gate=True, copy_gain=bad.evidence()[0], copy_emit=1.0)
     assert c.cost(lose, 1, 0, 0.5) > c.cost(situation(q=50, gate=True), 1, 0, 0.5)
+
+
+def test_the_rounds_ahead_acceptance_is_the_request_so_far_shrunk_to_the_request_level_rate():
+    """A batch's joint move prices a request's rounds ahead by its trials so far plus AHEAD_PRIOR
+    pseudo-trials at alpha_req: two rejections move it a little, where the round EWMA halves."""
+    from rakv.decide.learned import AHEAD_PRIOR
+    prof = profile(alpha0=0.9)
+    c = Controller(prof, lam=0.3)
+    a_req = c.alpha_req
+    assert c.alpha_ahead == pytest.approx(a_req)
+    c.observe_round(1, 0)
+    c.observe_round(1, 0)
+    assert c.alpha.value < 0.6
+    assert c.alpha_ahead == pytest.approx(AHEAD_PRIOR * a_req / (2 + AHEAD_PRIOR))
+    assert c.alpha_ahead > 0.85
+    c.end_request(produced=3, max_new=20, stopped="eos")      # a new request starts from its own rate
+    assert c.alpha_ahead == pytest.approx(c.alpha_req)
