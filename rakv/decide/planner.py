@@ -498,8 +498,8 @@ class RoundPlanner:
         rows_n, tokens_n = v.apart(None)
         a = sum(v.alpha.values()) / len(v.alpha)
         t1 = W(1)
-        K, drafting, _, _ = joint_move(ks, v.alpha, W, rows_n, tokens_n,
-                                       lambda j, m: p.draft_round(j, ctx, a) * W(m) / t1,
+        d = {j: p.draft_round(j, ctx, a) / t1 for j in ks if j > 0}      # (a K's draft passes, once)
+        K, drafting, _, _ = joint_move(ks, v.alpha, W, rows_n, tokens_n, lambda j, m: d[j] * W(m),
                                        keep=v.move[1] if v.move is not None else None, sunk=v.sunk)
         v.move = ((v.steps, len(v.alpha)), K, drafting)
         return K, drafting
