@@ -40,6 +40,7 @@ class Answer:
     latency_s: float
     ok: bool = True
     error: str = ""
+    sent: int = -1          # its place in the order the clients sent (0: the first), -1 unknown
 
 
 @dataclass
@@ -128,9 +129,9 @@ def closed_loop(url: str, prompts: list[str], clients: int, n_requests: int, max
             p = (i + offset) % len(prompts)
             try:
                 text, n, ttft, lat = stream_completion(url, prompts[p], max_tokens, api_key)
-                a = Answer(p, text, n, ttft, lat)
+                a = Answer(p, text, n, ttft, lat, sent=i)
             except (OSError, RuntimeError, ValueError) as e:
-                a = Answer(p, "", 0, 0.0, 0.0, ok=False, error=f"{type(e).__name__}: {e}"[:200])
+                a = Answer(p, "", 0, 0.0, 0.0, ok=False, error=f"{type(e).__name__}: {e}"[:200], sent=i)
             with lock:
                 answers.append(a)
 
@@ -246,14 +247,24 @@ def summary_rows(runs: list[LoadRun]) -> list[dict]:
     for r in runs:
         ok = [a for a in r.answers if a.ok]
         diff = sum(1 for a in ok if (r.server, a.prompt) in solo and a.text != solo[(r.server, a.prompt)])
+        later = [a.ttft_s for a in ok if after_opening(a, r.clients)]
         rows.append({"server": r.server, "clients": r.clients, "requests": len(r.answers), "errors": len(r.answers) - len(ok),
                      "tokens": r.tokens, "wall_s": round(r.wall_s, 2), "tok_s": round(r.tok_s, 2),
                      "latency_p50_s": round(pct([a.latency_s for a in ok], 0.5), 3),
                      "latency_p99_s": round(pct([a.latency_s for a in ok], 0.99), 3),
                      "ttft_p50_s": round(pct([a.ttft_s for a in ok], 0.5), 3),
                      "ttft_p99_s": round(pct([a.ttft_s for a in ok], 0.99), 3),
+                     "ttft_p50_later_s": round(pct(later, 0.5), 3),
+                     "ttft_p99_later_s": round(pct(later, 0.99), 3),
                      "differ_from_one_client": diff})
     return rows
+
+
+def after_opening(a: Answer, clients: int) -> bool:
+    """Was ``a`` sent after the opening wave? A closed loop's first ``clients`` requests arrive in
+    the same millisecond by construction (every client starts at once), so their prompts share the
+    first steps and their TTFT is the whole wave's prefill, not what a request meets later."""
+    return a.sent >= clients
 
 
 def markdown(rows: list[dict]) -> str:

@@ -58,3 +58,13 @@ def test_trace_rows_per_phase_and_over_the_trace():
     assert rows["b", "all"]["tok_s"] == pytest.approx(60 / 8, abs=0.01)
     assert rows["a", "all"]["differ_from_first_server"] == 0
     assert rows["b", 1]["differ_from_first_server"] == 1 and rows["b", "all"]["differ_from_first_server"] == 1
+
+
+def test_the_ttft_after_the_opening_wave_leaves_each_client_s_first_request_out():
+    """A closed loop's first requests (one a client) arrive together; the later columns are the rest."""
+    from rakv.bench.load import summary_rows
+
+    answers = [Answer(i, "t", 4, ttft, 1.0, sent=i) for i, ttft in enumerate([1.0, 1.0, 0.2, 0.3, 0.4, 0.5])]
+    row = summary_rows([LoadRun("x", 2, 3.0, answers)])[0]
+    assert row["ttft_p50_later_s"] == pytest.approx(0.35) and row["ttft_p99_later_s"] == pytest.approx(0.497)
+    assert row["ttft_p99_s"] == pytest.approx(1.0)
