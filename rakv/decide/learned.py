@@ -197,7 +197,7 @@ class Acceptance:
         """The acceptance of a request's rounds ahead, as a batch's joint move prices them: the
         request's own trials so far shrunk toward ``alpha_req`` by AHEAD_PRIOR pseudo-trials. Not
         the recent rounds' EWMA (``alpha``): within a request it chases noise and predicts the next
-        round worse than this does (docs/serve.md), and a move that follows it flips K."""
+        round worse than this does, and a move that follows it flips K (docs/serve.md)."""
         return (self._req_S + AHEAD_PRIOR * self.alpha_req) / (self._req_T + AHEAD_PRIOR)
 
     def end_request(self, produced: int, max_new: int, stopped: str) -> None:

@@ -57,8 +57,7 @@ def batch_pass(profile: CostProfile, costs, ctx: float):
 def cut_beside_drafting(others_drafting) -> bool:
     """May a move's round stop its draft short of K while other requests of the move draft? No: the
     draft passes and the verify run for them anyway, so a cut saves only its rows of that verify and
-    gives up tokens that cost whole steps later (at 4 clients the batch-priced gate cut 45% of the
-    move's rounds: 17% more steps for the same tokens, docs/serve.md)."""
+    gives up tokens that cost whole steps later (docs/serve.md, "A move's gate")."""
     return not others_drafting
 
 

@@ -222,3 +222,11 @@ def test_a_copy_in_a_batch_must_earn_the_batch_s_rate():
     assert alone.verify_length(len(alone.S)) >= 1        # 1.3 tokens for 1.1 steps: worth it alone
     assert batch.verify_length(len(batch.S)) == 0        # 4.3 for 1.077x the pass of 4: not in the batch
     assert list(BatchVerifies(W, 3, 2)) == [W(4), W(5), W(6)] and len(BatchVerifies(W, 3, 2)) == 3
+
+
+def test_a_move_s_round_is_cut_short_only_when_it_drafts_alone():
+    """Beside the move's other drafting requests the passes run anyway: no gate cuts the round."""
+    from rakv.decide.planner import cut_beside_drafting
+
+    assert not cut_beside_drafting(frozenset({2}))
+    assert cut_beside_drafting(frozenset())

@@ -129,7 +129,7 @@ class ServingPeer(Peer):
         clients = [c for c, _ in trace] if trace else _int_list(args.clients)
         parallel = args.load_parallel or max(clients)
         n_tokens = args.max_new_tokens or 64
-        wanted = sum(n for _, n in trace) if trace else 16      # (a trace's phases: no prompt twice where the file allows)
+        wanted = sum(n for _, n in trace) if trace else args.load_requests     # (no prompt twice where the file allows)
         prompts = load_prompts(args.workload.split(",")[0], max(8, args.n_prompts or wanted))
         policy = (args.policies or ["adaptive"])[0]
         specs = []
