@@ -328,6 +328,7 @@ class BatchCosts:
     def __init__(self):
         self.scale: dict[int, float] = {}
         self.steps: dict[int, int] = {}
+        self._seen: dict[int, float] = {}       # factor(rows) since the last measurement (asked many times a step)
 
     def observe(self, rows: int, predicted_ms: float, measured_ms: float) -> None:
         if rows < 1 or predicted_ms <= 0 or measured_ms <= 0 or not math.isfinite(measured_ms):
@@ -339,12 +340,19 @@ class BatchCosts:
         w = 1.0 / (n + 1) if n < 1.0 / BATCH_COST_WEIGHT else BATCH_COST_WEIGHT
         self.scale[b] = min(BATCH_COST_BOUND, max(1.0 / BATCH_COST_BOUND, base * r ** w))
         self.steps[b] = n + 1
+        self._seen.clear()
 
     def factor(self, rows: int) -> float:
         """The learned scale of a pass of ``rows`` rows (1.0 before any shared step): its bucket's,
         interpolated on log2(rows) between the measured buckets, the end ones' beyond them."""
         if not self.scale:
             return 1.0
+        f = self._seen.get(rows)
+        if f is None:
+            f = self._seen[rows] = self._interpolated(rows)
+        return f
+
+    def _interpolated(self, rows: int) -> float:
         x = math.log2(max(1, rows))
         pts = sorted((_bucket_at(b), s) for b, s in self.scale.items())
         if x <= pts[0][0]:
