@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rakv.decide.learned import AHEAD_PRIOR, AlphaEWMA  # noqa: E402
 from rakv.util.acceptance import trials  # noqa: E402
 
 
@@ -69,18 +70,20 @@ def score(seqs, pooled: float, estimate) -> float:
 
 
 class Ewma:
+    """The controller's round EWMA itself (``learned.AlphaEWMA``) at weight ``lam``."""
+
     def __init__(self, lam: float):
         self.lam, self.name = lam, f"ewma {lam}"
 
     def start(self, a):
-        return (a, 1.0)
+        return AlphaEWMA(a, self.lam)
 
     def value(self, st):
-        return st[0] / st[1]
+        return st.value
 
     def update(self, st, k, j):
-        lam = self.lam
-        return ((1 - lam) * st[0] + lam * j, (1 - lam) * st[1] + lam * trials(j, k))
+        st.update(j, k)
+        return st
 
 
 class SoFar:
@@ -127,7 +130,7 @@ def main() -> int:
     pooled = acc / sum(trials(j, k) for s in seqs for k, j in s)
     print(f"{len(seqs)} requests, {rounds} model-drafted rounds, pooled acceptance {pooled:.3f}")
     print("| estimate | log-likelihood per round |\n|---|---|")
-    for est in [Ewma(0.5), Ewma(0.3), Ewma(0.1), Ewma(0.05), SoFar(10), SoFar(40), SoFar(80), Constant()]:
+    for est in [Ewma(0.5), Ewma(0.3), Ewma(0.1), Ewma(0.05), SoFar(10), SoFar(AHEAD_PRIOR), SoFar(80), Constant()]:
         print(f"| {est.name} | {score(seqs, pooled, est):.4f} |")
     return 0
 

@@ -583,12 +583,12 @@ class RoundPlanner:
         if not (rq.policy.gate and p is not None and k > 0):
             return None
         ctx = len(seq)
-        behind = self._draft_behind(seq, rq.reuse, rq.draft_model)
         amap = self.accept_map
         if self.lookup is self.draft:      # an n-gram draft: this request's judged copies scale the map
             amap = Trusted(amap, request_trust(rq.lk_hits, rq.lk_pred))
         if self.in_joint_move(rq) and rq.draft_model:
             return self._move_gate(rq, amap, k, ctx)
+        behind = self._draft_behind(seq, rq.reuse, rq.draft_model)
         over = self.lookup_scale if self.lookup is self.draft else 1.0      # an n-gram draft verifies copies
         return RoundGate(amap, k, p.draft_step(ctx) if rq.draft_model else 0.0, p.verifies(k, ctx, over),
                          sunk=self.controller.catchup_ms(behind, rq.draft_model, ctx))
@@ -601,9 +601,7 @@ class RoundPlanner:
         drafting = self.batch.move[2] if self.batch.move is not None else frozenset()
         if not cut_beside_drafting(drafting - {rq.rid}):
             return None
-        rows_o, tokens_o, _ = self.batch.others(rq.rid)
-        W = batch_pass(self.profile, self.batch.costs, ctx)
-        return RoundGate(amap, k, self.profile.draft_step(ctx), BatchVerifies(W, rows_o, k), base=1.0 + tokens_o)
+        return self._batch_gate(rq, amap, k, ctx, self.profile.draft_step(ctx))
 
     def copy_top(self, k_set) -> int:
         """The longest copy a gated round verifies for a request of K = ``k_set`` (``_k_top`` of the
@@ -632,15 +630,16 @@ class RoundPlanner:
             return [], prop.ms, None
         return prop.tokens[: gate.verify_length(len(prop.tokens))], prop.ms, gate
 
-    def _batch_gate(self, rq, amap, k_max: int, ctx: int) -> RoundGate | None:
-        """A k = 0 round's lookup gate beside other requests: V[j] the whole step's pass W(rows_o +
-        1 + j), base the tokens that step gives without the copies (``RoundGate``): a copied row must
-        earn the batch's rate (4 lanes of 1 row: about 3x a lone step's), not a lone step's."""
+    def _batch_gate(self, rq, amap, k_max: int, ctx: int, d: float = 0.0) -> RoundGate | None:
+        """A round's gate beside other requests (a k = 0 round's lookup; ``d`` > 0: a model draft's
+        tokens, a pass each): V[j] the whole step's pass W(rows_o + 1 + j), base the tokens that step
+        gives without the drafts (``RoundGate``): a drafted row must earn the batch's rate (4 lanes of
+        1 row: about 3x a lone step's), not a lone step's."""
         rows_o, tokens_o, n_o = self.batch.others(rq.rid)
         if not n_o:
             return None
         W = batch_pass(self.profile, self.batch.costs, ctx)
-        return RoundGate(amap, k_max, 0.0, BatchVerifies(W, rows_o, k_max), base=1.0 + tokens_o)
+        return RoundGate(amap, k_max, d, BatchVerifies(W, rows_o, k_max), base=1.0 + tokens_o)
 
     def _draft_behind(self, seq, reuse, draft_model) -> int:
         """Tokens a model draft must read before it can draft after ``seq`` (its catch-up)."""
