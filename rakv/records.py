@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Union, get_args, get_origin, get_type_hints
 
@@ -262,8 +262,42 @@ class RecordingError(ValueError):
     """A recording could not be read; the message names the file and line."""
 
 
+_ATOMS = (int, float, str, bool, type(None))
+_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def to_dict(rec) -> dict:
-    return asdict(rec)
+    """``dataclasses.asdict(rec)``, the same dict, without its generic deep copy of every number
+    (a server turns every record into one: asdict took a tenth of the Python between a batch's steps)."""
+    return _plain(rec)
+
+
+def _plain(v):
+    t = type(v)
+    if t in _ATOMS:
+        return v
+    if t is list:
+        return list(v) if all(type(x) in _ATOMS for x in v) else [_plain(x) for x in v]
+    if t is dict:
+        return {k: _plain(x) for k, x in v.items()}
+    names = _NAMES.get(t)
+    if names is None:
+        if not (is_dataclass(v) and not isinstance(v, type)):
+            return asdict_inner(v)
+        names = _NAMES[t] = tuple(f.name for f in fields(v))
+    return {n: _plain(getattr(v, n)) for n in names}
+
+
+def asdict_inner(v):
+    """What ``asdict`` makes of a value that is not a record, a list, a dict or an atom."""
+    if isinstance(v, tuple) and not hasattr(v, "_fields"):
+        return type(v)(_plain(x) for x in v)
+    return asdict(_Box(v))["v"]
+
+
+@dataclass
+class _Box:
+    v: object
 
 
 def from_dict(d: dict):

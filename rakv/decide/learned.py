@@ -296,6 +296,7 @@ BATCH_COST_CLIP = 2.0       # one step moves that scale by at most this factor
 BATCH_COST_BOUND = 4.0      # a learned scale stays within this factor of the profile's W(n)
 
 
+MOVE_EVERY = 4              # shared steps a joint move is kept for (its requests the same; docs/serve.md)
 EXACT_ROWS = 16             # row counts up to this learn a scale each (docs/serve.md: why)
 
 
@@ -375,6 +376,7 @@ class BatchView:
         self.alpha: dict[int, float] = {}       # acceptance of each request whose k is the batch's joint move
         self.sunk: dict[int, float] = {}        # ... its draft's catch-up, ms per token left
         self.steps = 0                          # shared steps so far (``tick``)
+        self.members = 0                        # changes of the joint move's requests so far (one joins or leaves)
         self.move: tuple | None = None          # ((step, requests), K, drafting requests): the joint move
         self.costs = BatchCosts()
         self.lockstep = lockstep                # the steps run a draft's passes first (engine.batch.lockstep)
@@ -393,6 +395,8 @@ class BatchView:
         """A request whose k is priced as part of the batch's joint move (``policy.joint_move``), at
         acceptance alpha, its draft's catch-up ``sunk`` ms per token it has left (told again as it
         learns)."""
+        if rid not in self.alpha:
+            self.members += 1
         self.alpha[rid] = float(alpha)
         self.sunk[rid] = float(sunk)
 
@@ -400,7 +404,15 @@ class BatchView:
         """A shared step ran: the joint move is made again at the next round that asks."""
         self.steps += 1
 
+    def move_due(self, ahead: int = 0) -> bool:
+        """Is the joint move (made again every MOVE_EVERY shared steps, and as soon as a request
+        of it joins or leaves) to be made at the round that asks ``ahead`` steps from now?"""
+        m = self.move
+        return m is None or m[0][1] != self.members or self.steps + ahead - m[0][0] >= MOVE_EVERY
+
     def leave(self, rid: int) -> None:
+        if rid in self.alpha:
+            self.members += 1
         self.rows.pop(rid, None)
         self.tokens.pop(rid, None)
         self.drafted.pop(rid, None)

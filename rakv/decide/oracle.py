@@ -34,8 +34,8 @@ from ..records import ActionMeasure, CacheLookup, Decision, OracleResult, Reques
 
 now = time.perf_counter
 ADAPTIVE = "adaptive"
-# what the gate learns (``RoundPlanner``): its acceptance maps, and those of the other sampling settings
-GATE_STATE = ("accept_map", "lookup_map", "setting", "_maps")
+# what the gate learns (``RoundPlanner``): its acceptance maps, those of the other sampling settings, the copy ledgers
+GATE_STATE = ("accept_map", "lookup_map", "setting", "_maps", "copy_book")
 
 
 def policy_of(reuse: int, k: int) -> str:

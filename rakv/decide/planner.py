@@ -119,6 +119,9 @@ class CopyLedger:
     n: int = 0                 # verified copy rounds seen
     rounds: int = 0            # copy rounds seen
     accepted: float = 0.0      # copies the target accepted in a verified copy round (mean of the first, then weighted)
+    rows: float = 0.0          # copies a verified copy round verified (as ``accepted``)
+    plan_ms: float = 0.0       # planning of a verified copy round (ms, as ``accepted``)
+    priced: tuple | None = None    # ((batch, step), expected gain at that step's prices): lanes price once a step
 
     def observe(self, m: int, accepted: int, t_ms: float, extra_ms: float, plan_ms: float) -> None:
         w = COPY_GAIN_WEIGHT
@@ -130,12 +133,24 @@ class CopyLedger:
             wg = max(w, 1.0 / self.n)
             self.gain = (1 - wg) * self.gain + wg * (accepted * t_ms - extra_ms - plan_ms)
             self.accepted = (1 - wg) * self.accepted + wg * accepted
+            self.rows = (1 - wg) * self.rows + wg * m
+            self.plan_ms = (1 - wg) * self.plan_ms + wg * plan_ms
         else:
             self.dry_ms = (1 - w) * self.dry_ms + w * plan_ms
 
     def expected(self) -> float:
-        """A copy round's expected net gain (ms)."""
+        """A copy round's expected net gain (ms), at the prices its rounds were told."""
         return self.verified * self.gain - (1 - self.verified) * self.dry_ms
+
+    def expected_at(self, token_ms: float, extra) -> float:
+        """A copy round's expected net gain (ms) at today's prices: ``token_ms`` what an emitted
+        token costs now, ``extra(m)`` what verifying m copies adds to the step now (a batch's:
+        ``copy_prices``). What the rounds measured (how often they verify, how many copies, how
+        many hold, the planning) does not depend on what shares the step; their prices do."""
+        if not self.n:
+            return self.expected()
+        won = self.accepted * token_ms - extra(max(1, round(self.rows))) - self.plan_ms
+        return self.verified * won - (1 - self.verified) * self.dry_ms
 
     def evidence(self) -> tuple[float, float] | None:
         """What a request-level prediction takes from the copy rounds measured so far: a copy
@@ -146,6 +161,15 @@ class CopyLedger:
             return None
         g = self.expected()
         return (g if g >= 0 else g / COPY_RETRY), 1.0 + self.verified * self.accepted
+
+
+def copy_prices(W, rows_o: int, tokens_o: float):
+    """(token_ms, extra) of a copy beside other requests: a token a copy emits saves its request a
+    row of a step that gives 1 + tokens_o tokens in W(rows_o + 1) ms (a lone step's t saves a batch
+    of 8 a fifth of that), and verifying m copies adds W(rows_o + 1 + m) - W(rows_o + 1) ms to
+    every request's step. Lanes plan one at a time, so a lookup's planning is the step's wall too."""
+    base = W(rows_o + 1)
+    return base / (1.0 + tokens_o), (lambda m: W(rows_o + 1 + m) - base)
 
 
 def copies_pay(expected_gain: float, skipped: int, evidence: int = COPY_EVIDENCE) -> bool:
@@ -245,8 +269,8 @@ class RoundPlanner:
         self.lookup_scale = 1.0                 # a lookup verify's measured ms over the profile's V(j)
         self.decide_ms_total = 0.0
         self.setting = "greedy"                 # the sampling setting the maps below are for
-        self._maps: dict[str, tuple] = {}       # the other settings' (accept_map, lookup_map, copies)
-        self.copies = CopyLedger()              # what copy rounds earn, this setting
+        self._maps: dict[str, tuple] = {}       # the other settings' (accept_map, lookup_map)
+        self.copy_book: dict[str, CopyLedger] = {}  # what copy rounds earn, per setting (a batch's lanes share it)
         self.copy_skipped = 0                   # copy rounds made plain steps since the last one tried
         self._plain: list[tuple[int, float]] = []   # plain steps told and not yet folded: (ctx, verify ms)
 
@@ -255,14 +279,21 @@ class RoundPlanner:
         chance of acceptance at another temperature); a new setting's start from ``prior``."""
         if key == self.setting:
             return
-        self._maps[self.setting] = (self.accept_map, self.lookup_map, self.copies)
+        self._maps[self.setting] = (self.accept_map, self.lookup_map)
         if key in self._maps:
-            self.accept_map, self.lookup_map, self.copies = self._maps.pop(key)
+            self.accept_map, self.lookup_map = self._maps.pop(key)
         else:
             self.accept_map = AcceptMap(prior)
             self.lookup_map = self.accept_map if self.lookup is self.draft else AcceptMap(LOOKUP_ALPHA)
-            self.copies = CopyLedger()
         self.setting = key
+
+    @property
+    def copies(self) -> CopyLedger:
+        """What copy rounds earn under the setting in force (``CopyLedger``)."""
+        led = self.copy_book.get(self.setting)
+        if led is None:
+            led = self.copy_book[self.setting] = CopyLedger()
+        return led
 
     # ------------------------------------------------------------------ the question
     def plan(self, rq, seq: list[int], remaining: int) -> RoundPlan:
@@ -270,8 +301,7 @@ class RoundPlanner:
         k = min(self._round_k(rq, seq, remaining), remaining - 1)
         copy = self._copy_round(rq, k, remaining)
         # (a copied repeat always looks up: its earlier output is known to be there)
-        if copy and not follows_copy(rq) and not copies_pay(self.copies.expected(), self.copy_skipped,
-                                                                        self.copies.n):
+        if copy and not follows_copy(rq) and not self._copies_pay(rq, len(seq)):
             self.copy_skipped += 1
             return RoundPlan(k=0)                 # a plain step
         tp = now()
@@ -326,7 +356,7 @@ class RoundPlanner:
         shared = self.batch is not None and self.shared(rq.rid)
         if self.batch is not None:
             self.batch.told(rq.rid, m + 1, emitted, m if m and rq.draft_model and not (lookup or plan.copy) else 0)
-            if rq.rid in self.batch.alpha:
+            if rq.rid in self.batch.alpha and self.batch.move_due(1):      # (read only where the move is made)
                 self._joins(rq, ctx)
         if plain_step(plan) and self.controller is not None:
             if plan.copy and not follows_copy(rq):     # (its lookup's cost, for the copy ledger)
@@ -348,7 +378,7 @@ class RoundPlanner:
             (self.lookup_map if lookup else self.accept_map).observe(gate.confs[:m], gate.preds[:m], a)
         p = self.profile
         v_m = p.verify(m, ctx) if copied and p is not None else 0.0      # (a copy round with drafts is copied)
-        if copied and p is not None:                     # a copy's verify learns its own cost
+        if copied and p is not None and not shared:      # a copy's verify learns its own cost (alone)
             self.lookup_scale = lookup_cost_scale(self.lookup_scale, verify_ms, v_m)
         # (a copied repeat's copies were known in advance: they say nothing of a new prompt's)
         if plan.copy and p is not None and not follows_copy(rq):
@@ -383,6 +413,23 @@ class RoundPlanner:
         self.copy_skipped = COPY_RETRY - 1      # a request's first copy round is tried (a new prompt may copy)
 
     # ------------------------------------------------------------------ rules of one round
+    def _copies_pay(self, rq, ctx: int) -> bool:
+        """``copies_pay`` for this round, its expected gain priced only where it decides: alone at
+        a lone step's prices, beside other requests at the batch's (``copy_prices``)."""
+        led = self.copies
+        if copies_pay(-1.0, self.copy_skipped, led.n):         # (no evidence yet, or a retry: look up)
+            return True
+        v = self.batch
+        if not self.shared(rq.rid):
+            gain = led.expected()
+        elif led.priced is not None and led.priced[0] == (id(v), v.steps):
+            gain = led.priced[1]                   # (priced this step by another lane: the same batch)
+        else:
+            rows_o, tokens_o, _ = v.others(rq.rid)
+            gain = led.expected_at(*copy_prices(batch_pass(self.profile, v.costs, ctx), rows_o, tokens_o))
+            led.priced = ((id(v), v.steps), gain)
+        return copies_pay(gain, self.copy_skipped, led.n)
+
     def _copy_round(self, rq, k: int, remaining: int) -> bool:
         """Would this round verify n-gram copies under the gate: a k = 0 round's lookup, or a
         round of the request's k with the n-gram draft (a probe is not: it measures the draft)."""
@@ -496,19 +543,20 @@ class RoundPlanner:
         self.batch.joins(rq.rid, a, catch_ms / max(1, rq.N - len(rq.out)))
 
     def _joint_move(self, ks, ctx: int, W) -> tuple[int, frozenset]:
-        """The batch's joint move (``policy.joint_move``), made once a shared step (and again when a
-        request joins or leaves) by the first round that asks and kept by the others: every
-        request of the move reads the same one."""
+        """The batch's joint move (``policy.joint_move``), made every MOVE_EVERY shared steps (and
+        again when a request of it joins or leaves) by the first round that asks and kept by the
+        others: every request of the move reads the same one. Its requests tell their part
+        (``_joins``) only in the rounds before it is made."""
         v, p = self.batch, self.profile
-        if v.move is not None and v.move[0] == (v.steps, len(v.alpha)) and set(v.move[2]) <= set(v.alpha):
-            return v.move[1], v.move[2]         # (made this step for the same requests)
+        if not v.move_due():
+            return v.move[1], v.move[2]         # (made lately for the same requests)
         rows_n, tokens_n = v.apart(None)
         a = sum(v.alpha.values()) / len(v.alpha)
         t1 = W(1)
         d = {j: p.draft_round(j, ctx, a) / t1 for j in ks if j > 0}      # (a K's draft passes, once)
         K, drafting, _, _ = joint_move(ks, v.alpha, W, rows_n, tokens_n, lambda j, m: d[j] * W(m),
                                        keep=v.move[1] if v.move is not None else None, sunk=v.sunk)
-        v.move = ((v.steps, len(v.alpha)), K, drafting)
+        v.move = ((v.steps, v.members), K, drafting)
         return K, drafting
 
     def _catchup_price(self, rq, ctx: int) -> tuple[float, float]:

@@ -180,6 +180,7 @@ class Engine:
         its own draft state, round planner and controls: one lane of ``rakv.engine.batch.LanePool``."""
         e = Engine(self.target, self.draft.fork(), self.config, self.callback, self.profile)
         e.store = e.planner.store = self.store
+        e.planner.copy_book = self.planner.copy_book       # (what copy rounds earn: the server's traffic, not a lane's)
         if self.controller is not None:
             e.controller = self.controller
         e.profile, e.alpha, e._ids, e.t0 = self.profile, self.alpha, self._ids, self.t0

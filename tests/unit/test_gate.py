@@ -275,6 +275,30 @@ def test_a_dry_stretch_does_not_stop_lookups_where_copies_pay():
     assert not copies_pay(dry.expected(), 0, COPY_EVIDENCE)
 
 
+def test_a_copy_is_priced_at_the_batch_rate_beside_other_requests():
+    """``copy_prices``: beside 7 plain requests a copy's accepted token saves the batch's ms per
+    token (W(8) / 8), not a lone step, and its rows cost W(8 + m) - W(8): copies that pay alone
+    (1 of 3 held, a dear step) stop paying in a full batch, and the ledger's measurements (how
+    often, how many, how many held, the planning) are what it reprices."""
+    from rakv.decide.planner import COPY_EVIDENCE, CopyLedger, copies_pay, copy_prices
+
+    t = 50.0
+    W = lambda n: t * (1.0 + 0.07 * (n - 1))            # noqa: E731 - V(7)/t about 1.5 (bandwidth-bound)
+    led = CopyLedger()
+    for i in range(100):
+        if i % 10 == 0:
+            led.observe(3, 1, t, W(4) - t, 0.4)         # a verified round: 3 copies, 1 held
+        else:
+            led.observe(0, 0, t, 0.0, 0.3)              # a lookup that found nothing
+    assert led.n >= COPY_EVIDENCE and led.expected_at(t, lambda m: W(1 + m) - t) == pytest.approx(led.expected())
+    assert copies_pay(led.expected(), 0, led.n)                           # alone: they pay
+    token_ms, extra = copy_prices(W, 7, 7.0)
+    assert token_ms == pytest.approx(W(8) / 8) and extra(3) == pytest.approx(W(11) - W(8))
+    assert not copies_pay(led.expected_at(token_ms, extra), 0, led.n)     # beside 7 plain requests: not
+    token_ms, extra = copy_prices(W, 1, 1.0)
+    assert copies_pay(led.expected_at(token_ms, extra), 0, led.n)         # beside one: still
+
+
 def test_ngram_copy_runs_past_the_present_as_a_period():
     from rakv.drafts.ngram import ngram_match
 
