@@ -172,13 +172,21 @@ def copy_prices(W, rows_o: int, tokens_o: float):
     return base / (1.0 + tokens_o), (lambda m: W(rows_o + 1 + m) - base)
 
 
-def copies_pay(expected_gain: float, skipped: int, evidence: int = COPY_EVIDENCE) -> bool:
+def copies_pay(expected_gain: float, skipped: int, evidence: int = COPY_EVIDENCE, requests: int = 1) -> bool:
     """Look up n-gram copies while a copy round is expected to gain, and every COPY_RETRY-th round
     when not (to notice when they pay again): where almost no copy is accepted (T = 1.0) the
     lookup's planning on every round and its rejected verifies cost more than the few it gains.
     Until ``evidence`` verified copy rounds have been weighed, always look up (a lookup that
-    finds nothing costs what a fixed policy's does; one skipped may be a copy worth a step)."""
-    return evidence < COPY_EVIDENCE or expected_gain >= 0.0 or skipped + 1 >= COPY_RETRY
+    finds nothing costs what a fixed policy's does; one skipped may be a copy worth a step).
+    ``requests`` sharing the steps retry each that much more rarely (``retry_every``)."""
+    return evidence < COPY_EVIDENCE or expected_gain >= 0.0 or skipped + 1 >= retry_every(requests)
+
+
+def retry_every(requests: int) -> int:
+    """Copy rounds between two tries where copies do not pay: COPY_RETRY for each of the requests
+    sharing the steps, so a batch tries in one step of COPY_RETRY, as one request alone does (a
+    try beside 7 others took a step of 11 rows: 1.45 times the 8 rows' pass), and their ledger is one."""
+    return COPY_RETRY * max(1, int(requests))
 
 
 def lookup_top(profile: CostProfile | None, lookup_k: int, floor: int) -> int:
@@ -417,10 +425,11 @@ class RoundPlanner:
         """``copies_pay`` for this round, its expected gain priced only where it decides: alone at
         a lone step's prices, beside other requests at the batch's (``copy_prices``)."""
         led = self.copies
-        if copies_pay(-1.0, self.copy_skipped, led.n):         # (no evidence yet, or a retry: look up)
-            return True
         v = self.batch
-        if not self.shared(rq.rid):
+        n = 1 + (v.others(rq.rid)[2] if v is not None else 0)
+        if copies_pay(-1.0, self.copy_skipped, led.n, n):      # (no evidence yet, or a retry: look up)
+            return True
+        if n == 1:
             gain = led.expected()
         elif led.priced is not None and led.priced[0] == (id(v), v.steps):
             gain = led.priced[1]                   # (priced this step by another lane: the same batch)
@@ -428,7 +437,7 @@ class RoundPlanner:
             rows_o, tokens_o, _ = v.others(rq.rid)
             gain = led.expected_at(*copy_prices(batch_pass(self.profile, v.costs, ctx), rows_o, tokens_o))
             led.priced = ((id(v), v.steps), gain)
-        return copies_pay(gain, self.copy_skipped, led.n)
+        return copies_pay(gain, self.copy_skipped, led.n, n)
 
     def _copy_round(self, rq, k: int, remaining: int) -> bool:
         """Would this round verify n-gram copies under the gate: a k = 0 round's lookup, or a

@@ -280,7 +280,7 @@ def test_a_copy_is_priced_at_the_batch_rate_beside_other_requests():
     token (W(8) / 8), not a lone step, and its rows cost W(8 + m) - W(8): copies that pay alone
     (1 of 3 held, a dear step) stop paying in a full batch, and the ledger's measurements (how
     often, how many, how many held, the planning) are what it reprices."""
-    from rakv.decide.planner import COPY_EVIDENCE, CopyLedger, copies_pay, copy_prices
+    from rakv.decide.planner import COPY_EVIDENCE, COPY_RETRY, CopyLedger, copies_pay, copy_prices
 
     t = 50.0
     W = lambda n: t * (1.0 + 0.07 * (n - 1))            # noqa: E731 - V(7)/t about 1.5 (bandwidth-bound)
@@ -297,6 +297,8 @@ def test_a_copy_is_priced_at_the_batch_rate_beside_other_requests():
     assert not copies_pay(led.expected_at(token_ms, extra), 0, led.n)     # beside 7 plain requests: not
     token_ms, extra = copy_prices(W, 1, 1.0)
     assert copies_pay(led.expected_at(token_ms, extra), 0, led.n)         # beside one: still
+    # where they do not pay, 8 requests sharing the steps try each 8 times more rarely (one ledger)
+    assert not copies_pay(-1.0, COPY_RETRY - 1, led.n, 8) and copies_pay(-1.0, 8 * COPY_RETRY - 1, led.n, 8)
 
 
 def test_ngram_copy_runs_past_the_present_as_a_period():
