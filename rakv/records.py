@@ -267,8 +267,8 @@ _NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def to_dict(rec) -> dict:
-    """``dataclasses.asdict(rec)``, the same dict, without its generic deep copy of every number
-    (a server turns every record into one: asdict took a tenth of the Python between a batch's steps)."""
+    """``dataclasses.asdict(rec)``, the same dict, made field by field: asdict deep-copies every
+    number, and a server makes a dict of every record between its steps (docs/serve.md)."""
     return _plain(rec)
 
 

@@ -277,22 +277,28 @@ def markdown(rows: list[dict]) -> str:
 def run_load(specs: list[ServerSpec], prompts: list[str], clients: list[int], n_requests: int, max_tokens: int,
              time_limit_s: float, out: Path, repeats: int = 1, progress=print) -> list[LoadRun]:
     """Every (server, client count) on a server started afresh (never two at a time: they would
-    share the cores; fresh: a run never finds the prompts an earlier run left in its prefix cache),
-    the servers and counts in rotated order over ``repeats``, so a slow period of the machine does
-    not fall on one arm only. Writes OUT/load.json and OUT/load.md."""
+    share the cores; fresh: a run never finds the prompts an earlier run left in its prefix cache).
+    The servers run one after another at each client count, in an order rotated over ``repeats``
+    (the counts reversed every other repeat): the arms a ratio compares run minutes apart, so a
+    slow period of the machine (a host's speed has drifted 20% in half an hour) does not fall on one
+    arm only. Writes OUT/load.json and OUT/load.md."""
     out.mkdir(parents=True, exist_ok=True)
     runs: list[LoadRun] = []
+    failed: set[str] = set()
     for rep in range(repeats):
-        order = specs[rep % len(specs):] + specs[: rep % len(specs)]
-        for spec in order:
-            cs = clients if rep % 2 == 0 else list(reversed(clients))
-            for c in cs:
+        cs = clients if rep % 2 == 0 else list(reversed(clients))
+        for i, c in enumerate(cs):
+            r0 = (rep + i) % len(specs)
+            for spec in specs[r0:] + specs[:r0]:
+                if spec.name in failed:
+                    continue
                 progress(f"[load] starting {spec.name} for {c} clients ...")
                 try:
                     proc, url = spec.start(out / "logs")
                 except RuntimeError as e:               # (its log says why: OUT/logs/)
                     progress(f"[load] {spec.name}: {e}; skipped (log in {out / 'logs'})")
-                    break
+                    failed.add(spec.name)
+                    continue
                 try:
                     stream_completion(url, "Hello", 4)                        # warm-up (not timed)
                     r = closed_loop(url, prompts, c, n_requests, max_tokens, time_limit_s, server=spec.name)

@@ -377,7 +377,7 @@ class BatchView:
         self.sunk: dict[int, float] = {}        # ... its draft's catch-up, ms per token left
         self.steps = 0                          # shared steps so far (``tick``)
         self.members = 0                        # changes of the joint move's requests so far (one joins or leaves)
-        self.move: tuple | None = None          # ((step, requests), K, drafting requests): the joint move
+        self.move: tuple | None = None          # ((step, members), K, drafting requests): the joint move
         self.costs = BatchCosts()
         self.lockstep = lockstep                # the steps run a draft's passes first (engine.batch.lockstep)
 
@@ -401,7 +401,7 @@ class BatchView:
         self.sunk[rid] = float(sunk)
 
     def tick(self) -> None:
-        """A shared step ran: the joint move is made again at the next round that asks."""
+        """A shared step ran (``move_due`` counts them)."""
         self.steps += 1
 
     def move_due(self, ahead: int = 0) -> bool:

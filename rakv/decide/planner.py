@@ -164,10 +164,10 @@ class CopyLedger:
 
 
 def copy_prices(W, rows_o: int, tokens_o: float):
-    """(token_ms, extra) of a copy beside other requests: a token a copy emits saves its request a
-    row of a step that gives 1 + tokens_o tokens in W(rows_o + 1) ms (a lone step's t saves a batch
-    of 8 a fifth of that), and verifying m copies adds W(rows_o + 1 + m) - W(rows_o + 1) ms to
-    every request's step. Lanes plan one at a time, so a lookup's planning is the step's wall too."""
+    """(token_ms, extra) of a copy beside other requests: a token a copy emits is worth the batch's
+    ms per token, W(rows_o + 1) / (1 + tokens_o), not a lone step, and verifying m copies adds
+    W(rows_o + 1 + m) - W(rows_o + 1) ms to every request's step. Lanes plan one at a time, so a
+    lookup's planning is the step's wall time too."""
     base = W(rows_o + 1)
     return base / (1.0 + tokens_o), (lambda m: W(rows_o + 1 + m) - base)
 
@@ -184,8 +184,8 @@ def copies_pay(expected_gain: float, skipped: int, evidence: int = COPY_EVIDENCE
 
 def retry_every(requests: int) -> int:
     """Copy rounds between two tries where copies do not pay: COPY_RETRY for each of the requests
-    sharing the steps, so a batch tries in one step of COPY_RETRY, as one request alone does (a
-    try beside 7 others took a step of 11 rows: 1.45 times the 8 rows' pass), and their ledger is one."""
+    sharing the steps (and one ledger), so a batch tries in one step of COPY_RETRY, as one request
+    alone does: a try's rows cost every request's step (docs/serve.md, "Copies beside other requests")."""
     return COPY_RETRY * max(1, int(requests))
 
 

@@ -59,6 +59,32 @@ def test_recording_is_flushed_per_line_and_round_trips(tmp_path):
 
 
 @pytest.mark.fast
+def test_a_record_dict_is_asdicts_and_a_copy():
+    """``to_dict`` (field by field) gives what ``dataclasses.asdict`` gives for every record an
+    engine emits, nested lists and dicts copied: changing the dict leaves the record as it was."""
+    from dataclasses import asdict
+
+    from rakv.records import Decision, Step
+
+    target, draft = make_pair("llama", "mostly")
+    seen = []
+    eng = Engine(target, ModelDraft(draft), RakvConfig(policy="joint:3"), callback=seen.append)
+    eng.header()
+    eng.generate(list(range(20, 50)), 12)
+    seen.append(Step(step=1, requests=[[0, 3], [1, 1]], ms=1.5, shared=True))
+    assert {r.type for r in seen} >= {"header", "decision", "round", "request_end", "step", "cache_lookup"}
+    for r in seen:
+        assert to_dict(r) == asdict(r)
+    d = next(r for r in seen if isinstance(r, Decision) and r.candidates)
+    out = to_dict(d)
+    out["candidates"][0]["k"] = -1
+    out["action"]["k"] = -1
+    assert d.candidates[0]["k"] != -1 and d.action["k"] != -1
+    s = seen[-1]
+    to_dict(s)["requests"][0][1] = 99
+    assert s.requests[0][1] == 3
+
+
 def test_session_state_sums_exploration():
     """The explorer's status line shows what probes cost, per request and as a session share."""
     from app.state import SessionState
