@@ -106,6 +106,9 @@ class ServingPeer(Peer):
                             "order on one server (e.g. 1:8,8:32,2:8); tokens/s per phase and overall")
         g.add_argument("--load-time-limit", type=A.finite_float(1), default=600.0,
                        help="seconds a run may take at most (default 600)")
+        g.add_argument("--load-alternate", action="store_true",
+                       help="every server up at once, taking turns in blocks of 2 x clients requests "
+                            "(the same prompts in a block): for a host whose speed drifts within minutes")
 
     def check(self, args) -> None:
         if not args.load:
@@ -123,7 +126,7 @@ class ServingPeer(Peer):
         return bool(args.load)
 
     def run_alone(self, args) -> int:
-        from ..load import markdown, parse_trace, rakv_server, run_load, run_trace, summary_rows
+        from ..load import markdown, parse_trace, rakv_server, run_alternating, run_load, run_trace, summary_rows
 
         trace = parse_trace(args.load_trace) if args.load_trace else None
         clients = [c for c, _ in trace] if trace else _int_list(args.clients)
@@ -149,7 +152,11 @@ class ServingPeer(Peer):
             print(markdown(run_trace(specs, prompts, trace, n_tokens, args.load_time_limit, out,
                                      repeats=args.repeats or 1, progress=progress)))
             return 0
-        runs = run_load(specs, prompts, clients, args.load_requests, n_tokens, args.load_time_limit, out,
-                        repeats=args.repeats or 1, progress=progress)
+        if args.load_alternate:
+            runs = run_alternating(specs, prompts, clients, args.load_requests, n_tokens, args.load_time_limit,
+                                   out, progress=progress)
+        else:
+            runs = run_load(specs, prompts, clients, args.load_requests, n_tokens, args.load_time_limit, out,
+                            repeats=args.repeats or 1, progress=progress)
         print(markdown(summary_rows(runs)))
         return 0

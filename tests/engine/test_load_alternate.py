@@ -1,0 +1,41 @@
+"""``rakv bench --load ... --load-alternate``: every server up at once, taking turns in blocks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tests.tiny import save_tiny
+
+    d = tmp_path_factory.mktemp("load-alternate") / "target"
+    save_tiny(d, "llama")
+    return d
+
+
+def test_servers_take_turns_in_blocks_of_the_same_prompts(tiny_dir, tmp_path):
+    """Two real ``rakv serve`` processes (a tiny Llama, greedy): at each client count they take
+    turns in blocks of ``block_size`` requests, each block's prompts to both, the first server of a
+    block rotating; each server's run holds every request once and its texts are the other's."""
+    from rakv.bench.load import block_size, markdown, rakv_server, run_alternating, summary_rows
+
+    specs = [rakv_server(str(tiny_dir), "none", 2, pol, ["--max-new-tokens", "6"], name=pol) for pol in ("ar", "kv")]
+    prompts = [f"the {w} is" for w in ("cat", "dog", "sun", "sea", "map", "cup", "box", "pen", "key", "car")]
+    n = 10
+    runs = run_alternating(specs, prompts, [1, 2], n, 6, 120, tmp_path, progress=lambda m: None)
+    assert [(r.server, r.clients) for r in runs] == [("ar", 1), ("kv", 1), ("ar", 2), ("kv", 2)]
+    for r in runs:
+        assert all(a.ok for a in r.answers) and sorted(a.prompt for a in r.answers) == list(range(n))
+        assert r.wall_s > 0 and r.tokens > 0
+    texts = {(r.server, r.clients): {a.prompt: a.text for a in r.answers} for r in runs}
+    assert texts[("ar", 1)] == texts[("kv", 1)] == texts[("ar", 2)] == texts[("kv", 2)]
+    rows = summary_rows(runs)
+    assert all(row["differ_from_one_client"] == 0 for row in rows) and "| ar | 2 |" in markdown(rows)
+    blocks = json.loads((tmp_path / "load.json").read_text())["blocks"]
+    assert block_size(1) == 4 and block_size(2) == 4
+    per = [b for b in blocks if b["clients"] == 1]
+    assert len(per) == 2 * 3                                   # 10 requests in blocks of 4, 4, 2
+    assert [b["server"] for b in per[:4]] == ["ar", "kv", "kv", "ar"]      # the first server rotates
