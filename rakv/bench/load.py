@@ -319,27 +319,28 @@ def block_size(clients: int) -> int:
 
 def run_alternating(specs: list[ServerSpec], prompts: list[str], clients: list[int], n_requests: int,
                     max_tokens: int, time_limit_s: float, out: Path, progress=print) -> list[LoadRun]:
-    """Every server up at once (idle ones sleep), and at each client count the servers take turns in
+    """At each client count every server started afresh and up at once (idle ones sleep; fresh: a
+    server never finds the prompts an earlier count left in its prefix cache), taking turns in
     blocks of ``block_size`` requests, the same prompts to each in a block, their order rotated
     block by block, until each has had ``n_requests``: the arms a ratio compares run seconds apart,
     where a host's speed drifts by 20-30% within a minute. A server's run is its blocks together
     (answers and wall time summed; each block opens with a wave of its clients, left out of the
     later-TTFT columns); OUT/load.json keeps each block's tokens/s ("blocks")."""
     out.mkdir(parents=True, exist_ok=True)
-    procs: list[tuple[ServerSpec, object, str]] = []
-    try:
-        for spec in specs:
-            progress(f"[load] starting {spec.name} ...")
-            try:
-                proc, url = spec.start(out / "logs")
-            except RuntimeError as e:
-                progress(f"[load] {spec.name}: {e}; skipped (log in {out / 'logs'})")
-                continue
-            stream_completion(url, "Hello", 4)                        # warm-up (not timed)
-            procs.append((spec, proc, url))
-        runs: list[LoadRun] = []
-        blocks: list[dict] = []
-        for c in clients:
+    runs: list[LoadRun] = []
+    blocks: list[dict] = []
+    for c in clients:
+        procs: list[tuple[ServerSpec, object, str]] = []
+        try:
+            for spec in specs:
+                progress(f"[load] starting {spec.name} for {c} clients ...")
+                try:
+                    proc, url = spec.start(out / "logs")
+                except RuntimeError as e:
+                    progress(f"[load] {spec.name}: {e}; skipped (log in {out / 'logs'})")
+                    continue
+                procs.append((spec, proc, url))
+                stream_completion(url, "Hello", 4)                        # warm-up (not timed)
             size = block_size(c)
             acc = {spec.name: LoadRun(spec.name, c, 0.0) for spec, _, _ in procs}
             for b, start in enumerate(range(0, n_requests, size)):
@@ -352,15 +353,15 @@ def run_alternating(specs: list[ServerSpec], prompts: list[str], clients: list[i
                     blocks.append({"server": spec.name, "clients": c, "block": b, "tok_s": round(r.tok_s, 3)})
                 progress(f"[load] {c} clients, block {b + 1}: " + ", ".join(
                     f"{x['server']} {x['tok_s']:.1f}" for x in blocks if x["clients"] == c and x["block"] == b))
-            for spec, _, _ in procs:
-                runs.append(acc[spec.name])
-                progress(f"[load] {spec.name}: {c} clients, {len(acc[spec.name].answers)} requests, "
-                         f"{acc[spec.name].tok_s:.1f} tok/s")
-            write_results(runs, out, blocks)
-        return runs
-    finally:
-        for _, proc, _ in procs:
-            stop(proc)
+        finally:
+            for _, proc, _ in procs:
+                stop(proc)
+        for spec, _, _ in procs:
+            runs.append(acc[spec.name])
+            progress(f"[load] {spec.name}: {c} clients, {len(acc[spec.name].answers)} requests, "
+                     f"{acc[spec.name].tok_s:.1f} tok/s")
+        write_results(runs, out, blocks)
+    return runs
 
 
 def write_results(runs: list[LoadRun], out: Path, blocks: list[dict] | None = None) -> None:

@@ -17,9 +17,10 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_servers_take_turns_in_blocks_of_the_same_prompts(tiny_dir, tmp_path):
-    """Two real ``rakv serve`` processes (a tiny Llama, greedy): at each client count they take
-    turns in blocks of ``block_size`` requests, each block's prompts to both, the first server of a
-    block rotating; each server's run holds every request once and its texts are the other's."""
+    """Two real ``rakv serve`` processes (a tiny Llama, greedy), started afresh at each client count:
+    they take turns in blocks of ``block_size`` requests, each block's prompts to both, the first
+    server of a block rotating; each server's run holds every request once, its texts are the
+    other's (a server kept up would serve the 2-client prompts as exact repeats of the 1-client run)."""
     from rakv.bench.load import block_size, markdown, rakv_server, run_alternating, summary_rows
 
     specs = [rakv_server(str(tiny_dir), "none", 2, pol, ["--max-new-tokens", "6"], name=pol) for pol in ("ar", "kv")]
@@ -39,3 +40,5 @@ def test_servers_take_turns_in_blocks_of_the_same_prompts(tiny_dir, tmp_path):
     per = [b for b in blocks if b["clients"] == 1]
     assert len(per) == 2 * 3                                   # 10 requests in blocks of 4, 4, 2
     assert [b["server"] for b in per[:4]] == ["ar", "kv", "kv", "ar"]      # the first server rotates
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
+    assert logs.count("] serving ") == 4                      # each server started afresh at each count
