@@ -280,8 +280,7 @@ def run_load(specs: list[ServerSpec], prompts: list[str], clients: list[int], n_
     share the cores; fresh: a run never finds the prompts an earlier run left in its prefix cache).
     The servers run one after another at each client count, in an order rotated over ``repeats``
     (the counts reversed every other repeat): the arms a ratio compares run minutes apart, so a
-    slow period of the machine (a host's speed has drifted 20% in half an hour) does not fall on one
-    arm only. Writes OUT/load.json and OUT/load.md."""
+    slow period of the machine does not fall on one arm only. Writes OUT/load.json and OUT/load.md."""
     out.mkdir(parents=True, exist_ok=True)
     runs: list[LoadRun] = []
     failed: set[str] = set()
@@ -323,7 +322,7 @@ def run_alternating(specs: list[ServerSpec], prompts: list[str], clients: list[i
     server never finds the prompts an earlier count left in its prefix cache), taking turns in
     blocks of ``block_size`` requests, the same prompts to each in a block, their order rotated
     block by block, until each has had ``n_requests``: the arms a ratio compares run seconds apart,
-    where a host's speed drifts by 20-30% within a minute. A server's run is its blocks together
+    on a host whose speed drifts within a minute (docs/serve.md). A server's run is its blocks together
     (answers and wall time summed; each block opens with a wave of its clients, left out of the
     later-TTFT columns); OUT/load.json keeps each block's tokens/s ("blocks")."""
     out.mkdir(parents=True, exist_ok=True)
