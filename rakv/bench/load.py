@@ -190,6 +190,17 @@ class ServerSpec:
         return proc, url
 
 
+def started(spec: ServerSpec, out: Path, progress, tag: str, what: str = ""):
+    """``spec``'s server up, (proc, url), or None with one line saying why it was skipped (its log
+    in OUT/logs/ says more)."""
+    progress(f"[{tag}] starting {spec.name}{what} ...")
+    try:
+        return spec.start(out / "logs")
+    except RuntimeError as e:
+        progress(f"[{tag}] {spec.name}: {e}; skipped (log in {out / 'logs'})")
+        return None
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -291,13 +302,11 @@ def run_load(specs: list[ServerSpec], prompts: list[str], clients: list[int], n_
             for spec in specs[r0:] + specs[:r0]:
                 if spec.name in failed:
                     continue
-                progress(f"[load] starting {spec.name} for {c} clients ...")
-                try:
-                    proc, url = spec.start(out / "logs")
-                except RuntimeError as e:               # (its log says why: OUT/logs/)
-                    progress(f"[load] {spec.name}: {e}; skipped (log in {out / 'logs'})")
+                up = started(spec, out, progress, "load", f" for {c} clients")
+                if up is None:
                     failed.add(spec.name)
                     continue
+                proc, url = up
                 try:
                     stream_completion(url, "Hello", 4)                        # warm-up (not timed)
                     r = closed_loop(url, prompts, c, n_requests, max_tokens, time_limit_s, server=spec.name)
@@ -332,14 +341,11 @@ def run_alternating(specs: list[ServerSpec], prompts: list[str], clients: list[i
         procs: list[tuple[ServerSpec, object, str]] = []
         try:
             for spec in specs:
-                progress(f"[load] starting {spec.name} for {c} clients ...")
-                try:
-                    proc, url = spec.start(out / "logs")
-                except RuntimeError as e:
-                    progress(f"[load] {spec.name}: {e}; skipped (log in {out / 'logs'})")
+                up = started(spec, out, progress, "load", f" for {c} clients")
+                if up is None:
                     continue
-                procs.append((spec, proc, url))
-                stream_completion(url, "Hello", 4)                        # warm-up (not timed)
+                procs.append((spec, *up))
+                stream_completion(up[1], "Hello", 4)                      # warm-up (not timed)
             size = block_size(c)
             acc = {spec.name: LoadRun(spec.name, c, 0.0) for spec, _, _ in procs}
             for b, start in enumerate(range(0, n_requests, size)):
@@ -423,12 +429,10 @@ def run_trace(specs: list[ServerSpec], prompts: list[str], phases: list[tuple[in
     runs: list[tuple[str, int, LoadRun]] = []
     for rep in range(repeats):
         for spec in specs[rep % len(specs):] + specs[: rep % len(specs)]:
-            progress(f"[trace] starting {spec.name} ...")
-            try:
-                proc, url = spec.start(out / "logs")
-            except RuntimeError as e:
-                progress(f"[trace] {spec.name}: {e}; skipped (log in {out / 'logs'})")
+            up = started(spec, out, progress, "trace")
+            if up is None:
                 continue
+            proc, url = up
             try:
                 stream_completion(url, "Hello", 4)                            # warm-up (not timed)
                 offset = 0
