@@ -6,6 +6,7 @@ Every record has ``type`` and ``t`` (seconds since the recorder/engine started).
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import os
@@ -283,21 +284,17 @@ def _plain(v):
     names = _NAMES.get(t)
     if names is None:
         if not (is_dataclass(v) and not isinstance(v, type)):
-            return asdict_inner(v)
+            return _other(v)
         names = _NAMES[t] = tuple(f.name for f in fields(v))
     return {n: _plain(getattr(v, n)) for n in names}
 
 
-def asdict_inner(v):
+def _other(v):
     """What ``asdict`` makes of a value that is not a record, a list, a dict or an atom."""
-    if isinstance(v, tuple) and not hasattr(v, "_fields"):
-        return type(v)(_plain(x) for x in v)
-    return asdict(_Box(v))["v"]
-
-
-@dataclass
-class _Box:
-    v: object
+    if isinstance(v, tuple):
+        items = [_plain(x) for x in v]
+        return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
+    return copy.deepcopy(v)
 
 
 def from_dict(d: dict):

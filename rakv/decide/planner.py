@@ -179,7 +179,13 @@ def copies_pay(expected_gain: float, skipped: int, evidence: int = COPY_EVIDENCE
     Until ``evidence`` verified copy rounds have been weighed, always look up (a lookup that
     finds nothing costs what a fixed policy's does; one skipped may be a copy worth a step).
     ``requests`` sharing the steps retry each that much more rarely (``retry_every``)."""
-    return evidence < COPY_EVIDENCE or expected_gain >= 0.0 or skipped + 1 >= retry_every(requests)
+    return copies_tried(skipped, evidence, requests) or expected_gain >= 0.0
+
+
+def copies_tried(skipped: int, evidence: int, requests: int = 1) -> bool:
+    """Is this copy round looked up whatever copies are expected to gain: before ``evidence``
+    reaches COPY_EVIDENCE, or as the retry (``retry_every``)?"""
+    return evidence < COPY_EVIDENCE or skipped + 1 >= retry_every(requests)
 
 
 def retry_every(requests: int) -> int:
@@ -426,15 +432,15 @@ class RoundPlanner:
         a lone step's prices, beside other requests at the batch's (``copy_prices``)."""
         led = self.copies
         v = self.batch
-        n = 1 + (v.others(rq.rid)[2] if v is not None else 0)
-        if copies_pay(-1.0, self.copy_skipped, led.n, n):      # (no evidence yet, or a retry: look up)
+        rows_o, tokens_o, n_o = v.others(rq.rid) if v is not None else (0, 0.0, 0)
+        n = 1 + n_o
+        if copies_tried(self.copy_skipped, led.n, n):
             return True
         if n == 1:
             gain = led.expected()
         elif led.priced is not None and led.priced[0] == (id(v), v.steps):
             gain = led.priced[1]                   # (priced this step by another lane: the same batch)
         else:
-            rows_o, tokens_o, _ = v.others(rq.rid)
             gain = led.expected_at(*copy_prices(batch_pass(self.profile, v.costs, ctx), rows_o, tokens_o))
             led.priced = ((id(v), v.steps), gain)
         return copies_pay(gain, self.copy_skipped, led.n, n)
