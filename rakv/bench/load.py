@@ -8,8 +8,9 @@ loopback only (every server here is started on 127.0.0.1 by this module).
 Every request streams (server-sent events), so its time to first token is measured where the
 client sees it; a request's tokens are the server's usage count (or its chunks where it sends none).
 Reported per server and client count: aggregate tokens/s (all output tokens over the run's wall
-time), latency and TTFT p50 / p99, and how many answers differ from the same prompt's answer at one
-client (a server whose text changes with concurrency shows it here).
+time), the same while every client was busy (``steady``: a closed loop of N requests ends in a
+drain where fewer clients are left), latency and TTFT p50 / p99, and how many answers differ from
+the same prompt's answer at one client (a server whose text changes with concurrency shows it here).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class Answer:
     ok: bool = True
     error: str = ""
     sent: int = -1          # its place in the order the clients sent (0: the first), -1 unknown
+    start_s: float = 0.0    # sent, s after its run began
+    end_s: float = 0.0      # its last byte, s after its run began
 
 
 @dataclass
@@ -49,6 +52,8 @@ class LoadRun:
     clients: int
     wall_s: float
     answers: list[Answer] = field(default_factory=list)
+    steady_tokens: float = 0.0    # tokens that arrived while every client was busy (``steady_window``)
+    steady_s: float = 0.0         # ... that window's length (s)
 
     @property
     def tokens(self) -> int:
@@ -57,6 +62,24 @@ class LoadRun:
     @property
     def tok_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def steady_tok_s(self) -> float:
+        """Tokens/s while every client was busy: the server at the load asked of it, without the
+        drain that ends a closed loop of N requests (its last requests run with fewer beside them:
+        a server whose requests finish at different times, copies and drafts speeding some, spends
+        longer there than one whose equal-length requests all end in the same step)."""
+        return self.steady_tokens / self.steady_s if self.steady_s > 0 else 0.0
+
+
+def steady_window(marks: list[list[float]], tokens: list[int], until: float) -> float:
+    """Tokens that arrived by ``until``: each answer's ``tokens`` spread evenly over its chunks'
+    arrival times ``marks`` (a chunk may carry several tokens)."""
+    got = 0.0
+    for ts, n in zip(marks, tokens):
+        if ts:
+            got += n * sum(1 for t in ts if t <= until) / len(ts)
+    return got
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -72,8 +95,10 @@ def pct(xs: list[float], q: float) -> float:
 
 # ----------------------------------------------------------------------------- one request
 def stream_completion(url: str, prompt: str, max_tokens: int, api_key: str | None = None,
-                      timeout: float = 600.0, extra: dict | None = None) -> tuple[str, int, float, float]:
-    """(text, tokens, ttft s, latency s) of one streamed /v1/completions request, greedy."""
+                      timeout: float = 600.0, extra: dict | None = None,
+                      marks: list[float] | None = None) -> tuple[str, int, float, float]:
+    """(text, tokens, ttft s, latency s) of one streamed /v1/completions request, greedy; each text
+    chunk's arrival (``time.perf_counter()``) appended to ``marks`` when given."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, **(extra or {})}
     headers = {"Content-Type": "application/json"}
@@ -98,6 +123,8 @@ def stream_completion(url: str, prompt: str, max_tokens: int, api_key: str | Non
                 if piece:
                     if ttft is None:
                         ttft = time.perf_counter() - t0
+                    if marks is not None:
+                        marks.append(time.perf_counter())
                     text.append(piece)
                     chunks += 1
             if obj.get("usage"):
@@ -113,35 +140,47 @@ def closed_loop(url: str, prompts: list[str], clients: int, n_requests: int, max
                 time_limit_s: float, api_key: str | None = None, server: str = "", offset: int = 0) -> LoadRun:
     """``clients`` threads, each sending the next prompt (in order, round robin over ``prompts``
     from prompt ``offset`` on) when its last answer ended, until ``n_requests`` were sent or
-    ``time_limit_s`` passed."""
+    ``time_limit_s`` passed. The run's steady window ends when the first client finds nothing
+    left to send (``LoadRun.steady_tok_s``)."""
     lock = threading.Lock()
     sent = [0]
     answers: list[Answer] = []
-    deadline = time.perf_counter() + time_limit_s
+    marks: list[list[float]] = []
+    idle: list[float] = []                  # when each client found nothing left to send
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit_s
 
     def client():
         while True:
             with lock:
                 if sent[0] >= n_requests or time.perf_counter() > deadline:
+                    idle.append(time.perf_counter())
                     return
                 i = sent[0]
                 sent[0] += 1
             p = (i + offset) % len(prompts)
+            ts: list[float] = []
+            ta = time.perf_counter()
             try:
-                text, n, ttft, lat = stream_completion(url, prompts[p], max_tokens, api_key)
+                text, n, ttft, lat = stream_completion(url, prompts[p], max_tokens, api_key, marks=ts)
                 a = Answer(p, text, n, ttft, lat, sent=i)
             except (OSError, RuntimeError, ValueError) as e:
                 a = Answer(p, "", 0, 0.0, 0.0, ok=False, error=f"{type(e).__name__}: {e}"[:200], sent=i)
+                ts = []
+            a.start_s, a.end_s = round(ta - t0, 4), round(time.perf_counter() - t0, 4)
             with lock:
                 answers.append(a)
+                marks.append(ts)
 
-    t0 = time.perf_counter()
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(time_limit_s + 600)
-    return LoadRun(server, clients, time.perf_counter() - t0, answers)
+    wall = time.perf_counter() - t0
+    until = min(idle) if idle else t0 + wall
+    steady = steady_window(marks, [a.tokens if a.ok else 0 for a in answers], until)
+    return LoadRun(server, clients, wall, answers, steady_tokens=steady, steady_s=until - t0)
 
 
 # ----------------------------------------------------------------------------- servers
@@ -261,6 +300,7 @@ def summary_rows(runs: list[LoadRun]) -> list[dict]:
         later = [a.ttft_s for a in ok if after_opening(a, r.clients)]
         rows.append({"server": r.server, "clients": r.clients, "requests": len(r.answers), "errors": len(r.answers) - len(ok),
                      "tokens": r.tokens, "wall_s": round(r.wall_s, 2), "tok_s": round(r.tok_s, 2),
+                     "tok_s_steady": round(r.steady_tok_s, 2),
                      "latency_p50_s": round(pct([a.latency_s for a in ok], 0.5), 3),
                      "latency_p99_s": round(pct([a.latency_s for a in ok], 0.99), 3),
                      "ttft_p50_s": round(pct([a.ttft_s for a in ok], 0.5), 3),
@@ -353,9 +393,13 @@ def run_alternating(specs: list[ServerSpec], prompts: list[str], clients: list[i
                 r0 = b % max(1, len(procs))
                 for spec, _, url in procs[r0:] + procs[:r0]:
                     r = closed_loop(url, prompts, c, n, max_tokens, time_limit_s, server=spec.name, offset=start)
-                    acc[spec.name].answers += r.answers
-                    acc[spec.name].wall_s += r.wall_s
-                    blocks.append({"server": spec.name, "clients": c, "block": b, "tok_s": round(r.tok_s, 3)})
+                    a = acc[spec.name]
+                    a.answers += r.answers
+                    a.wall_s += r.wall_s
+                    a.steady_tokens += r.steady_tokens
+                    a.steady_s += r.steady_s
+                    blocks.append({"server": spec.name, "clients": c, "block": b, "tok_s": round(r.tok_s, 3),
+                                   "steady_tok_s": round(r.steady_tok_s, 3)})
                 progress(f"[load] {c} clients, block {b + 1}: " + ", ".join(
                     f"{x['server']} {x['tok_s']:.1f}" for x in blocks if x["clients"] == c and x["block"] == b))
         finally:
@@ -369,13 +413,49 @@ def run_alternating(specs: list[ServerSpec], prompts: list[str], clients: list[i
     return runs
 
 
+def paired_blocks(blocks: list[dict], key: str = "tok_s", draws: int = 2000, seed: int = 0) -> list[dict]:
+    """The first server of an alternating run against each other one, at each client count: the
+    median of their blocks' ratios (``key``: tok_s or steady_tok_s; a block gives both servers the
+    same prompts seconds apart) and its bootstrap 95% interval (``draws`` resamples of the blocks,
+    seeded: the same blocks give the same interval)."""
+    import random
+    import statistics
+
+    rng = random.Random(seed)
+    by: dict[tuple[int, int], dict[str, float]] = {}
+    order: list[str] = []
+    for b in blocks:
+        by.setdefault((b["clients"], b["block"]), {})[b["server"]] = b.get(key, 0.0)
+        if b["server"] not in order:
+            order.append(b["server"])
+    rows = []
+    if not order:
+        return rows
+    ref = order[0]
+    for c in sorted({c for c, _ in by}):
+        for other in order[1:]:
+            rs = [v[ref] / v[other] for (cc, _), v in sorted(by.items())
+                  if cc == c and v.get(ref, 0) > 0 and v.get(other, 0) > 0]
+            if not rs:
+                continue
+            meds = sorted(statistics.median(rng.choices(rs, k=len(rs))) for _ in range(draws))
+            rows.append({"clients": c, "server": ref, "against": other, "key": key, "blocks": len(rs),
+                         "median": round(statistics.median(rs), 4),
+                         "ci95": [round(meds[int(0.025 * draws)], 4), round(meds[int(0.975 * draws) - 1], 4)]})
+    return rows
+
+
 def write_results(runs: list[LoadRun], out: Path, blocks: list[dict] | None = None) -> None:
     rows = summary_rows(runs)
+    paired = [r for key in ("tok_s", "steady_tok_s") for r in paired_blocks(blocks or [], key)]
     (out / "load.json").write_text(json.dumps({"rows": rows, "runs": [
-        {"server": r.server, "clients": r.clients, "wall_s": r.wall_s,
-         "answers": [a.__dict__ for a in r.answers]} for r in runs], **({"blocks": blocks} if blocks else {})},
-        indent=1))
+        {"server": r.server, "clients": r.clients, "wall_s": r.wall_s, "steady_tokens": r.steady_tokens,
+         "steady_s": r.steady_s, "answers": [a.__dict__ for a in r.answers]} for r in runs],
+        **({"blocks": blocks, "paired": paired} if blocks else {})}, indent=1))
     (out / "load.md").write_text(markdown(rows) + "\n")
+    if paired:
+        (out / "paired.md").write_text(markdown([{**r, "ci95": f"[{r['ci95'][0]}, {r['ci95'][1]}]"}
+                                                 for r in paired]) + "\n")
 
 
 # ----------------------------------------------------------------------------- a load that changes
@@ -412,10 +492,12 @@ def trace_rows(runs: list[tuple[str, int, LoadRun]], phases: list[tuple[int, int
             rs = [r for j, r in mine if i is None or j == i]
             ok = [a for r in rs for a in r.answers if a.ok]
             tokens, wall = sum(a.tokens for a in ok), sum(r.wall_s for r in rs)
+            st_tokens, st_s = sum(r.steady_tokens for r in rs), sum(r.steady_s for r in rs)
             rows.append({"server": name, "phase": "all" if i is None else i + 1,
                          "clients": "-".join(str(c) for c, _ in phases) if i is None else phases[i][0],
                          "requests": sum(len(r.answers) for r in rs), "errors": sum(len(r.answers) for r in rs) - len(ok),
                          "tokens": tokens, "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 2) if wall > 0 else 0.0,
+                         "tok_s_steady": round(st_tokens / st_s, 2) if st_s > 0 else 0.0,
                          "differ_from_first_server": sum(1 for a in ok if a.prompt in first and a.text != first[a.prompt])})
     return rows
 
@@ -452,6 +534,7 @@ def run_trace(specs: list[ServerSpec], prompts: list[str], phases: list[tuple[in
 def write_trace(runs, phases, out: Path) -> None:
     rows = trace_rows(runs, phases) if runs else []
     (out / "trace.json").write_text(json.dumps({"phases": phases, "rows": rows, "runs": [
-        {"server": n, "phase": i + 1, "clients": r.clients, "wall_s": r.wall_s, "answers": [a.__dict__ for a in r.answers]}
+        {"server": n, "phase": i + 1, "clients": r.clients, "wall_s": r.wall_s, "steady_tokens": r.steady_tokens,
+         "steady_s": r.steady_s, "answers": [a.__dict__ for a in r.answers]}
         for n, i, r in runs]}, indent=1))
     (out / "trace.md").write_text(markdown(rows) + "\n")

@@ -42,3 +42,16 @@ def test_servers_take_turns_in_blocks_of_the_same_prompts(tiny_dir, tmp_path):
     assert [b["server"] for b in per[:4]] == ["ar", "kv", "kv", "ar"]      # the first server rotates
     logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
     assert logs.count("] serving ") == 4                      # each server started afresh at each count
+    # the steady window: every client busy; at one client it is the whole run (nothing to drain)
+    for r in runs:
+        assert 0 < r.steady_s <= r.wall_s + 1e-6 and 0 < r.steady_tokens <= r.tokens + 1e-6
+        assert all(0 <= a.start_s <= a.end_s <= r.wall_s + 1e-6 for a in r.answers)
+    for r in runs[:2]:
+        assert r.steady_tokens == pytest.approx(r.tokens) and r.steady_s == pytest.approx(r.wall_s, rel=0.05)
+    data = json.loads((tmp_path / "load.json").read_text())
+    assert all("steady_tok_s" in b for b in data["blocks"])
+    paired = data["paired"]
+    assert {(p["clients"], p["server"], p["against"], p["key"]) for p in paired} == {
+        (c, "ar", "kv", k) for c in (1, 2) for k in ("tok_s", "steady_tok_s")}
+    assert all(p["ci95"][0] <= p["median"] <= p["ci95"][1] for p in paired)
+    assert (tmp_path / "paired.md").is_file()

@@ -68,3 +68,33 @@ def test_the_ttft_after_the_opening_wave_leaves_each_client_s_first_request_out(
     row = summary_rows([LoadRun("x", 2, 3.0, answers)])[0]
     assert row["ttft_p50_later_s"] == pytest.approx(0.35) and row["ttft_p99_later_s"] == pytest.approx(0.497)
     assert row["ttft_p99_s"] == pytest.approx(1.0)
+
+
+def test_the_steady_window_counts_the_tokens_that_arrived_by_its_end():
+    """Each answer's tokens spread evenly over its chunks (a chunk may carry several)."""
+    from rakv.bench.load import steady_window
+
+    marks = [[1.0, 2.0, 3.0, 4.0], [1.5, 5.0], []]
+    assert steady_window(marks, [8, 4, 3], 2.5) == pytest.approx(4 + 2)
+    assert steady_window(marks, [8, 4, 3], 10.0) == pytest.approx(12)
+    assert steady_window(marks, [8, 4, 3], 0.5) == 0.0
+    r = LoadRun("x", 2, 10.0, [], steady_tokens=30.0, steady_s=6.0)
+    assert r.steady_tok_s == pytest.approx(5.0) and LoadRun("y", 1, 1.0).steady_tok_s == 0.0
+
+
+def test_paired_blocks_compare_the_first_server_with_each_other_one_block_by_block():
+    from rakv.bench.load import paired_blocks
+
+    blocks = []
+    for b, (a, k0, k2) in enumerate([(10, 8, 12), (20, 16, 25), (11, 10, 10), (9, 9, 9)]):
+        blocks += [{"server": "a", "clients": 4, "block": b, "tok_s": a, "steady_tok_s": 2 * a},
+                   {"server": "k0", "clients": 4, "block": b, "tok_s": k0, "steady_tok_s": k0},
+                   {"server": "k2", "clients": 4, "block": b, "tok_s": k2, "steady_tok_s": k2}]
+    blocks.append({"server": "a", "clients": 8, "block": 0, "tok_s": 5, "steady_tok_s": 5})   # k0 missing: skipped
+    rows = paired_blocks(blocks)
+    assert [(r["clients"], r["against"]) for r in rows] == [(4, "k0"), (4, "k2")]
+    r0 = rows[0]
+    assert r0["blocks"] == 4 and r0["median"] == pytest.approx((1.1 + 1.25) / 2, abs=1e-4)
+    assert r0["ci95"][0] <= r0["median"] <= r0["ci95"][1] and r0["ci95"] == paired_blocks(blocks)[0]["ci95"]
+    assert paired_blocks(blocks, "steady_tok_s")[0]["median"] == pytest.approx((2.2 + 2.5) / 2, abs=1e-4)
+    assert paired_blocks([]) == []

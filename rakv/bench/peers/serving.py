@@ -159,4 +159,7 @@ class ServingPeer(Peer):
             runs = run_load(specs, prompts, clients, args.load_requests, n_tokens, args.load_time_limit, out,
                             repeats=args.repeats or 1, progress=progress)
         print(markdown(summary_rows(runs)))
+        if (out / "paired.md").is_file() and args.load_alternate:
+            print("\nThe first server against each other one, block by block (median ratio, bootstrap 95% CI):")
+            print((out / "paired.md").read_text().rstrip())
         return 0
