@@ -136,10 +136,27 @@ def stream_completion(url: str, prompt: str, max_tokens: int, api_key: str | Non
     return "".join(text), int(usage if usage is not None else chunks), ttft if ttft is not None else latency, latency
 
 
-def closed_loop(url: str, prompts: list[str], clients: int, n_requests: int, max_tokens: int,
+def answer_lengths(text: str, n_prompts: int, seed: int = 0) -> list[int]:
+    """``--load-lengths MIN:MAX``: each prompt's max_tokens, drawn uniformly from MIN..MAX by a
+    seeded generator, so every server is asked the same length for the same prompt (equal lengths
+    put a batch's requests in lockstep waves: they start together and end in the same step)."""
+    parts = text.strip().split(":")
+    try:
+        lo, hi = (int(x) for x in parts)
+    except ValueError:
+        raise ValueError(f"--load-lengths: expected MIN:MAX, e.g. 32:96 (got {text!r})") from None
+    if not 1 <= lo <= hi <= 100_000:
+        raise ValueError(f"--load-lengths: need 1 <= MIN <= MAX <= 100000 (got {text!r})")
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randint(lo, hi) for _ in range(n_prompts)]
+
+
+def closed_loop(url: str, prompts: list[str], clients: int, n_requests: int, max_tokens: int | list[int],
                 time_limit_s: float, api_key: str | None = None, server: str = "", offset: int = 0) -> LoadRun:
     """``clients`` threads, each sending the next prompt (in order, round robin over ``prompts``
-    from prompt ``offset`` on) when its last answer ended, until ``n_requests`` were sent or
+    from prompt ``offset`` on; ``max_tokens`` one for all or one a prompt) when its last answer ended, until ``n_requests`` were sent or
     ``time_limit_s`` passed. The run's steady window ends when the first client finds nothing
     left to send (``LoadRun.steady_tok_s``)."""
     lock = threading.Lock()
@@ -162,7 +179,8 @@ def closed_loop(url: str, prompts: list[str], clients: int, n_requests: int, max
             ts: list[float] = []
             ta = time.perf_counter()
             try:
-                text, n, ttft, lat = stream_completion(url, prompts[p], max_tokens, api_key, marks=ts)
+                mt = max_tokens[p] if isinstance(max_tokens, list) else max_tokens
+                text, n, ttft, lat = stream_completion(url, prompts[p], mt, api_key, marks=ts)
                 a = Answer(p, text, n, ttft, lat, sent=i)
             except (OSError, RuntimeError, ValueError) as e:
                 a = Answer(p, "", 0, 0.0, 0.0, ok=False, error=f"{type(e).__name__}: {e}"[:200], sent=i)
@@ -325,7 +343,7 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def run_load(specs: list[ServerSpec], prompts: list[str], clients: list[int], n_requests: int, max_tokens: int,
+def run_load(specs: list[ServerSpec], prompts: list[str], clients: list[int], n_requests: int, max_tokens: int | list[int],
              time_limit_s: float, out: Path, repeats: int = 1, progress=print) -> list[LoadRun]:
     """Every (server, client count) on a server started afresh (never two at a time: they would
     share the cores; fresh: a run never finds the prompts an earlier run left in its prefix cache).
@@ -366,7 +384,7 @@ def block_size(clients: int) -> int:
 
 
 def run_alternating(specs: list[ServerSpec], prompts: list[str], clients: list[int], n_requests: int,
-                    max_tokens: int, time_limit_s: float, out: Path, progress=print) -> list[LoadRun]:
+                    max_tokens: int | list[int], time_limit_s: float, out: Path, progress=print) -> list[LoadRun]:
     """At each client count every server started afresh and up at once (idle ones sleep; fresh: a
     server never finds the prompts an earlier count left in its prefix cache), taking turns in
     blocks of ``block_size`` requests, the same prompts to each in a block, their order rotated
@@ -502,7 +520,7 @@ def trace_rows(runs: list[tuple[str, int, LoadRun]], phases: list[tuple[int, int
     return rows
 
 
-def run_trace(specs: list[ServerSpec], prompts: list[str], phases: list[tuple[int, int]], max_tokens: int,
+def run_trace(specs: list[ServerSpec], prompts: list[str], phases: list[tuple[int, int]], max_tokens: int | list[int],
               time_limit_s: float, out: Path, repeats: int = 1, progress=print) -> list[dict]:
     """Each server started afresh once a repeat and driven through ``phases`` in order (each phase's
     clients closed-loop over its requests, the prompts going on where the last phase stopped), the

@@ -55,3 +55,17 @@ def test_servers_take_turns_in_blocks_of_the_same_prompts(tiny_dir, tmp_path):
         (c, "ar", "kv", k) for c in (1, 2) for k in ("tok_s", "steady_tok_s")}
     assert all(p["ci95"][0] <= p["median"] <= p["ci95"][1] for p in paired)
     assert (tmp_path / "paired.md").is_file()
+
+
+def test_each_prompt_asks_its_own_length(tiny_dir, tmp_path):
+    """``max_tokens`` a list (``--load-lengths``): each request asks its prompt's length, so the same
+    prompt gets the same answer at every client count."""
+    from rakv.bench.load import rakv_server, run_alternating
+
+    specs = [rakv_server(str(tiny_dir), "none", 2, "ar", ["--max-new-tokens", "8"], name="ar")]
+    prompts = [f"the {w} is" for w in ("cat", "dog", "sun", "sea")]
+    lengths = [2, 8, 5, 3]
+    runs = run_alternating(specs, prompts, [1, 2], 4, lengths, 120, tmp_path, progress=lambda m: None)
+    for r in runs:
+        assert sorted((a.prompt, a.tokens) for a in r.answers) == list(enumerate(lengths))
+    assert {a.prompt: a.text for a in runs[0].answers} == {a.prompt: a.text for a in runs[1].answers}

@@ -98,3 +98,24 @@ def test_paired_blocks_compare_the_first_server_with_each_other_one_block_by_blo
     assert r0["ci95"][0] <= r0["median"] <= r0["ci95"][1] and r0["ci95"] == paired_blocks(blocks)[0]["ci95"]
     assert paired_blocks(blocks, "steady_tok_s")[0]["median"] == pytest.approx((2.2 + 2.5) / 2, abs=1e-4)
     assert paired_blocks([]) == []
+
+
+def test_answer_lengths_are_seeded_per_prompt_and_bad_ones_say_why():
+    """``--load-lengths MIN:MAX``: one max_tokens a prompt, the same for every server (a seeded draw)."""
+    from rakv.bench.load import answer_lengths
+
+    a = answer_lengths("32:96", 50, seed=3)
+    assert a == answer_lengths(" 32:96 ", 50, seed=3) and len(a) == 50
+    assert all(32 <= x <= 96 for x in a) and len(set(a)) > 10
+    assert answer_lengths("8:8", 3) == [8, 8, 8]
+    for bad in ("", "32", "a:b", "0:4", "9:8", "1:2:3", "4:200000"):
+        with pytest.raises(ValueError, match="--load-lengths"):
+            answer_lengths(bad, 4)
+
+
+def test_the_cli_refuses_bad_lengths_in_one_line(capsys):
+    from rakv.cli import main
+
+    assert main(["bench", "--load", "rakv", "--load-lengths", "9:8", "--target", "demo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--load-lengths" in err[0] and "Traceback" not in err[0]

@@ -106,6 +106,9 @@ class ServingPeer(Peer):
                             "order on one server (e.g. 1:8,8:32,2:8); tokens/s per phase and overall")
         g.add_argument("--load-time-limit", type=A.finite_float(1), default=600.0,
                        help="seconds a run may take at most (default 600)")
+        g.add_argument("--load-lengths", default=None, metavar="MIN:MAX",
+                       help="each prompt's max_tokens drawn from MIN..MAX (seeded: the same for every server) "
+                            "instead of --max-new-tokens for all: answers of different lengths")
         g.add_argument("--load-alternate", action="store_true",
                        help="every server up at once, taking turns in blocks of 2 x clients requests "
                             "(the same prompts in a block): for a host whose speed drifts within minutes")
@@ -117,6 +120,10 @@ class ServingPeer(Peer):
         if bad:
             raise ValueError(f"--load: unknown server {bad[0]!r} (choose from {', '.join(SERVERS)}; N from 0 to 99)")
         _int_list(args.clients)
+        if args.load_lengths:
+            from ..load import answer_lengths
+
+            answer_lengths(args.load_lengths, 1)
         if args.load_trace:
             from ..load import parse_trace
 
@@ -134,29 +141,35 @@ class ServingPeer(Peer):
         n_tokens = args.max_new_tokens or 64
         wanted = sum(n for _, n in trace) if trace else args.load_requests     # (no prompt twice where the file allows)
         prompts = load_prompts(args.workload.split(",")[0], max(8, args.n_prompts or wanted))
+        if args.load_lengths:
+            from ..load import answer_lengths
+
+            lengths = answer_lengths(args.load_lengths, len(prompts), args.seed or 0)
+            n_tokens = max(lengths)                  # (the servers' cap; each request asks its own)
         policy = (args.policies or ["adaptive"])[0]
         specs = []
         for s in args.load.split(","):
             pol = rakv_policy(s, policy)
             if pol is not None:
-                extra = ["--max-new-tokens", str(n_tokens), "--max-queue", str(max(clients) * 4)]
+                extra = ["--max-new-tokens", str(n_tokens), "--max-queue", str(max(clients) * 4)]   # (a cap)
                 if args.threads:
                     extra += ["--threads", str(args.threads)]
                 specs.append(rakv_server(args.target, args.draft or "none", parallel, pol, extra,
                                          name=f"rakv {pol} --parallel {parallel}"))
             else:
                 specs.append(llama_arm(args, s, "--load", parallel))
+        asked = lengths if args.load_lengths else n_tokens
         out = Path(args.out)
         progress = lambda m: print(m, file=sys.stderr, flush=True)       # noqa: E731
         if trace:
-            print(markdown(run_trace(specs, prompts, trace, n_tokens, args.load_time_limit, out,
+            print(markdown(run_trace(specs, prompts, trace, asked, args.load_time_limit, out,
                                      repeats=args.repeats or 1, progress=progress)))
             return 0
         if args.load_alternate:
-            runs = run_alternating(specs, prompts, clients, args.load_requests, n_tokens, args.load_time_limit,
+            runs = run_alternating(specs, prompts, clients, args.load_requests, asked, args.load_time_limit,
                                    out, progress=progress)
         else:
-            runs = run_load(specs, prompts, clients, args.load_requests, n_tokens, args.load_time_limit, out,
+            runs = run_load(specs, prompts, clients, args.load_requests, asked, args.load_time_limit, out,
                             repeats=args.repeats or 1, progress=progress)
         print(markdown(summary_rows(runs)))
         if (out / "paired.md").is_file() and args.load_alternate:
