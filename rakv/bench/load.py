@@ -156,8 +156,8 @@ def answer_lengths(text: str, n_prompts: int, seed: int = 0) -> list[int]:
 def closed_loop(url: str, prompts: list[str], clients: int, n_requests: int, max_tokens: int | list[int],
                 time_limit_s: float, api_key: str | None = None, server: str = "", offset: int = 0) -> LoadRun:
     """``clients`` threads, each sending the next prompt (in order, round robin over ``prompts``
-    from prompt ``offset`` on; ``max_tokens`` one for all or one a prompt) when its last answer ended, until ``n_requests`` were sent or
-    ``time_limit_s`` passed. The run's steady window ends when the first client finds nothing
+    from prompt ``offset`` on; ``max_tokens`` one for all or one a prompt) when its last answer
+    ended, until ``n_requests`` were sent or ``time_limit_s`` passed. The run's steady window ends when the first client finds nothing
     left to send (``LoadRun.steady_tok_s``)."""
     lock = threading.Lock()
     sent = [0]
@@ -343,8 +343,9 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def run_load(specs: list[ServerSpec], prompts: list[str], clients: list[int], n_requests: int, max_tokens: int | list[int],
-             time_limit_s: float, out: Path, repeats: int = 1, progress=print) -> list[LoadRun]:
+def run_load(specs: list[ServerSpec], prompts: list[str], clients: list[int], n_requests: int,
+             max_tokens: int | list[int], time_limit_s: float, out: Path, repeats: int = 1,
+             progress=print) -> list[LoadRun]:
     """Every (server, client count) on a server started afresh (never two at a time: they would
     share the cores; fresh: a run never finds the prompts an earlier run left in its prefix cache).
     The servers run one after another at each client count, in an order rotated over ``repeats``
