@@ -378,14 +378,17 @@ def run_load(specs: list[ServerSpec], prompts: list[str], clients: list[int], n_
     return runs
 
 
-def block_size(clients: int) -> int:
-    """Requests a server gets in one block of an alternating run (``run_alternating``): two waves of
-    its clients (at least 4), so each block is short and still mostly at full concurrency."""
-    return max(4, 2 * clients)
+def block_size(clients: int, waves: int = 2) -> int:
+    """Requests a server gets in one block of an alternating run (``run_alternating``): ``waves``
+    waves of its clients (two by default, at least 4 requests), so each block is short and still
+    mostly at full concurrency. Each block opens on an idle server and ends in a drain, so more
+    waves a block (``--load-block-waves``) weigh both less, at the price of arms further apart."""
+    return max(4, max(1, int(waves)) * clients)
 
 
 def run_alternating(specs: list[ServerSpec], prompts: list[str], clients: list[int], n_requests: int,
-                    max_tokens: int | list[int], time_limit_s: float, out: Path, progress=print) -> list[LoadRun]:
+                    max_tokens: int | list[int], time_limit_s: float, out: Path, progress=print,
+                    waves: int = 2) -> list[LoadRun]:
     """At each client count every server started afresh and up at once (idle ones sleep; fresh: a
     server never finds the prompts an earlier count left in its prefix cache), taking turns in
     blocks of ``block_size`` requests, the same prompts to each in a block, their order rotated
@@ -405,7 +408,7 @@ def run_alternating(specs: list[ServerSpec], prompts: list[str], clients: list[i
                     continue
                 procs.append((spec, *up))
                 stream_completion(up[1], "Hello", 4)                      # warm-up (not timed)
-            size = block_size(c)
+            size = block_size(c, waves)
             acc = {spec.name: LoadRun(spec.name, c, 0.0) for spec, _, _ in procs}
             for b, start in enumerate(range(0, n_requests, size)):
                 n = min(size, n_requests - start)

@@ -119,3 +119,10 @@ def test_the_cli_refuses_bad_lengths_in_one_line(capsys):
     assert main(["bench", "--load", "rakv", "--load-lengths", "9:8", "--target", "demo"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--load-lengths" in err[0] and "Traceback" not in err[0]
+
+
+def test_blocks_of_more_waves():
+    from rakv.bench.load import block_size
+
+    assert block_size(1) == 4 and block_size(4) == 8 and block_size(8) == 16
+    assert block_size(4, 6) == 24 and block_size(1, 6) == 6 and block_size(2, 1) == 4 and block_size(3, 0) == 4

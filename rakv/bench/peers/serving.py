@@ -106,6 +106,9 @@ class ServingPeer(Peer):
                             "order on one server (e.g. 1:8,8:32,2:8); tokens/s per phase and overall")
         g.add_argument("--load-time-limit", type=A.finite_float(1), default=600.0,
                        help="seconds a run may take at most (default 600)")
+        g.add_argument("--load-block-waves", type=A.int_range(1, 100), default=2, metavar="W",
+                       help="with --load-alternate: blocks of W waves of the clients (W x clients requests; "
+                            "default 2): more waves weigh each block's opening and drain less")
         g.add_argument("--load-lengths", default=None, metavar="MIN:MAX",
                        help="each prompt's max_tokens drawn from MIN..MAX (seeded: the same for every server) "
                             "instead of --max-new-tokens for all: answers of different lengths")
@@ -167,7 +170,7 @@ class ServingPeer(Peer):
             return 0
         if args.load_alternate:
             runs = run_alternating(specs, prompts, clients, args.load_requests, asked, args.load_time_limit,
-                                   out, progress=progress)
+                                   out, progress=progress, waves=args.load_block_waves)
         else:
             runs = run_load(specs, prompts, clients, args.load_requests, asked, args.load_time_limit, out,
                             repeats=args.repeats or 1, progress=progress)
