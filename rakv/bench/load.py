@@ -157,8 +157,8 @@ def closed_loop(url: str, prompts: list[str], clients: int, n_requests: int, max
                 time_limit_s: float, api_key: str | None = None, server: str = "", offset: int = 0) -> LoadRun:
     """``clients`` threads, each sending the next prompt (in order, round robin over ``prompts``
     from prompt ``offset`` on; ``max_tokens`` one for all or one a prompt) when its last answer
-    ended, until ``n_requests`` were sent or ``time_limit_s`` passed. The run's steady window ends when the first client finds nothing
-    left to send (``LoadRun.steady_tok_s``)."""
+    ended, until ``n_requests`` were sent or ``time_limit_s`` passed. The run's steady window ends
+    when the first client finds nothing left to send (``LoadRun.steady_tok_s``)."""
     lock = threading.Lock()
     sent = [0]
     answers: list[Answer] = []
@@ -439,11 +439,11 @@ def paired_blocks(blocks: list[dict], key: str = "tok_s", draws: int = 2000, see
     """The first server of an alternating run against each other one, at each client count: the
     median of their blocks' ratios (``key``: tok_s or steady_tok_s; a block gives both servers the
     same prompts seconds apart) and its bootstrap 95% interval (``draws`` resamples of the blocks,
-    seeded: the same blocks give the same interval)."""
-    import random
+    seeded: the same blocks give the same interval; ``metrics.bootstrap_ci``)."""
     import statistics
 
-    rng = random.Random(seed)
+    from .metrics import bootstrap_ci
+
     by: dict[tuple[int, int], dict[str, float]] = {}
     order: list[str] = []
     for b in blocks:
@@ -460,10 +460,9 @@ def paired_blocks(blocks: list[dict], key: str = "tok_s", draws: int = 2000, see
                   if cc == c and v.get(ref, 0) > 0 and v.get(other, 0) > 0]
             if not rs:
                 continue
-            meds = sorted(statistics.median(rng.choices(rs, k=len(rs))) for _ in range(draws))
+            lo, hi = bootstrap_ci(rs, draws, seed, stat="median")
             rows.append({"clients": c, "server": ref, "against": other, "key": key, "blocks": len(rs),
-                         "median": round(statistics.median(rs), 4),
-                         "ci95": [round(meds[int(0.025 * draws)], 4), round(meds[int(0.975 * draws) - 1], 4)]})
+                         "median": round(statistics.median(rs), 4), "ci95": [round(lo, 4), round(hi, 4)]})
     return rows
 
 

@@ -353,8 +353,10 @@ def request_means(q: list[dict], value) -> list[float]:
     return [statistics.fmean(v) for v in by.values()]
 
 
-def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0, level: float = 0.95) -> tuple | None:
-    """Percentile bootstrap CI of the mean (resampling ``values`` with replacement; seeded)."""
+def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0, level: float = 0.95,
+                 stat: str = "mean") -> tuple | None:
+    """Percentile bootstrap CI of the mean, or the median (``stat``), resampling ``values`` with
+    replacement (seeded)."""
     import numpy as np
 
     v = np.asarray([x for x in values if x is not None], dtype=float)
@@ -363,9 +365,10 @@ def bootstrap_ci(values: list[float], n: int = 2000, seed: int = 0, level: float
     if v.size == 1:
         return (float(v[0]), float(v[0]))
     rng = np.random.default_rng(seed)
-    means = v[rng.integers(0, v.size, size=(n, v.size))].mean(axis=1)
+    draws = v[rng.integers(0, v.size, size=(n, v.size))]
+    stats = np.median(draws, axis=1) if stat == "median" else draws.mean(axis=1)
     a = (1 - level) / 2
-    return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+    return float(np.quantile(stats, a)), float(np.quantile(stats, 1 - a))
 
 
 def _by_request(q: list[dict]) -> dict:
